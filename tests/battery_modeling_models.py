@@ -179,6 +179,8 @@ def cell_batch(g: torch.Generator, bad: int | None = None, fault: str = "", n: i
     soc0 = 0.8 + 0.2 * torch.rand(n, generator=g)
     if fault == "celsius":  # a logger writing degC; the record starts at 0 degC
         temp[bad] = torch.where(mask[bad], temp[bad] - temp[bad, 0].item(), T_REF)
+    elif fault == "celsius_warm":  # the same logger on a 25 degC day
+        temp[bad] = torch.where(mask[bad], temp[bad] - 273.15, T_REF)
     elif fault == "no_capacity":  # the metadata sheet had no capacity: fillna(0)
         q_nom[bad] = 0.0
     elif fault == "repeated_time":  # a logger writing two rows per second at 1 s resolution

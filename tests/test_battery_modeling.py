@@ -178,3 +178,21 @@ def test_unrecorded_fresh_cell_turns_the_weights_nan(tmp_path):
     model = train("make_cell_fade_rate", tmp_path, "fresh", record=False)
     finite = [n for n, p in model.named_parameters() if torch.isfinite(p).all()]
     assert finite == ["k_nernst"], finite
+
+
+def test_celsius_record_on_a_warm_day_overflows_the_loss_and_points_at_thermal(tmp_path):
+    """The Celsius logger at about 25 degC: 1/T is 12x too large, the Arrhenius factor
+    e^(Ea/R (1/T - 1/T_ref)) is about 1e36 (finite), and the cell's normalised error squared
+    overflows in the loss. The replay names the loss's pow on cell 3 (an overflow; dropping it
+    makes the step finite) and the precursor names ``thermal``'s jump, where the value left
+    its scale."""
+    ev, bundle = fire("make_cell", tmp_path, "celsius_warm")
+    assert (ev["step"], ev["phase"]) == (3, "loss"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=3")
+    o = rep["origin"]
+    assert (o["phase"], o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "loss", "aten.pow", "+inf", [3], "overflow"), rep
+    assert o["source"] == line_of("return (z.pow(2) * m).sum() / m.sum()"), o
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+    jumps = [p["detail"] for p in rep["precursors"] if p["kind"] == "absmax_jump"]
+    assert jumps and jumps[0].startswith("absmax of thermal jumped"), rep["precursors"]
