@@ -143,7 +143,7 @@ def voltage_loss_eps(v_pred, v_meas, mask):
     mean = (v_meas * m).sum(1, keepdim=True) / n
     std = (((v_meas - mean) ** 2 * m).sum(1, keepdim=True) / n).sqrt()
     z = (v_pred - v_meas) / (std + 1e-3)
-    return (z.pow(2) * m).sum() / m.sum()
+    return (z ** 2 * m).sum() / m.sum()
 
 
 # ---------------------------------------------------------------------------------------------

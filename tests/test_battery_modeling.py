@@ -192,7 +192,7 @@ def test_celsius_record_on_a_warm_day_overflows_the_loss_and_points_at_thermal(t
     o = rep["origin"]
     assert (o["phase"], o["op"], o["made"], o["samples"], rep["cause"]) == (
         "loss", "aten.pow", "+inf", [3], "overflow"), rep
-    assert o["source"] == line_of("return (z.pow(2) * m).sum() / m.sum()"), o
+    assert o["source"] == line_of("return (z ** 2 * m).sum() / m.sum()"), o
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
     jumps = [p["detail"] for p in rep["precursors"] if p["kind"] == "absmax_jump"]
     assert jumps and jumps[0].startswith("absmax of thermal jumped"), rep["precursors"]
