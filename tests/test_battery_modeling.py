@@ -102,14 +102,17 @@ def test_missing_capacity_names_the_coulomb_count_and_the_record_not_an_eps(tmp_
 
 def test_repeated_timestamp_names_the_current_rate_and_its_cell(tmp_path):
     """A logger writing two rows in one second: ``dI/dt`` divides by dt = 0 in cell 3 (the
-    padded steps' 0/0 every step is dropped by the packing and is not blamed)."""
+    padded steps' 0/0 every step is dropped by the packing and is not blamed). The divisor is
+    a difference of the record's timestamps, so the hint points at the duplicated row."""
     ev, bundle = fire("make_cell", tmp_path, "repeated_time")
     assert (ev["step"], ev["module"], ev["samples"]) == (3, "", [3]), ev
     rep = nanreplay_json(bundle)
     o = rep["origin"]
     assert (o["op"], o["samples"], rep["cause"]) == ("aten.div", [3], "invalid"), rep
     assert o["source"] == line_of("torch.diff(current, dim=1) / torch.diff(time, dim=1)"), o
-    assert "skip the rows where it is 0" in rep["hint"], rep["hint"]
+    # (was: "add an eps to the denominator": a made-up rate dI / eps the LSTM trains on)
+    assert "a difference of two of the batch's own values" in rep["hint"], rep["hint"]
+    assert "a timestamp logged twice" in rep["hint"] and "add an eps" not in rep["hint"]
 
 
 def test_full_discharge_names_the_nernst_log_at_soc_zero(tmp_path):
