@@ -18,6 +18,7 @@ import torch
 
 from recorder.capture import batch_path
 
+from .data_divisor import ADVICE
 from .load import Step
 from .recorded import n_args, samples
 
@@ -42,7 +43,8 @@ def empty_counts_hint(report: dict[str, Any], step: Step) -> None:
     o = report.get("origin") or {}
     rows, hint = o.get("samples") or [], report.get("hint") or ""
     if report.get("cause") != "invalid" or not rows or o.get("all_samples") \
-            or not any(p in hint for p in _POLES) or "empty records" in hint:
+            or not any(p in hint for p in _POLES) or "empty records" in hint \
+            or ADVICE in hint:  # (a loss's divisor of its own data: no model input reaches it)
         return
     names = [name for name, t, d in root_inputs(step, o.get("micro_batch") or 0)
              if _empty_in(t, d, rows)]

@@ -224,10 +224,11 @@ PARAM_ADVICE = {
 
 
 def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
-                    forward_ctx=None) -> OpFinder:
+                    forward_ctx=None, passed_kinds: tuple[str, ...] = ()) -> OpFinder:
     """Re-run the forward with the op finder active during one module call only (the run
-    inside ``forward_ctx()``, when given)."""
+    inside ``forward_ctx()``, when given), its first op not one that made ``passed_kinds``."""
     finder = OpFinder(samples=samples(runner.step, mb), mask_buffers=mask_buffers(runner.model))
+    finder.passed_kinds = passed_kinds
     state, batch = {"count": 0, "active": False}, {}
     # (rows the caller's code picked out of the batch: out[p] = transform(x[p]))
     picks = CallerPicks(finder.samples)

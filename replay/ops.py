@@ -108,7 +108,7 @@ class _Watch(TorchDispatchMode):
         if made == "nan" and (calling := f.composites.nan_constant(ins, leaves, seq)):
             return f.composite(calling, occurrence, out)  # (torch.logdet's own NaN constant)
         intentional = literal_inf is not None or filled or f.allows(made, in_finite)
-        if in_finite and f.first is None:
+        if in_finite and f.first is None and made not in f.passed_kinds:
             hit = OpHit(op, made, user_source(), lo, hi, intentional, occurrence, True,
                         rows=f.batch_rows(outs), param=f.param_among(ins, name), within=f.where,
                         node=running_node(), seq=seq, literal=nan_number(name, leaves))
@@ -123,7 +123,7 @@ class _Watch(TorchDispatchMode):
                 except Exception:  # evidence helps the cause; the op is named without it
                     hit.evidence = None
                 f.first = hit
-        elif f.first is None and not intentional:  # beside non-finite values it was given
+        elif f.first is None and not intentional and made not in f.passed_kinds:
             f.first = made_beside(func, op, before or (args, kwargs), outs, occurrence, f)
         if not in_finite and in_nan_free and made != "nan" and f.first_reduced is None \
                 and folds(func, outs[0], pairs, ins):
@@ -168,6 +168,8 @@ class OpFinder:
         # whose only non-finite inputs are views of one passes on an intended infinity
         self.mask_buffers = mask_buffers or {}
         self.first_nan: OpHit | None = None
+        # kinds not taken for first (a NaN, when a backward node saved an infinity)
+        self.passed_kinds: tuple[str, ...] = ()
         self.picked: OpHit | None = None  # an index op that took a fill's +-inf (picked_fill)
         self.absorbed = False  # an op made finite values of infinities before the first NaN
         self.unsaturated = False  # one not a clamp's, a min's or a where's (replay.saturated)

@@ -119,6 +119,11 @@ def _saved_value_maker(runner: Runner, mb: int, node: str | None, saved: str,
     node's own op (exp's overflow, 1/0 in a masked branch), which the node's cause describes."""
     finder = find_op_in_call(runner, "", 0, mb)
     hit = finder.origin()
+    if hit is not None and hit.made == "nan" and saved != "nan" and finder.first is hit:
+        # a NaN made first that the node did not save (0/0 in padded steps the packing
+        # drops): the infinity it saved was made later, by the op to blame
+        finder = find_op_in_call(runner, "", 0, mb, passed_kinds=("nan",))
+        hit = finder.first
     if hit is None and in_loss:  # (a loss op's -inf, masked in the loss; a NaN it capped:
         found = made_in_loss(runner, mb)  # a pair energy's inf - inf under a where)
         if found is None or (saved == "nan" and _own(node, found[0])):

@@ -8,10 +8,11 @@ std); on a raw value it turns the bad record into a huge finite ratio the model 
 :class:`RawPole` watches the ops of the origin's module call (fed by
 :class:`~replay.lineage.Lineage`) for the first pole op whose operand at the pole shares its
 storage with a tensor of the batch, unmodified since, or is such a value's product or
-quotient with data (``p_t / p_{t-1}``, 0 where a delisted ``p_t`` is 0, before the log), and
-holds a 0 where the op went non-finite; :func:`raw_pole_hint` then points at the record.
+quotient with data (``p_t / p_{t-1}``, 0 where a delisted ``p_t`` is 0, before the log), or
+its product with a learned factor (a nominal capacity of 0 times a learned fade), and holds a 0 where the op went non-finite; :func:`raw_pole_hint` then points at the record.
 A norm of the batch's records (DAGMM's relative distance ``|x - x'| / |x|``) is 0 exactly
-for an all-zero record: a divisor made so points at blank records.
+for an all-zero record: a divisor made so points at blank records; a difference of two of its
+values (a rate ``diff(I) / diff(t)``) is 0 where the record repeats one: a duplicated row.
 """
 
 from __future__ import annotations
@@ -47,11 +48,14 @@ class RawPole:
         self.blank = False  # the pole's operand is a norm of the records: all-zero ones
         self._carried = TensorSet()  # values whose 0s are the batch's own 0s
         self._normed = TensorSet()  # those that are norms of the batch's records
+        self._diffed = TensorSet()  # and differences of two of their values (torch.diff)
+        self.diffed = False  # the pole's operand is such a difference
 
     def _raw(self, x) -> bool:
         # (a view of the batch's storage at the version it was given: no in-place op since)
-        return _strided_float(x) and not x.requires_grad and (
-            x in self._carried or self._storages.get(x.untyped_storage().data_ptr()) == version(x))
+        return _strided_float(x) and (x in self._carried or not x.requires_grad and
+                                      self._storages.get(x.untyped_storage().data_ptr())
+                                      == version(x))
 
     def track(self, name: str, args, out) -> None:
         name = name.split(".")[0]
@@ -59,8 +63,13 @@ class RawPole:
             return
         if (name in _SAME_VALUES and self._raw(args[0])) or (
                 name in _CARRY_ZERO and any(self._raw(a) for a in args[:_CARRY_ZERO[name]])
-                and not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+                and not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)) \
+                or (name == "mul" and any(_data_factor(self._raw, a) for a in args[:2])):
             self._carried.add(out)
+        if name == "sub" and len(args) > 1 and self._raw(args[0]) and self._raw(args[1]) \
+                and not args[0].requires_grad and not args[1].requires_grad:
+            self._carried.add(out)  # (a difference of two of the record's values: 0 if equal)
+            self._diffed.add(out)
         if name in _NORMS and self._raw(args[0]):
             self._carried.add(out)
             self._normed.add(out)
@@ -72,7 +81,7 @@ class RawPole:
         except RuntimeError:  # (shapes that do not broadcast to the output: not elementwise)
             return
         if bool(at_zero.any()):
-            self.op, self.blank = f"aten.{name}", x in self._normed
+            self.op, self.blank, self.diffed = f"aten.{name}", x in self._normed, x in self._diffed
 
 
 def raw_pole_hint(watch: RawPole | None, cause: str | None, hit) -> str | None:
@@ -89,11 +98,20 @@ def raw_pole_hint(watch: RawPole | None, cause: str | None, hit) -> str | None:
                 "of their own (torch.where(norm > 0, ratio, 0)). An eps on the norm hides "
                 "them only where the numerator is 0 too (F.normalize's x / max(|x|, eps)); "
                 "elsewhere it makes a huge finite ratio the model trains on")
+    if watch.diffed:
+        return (f"{hit.op} {what} is a difference of two of the batch's own values (the "
+                "model's input as given: torch.diff of timestamps, x2 - x1 of a box), exactly "
+                "0 in the samples named, where the record repeats a value (a timestamp logged "
+                "twice, two rows in one clock tick; a box of zero width): drop or merge such "
+                "rows where the data is made, or floor the difference at the resolution the "
+                "data has (dt.clamp_min(min_dt)). An eps on it would make a huge finite rate "
+                "the model trains on")
     return (f"{hit.op} {what} is the batch's own data (the model's input as given, or its "
-            "ratio or product with other data), exactly 0 in the samples named: a 0 where the "
-            "data should hold none (a missing value filled with 0: a price, volume or count of "
-            "0, a forward fill from a leading 0, an instrument not yet listed; a sensor's "
-            "nodata fill, a pixel outside the swath) is a bad record; repair it where the data "
+            "ratio or product with other data or a learned factor), exactly 0 in the samples "
+            "named: a 0 where the data should hold none (a missing value filled with 0: a "
+            "price, volume or count of 0, a capacity missing from a record's metadata, a "
+            "forward fill from a leading 0, an instrument not yet listed; a sensor's nodata "
+            "fill, a pixel outside the swath) is a bad record; repair it where the data "
             "is made (fill from the last valid value, drop or mask the sample, or mask its "
             "nodata entries out of the op and the loss), or, if 0 is a valid value there, do "
             "not take the op at it (torch.where(x != 0, ...); log1p for a log of counts). An "
@@ -104,3 +122,10 @@ def _strided_float(t) -> bool:
     """A dense floating tensor (a sparse adjacency or a nested tensor has no storage to key)."""
     return isinstance(t, torch.Tensor) and t.is_floating_point() and t.layout == torch.strided \
         and not t.is_nested
+
+
+def _data_factor(raw, a) -> bool:
+    """``a`` is the batch's own values, not a 0/1 mask: a product with a learned factor keeps
+    its 0s as the record's (a cell's nominal capacity, 0 where its metadata is missing, times
+    a learned fade ``q_nom * (1 - a N^z)``), while a mask's 0 there is masking, said elsewhere."""
+    return raw(a) and not a.requires_grad and not bool(((a == 0) | (a == 1)).all())
