@@ -20,7 +20,7 @@ def nan_runs(t: torch.Tensor | None, d: int | None) -> str:
     """Where ``t``'s NaN runs lie, as text, when ``t`` is a signal of at least 16 positions,
     every non-finite value is NaN and each row along the last dim that holds one holds a
     single run of at least 2 positions that leaves part of the row finite ("" otherwise:
-    scattered values, a whole row, an infinity)."""
+    scattered values, a whole row, an infinity, counts: non-negative integers)."""
     if t is None or d is None or not 2 <= t.dim() <= 3 or d == t.dim() - 1 \
             or t.shape[-1] < 16 or not t.is_floating_point():
         return ""  # (a signal (B, T) or (B, C, T): not an image's rows, nor a few features)
@@ -34,6 +34,11 @@ def nan_runs(t: torch.Tensor | None, d: int | None) -> str:
     last = t.shape[-1] - 1 - rows.flip(-1).int().argmax(-1)
     span = last - first + 1
     if bool(((span != count) | (count < 2) | (count == t.shape[-1]))[hit].any()):
+        return ""
+    # (counts, every finite value a non-negative integer, are no recording: a cell's genes,
+    # NaN in a few of them from a ``normalize_total`` of an empty cell written back)
+    seen = t.detach()[~nan]
+    if bool((seen >= 0).all()) and bool((seen == seen.round()).all()):
         return ""
     where = []
     for s in hit.any(1).nonzero().flatten().tolist()[:8]:

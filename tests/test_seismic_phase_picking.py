@@ -306,16 +306,21 @@ def test_guarded_runs_raise_nothing_and_train_the_same(tmp_path, make, bad, kw):
 def test_nan_runs_names_only_one_run_per_row_of_a_signal():
     """The gap finder speaks of a signal's gap only: one run per row of a (B, C, T) window;
     not of scattered NaN, two runs in a row, a row NaN throughout, an infinity, nor an image's
-    rows (a 4-D tensor)."""
+    rows (a 4-D tensor), nor counts (non-negative integers: a cell's genes, NaN in a few)."""
     from replay.nan_runs import nan_runs
 
-    x = torch.zeros(4, 3, 64)
+    wave = torch.randn(4, 3, 64, generator=torch.Generator().manual_seed(0))
+    x = wave.clone()
     x[1, :2, 10:20] = float("nan")
     assert nan_runs(x, 0) == "sample 1 at positions 10..19 of dim 2, in 2 of its 3 rows"
     for bad in ((1, 0, [3, 9]), (1, 0, [*range(3, 6), *range(9, 12)]), (1, 0, range(64))):
-        y = torch.zeros(4, 3, 64)
+        y = wave.clone()
         y[bad[0], bad[1], list(bad[2])] = float("nan")
         assert nan_runs(y, 0) == "", bad
+    counts = torch.zeros(8, 64)
+    counts[:, ::7] = 3.0
+    counts[5, 3:6] = float("nan")  # (a cell's stored values only)
+    assert nan_runs(counts, 0) == ""
     y = x.clone()
     y[2, 0, 30:33] = float("inf")
     assert nan_runs(y, 0) == "" and nan_runs(x[:, None], 0) == ""
