@@ -38,10 +38,10 @@ MODELS = ("mlp", "cnn", "transformer")
 DETECTORS = ("bare", "floor", "recorder")
 # recorder - floor, bytecodes per step (e69152b: mlp 4973, cnn 21018, transformer 21696; with
 # the small parameters' norms in C loops: 4815, 10615, 13179; the large ones' told by C loops
-# too: 4590, 10570, 12139; every RNG fingerprint in one function: 4423, 10403, 11990; stop 44's
-# fewer frames as a step opens and closes: 3875, 9821, 11376) plus about a tenth: a change that
-# adds per-step Python beyond it says why and raises it
-RATCHET = {"mlp": 4250, "cnn": 10800, "transformer": 12500}
+# too: 4590, 10570, 12139; every RNG fingerprint in one function: 4423, 10403, 11990; stop 44:
+# 4162, 10142, 11724, its frame-saving inlines undone, as they saved no time) plus about a
+# tenth: a change that adds per-step Python beyond it says why and raises it
+RATCHET = {"mlp": 4600, "cnn": 11150, "transformer": 12900}
 
 
 def count_step(trainer, x, y) -> collections.Counter:

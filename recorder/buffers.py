@@ -39,7 +39,6 @@ class BufferSnapshots:
         self.volatile, self._volatile_items = set(), []
         self._make_volatile([(n, b) for n, b in now if n in norm_buffers and b.numel()])
         self._armed = True  # the comparison of the copies has yet to run
-        self.idle = not (self._steady or self._volatile_items)  # no buffer: nothing to copy
 
     def clear(self) -> None:
         self.copies: dict[str, torch.Tensor] = {}
@@ -53,7 +52,6 @@ class BufferSnapshots:
         self._armed = False
         self._after_training = False
         self._compared: tuple[list[str], torch.Tensor, object] | None = None
-        self.idle = True
 
     @property
     def nbytes(self) -> int:

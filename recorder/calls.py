@@ -17,7 +17,6 @@ from torch import nn
 
 from .capture import as_called, data_arguments, output_leaves
 from .compat import (
-    any_autocast_enabled,
     func_transform,
     in_backward,
     version,
@@ -114,12 +113,9 @@ class CallHooks:
             # (a root run under a reentrant checkpoint, whose backward runs it again)
             tape = cycle.tape_for_forward(not torch.is_grad_enabled() and not (
                 training and any(t.requires_grad for t in leaves(args, kwargs))))
-            inner = self.target.root_autocast(root)
-            mb = MicroBatch(*(as_called(args, kwargs) if kwargs or len(args) != 1
-                              or type(args[0]) is not torch.Tensor else (args, kwargs)),
-                            grad_enabled=torch.is_grad_enabled(), training=training,
-                            autocast=autocast_state(inner) if inner or any_autocast_enabled()
-                            else {})  # (no autocast: no call, the usual case)
+            mb = MicroBatch(*as_called(args, kwargs), grad_enabled=torch.is_grad_enabled(),
+                            training=training,
+                            autocast=autocast_state(self.target.root_autocast(root)))
             if tape.micro_batches and not self.copy_inputs \
                     and tape.micro_batches[-1].written_since(leaves(args, kwargs)):
                 # the loop wrote into the last micro-batch's inputs since (one buffer reused for
@@ -148,8 +144,6 @@ class CallHooks:
         ``versions`` gets (input, version). An ``allow_nan`` input is kept, never checked."""
         refs, target = [], self.target
         one = not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor  # the usual batch
-        # no allow_nan or allow_inf names, no buffers: nothing to look up (the usual case)
-        named = bool(target.settings.allow_nan or target.settings.allow_inf)
         for name, t in (("args[0]", args[0]),) if one else named_leaves(args, kwargs):
             view = None
             if not t.is_floating_point() or t.numel() == 0:
@@ -158,13 +152,12 @@ class CallHooks:
                         versions.append((t, version_of(t)))
                     continue
                 view = real_view(t)  # (a complex batch, k-space or a spectrum: both parts)
-            nan_ok = named and target.nan_allowed(name)
+            nan_ok = target.nan_allowed(name)
             hit = produced(tape, t) if tape.cache else None  # (none at a step's start)
             if hit is not None:  # (checked as it was)
                 refs.append((hit[1], hit[2], ANY if nan_ok else hit[1][0] % RELU_OF == NAN_ONLY))
                 continue
-            intended = bool(target.allowed_buffers and target.allowed_buffer(t)
-                            or named and target.is_allowed(name))
+            intended = target.allowed_buffer(t) or target.is_allowed(name)
             soft = not self.strict_inf or intended
             a, b = tape.slots.minmax(t.detach() if view is None else view,
                                      LOOSE if nan_ok else NAN_ONLY if soft else STRICT)
@@ -177,7 +170,7 @@ class CallHooks:
 
     def _end_micro_batch(self, tape: Tape, output) -> None:
         """Keep the root output, and the gradient backward brings to each of its tensors."""
-        mb = tape.micro_batches[tape.last if tape.by_thread is None else tape.micro_batch]
+        mb = tape.micro_batches[tape.micro_batch]
         mb.outputs = output
         if self.cycle.traced:  # its calls ran in a compiled caller's graph: one region
             self.cycle.traced = False
@@ -206,7 +199,7 @@ class CallHooks:
         if tape is None or not self.health.active or func_transform() is not None:
             return self._outside(idx, tape)
         try:
-            mb = tape.last if tape.by_thread is None else tape.micro_batch  # (its usual case)
+            mb = tape.micro_batch
             if idx == 0:
                 ins = tape.micro_batches[mb].input_refs
             elif len(args) == 1 and not kwargs and type(args[0]) is torch.Tensor and \
@@ -329,12 +322,11 @@ class CallHooks:
     def record_loss_call(self, tape: Tape, args, kwargs, output) -> None:
         """The loss call's arguments (the targets, kept by reference) on the micro-batch, and
         the (min, max) of each floating output among the step's must-be-finite statistics."""
-        mb = tape.micro_batches[tape.last if tape.by_thread is None else tape.micro_batch]
+        mb = tape.micro_batches[tape.micro_batch]
         if output is None:  # it raised (always_call: validate_args refusing a NaN target)
             output = data_arguments((args, kwargs), mb.outputs)  # (checked in its place)
         mb.keep_loss_call(args, kwargs, tape.cache, self.cycle.copy_targets,  # (autocast_state:
-                          first=len(tape.loss),  # no device read)
-                          autocast=autocast_state([]) if any_autocast_enabled() else {})
+                          first=len(tape.loss), autocast=autocast_state([]))  # no device read)
         tape.loss_stats(output)
 
     def grad_hook(self, i: int, p: torch.Tensor) -> None:

@@ -123,8 +123,7 @@ class StepCycle:
     def _open_tape(self, evaluation: bool = False) -> Tape:
         target = self.target
         token = scaler_token(target.scaler()) if target.has_scaler else None
-        slots, params = self.slots, target.params
-        device = params[0][1].device if params else target.device()  # (its usual case inlined)
+        slots, device = self.slots, target.device()
         if slots is None or slots.device != device:  # first step, or the model moved
             slots = self.slots = Slots(device)
         slots.start_step()
@@ -134,20 +133,18 @@ class StepCycle:
         if not evaluation:  # the next training step's weights still come from that update
             self.updated = False
             target.follow_optimizer()
-        if target.watched is not None:  # (see ForeignUpdates.moved)
-            tape.held_version = version_of(target.watched)
+        self.foreign.opened(tape, target.watched)
         if not self.ever_updated and target.has_optimizer and not evaluation:
             # only until the first update (usually one step): the steps' own code may write
             # weights then (a data-dependent init), and no update leaves evidence of them
             tape.finite_at_open = target.finite_flags()
         if target.unowned:  # (none, the usual case: the optimizer holds every one)
             tape.unowned_versions = [version_of(p) for _, p in target.unowned]
-        if not self.buffers.idle:  # (a model without buffers: no call)
-            self.buffers.snapshot(training=not evaluation)
+        self.buffers.snapshot(training=not evaluation)
         target.attributes.step_started()
         if self.rewind is not None and not evaluation:
             # the copy of step s: before its forward, after the last update and scheduler step
-            self.rewind.opened(self.step, params, target.buffers, target.optimizer(),
+            self.rewind.opened(self.step, target.params, target.buffers, target.optimizer(),
                                target.scheduler(), target.scaler())
         self.tape = tape
         self.unrooted_call = None
@@ -195,22 +192,18 @@ class StepCycle:
             self.tape = None
             if not tape.evaluation:
                 self.step += 1
-        target = self.target
         try:
-            skipped = not tape.evaluation and (skipped_by_loop or (
-                target.has_scaler and self.skipped_by_scaler(tape)))
+            skipped = not tape.evaluation and (skipped_by_loop or self.skipped_by_scaler(tape))
             layout, row, probe, scale = self.build_row(tape, skipped)
         except Exception as e:
             self.health.internal_error(e)
             if at != "exception":
                 self.leave_ranks()  # (in place of this step's exchange)
             return
-        if target.ranks is None:  # (one process: the read, and no call more)
-            ok, read_scale, _ = _read_probe(probe)
-        else:  # (ranks agree on training steps, run in lockstep; one may evaluate alone)
-            ok, read_scale = self._read(probe, agree=at not in ("exception", "evaluation"))
-            if self.peers_stopped():
-                return
+        # (ranks agree on training steps, run in lockstep; one may evaluate alone)
+        ok, read_scale = self._read(probe, agree=at not in ("exception", "evaluation"))
+        if self.peers_stopped():
+            return
         if scale:
             layout.scale = read_scale
         if tape.evaluation:  # the ring is the training steps' history: its row is not kept
@@ -269,8 +262,7 @@ class StepCycle:
         target = self.target
         if not tape.evaluation:  # (an evaluation's gradients are the last step's)
             output_grad_norms(tape)
-            if target.small or target.unowned or tape.finite_at_open is not None:
-                weight_step_norms(tape, target, self.settings.param_norms)  # (else none)
+            weight_step_norms(tape, target, self.settings.param_norms)
         layout, pieces, shift, starts, ends = self._layout(tape, skipped)
         total = shift + ends[LOOSE]
         # (a whole-vector row: the slots' length, which the ring follows when they grow)
@@ -295,9 +287,9 @@ class StepCycle:
         """The step's layout, the row's pieces in order, and where the step's regions lie in
         the row: behind the last update's evidence (``shift`` entries), from ``starts`` to
         ``ends`` (see :meth:`Slots.row_pieces`)."""
-        opt, lrs = self.target.optimizer(), []
-        for g in opt.param_groups if opt is not None else ():  # (a loop: no frame of its own)
-            lrs.append(lr if type(lr := g["lr"]) is float else _host_float(lr))
+        opt = self.target.optimizer()
+        lrs = [lr if type(lr := g["lr"]) is float else _host_float(lr)
+               for g in opt.param_groups] if opt is not None else []
         layout = StepLayout(step=tape.step, lrs=lrs, skipped=skipped,
                             grads_scaled=self.target.has_scaler and not tape.grads_reread)
         slots = tape.slots

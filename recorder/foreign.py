@@ -40,6 +40,10 @@ class ForeignUpdates:
         self._moved = False  # a move closed a step since the recorded optimizer's last step()
         self._own_edits = False  # the recorded optimizer stepped after one: the loop's edits
 
+    def opened(self, tape: Tape, watched: torch.Tensor | None) -> None:
+        if watched is not None:
+            tape.held_version = version_of(watched)
+
     def stepped(self, tape: Tape | None, watched: torch.Tensor | None) -> None:
         """The recorded step() returned: its own updates moved the weights of a step its
         closure opened (LBFGS evaluates again after updating), which is no sign of another
@@ -47,8 +51,8 @@ class ForeignUpdates:
         self.stepping = False
         self._own_edits = self._own_edits or self._moved  # (SAM's perturbation)
         self._moved = False
-        if tape is not None and watched is not None:  # (as the step cycle's opening does)
-            tape.held_version = version_of(watched)
+        if tape is not None:
+            self.opened(tape, watched)
 
     def moved(self, tape: Tape, watched: torch.Tensor | None) -> bool:
         """Another optimizer updated the weights since ``tape`` opened (said once); the tape

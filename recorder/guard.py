@@ -40,7 +40,6 @@ class OptimizerGuard:
     def __init__(self, target: Target, cycle: StepCycle, health: Health, alarm: Alarm):
         self.target, self.cycle, self.health, self.alarm = target, cycle, health, alarm
         self.settings = target.settings
-        self.param_norms = target.settings.param_norms  # (read once: settings are frozen)
         self.copies: dict[str, Any] | None = None  # guard mode: the state before the update
         self.last_tape: Tape | None = None  # guard mode: the step those copies belong to
         # where the updates' evidence is computed, two in turn: an update's evidence stays
@@ -127,7 +126,7 @@ class OptimizerGuard:
                 self._only_transformed()
             return
         try:  # (small parameters: when the row is built)
-            reread_changed_grads(tape, self.target, self.param_norms)
+            reread_changed_grads(tape, self.target, self.settings.param_norms)
         except Exception as e:
             self.health.internal_error(e)
         cycle.close_tape(at="optimizer")

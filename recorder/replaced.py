@@ -20,6 +20,15 @@ def group_heads(opt) -> list[torch.Tensor | None]:
     return [g["params"][0] if g["params"] else None for g in opt.param_groups]
 
 
+def heads_moved(opt, heads: list) -> bool:
+    """Whether a group's first parameter is no longer the one recorded (O(groups))."""
+    for g, h in zip(opt.param_groups, heads):
+        ps = g["params"]
+        if (ps[0] if ps else None) is not h:
+            return True
+    return False
+
+
 def swapped(model: nn.Module, params: list[tuple[str, torch.Tensor]]
             ) -> dict[int, tuple[str, torch.Tensor]]:
     """Index -> (name, the model's tensor now) for each recorded parameter the model holds

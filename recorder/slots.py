@@ -271,8 +271,7 @@ class Slots:
         (dense float32 tensors on this device) is told by C loops (see :meth:`sq_norm_flat`)."""
         if type(tensors) is not list:
             tensors = list(tensors)
-        if _F32.issuperset(map(_DTYPE, tensors)) and (
-                all(map(_IS_CPU, tensors)) if self._cpu else self._here(tensors)) \
+        if _F32.issuperset(map(_DTYPE, tensors)) and self._here(tensors) \
                 and all(map(_CONTIGUOUS, tensors)):
             return self.sq_norm_flat(list(map(_FLAT, tensors)), code)
         r = self._regions[code]
@@ -351,34 +350,31 @@ class Slots:
     def _pair_op(self, lo: tuple[int, int], hi: tuple[int, int], code: int, relu: bool = False):
         """A (min, max) pair copied (or its ReLU taken) into two new slots of region ``code``:
         one op when both pairs sit in adjacent slots (the usual case), else two. Every value
-        lives on this device (``_put`` moves what it keeps). (The ops are written out: it
-        runs at every step, where a helper's frame costs more than its op.)"""
+        lives on this device (``_put`` moves what it keeps)."""
         if lo[0] >= RELU_OF:  # the ReLU of slots: ReLU'd into place (ReLU of a ReLU is one)
             relu = True
             lo, hi = (lo[0] - RELU_OF, lo[1]), (hi[0] - RELU_OF, hi[1])
         r = self._regions[code]
         k, k2 = r.take(), r.take()
-        if k2 < r.size:
-            i = lo[1]
-            src = self._regions[lo[0]]
-            if k2 == k + 1 and hi[1] == i + 1 and hi[0] == lo[0] and i + 1 < src.size:
-                pairs = ((src.pairs[i], r.pairs[k]),)
-            else:
-                pairs = ((self.value(lo), r.views[k]), (self.value(hi), r.views[k2]))
-            for a, out in pairs:
-                if relu:
-                    torch.clamp_min(a, 0.0, out=out)
-                else:
-                    out.copy_(a)
-            return (code, k), (code, k2)
-        if k < r.size:  # a lone last slot: part of the row, so zeroed (it may be checked)
-            r.views[k].zero_()
-        values = torch.empty(2, dtype=FLOAT32, device=self.device).unbind(0)
-        for a, out in zip((self.value(lo), self.value(hi)), values):
+        values = None
+        i, src = lo[1], self._regions[lo[0]]
+        if k2 < r.size and k2 == k + 1 and hi[1] == i + 1 and hi[0] == lo[0] \
+                and i + 1 < src.size:
+            pairs = ((src.pairs[i], r.pairs[k]),)
+        elif k2 < r.size:
+            pairs = ((self.value(lo), r.views[k]), (self.value(hi), r.views[k2]))
+        else:  # no room: computed aside, then kept as overflow
+            if k < r.size:  # a lone last slot: part of the row, so zeroed (it may be checked)
+                r.views[k].zero_()
+            values = torch.empty(2, dtype=FLOAT32, device=self.device).unbind(0)
+            pairs = ((self.value(lo), values[0]), (self.value(hi), values[1]))
+        for a, out in pairs:
             if relu:
                 torch.clamp_min(a, 0.0, out=out)
             else:
                 out.copy_(a)
+        if values is None:
+            return (code, k), (code, k2)
         lo, hi = self._put(code, values)
         return lo, hi
 

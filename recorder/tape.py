@@ -70,10 +70,7 @@ class MicroBatch:
 
     def inputs_moved(self) -> bool:
         """An input was written in place since this micro-batch's forward began."""
-        for t, v in self.input_versions:  # (a loop: a generator is a frame of its own)
-            if version_of(t) != v:
-                return True
-        return False
+        return any(version_of(t) != v for t, v in self.input_versions)
 
     def written_since(self, leaves) -> bool:
         """Whether the loop wrote into this micro-batch's inputs since (:meth:`inputs_moved`),
@@ -116,10 +113,8 @@ class MicroBatch:
         else:  # (the usual ``crit(out, y)``: tensors only, looked at without a walk)
             leaves = args if not kwargs and _TENSOR.issuperset(map(type, args)) \
                 else tensor_leaves((args, kwargs))
-            self.loss_versions = versions = []
-            for t in leaves:  # (a loop: a comprehension is a frame of its own, cold each step)
-                if not t.requires_grad and id(t) not in cache:
-                    versions.append((t, version_of(t)))
+            self.loss_versions = [(t, version_of(t)) for t in leaves
+                                  if not t.requires_grad and id(t) not in cache]
         self.loss_args, self.loss_kwargs = args, kwargs
         self.loss_first, self.loss_autocast = first, autocast
 
@@ -245,8 +240,7 @@ class Tape:
         for t in (output,) if type(output) is torch.Tensor else tensor_leaves(output):
             if t.is_floating_point() and t.numel():
                 lo, hi = self.slots.minmax(t.detach(), STRICT)
-                self.loss.append((self.last if self.by_thread is None else self.micro_batch,
-                                  lo, hi))
+                self.loss.append((self.micro_batch, lo, hi))
 
     def add_micro_batch(self, mb: MicroBatch, watched: torch.Tensor | None = None) -> None:
         """Begin the calling thread's next micro-batch (under the step cycle's lock);

@@ -30,7 +30,7 @@ from .compiled import HookSite, eager_name, hook_sites, unwrap
 from .constants import inf_constants
 from .finite import matches
 from .ranks import Agreement
-from .replaced import bad_kinds, group_heads, swapped
+from .replaced import bad_kinds, group_heads, heads_moved, swapped
 from .rng import module_generators
 from .samples import recurrent, seq_first
 from .settings import Settings
@@ -58,8 +58,8 @@ _NONE = type(None)  # called, returns None: the "weak reference" to no object
 
 
 def _getter(obj):
-    """A weak reference to ``obj``, or for None a callable returning None: called as the
-    object's getter on every step, a C call either way (no Python frame)."""
+    """A weak reference to ``obj``, or for None a callable returning None: the object's
+    getter, called as a method is."""
     return weakref.ref(obj) if obj is not None else _NONE
 
 
@@ -305,14 +305,7 @@ class Target:
         opt = self.optimizer()
         if opt is None:
             return
-        groups = opt.param_groups
-        moved = len(groups) != self.groups
-        for g, head in zip(groups, self.group_heads):  # (a loop here: it runs every step)
-            ps = g["params"]
-            if moved or (ps[0] if ps else None) is not head:
-                moved = True
-                break
-        if moved:
+        if len(opt.param_groups) != self.groups or heads_moved(opt, self.group_heads):
             model = self._model()  # (new groups may hold parameters swapped in by name)
             if model is not None:
                 self.follow_model(model)
