@@ -19,12 +19,12 @@ from .buffer_divisor import buffer_divisor_hint
 from .called_at import note_called_at
 from .caller_picks import CallerPicks
 from .cause import Cause, classify
-from .class_counts import class_counts_hint
 from .dropped_branch import dropped_branch_hint
 from .errors import StopRun
 from .exp_overflow import exp_overflow_hint
 from .findings import finish, origin_fields
 from .forward_grad import derivative_words, with_node
+from .group_counts import class_counts_hint
 from .held_divisor import held_divisor_hint
 from .iteration import line_run
 from .lineage import Lineage

@@ -29,8 +29,7 @@ import torch
 from recorder.capture import tensor_leaves
 from recorder.samples import Samples
 
-from .class_counts import ClassCounts
-from .empty_groups import EmptyGroups
+from .group_counts import GroupCounts
 from .log_sum_exp import LogSumExp
 from .memo import TensorSet
 from .product_underflow import ProductUnderflow
@@ -64,9 +63,9 @@ class Lineage:
         self.learned = TensorSet()
         self.raw: RawPole | None = None  # a pole op on the batch's own values (forward only)
         self.log_sum_exp = LogSumExp()  # a log of a sum of exps, written out
-        self.counts = ClassCounts(self._learned)  # a pole op on a count per class (1 / bincount)
+        # a pole op on a count per class or group (1 / bincount(target), total / count)
+        self.counts = GroupCounts(self._learned)
         self.product = ProductUnderflow()  # a log of a product that underflowed
-        self.empty_groups = EmptyGroups()  # a division by a per-group count, 0 at a group
         # the outputs of _TRANSFORMS, with the op's name and whether it took a learned value
         self._made: dict[int, tuple[weakref.ref, str, bool]] = {}
         self.compared: set[str] = set()  # the _TRANSFORMS whose two such outputs one op took
@@ -127,7 +126,6 @@ class Lineage:
         self.log_sum_exp.track(name, args, out)
         self.counts.track(name, args, out)
         self.product.track(name, args, out)
-        self.empty_groups.track(name, args, out)
         ins = [t for t in leaves if isinstance(t, torch.Tensor)]
         outs = [t for t in tensor_leaves(out)] if not isinstance(out, torch.Tensor) else [out]
         if not ins or not outs:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .class_counts import PER_CLASS
+from .group_counts import PER_CLASS
 from .load import Step
 from .masked_after import masked_in_loss
 from .masked_product import mask_dropped

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .class_counts import class_counts_hint
-from .empty_groups import with_empty_groups
+from .group_counts import class_counts_hint, with_empty_groups
 from .log_sum_exp import with_log_sum_exp
 from .memo import TensorSet
 
@@ -71,12 +70,12 @@ def lineage_hints(hint: str | None, cause: str | None, hit, lineage) -> str | No
     """``hint`` with what the op took, as the lineage of the ops saw it: a log-sum-exp written
     out, a product that underflowed, a count per group with empty groups."""
     hint = with_log_sum_exp(hint, cause, hit, lineage.log_sum_exp)
-    hint = with_empty_groups(hint, cause, hit, lineage.empty_groups)
+    hint = with_empty_groups(hint, cause, hit, lineage.counts)
     return with_product_underflow(hint, cause, hit, lineage.product)
 
 
 def loss_lineage_hint(lineage, cause, hit) -> str | None:
-    """A loss origin's hint: a count per class's (:mod:`replay.class_counts`), else the
+    """A loss origin's hint: a count per class's (:mod:`replay.group_counts`), else the
     cause's with what the lineage saw (see :func:`lineage_hints`)."""
     return class_counts_hint(lineage.counts, cause.name, hit) or lineage_hints(
         cause.hint, cause.name, hit, lineage)

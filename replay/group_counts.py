@@ -1,0 +1,170 @@
+"""A pole op on a count per class or per group the step made, 0 for a class or group with none.
+
+Code counts over the batch and divides by the count in two ways, told apart by what it counted:
+
+- per class of the batch's labels: class weights from the batch's own pixels, ``w = 1 /
+  torch.bincount(target)`` (or ``histc``, or one-hot or soft labels summed over dim 0: a phase
+  picker's inverse-frequency weights from ``y.sum((0, 2))``). A class no pixel of the batch
+  holds counts 0, its weight is 1/0 and ``w / w.sum()`` inf/inf. No sample is to blame (the
+  counts are per class, not per record), so the generic "skip the rows where it is 0" does not
+  apply: count over the training set, smooth or floor the counts.
+- per group, accumulated by hand: a mean per group, ``total = zeros(G).index_add(0, group, x)``
+  and ``count = zeros(G).index_add(0, group, ones)`` (or ``scatter_add``, ``bincount``), then
+  ``total / count``; or the row sums of a 0/1 matrix (an adjacency's degrees, an island cell's
+  0). A group the batch holds no element of has a count of 0 and a mean of 0/0; an eps would
+  make that group's term 0 in silence (a region's integral of 0 lets its intensity grow
+  without bound): leave the empty groups out, or give every group members.
+
+:class:`GroupCounts` watches the ops (fed by :class:`~replay.lineage.Lineage`) for such counts,
+as they are, converted, viewed or multiplied by a positive number, and for the first pole op
+that went non-finite at a 0 of one; :func:`class_counts_hint` (labels) and
+:func:`with_empty_groups` (groups) then say so.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .memo import TensorMarks
+
+# what the hint says the pole op took (a weight 1/count of a class absent from the batch
+# multiplies that class's labels, 0 everywhere: no mask to blame after it)
+PER_CLASS = "of a count per class (or bin) of the batch's labels"
+# ops that count the values of integer data by class or bin
+_COUNTS = {"bincount", "histc"}
+# ops that accumulate values per group (``index_put`` only with ``accumulate=True``)
+_ACCUMULATE = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce",
+               "scatter_reduce_", "bincount", "index_put", "index_put_"}
+# ops that keep the counts as they are (a dtype conversion, a view, a copy)
+_SAME = {"_to_copy", "to", "float", "clone", "alias", "view", "reshape", "_unsafe_view",
+         "contiguous", "detach", "slice", "squeeze", "unsqueeze", "unsqueeze_", "expand"}
+# ops with a pole at an operand of 0, and which operand that is
+_POLES = {"reciprocal": 0, "div": 1, "rsqrt": 0, "log": 0, "log2": 0, "log10": 0}
+_DIVISIONS = {"div", "reciprocal"}
+
+
+class Count(NamedTuple):
+    """What made a count: the op (``sum`` for a 0/1 matrix's row sums), and whether it counted
+    the batch's labels by class."""
+
+    op: str
+    labels: bool
+
+
+class Found(NamedTuple):
+    pole: str  # aten.NAME: the pole op that went non-finite at a count of 0
+    count: Count
+    groups: list[int]  # the entries along the count's first dim that are 0
+
+
+class GroupCounts:
+    def __init__(self, learned=lambda t: t.requires_grad):
+        self._made = TensorMarks()  # a Count per value the step counted
+        self.found: Found | None = None
+        self._learned = learned  # whether a tensor is on the model's graph (no label)
+
+    def track(self, name: str, args, out) -> None:
+        if self.found is not None or not args or not isinstance(out, torch.Tensor):
+            return
+        count = self._counted(name, args, out)
+        if count is not None:
+            self._made.put(out, count)
+            return
+        at = _POLES.get(name.rstrip("_"))
+        if at is None or len(args) <= at or not isinstance(x := args[at], torch.Tensor) \
+                or (count := self._made.get(x)) is None:
+            return
+        try:
+            hit = bool(((x == 0) & ~torch.isfinite(out)).any())
+        except RuntimeError:  # (shapes that do not broadcast to the output)
+            return
+        if hit:
+            # (the groups along the first dim: ``count[:, None]`` broadcast over features)
+            groups = torch.nonzero((x == 0).reshape(x.shape[0], -1).any(1)).flatten().tolist() \
+                if x.dim() else []
+            self.found = Found(f"aten.{name}", count, groups)
+
+    def _counted(self, name: str, args, out) -> Count | None:
+        """The count ``out`` is, if the op counted or carried one."""
+        first = args[0]
+        if name in _COUNTS:
+            return Count(name, True)
+        if self._label_sum(name, args, out):
+            return Count("sum", True)
+        if name == "sum" and len(args) > 1 and _zero_one(first):
+            return Count("sum", False)  # (the row counts of a 0/1 matrix: a node's degree)
+        if name in _ACCUMULATE and (not name.startswith("index_put")
+                                    or len(args) > 3 and args[3] is True):  # (accumulate=True)
+            return Count(name.rstrip("_"), False)
+        if name in _SAME and isinstance(first, torch.Tensor):
+            return self._made.get(first)
+        if name == "mul":
+            return self._scaled(args)
+        return None
+
+    def _label_sum(self, name: str, args, out) -> bool:
+        """``args`` sum labels over dim 0 and keep their class dim: values in [0, 1], not
+        learned, that sum to at most 1 over a kept dim, 1 on average (one-hot or soft labels;
+        not a mask's or an adjacency's 0/1, whose sums count steps or neighbours)."""
+        if name != "sum" or len(args) < 2 or not isinstance(x := args[0], torch.Tensor) \
+                or not x.is_floating_point() or x.dim() < 2 or x.shape[0] < 2 \
+                or out.dim() < 1 or self._learned(x) or not bool(((x >= 0) & (x <= 1)).all()):
+            return False
+        dims = {d % x.dim() for d in ([args[1]] if isinstance(args[1], int) else args[1] or ())}
+        kept = [x.sum(d) for d in range(x.dim()) if d not in dims]
+        return 0 in dims and any(bool((s <= 1.001).all()) and float(s.mean()) > 0.5 for s in kept)
+
+    def _scaled(self, args) -> Count | None:
+        """The count ``args`` multiply by a positive number (``3 * mass``: its 0 stays 0)."""
+        t = [c for a in args[:2] if isinstance(a, torch.Tensor)
+             and (c := self._made.get(a)) is not None]
+        k = [a for a in args[:2] if isinstance(a, (int, float))
+             or isinstance(a, torch.Tensor) and a.dim() == 0 and self._made.get(a) is None]
+        return t[0] if len(t) == 1 and len(k) == 1 and bool(torch.as_tensor(k[0]) > 0) else None
+
+
+def _zero_one(x) -> bool:
+    """``x`` is a 0/1 matrix (an adjacency, a membership or mask matrix): its row sums are
+    counts."""
+    return isinstance(x, torch.Tensor) and x.dim() == 2 and x.is_floating_point() \
+        and x.shape[0] > 1 and bool(((x == 0) | (x == 1)).all())
+
+
+def class_counts_hint(watch: GroupCounts | None, cause: str | None, hit) -> str | None:
+    """The hint for ``hit`` when ``watch`` saw it take a count per class of 0; else None."""
+    found = watch and watch.found
+    if not found or not found.count.labels or cause != "invalid" or hit is None \
+            or found.pole != hit.op or hit.rows:
+        return None  # (a count per sample, a graph's nodes under mean pooling: its record)
+    return (f"{hit.op} {PER_CLASS} (bincount, histc, one-hot or soft labels summed over the "
+            "batch), 0 for a class absent from the batch (no pixel, token or record of it in "
+            "this step): no sample is to blame, and weights 1/count taken per batch are "
+            "infinite there whenever a class is missing; count over the training set once "
+            "(fixed class weights), smooth the counts (counts + 1) or floor them "
+            "(counts.clamp_min(1))")
+
+
+def with_empty_groups(hint: str | None, cause: str | None, hit,
+                      watch: GroupCounts | None) -> str | None:
+    """``hint``, for a division by a per-group accumulation that is 0 at some groups."""
+    found = watch and watch.found
+    if hint is None or not found or cause != "invalid" or hit is None \
+            or hit.op.removeprefix("aten.").rstrip("_") not in _DIVISIONS \
+            or found.count.op not in _ACCUMULATE and found.count != Count("sum", False):
+        return hint
+    op, groups = found.count.op, found.groups
+    if op == "sum":
+        return (f"{hint}; but here the divisor is the row sums of a 0/1 matrix (an adjacency's "
+                f"degrees, a membership count), 0 at row(s) {groups[:8]}: those rows have no "
+                "entry (an isolated node, a grid cell whose neighbours are all masked out: an "
+                "island). No record is to blame, and an eps would drop those rows' terms in "
+                "silence: give them a neighbour or leave them out (deg > 0), or divide by "
+                "deg.clamp(min=1) where 0 is the right mean of no neighbours")
+    return (f"{hint}; but here the divisor was accumulated per group by {op} (a count or total "
+            f"per group, a mean written by hand), and it is 0 at group(s) {groups[:8]}: no "
+            "element of the batch fell in them (a region with no background point, a class "
+            "absent from the batch). No record is to blame, and an eps would make those "
+            "groups' terms 0 in silence: leave the empty groups out (count > 0), or make "
+            "the sampler put members of every group in each batch")
