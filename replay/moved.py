@@ -36,6 +36,8 @@ from recorder.samples import Samples
 # reductions taking (x, dim, keepdim): over other dims, they keep the samples
 _REDUCTIONS = {"sum", "mean", "nansum", "nanmean", "amax", "amin", "prod", "logsumexp"}
 _VIEWS = {"view", "reshape", "_unsafe_view"}
+# lookups of a table's rows by ids (nn.Embedding, ``memory[ids]``, ``index_select``)
+_LOOKUPS = {"embedding", "index", "_unsafe_index", "index_select"}
 
 # (the samples' dimension, the rows each sample holds there, how many times the batch's
 # rows repeat along it): row r is sample (r // group) % size
@@ -117,9 +119,13 @@ class Moved:
             return (p[0] + 1 if k <= p[0] else p[0], *p[1:])
         if name == "cat" and isinstance(x, (list, tuple)):
             return self._concatenated([t for t in x if t.numel()], _arg(args, 1, 0))
+        if name in _LOOKUPS:
+            return self._looked_up(name, args)
         if not isinstance(x, torch.Tensor) or (p := self._where(x, name)) is None:
             return None
         (s, group, reps), followed = p, self.place(x) is not None
+        if name in _VIEWS and outs and s == 0 and reps > 1 and followed:  # (3B ids' rows, split)
+            return _regrouped(x, outs[0], group, reps)
         if name == "transpose":
             a, b = (_arg(args, i, 0) % max(x.dim(), 1) for i in (1, 2))
             return (b if s == a else a if s == b else s, group, reps)
@@ -155,6 +161,22 @@ class Moved:
                                            reps)
         return None
 
+    def _looked_up(self, name: str, args: Sequence[Any]) -> Place | None:
+        """Where a lookup of a table's rows by followed ids puts the samples: where the ids
+        hold them (a memory of node states read for ``cat([src, dst, neg])``, ``(3B,)`` ids:
+        row r is sample r % B), the output's leading dims being the ids'."""
+        if name == "index_select":
+            ids, dim = _arg(args, 2, None), _arg(args, 1, 0)
+            p = self.place(ids) if isinstance(ids, torch.Tensor) and ids.dim() == 1 else None
+            return p and (dim % args[0].dim(), *p[1:])
+        ids = _arg(args, 1, None)
+        if name != "embedding":  # (x[ids]: one index tensor, on dim 0)
+            ids = ids[0] if isinstance(ids, (list, tuple)) and ids \
+                and all(i is None for i in ids[1:]) else None
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dtype is torch.bool:
+            return None
+        return self.place(ids)
+
     def _concatenated(self, parts: list[torch.Tensor], k: int) -> Place | None:
         """Where ``cat(parts, k)`` puts the samples all ``parts`` hold at one place: along ``k``,
         the batch once more per part (an SDF's surface points and the points sampled near them,
@@ -186,6 +208,22 @@ def _flattened(x: torch.Tensor, out: torch.Tensor, group: int) -> Place | None:
                 and math.prod(x.shape[1:j + 1]) * group == g else None
     if out.dim() > 1 and out.shape[0] == n and x.shape[0] == math.prod(out.shape[:1]) * group:
         return (0, 1, 1) if out.shape[1:].numel() * n == x.numel() else None
+    return None
+
+
+def _regrouped(x: torch.Tensor, out: torch.Tensor, group: int, reps: int) -> Place | None:
+    """Where a view of ``x``, its samples in dim 0 (``group`` rows each, the batch repeated
+    ``reps`` times), puts them: dims after them merged into dim 0 (a head split's ``(3B * H,
+    L, d)``), or split from it back."""
+    if not out.dim():
+        return None
+    for j in range(x.dim()):
+        if math.prod(x.shape[:j + 1]) == out.shape[0]:
+            return (0, group * math.prod(x.shape[1:j + 1]), reps)
+    for j in range(1, out.dim()):
+        if math.prod(out.shape[:j + 1]) == x.shape[0]:
+            m = math.prod(out.shape[1:j + 1])
+            return (0, group // m, reps) if group % m == 0 else None
     return None
 
 

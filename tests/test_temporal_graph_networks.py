@@ -189,7 +189,7 @@ def test_new_node_zeroed_after_attention_names_the_softmax_behind_the_backward(t
     gradient the fill sends: NaN gradients at step 3. The replay names that node on its line,
     the softmax that made the NaN it saved (the chain's start), invalid (a softmax of an all
     -inf row is NaN in float64 too, though the forward's outputs are finite), and the fully
-    masked row's fix."""
+    masked row's fix, and event 5 as its sample."""
     ev, bundle = fire("make_tgn_zero_after", tmp_path, new_node=5)
     assert (ev["step"], ev["phase"]) == (3, "backward"), ev
     assert "embedding.q.weight" in ev["params"], ev
@@ -197,6 +197,8 @@ def test_new_node_zeroed_after_attention_names_the_softmax_behind_the_backward(t
     o = rep["origin"]
     assert (rep["reproduced"], o["phase"], o["module"], o["op"]) == (
         True, "backward", "embedding", "BmmBackward0"), o
+    # (the bmm's rows are the 3B nodes' heads, looked up by cat([src, dst, neg]): event 5's)
+    assert o["samples"] == [5], o
     assert o["source"] == line_of("ctx = (attn @ val).transpose(1, 2)"), o
     assert [(c["op"], c["source"]) for c in o["chain"]][0] == (
         "aten._softmax", line_of("attn = scores.softmax(-1)")), o["chain"]
