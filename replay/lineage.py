@@ -30,11 +30,13 @@ from recorder.capture import tensor_leaves
 from recorder.samples import Samples
 
 from .class_counts import ClassCounts
+from .crossed_cut_points import CrossedCutPoints
 from .empty_groups import EmptyGroups
 from .log_sum_exp import LogSumExp
 from .memo import TensorSet
 from .product_underflow import ProductUnderflow
 from .raw_pole import RawPole
+from .wrapped_index import WrappedIndex
 
 # ops that put their inputs side by side, each input's values in rows of their own
 _JOINS = {"cat", "stack", "hstack", "vstack", "concat", "concatenate"}
@@ -67,6 +69,8 @@ class Lineage:
         self.counts = ClassCounts(self._learned)  # a pole op on a count per class (1 / bincount)
         self.product = ProductUnderflow()  # a log of a product that underflowed
         self.empty_groups = EmptyGroups()  # a division by a per-group count, 0 at a group
+        self.crossed = CrossedCutPoints()  # sigmoid(a) - sigmoid(b) < 0 (crossed thresholds)
+        self.wrapped = WrappedIndex(lambda t: bool(self.of(t)))  # a negative index (label -1)
         # the outputs of _TRANSFORMS, with the op's name and whether it took a learned value
         self._made: dict[int, tuple[weakref.ref, str, bool]] = {}
         self.compared: set[str] = set()  # the _TRANSFORMS whose two such outputs one op took
@@ -128,6 +132,8 @@ class Lineage:
         self.counts.track(name, args, out)
         self.product.track(name, args, out)
         self.empty_groups.track(name, args, out)
+        self.wrapped.track(name, args)
+        self.crossed.track(name, args, out)
         ins = [t for t in leaves if isinstance(t, torch.Tensor)]
         outs = [t for t in tensor_leaves(out)] if not isinstance(out, torch.Tensor) else [out]
         if not ins or not outs:
