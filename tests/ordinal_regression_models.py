@@ -165,6 +165,15 @@ class WeightedSoftOrdinalCE(nn.Module):
         return -(self.class_weight * q * F.log_softmax(logits, -1)).sum(1).mean()
 
 
+def triangular_smoothed_ce(logits, y, width: float = 2.0):
+    """Ordinal label smoothing: a triangular kernel over the grades around the label (0 two
+    grades away), cross-entropy against it."""
+    grid = torch.arange(K, dtype=logits.dtype)
+    q = (1 - (grid - y[:, None]).abs() / width).clamp(min=0)
+    q = q / q.sum(1, keepdim=True)
+    return -(q * torch.log(logits.softmax(-1))).sum(1).mean()
+
+
 def one_hot_hist(y):
     """A record's score histogram, all its votes on one grade."""
     return F.one_hot(y, K).float()

@@ -200,3 +200,22 @@ def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, make, crit, his
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_smoothed_labels_over_log_of_softmax_name_the_underflow_not_the_zero_weight(tmp_path):
+    """Triangular ordinal label smoothing against ``log(softmax)``: record 5's out-of-scale
+    features push its softmax to 0 at grades the kernel gives weight 0, and 0 * -inf is the
+    loss's NaN. The replay names the log's -inf made by underflow on record 5 (not the
+    product with the zero weight), with log_softmax as the fix."""
+    data = batches(4)
+    x, y = data[-1]
+    x = x.clone()
+    x[5, :3] = 3000.0
+    ev, bundle = fire("make_softmax", M.triangular_smoothed_ce, [*data[:-1], (x, y)], tmp_path)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"]) == ("aten.log", "-inf", [5]), o
+    assert o["source"] == line_of("return -(q * torch.log(logits.softmax(-1)))"), o
+    assert rep["cause"] == "underflow", rep["cause"]
+    assert "log_softmax instead of log(softmax)" in rep["hint"], rep["hint"]
