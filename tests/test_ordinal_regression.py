@@ -141,14 +141,19 @@ def test_extreme_logit_underflows_the_interval_probability(tmp_path):
 def test_grade_absent_from_training_set_names_the_class_weight(tmp_path):
     """Inverse-frequency class weights from a training set with no grade-0 record: the
     weight of grade 0 is 1/0, and DLDL's Gaussian label distribution gives grade 0 a positive
-    target for every record, so the loss is inf at the first step. The replay blames the
-    loss's buffer, its entry 0, and sends the fix to where the weights are made."""
+    target for every record, so the loss is inf at the first step. The replay names the
+    product that took the loss's buffer (not the sum over classes after it), every record,
+    the buffer's entry 0, and sends the fix to where the weights are made."""
     data = batches(3)
     crit = M.WeightedSoftOrdinalCE(torch.cat([y for _, y in data]).clamp(min=1))
     ev, bundle = fire("make_softmax", crit, data, tmp_path)
     assert (ev["step"], ev["phase"], ev["kind"]) == (0, "loss", "+inf"), ev
     rep = nanreplay_json(bundle)
-    assert (rep["origin"]["module"], rep["cause"]) == ("<loss>", "weights"), rep
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "<loss>", "aten.mul", "+inf", list(range(32))), o
+    assert o["source"] == line_of("return -(self.class_weight * q"), o
+    assert rep["cause"] == "weights", rep["cause"]
     hint = rep["hint"]
     assert "'class_weight' holding inf at index 0" in hint and "count.clamp_min(1)" in hint, hint
 
