@@ -224,3 +224,36 @@ def test_smoothed_labels_over_log_of_softmax_name_the_underflow_not_the_zero_wei
     assert o["source"] == line_of("return -(q * torch.log(logits.softmax(-1)))"), o
     assert rep["cause"] == "underflow", rep["cause"]
     assert "log_softmax instead of log(softmax)" in rep["hint"], rep["hint"]
+
+
+def train_loader(out_dir=None, record: bool = True):
+    """CORAL from a DataLoader (shuffled with its own generator) under bfloat16 autocast,
+    two micro-batches accumulated per update, as coral-pytorch's image examples train."""
+    x, y = (torch.cat(t) for t in zip(*batches(4, mild_only_until=2)))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16,
+                                         shuffle=True, generator=torch.Generator().manual_seed(0))
+    model = M.make_coral()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rec = FlightRecorder(model, opt, loss_fn=M.coral_loss, out_dir=out_dir,
+                         factory="ordinal_regression_models:make_coral") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else M.coral_loss
+        for i, (xb, yb) in enumerate(loader):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_fn(model(xb), yb) / 2
+            loss.backward()
+            if i % 2 == 1:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+    return model
+
+
+def test_coral_under_bf16_autocast_with_accumulation_trains_the_same(tmp_path):
+    """No event, and the recorder changes nothing the run computes: bit-identical weights
+    with and without it, under autocast and accumulation."""
+    recorded = train_loader(tmp_path)
+    plain = train_loader(record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
