@@ -70,7 +70,7 @@ class Lineage:
         self.product = ProductUnderflow()  # a log of a product that underflowed
         self.empty_groups = EmptyGroups()  # a division by a per-group count, 0 at a group
         self.crossed = CrossedCutPoints()  # sigmoid(a) - sigmoid(b) < 0 (crossed thresholds)
-        self.wrapped = WrappedIndex(lambda t: bool(self.of(t)))  # a negative index (label -1)
+        self.wrapped = WrappedIndex()  # an index op given a negative index (a label of -1)
         # the outputs of _TRANSFORMS, with the op's name and whether it took a learned value
         self._made: dict[int, tuple[weakref.ref, str, bool]] = {}
         self.compared: set[str] = set()  # the _TRANSFORMS whose two such outputs one op took
@@ -89,6 +89,7 @@ class Lineage:
         batch is not per sample). ``batched``: a tensor with the batch's samples (a loss's
         targets; not the model's inputs, which the model's own code transforms) holds every
         sample's record too."""
+        self.wrapped.seed(tensor_leaves((args, kwargs or {})))  # (a label given: WrappedIndex)
         n, skipped = self.where.size, {id(t) for t in skip}
         if n < 2:
             return
@@ -132,10 +133,10 @@ class Lineage:
         self.counts.track(name, args, out)
         self.product.track(name, args, out)
         self.empty_groups.track(name, args, out)
-        self.wrapped.track(name, args)
         self.crossed.track(name, args, out)
         ins = [t for t in leaves if isinstance(t, torch.Tensor)]
         outs = [t for t in tensor_leaves(out)] if not isinstance(out, torch.Tensor) else [out]
+        self.wrapped.track(name, args, ins, outs)
         if not ins or not outs:
             return
         learned = any(self._learned(t) for t in ins)

@@ -5,8 +5,8 @@ A label off by one (a 1..K rating scale shifted twice, -1 stored for a missing g
 the last entry, ``+inf``, and ``sigmoid(t[y + 1] - f) - sigmoid(t[y] - f)`` is ``0 - 1``
 under the log. No op fails: the NaN is the log's, whose generic advice (clamp its input)
 would hide the bad label. :class:`WrappedIndex` watches the ops (fed by
-:class:`~replay.lineage.Lineage`) for the first integer index made of the batch's records
-(a label, not the code's own ``arange(n) - 1``) holding a negative entry;
+:class:`~replay.lineage.Lineage`) for the first integer index made of what the watched call
+was given (a label, not the code's own ``arange(n) - 1``) holding a negative entry;
 :func:`with_wrapped_index` names it, its rows and line, where the origin's rows are among them.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .memo import TensorSet
 from .source import user_source
 
 # index ops and which of their arguments holds the index (aten.index: a list of them)
@@ -26,19 +27,28 @@ class WrappedIndex:
     """The first index op that took a negative index (``found``: the op, its line, the
     lowest index, and the positions along the index's dim 0 that hold a negative one)."""
 
-    def __init__(self, of_batch=lambda t: True):
+    def __init__(self):
         self.found: tuple[str, str | None, int, list[int]] | None = None
-        # whether a tensor holds the batch's records (a label), not an index the code made:
-        # ``arange(n) - 1`` wraps on purpose (the previous element, cyclically)
-        self._of_batch = of_batch
+        # the tensors the watched call was given (a label) and those ops made of them, not
+        # an index the code made of nothing given: ``arange(n) - 1`` wraps on purpose
+        self._given = TensorSet()
 
-    def track(self, name: str, args) -> None:
-        if self.found is not None or name not in _INDEXED or len(args) <= _INDEXED[name]:
+    def seed(self, tensors) -> None:
+        for t in tensors:
+            self._given.add(t)
+
+    def track(self, name: str, args, leaves: list, outs: list) -> None:
+        if self.found is not None:
+            return
+        if any(isinstance(t, torch.Tensor) and t in self._given for t in leaves):
+            for t in outs:
+                self._given.add(t)
+        if name not in _INDEXED or len(args) <= _INDEXED[name]:
             return
         given = args[_INDEXED[name]]
         for i in given if isinstance(given, (list, tuple)) else (given,):
             if isinstance(i, torch.Tensor) and i.numel() and not i.is_floating_point() \
-                    and i.dtype != torch.bool and self._of_batch(i) and bool((i < 0).any()):
+                    and i.dtype != torch.bool and i in self._given and bool((i < 0).any()):
                 rows = (i < 0).reshape(len(i), -1).any(1) if i.dim() else i.reshape(1) < 0
                 self.found = (f"aten.{name}", user_source(), int(i.min()),
                               torch.nonzero(rows).flatten().tolist())

@@ -77,6 +77,27 @@ def cumulative_link_loss(f, thresholds, y):
     return -torch.log(p).mean()
 
 
+class CumulativeLinkNLL(nn.Module):
+    """The cumulative-link model with its likelihood inside ``forward(x, y)``, returning each
+    record's negative log-likelihood (as statsmodels-style ``OrderedModel`` ports do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = CumulativeLinkNet()
+
+    def forward(self, x, y):
+        f, thresholds = self.net(x)
+        inf = thresholds.new_full((1,), float("inf"))
+        t = torch.cat([-inf, thresholds, inf])
+        p = torch.sigmoid(t[y + 1] - f) - torch.sigmoid(t[y] - f)
+        return -torch.log(p)
+
+
+def make_cumlink_nll() -> CumulativeLinkNLL:
+    torch.manual_seed(0)
+    return CumulativeLinkNLL()
+
+
 class CoralNet(nn.Module):
     """CORAL (Cao et al.): a shared weight vector, one bias per rank; K - 1 logits."""
 

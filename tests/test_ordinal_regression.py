@@ -257,3 +257,29 @@ def test_coral_under_bf16_autocast_with_accumulation_trains_the_same(tmp_path):
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_label_of_minus_one_inside_forward_names_the_negative_index(tmp_path):
+    """The same off-by-one label given to a model whose ``forward(x, y)`` returns each
+    record's negative log-likelihood: a forward event on record 6, the log on its line, and
+    the hint led by the index op given -1 (not crossed thresholds: they are ordered)."""
+    data = off_by_one(batches(4), 6)
+    model = M.make_cumlink_nll()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    with pytest.raises(NonFiniteError) as info, FlightRecorder(
+            model, opt, out_dir=tmp_path, factory="ordinal_regression_models:make_cumlink_nll"):
+        for x, y in data:
+            loss = model(x, y).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", [6]), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"]) == ("", "aten.log", [6]), o
+    assert o["source"] == line_of("        return -torch.log(p)"), o  # (forward's)
+    hint = rep["hint"]
+    assert hint.startswith(f"aten.index at {line_of('p = torch.sigmoid(t[y + 1] - f)')} was "
+                           "given a negative index (-1) in row(s) [6]"), hint
+    assert "crossed" not in hint, hint
