@@ -5,12 +5,14 @@ code writes it, for ``test_ordinal_regression``.
   cumulative-link (proportional-odds) head whose thresholds are either ordered by
   construction (``cumsum(softplus(deltas))``, as spacecutter and most papers do) or a raw
   parameter (``make_cumlink_raw``). ``cumulative_link_loss`` pads the thresholds with ±inf and
-  takes ``-log(sigmoid(t[y + 1] - f) - sigmoid(t[y] - f))``.
+  takes ``-log(sigmoid(t[y + 1] - f) - sigmoid(t[y] - f))``; ``CumulativeLinkNLL`` the same
+  likelihood inside ``forward(x, y)``, one negative log-likelihood per record.
 - ``CoralNet`` / ``coral_loss`` / ``corn_loss``: CORAL's rank-consistent head (one shared
   weight vector, K - 1 biases) and CORN's conditional subsets; ``corn_loss_unguarded`` takes
   each task's mean BCE over its subset without coral-pytorch's guard for an empty subset.
 - ``SoftmaxAgeNet`` with ``WeightedSoftOrdinalCE`` (DLDL's Gaussian label distribution over
-  the ordinal classes, class weights from the training set's label frequencies) and
+  the ordinal classes, class weights from the training set's label frequencies),
+  ``triangular_smoothed_ce`` (ordinal label smoothing against ``log(softmax)``) and
   ``emd_loss`` (NIMA's squared Earth mover's distance on the CDFs, r = 2).
 """
 
