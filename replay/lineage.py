@@ -29,11 +29,13 @@ import torch
 from recorder.capture import tensor_leaves
 from recorder.samples import Samples
 
+from .crossed_cut_points import CrossedCutPoints
 from .group_counts import GroupCounts
 from .log_sum_exp import LogSumExp
 from .memo import TensorSet
 from .product_underflow import ProductUnderflow
 from .raw_pole import RawPole
+from .wrapped_index import WrappedIndex
 
 # ops that put their inputs side by side, each input's values in rows of their own
 _JOINS = {"cat", "stack", "hstack", "vstack", "concat", "concatenate"}
@@ -66,6 +68,8 @@ class Lineage:
         # a pole op on a count per class or group (1 / bincount(target), total / count)
         self.counts = GroupCounts(self._learned)
         self.product = ProductUnderflow()  # a log of a product that underflowed
+        self.crossed = CrossedCutPoints()  # sigmoid(a) - sigmoid(b) < 0 (crossed thresholds)
+        self.wrapped = WrappedIndex()  # an index op given a negative index (a label of -1)
         # the outputs of _TRANSFORMS, with the op's name and whether it took a learned value
         self._made: dict[int, tuple[weakref.ref, str, bool]] = {}
         self.compared: set[str] = set()  # the _TRANSFORMS whose two such outputs one op took
@@ -84,6 +88,7 @@ class Lineage:
         batch is not per sample). ``batched``: a tensor with the batch's samples (a loss's
         targets; not the model's inputs, which the model's own code transforms) holds every
         sample's record too."""
+        self.wrapped.seed(tensor_leaves((args, kwargs or {})))  # (a label given: WrappedIndex)
         n, skipped = self.where.size, {id(t) for t in skip}
         if n < 2:
             return
@@ -126,8 +131,10 @@ class Lineage:
         self.log_sum_exp.track(name, args, out)
         self.counts.track(name, args, out)
         self.product.track(name, args, out)
+        self.crossed.track(name, args, out)
         ins = [t for t in leaves if isinstance(t, torch.Tensor)]
         outs = [t for t in tensor_leaves(out)] if not isinstance(out, torch.Tensor) else [out]
+        self.wrapped.track(name, args, ins, outs)
         if not ins or not outs:
             return
         learned = any(self._learned(t) for t in ins)

@@ -171,8 +171,8 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     # no op made it of finite inputs: the loss folded in an infinity the output may hold (a -inf
     # mask, allow_inf), or took a buffer it holds non-finite (EWC's Fisher, Deep SVDD's NaN c)
     held = non_finite_loss_state(step.loss_fn)
-    hit = finder.blamed(made) or finder.first_reduced or (  # (first_met: a loss buffer's NaN
-        (finder.first_held or finder.first_met) if held else None)  # met the model output)
+    hit = finder.blamed(made) or (  # (first_met: a held inf met the data: w * q, before sum)
+        (finder.first_held or finder.first_met) if held else None) or finder.first_reduced
     if hit is None and (term := report_term_arg(report, step, mb)) is not None:
         return term  # (a penalty the loop made of the weights, given to the loss: passed on)
     if hit is finder.first_nan and hit and not finder.first and not finder.intentional:

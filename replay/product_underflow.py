@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import torch
 
+from .crossed_cut_points import with_crossed
 from .group_counts import class_counts_hint, with_empty_groups
 from .log_sum_exp import with_log_sum_exp
 from .memo import TensorSet
+from .wrapped_index import with_wrapped_index
 
 # ops a product's 0 passes through to the log unchanged in kind (a mixture's psi * hist + ...)
 _CARRY = {"mul", "add", "sub", "rsub", "view", "reshape", "_unsafe_view", "squeeze",
@@ -68,10 +70,15 @@ def with_product_underflow(hint: str | None, cause: str | None, hit,
 
 def lineage_hints(hint: str | None, cause: str | None, hit, lineage) -> str | None:
     """``hint`` with what the op took, as the lineage of the ops saw it: a log-sum-exp written
-    out, a product that underflowed, a count per group with empty groups."""
+    out, a product that underflowed, a count per group with empty groups, a negative index,
+    a difference of one increasing function that is negative (crossed thresholds)."""
     hint = with_log_sum_exp(hint, cause, hit, lineage.log_sum_exp)
     hint = with_empty_groups(hint, cause, hit, lineage.counts)
-    return with_product_underflow(hint, cause, hit, lineage.product)
+    hint = with_product_underflow(hint, cause, hit, lineage.product)
+    # (a label of -1 picks the pad past the last threshold: crossed cut-points too, but the
+    # label is what to fix)
+    wrapped = with_wrapped_index(hint, cause, hit, lineage.wrapped)
+    return wrapped if wrapped is not hint else with_crossed(hint, cause, hit, lineage.crossed)
 
 
 def loss_lineage_hint(lineage, cause, hit) -> str | None:
