@@ -22,11 +22,13 @@ import torch
 from recorder.capture import loss_path
 from recorder.finite import finite, kind_of
 
+from .backward import saved_facts
 from .findings import finish, origin_fields
 from .load import Step, autocast_as_recorded, loss_inputs
 from .pole_hints import DIVISOR_OF_DATA, zero_divisor
 from .recorded import samples
 from .rerun import Runner
+from .saved_input import saved_input
 from .source import node_source, node_tracebacks
 
 DERIVED = ("{name}, which the loop made from the model's outputs (flip-test averaging, a "
@@ -57,6 +59,9 @@ def derived_arg_report(report, step: Step) -> dict[str, Any] | None:
             phase="backward", module="<loss>", micro_batch=mb, op=type(node).__name__,
             made=kind_of(bad), samples=rows, tensor=name, source=node_source(node))
         cause, hint = _cause(node, wide is not None)
+        if (came := saved_input(step, type(node).__name__, saved_facts(node)[0])) is not None:
+            cause, hint = "input", came[1]  # no pole: a NaN target the forward masked
+            origin["samples"] = origin["samples"] or came[0]
         report = finish(report, origin, cause, reproduced=True, hint=hint)
         report["problems"].append(DERIVED.format(name=name) + "; " + RERUN_ON_VALUE.format(
             name=name))
