@@ -22,13 +22,14 @@ import torch
 from recorder.capture import loss_path
 from recorder.finite import finite, kind_of
 
-from .backward import saved_facts
+from .backward import saved_facts, saved_tensors
 from .findings import finish, origin_fields
 from .load import Step, autocast_as_recorded, loss_inputs
 from .pole_hints import DIVISOR_OF_DATA, zero_divisor
 from .recorded import samples
 from .rerun import Runner
 from .saved_input import saved_input
+from .scalar_pole import SCALAR_POLE, scalar_at_pole
 from .source import node_source, node_tracebacks
 
 DERIVED = ("{name}, which the loop made from the model's outputs (flip-test averaging, a "
@@ -78,6 +79,8 @@ def _cause(node, in_float64: bool) -> tuple[str, str]:
                              "margin the type can hold (a clamp or an eps)")
     if zero_divisor(node) == "data":
         return "invalid", DIVISOR_OF_DATA.format(node=name)
+    if scalar_at_pole(saved_tensors(node)):  # (a masked RMSE's sqrt of a batch with every target missing)
+        return "invalid", SCALAR_POLE.format(node=name)
     return "invalid", (f"{name} made a non-finite gradient from finite incoming gradients, "
                        "in float64 too: its input is at the pole of its derivative (a divisor "
                        "of 0, sqrt or log of 0), which a forward that hides the infinity "
