@@ -43,6 +43,8 @@ def dataset(plant: str | None):
         series[-1, 3] = float("nan")
     elif plant == "dropout":  # a detector dropped out (the loader's 0.0): targets s0..s0+2
         series[s0 + 6, 3] = 0.0
+    elif plant == "outage_in":  # one time step with no reading: inputs of windows s0+3..s0+6
+        series[s0 + 6] = 0.0
     elif plant == "stuck":  # a sensor reporting one constant speed, in the fit too
         series[:, 1] = 65.0
         fit = series
@@ -70,6 +72,7 @@ def train(make: str, out_dir, loss_fn=M.masked_mae, plant: str | None = None,
             xs = scaler.transform(xb)
             with cast:
                 out = model(xs, scaler.transform(yb), step) if isinstance(model, M.DCRNN) \
+                    else model(xs, xb[..., 0] != 0) if isinstance(model, M.AttentionForecaster) \
                     else model(xs)
             pred = scaler.inverse_transform(out.float())
             h = min(step + 1, M.HORIZON)
@@ -212,7 +215,9 @@ def test_masked_rmse_on_the_outage_names_the_sqrt_backward_at_zero(tmp_path):
     assert origin_of(rep) == (True, "backward", "<loss>", "SqrtBackward0", "+inf"), rep
     assert rep["origin"]["source"] == line_of("return torch.sqrt(masked_mse(")
     assert rep["origin"]["samples"] == list(range(BATCH)), rep["origin"]
-    assert rep["cause"] == "invalid" and "pole of its derivative" in rep["hint"], rep["hint"]
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "one 0-d value for the whole batch" in rep["hint"], rep["hint"]
+    assert "no row is to blame" in rep["hint"] and "skip such batches" in rep["hint"]
 
 
 def test_nan_in_the_raw_csv_is_an_input_event_on_the_windows_holding_it(tmp_path):
@@ -284,3 +289,21 @@ def test_healthy_dcrnn_and_bf16_graph_wavenet_with_accumulation_train_the_same(t
     two accumulated micro-batches per step: no event, the same weights."""
     same_training("make_dcrnn", tmp_path)
     same_training("make_gwnet", tmp_path, autocast=True, accumulate=2)
+
+
+def test_time_step_with_no_reading_names_the_fully_masked_spatial_attention(tmp_path):
+    """Spatial attention over the sensors that reported: at a time step where every reading
+    is missing every key is masked with -inf and the softmax is NaN, in the input windows
+    that hold that step (3 to 6). The replay names the softmax in ``spatial`` on those rows,
+    the masked_fill as intended, and the fully masked row's advice."""
+    ev, bundle = fire("make_attention", tmp_path, plant="outage_in")
+    assert ev == (3, "forward", "spatial", "nan"), ev
+    rep = nanreplay_json(bundle)
+    assert origin_of(rep) == (True, "forward", "spatial", "aten._softmax", "nan"), rep
+    assert rep["origin"]["source"] == line_of("return h + torch.softmax(scores, -1) @ v")
+    assert rep["origin"]["samples"] == [3, 4, 5, 6], rep["origin"]
+    assert rep["cause"] == "invalid" and "large finite negative" in rep["hint"], rep["hint"]
+
+
+def test_spatial_attention_with_a_finite_fill_trains_the_same_through_the_gap(tmp_path):
+    same_training("make_attention_finite_fill", tmp_path, plant="outage_in")

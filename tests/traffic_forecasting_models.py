@@ -249,6 +249,52 @@ def make_gwnet_topk_new_sensor() -> GraphWaveNet:
 
 
 # ---------------------------------------------------------------------------------------------
+# Spatial attention over the sensors that reported (GMAN/ASTGCN-like)
+
+class SpatialAttention(nn.Module):
+    """Each sensor attends to the sensors that reported at the same time step: a missing
+    reading (0.0 raw, given to ``forward`` as ``observed``) is masked out of the keys."""
+
+    def __init__(self, dim: int = 8, fill: float = float("-inf")):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.fill = fill
+
+    def forward(self, h, observed):  # h (B, T, N, D), observed (B, T, N)
+        q, k, v = self.qkv(h).chunk(3, -1)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, T, N, N)
+        scores = scores.masked_fill(~observed[:, :, None, :], self.fill)
+        return h + torch.softmax(scores, -1) @ v
+
+
+class AttentionForecaster(nn.Module):
+    def __init__(self, dim: int = 8, fill: float = float("-inf")):
+        super().__init__()
+        self.embed = nn.Linear(1, dim)
+        self.spatial = SpatialAttention(dim, fill)
+        self.temporal = nn.GRU(dim, dim, batch_first=True)
+        self.head = nn.Linear(dim, HORIZON)
+
+    def forward(self, x, observed):  # x (B, T, N, 1) z-scored
+        b, t, n, _ = x.shape
+        h = self.spatial(self.embed(x), observed)
+        _, last = self.temporal(h.permute(0, 2, 1, 3).reshape(b * n, t, -1))
+        return self.head(last[-1]).reshape(b, n, HORIZON).transpose(1, 2)[..., None]
+
+
+def make_attention() -> AttentionForecaster:
+    torch.manual_seed(5)
+    return AttentionForecaster()
+
+
+def make_attention_finite_fill() -> AttentionForecaster:
+    """The keys masked with a large finite negative: an all-missing time step averages every
+    sensor's value instead of making NaN."""
+    torch.manual_seed(5)
+    return AttentionForecaster(fill=-1e9)
+
+
+# ---------------------------------------------------------------------------------------------
 # The masked losses (DCRNN's lib/metrics.py in torch)
 
 def masked_mae(preds, labels, null_val: float = 0.0, guard: bool = True):
