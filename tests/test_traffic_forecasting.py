@@ -52,9 +52,9 @@ def dataset(plant: str | None):
 
 
 def train(make: str, out_dir, loss_fn=M.masked_mae, plant: str | None = None,
-          record: bool = True, autocast: bool = False, accumulate: int = 1):
+          record: bool = True, autocast: bool = False, accumulate: int = 1, first: int = 1):
     """DCRNN's recipe: Adam (eps 1e-3) with a step decay, a curriculum over horizons (step
-    ``k`` trains the first ``k + 1``), the loss on inverse-transformed outputs against raw
+    ``k`` trains the first ``k + first``), the loss on inverse-transformed outputs against raw
     speeds, clip_grad_norm 5. Returns the model."""
     torch.manual_seed(0)  # (the decoder's scheduled sampling draws)
     model = getattr(M, make)()
@@ -75,7 +75,7 @@ def train(make: str, out_dir, loss_fn=M.masked_mae, plant: str | None = None,
                     else model(xs, xb[..., 0] != 0) if isinstance(model, M.AttentionForecaster) \
                     else model(xs)
             pred = scaler.inverse_transform(out.float())
-            h = min(step + 1, M.HORIZON)
+            h = min(step + first, M.HORIZON)
             loss = crit(pred[:, :h], yb[:, :h]) / accumulate
             loss.backward()
             if (i + 1) % accumulate == 0:
@@ -218,6 +218,19 @@ def test_masked_rmse_on_the_outage_names_the_sqrt_backward_at_zero(tmp_path):
     assert rep["cause"] == "invalid", rep["cause"]
     assert "one 0-d value for the whole batch" in rep["hint"], rep["hint"]
     assert "no row is to blame" in rep["hint"] and "skip such batches" in rep["hint"]
+
+
+def test_curriculum_starting_at_no_horizon_names_the_mean_of_an_empty_mask(tmp_path):
+    """The curriculum's task level started at 0 instead of MTGNN's 1: the first step trains
+    ``pred[:, :0]``, and the masked MAE's ``torch.mean`` of the empty mask is 0/0 before any
+    reading is compared. The replay names the mean of an empty tensor on its line."""
+    ev, bundle = fire("make_gwnet", tmp_path, first=0)
+    assert ev == (0, "loss", "<loss>", "nan"), ev
+    rep = nanreplay_json(bundle)
+    assert origin_of(rep) == (True, "loss", "<loss>", "aten.mean", "nan"), rep["origin"]
+    assert rep["origin"]["source"] == line_of("mask = mask / torch.mean(mask)")
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "of an empty tensor" in rep["hint"] and "empty selection" in rep["hint"]
 
 
 def test_nan_in_the_raw_csv_is_an_input_event_on_the_windows_holding_it(tmp_path):

@@ -303,7 +303,7 @@ def masked_mae(preds, labels, null_val: float = 0.0, guard: bool = True):
     else:
         mask = labels != null_val
     mask = mask.float()
-    mask = mask / torch.mean(mask)  # the bug without the guard: a batch with no reading
+    mask = mask / torch.mean(mask)  # 0/0 on a batch with no reading: the guard below
     if guard:
         mask = torch.where(torch.isnan(mask), torch.zeros_like(mask), mask)
     loss = torch.abs(preds - labels) * mask
