@@ -320,3 +320,23 @@ def test_time_step_with_no_reading_names_the_fully_masked_spatial_attention(tmp_
 
 def test_spatial_attention_with_a_finite_fill_trains_the_same_through_the_gap(tmp_path):
     same_training("make_attention_finite_fill", tmp_path, plant="outage_in")
+
+
+def test_isolated_sensor_in_stgcn_laplacian_names_the_pow_behind_the_failed_eigh(tmp_path):
+    """STGCN's scaled Laplacian without the guard: ``deg ** -0.5`` is +inf at the isolated
+    detector, the Laplacian holds NaN, and ``eigvalsh`` for lambda_max raises LinAlgError. The
+    recorder writes the step the exception ended; the replay names the pow behind it, not the
+    decomposition, with the degree's advice."""
+    with pytest.raises(torch.linalg.LinAlgError):
+        train("make_stgcn_isolated", tmp_path)
+    bundle, = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle)
+    assert origin_of(rep) == (True, "forward", "", "aten.pow", "+inf"), rep["origin"]
+    assert rep["origin"]["source"] == line_of("d_is = adj.sum(1).pow(-0.5)")
+    assert rep["cause"] == "invalid" and "deg.clamp(min=1)" in rep["hint"], rep["hint"]
+    assert any("aten._linalg_eigh raised on the +inf that aten.pow made" in p
+               for p in rep["problems"]), rep["problems"]
+
+
+def test_stgcn_on_the_connected_graph_trains_the_same(tmp_path):
+    same_training("make_stgcn", tmp_path)

@@ -249,6 +249,55 @@ def make_gwnet_topk_new_sensor() -> GraphWaveNet:
 
 
 # ---------------------------------------------------------------------------------------------
+# STGCN (Chebyshev graph convolution)
+
+def scaled_laplacian(adj: torch.Tensor, guard: bool) -> torch.Tensor:
+    """STGCN's ``2 L / lambda_max - I`` of the normalised Laplacian ``I - D^-1/2 A D^-1/2``."""
+    d_is = adj.sum(1).pow(-0.5)
+    if guard:
+        d_is = torch.where(torch.isinf(d_is), torch.zeros_like(d_is), d_is)
+    eye = torch.eye(adj.shape[0], dtype=adj.dtype)
+    lap = eye - d_is[:, None] * adj * d_is[None, :]
+    lam = torch.linalg.eigvalsh(lap).max()
+    return 2 * lap / lam - eye
+
+
+class STGCN(nn.Module):
+    """A sandwich block: gated temporal conv, Chebyshev graph conv (K = 3), temporal conv."""
+
+    def __init__(self, adj: torch.Tensor, channels: int = 8, guard: bool = True):
+        super().__init__()
+        self.register_buffer("adj", adj)
+        self.guard = guard
+        self.tconv1 = nn.Conv2d(1, 2 * channels, (2, 1))
+        self.theta = nn.Linear(3 * channels, channels)
+        self.tconv2 = nn.Conv2d(channels, channels, (2, 1))
+        self.norm = nn.LayerNorm([SENSORS, channels])
+        self.head = nn.Linear(channels * (T_IN - 2), HORIZON)
+
+    def forward(self, x):  # x (B, T, N, 1)
+        lap = scaled_laplacian(self.adj, self.guard)
+        p, q = self.tconv1(x.permute(0, 3, 1, 2)).chunk(2, 1)  # GLU: (B, C, T-1, N)
+        h = (p * torch.sigmoid(q)).permute(0, 2, 3, 1)  # (B, T-1, N, C)
+        t1 = lap @ h
+        t2 = 2 * (lap @ t1) - h
+        h = torch.relu(self.theta(torch.cat([h, t1, t2], -1)))
+        h = torch.relu(self.tconv2(h.permute(0, 3, 1, 2))).permute(0, 2, 3, 1)  # (B, T-2, N, C)
+        h = self.norm(h).permute(0, 2, 1, 3).flatten(2)  # (B, N, (T-2) C)
+        return self.head(h).transpose(1, 2)[..., None]
+
+
+def make_stgcn() -> STGCN:
+    torch.manual_seed(4)
+    return STGCN(road_graph())
+
+
+def make_stgcn_isolated() -> STGCN:
+    torch.manual_seed(4)
+    return STGCN(road_graph(isolated=4, self_loops=False), guard=False)
+
+
+# ---------------------------------------------------------------------------------------------
 # Spatial attention over the sensors that reported (GMAN/ASTGCN-like)
 
 class SpatialAttention(nn.Module):
