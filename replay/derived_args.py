@@ -33,8 +33,8 @@ from .scalar_pole import SCALAR_POLE, scalar_at_pole
 from .source import node_source, node_tracebacks
 
 DERIVED = ("{name}, which the loop made from the model's outputs (flip-test averaging, a "
-           "sum of heads) and gave to loss_fn, received a non-finite gradient from the loss's "
-           "backward")
+           "sum of heads, a scaler's inverse_transform) and gave to loss_fn, received a "
+           "non-finite gradient from the loss's backward")
 
 RERUN_ON_VALUE = ("the loss was re-run on the value of {name} that the bundle holds and "
                   "backpropagated to it; the loop's code that made it from the model's outputs "

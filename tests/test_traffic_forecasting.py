@@ -340,3 +340,17 @@ def test_isolated_sensor_in_stgcn_laplacian_names_the_pow_behind_the_failed_eigh
 
 def test_stgcn_on_the_connected_graph_trains_the_same(tmp_path):
     same_training("make_stgcn", tmp_path)
+
+
+def test_nan_target_in_a_later_micro_batch_names_its_row_there(tmp_path):
+    """Two accumulated micro-batches of 4 windows per step: the truncated row's NaN target is
+    in the second micro-batch's row 3, and the replay names that micro-batch and row (not
+    row 7 of a batch of 8), with the loop's inverse_transform said as the derived value."""
+    ev, bundle = fire("make_gwnet", tmp_path, loss_fn=M.masked_rmse, plant="truncated",
+                      accumulate=2)
+    assert ev == (3, "backward", None, "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["micro_batch"], o["samples"], rep["cause"]) == (
+        "PowBackward0", 1, [3], "input"), (o, rep["cause"])
+    assert any("inverse_transform" in p for p in rep["problems"]), rep["problems"]
