@@ -45,6 +45,8 @@ def dataset(plant: str | None):
         series[s0 + 6, 3] = 0.0
     elif plant == "outage_in":  # one time step with no reading: inputs of windows s0+3..s0+6
         series[s0 + 6] = 0.0
+    elif plant == "nan_fit":  # a NaN in the split the scaler is fitted on (0.0 in the windows)
+        fit[2, 3] = float("nan")
     elif plant == "stuck":  # a sensor reporting one constant speed, in the fit too
         series[:, 1] = 65.0
         fit = series
@@ -300,6 +302,19 @@ def test_stuck_sensor_zero_std_names_the_column_of_every_window(tmp_path):
     assert rep["cause"] == "input", rep["cause"]
     assert "all at index 1 of dim 2" in rep["hint"], rep["hint"]
     assert "constant column's zero std" in rep["hint"], rep["hint"]
+
+
+def test_scaler_fitted_on_a_nan_names_the_column_and_the_fit(tmp_path):
+    """The scaler fitted with ``mean()``/``std()`` on a training split holding one NaN of
+    sensor 3: its mean and std are NaN, so is that sensor's column in every window. The hint
+    names the column and says to fit the statistics with nanmean/nanstd."""
+    ev, bundle = fire("make_gwnet", tmp_path, plant="nan_fit")
+    assert ev == (0, "input", "", "nan"), ev
+    rep = nanreplay_json(bundle)
+    assert rep["origin"]["samples"] == list(range(BATCH)), rep["origin"]
+    assert rep["cause"] == "input", rep["cause"]
+    assert "all at index 3 of dim 2" in rep["hint"], rep["hint"]
+    assert "nanmean/nanstd" in rep["hint"], rep["hint"]
 
 
 def test_healthy_dcrnn_and_bf16_graph_wavenet_with_accumulation_train_the_same(tmp_path):
