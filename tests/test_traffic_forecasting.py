@@ -242,13 +242,20 @@ def test_curriculum_starting_at_no_horizon_names_the_mean_of_an_empty_mask(tmp_p
 
 def test_nan_in_the_raw_csv_is_an_input_event_on_the_windows_holding_it(tmp_path):
     """An empty cell read as NaN instead of the loader's 0.0: the z-score keeps it, and the
-    input windows 3 to 6 of the last step hold it (0 to 2 hold it in their targets only)."""
+    input windows 3 to 6 of the last step hold it; a note names windows 0 to 2, which hold it
+    in their targets, and the drop that removes every bad window."""
     ev, bundle = fire("make_dcrnn", tmp_path, plant="nan_csv")
     assert ev == (3, "input", "", "nan"), ev
     rep = nanreplay_json(bundle)
     assert (rep["reproduced"], rep["origin"]["phase"], rep["origin"]["samples"]) == (
         True, "input", [3, 4, 5, 6]), rep["origin"]
     assert rep["cause"] == "input" and "data pipeline" in rep["hint"], rep["hint"]
+    # DCRNN takes the labels in forward too (teacher forcing), and windows 0 to 2 hold the NaN
+    # there and in the loss's targets: dropping 3 to 6 alone would meet them
+    assert ("args[1] in rows [0, 1, 2]; loss_args[1] in rows [0, 1, 2]; those records are bad "
+            "as well (drop=0,1,2,3,4,5,6 removes every one)") in " ".join(rep["problems"])
+    rep = nanreplay_json(bundle, "--try", "drop=0,1,2,3,4,5,6")
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
 def test_nan_in_a_target_only_is_skipped_by_dcrnn_masked_mae(tmp_path):
