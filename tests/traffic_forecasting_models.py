@@ -11,6 +11,11 @@ windows of N road sensors, z-scored by a per-sensor scaler; targets are raw spee
 - ``GraphWaveNet``: gated dilated temporal convolutions, graph convolutions over the fixed
   supports plus the adaptive adjacency ``softmax(relu(E1 E2^T))``, optionally sparsified to the
   positive entries (``masked_fill(-inf)`` before the softmax) or to each row's top k.
+- ``STGCN``: a sandwich block (gated temporal conv, Chebyshev graph conv over the scaled
+  Laplacian ``2 L / lambda_max - I``, lambda_max from ``eigvalsh``, temporal conv, LayerNorm).
+- ``AttentionForecaster``: GMAN-like spatial attention over the sensors that reported at each
+  time step (missing readings masked out of the keys, ``observed`` given to ``forward``), a GRU
+  over time.
 - ``masked_mae`` / ``masked_mape`` / ``masked_rmse``: DCRNN's metrics (``mask = (y != null)``,
   ``mask /= mask.mean()``, NaN guards), with a flag that leaves the guard out.
 """
