@@ -42,6 +42,7 @@ from .pooled import pooled_size
 from .positive import exp_of_parameter, made_positive, node_op
 from .power_grad import steep_power
 from .rerun import Runner
+from .scalar_pole import scalar_at_pole
 from .source import node_source, node_tracebacks
 from .summed_grads import SummedGrads
 from .twice_differentiated import at_forward_node, derived, forward_node
@@ -92,6 +93,7 @@ class BackwardOrigin:
     # "xlogy" (xlogy(x, y)'s x / y at x = y = 0)
     zero_divisor: str | None = None
     complement: bool = False  # it took 1 - y of a y below 1 (replay.below_one)
+    scalar_pole: bool = False  # it saved only 0-d values, one exactly 0 (replay.scalar_pole)
     copied: CopiedRow | None = None  # a sqrt's 0 distance to a parameter row copied from it
     # the forward differentiated itself (create_graph=True); the forward node whose derivative
     # made the node, when one did (replay.twice_differentiated)
@@ -176,7 +178,7 @@ def batch_rows_in(grads, where: Samples) -> list[int]:
                  and where.dim(g) is not None and not finite(g)), [])
 
 
-def _saved(node) -> list[torch.Tensor] | None:
+def saved_tensors(node) -> list[torch.Tensor] | None:
     """The floating tensors ``node`` saved for its backward (its ``_saved_*`` attributes; a
     custom Function's ``saved_tensors``); None when they cannot be read (freed, or packed by
     ``torch.utils.checkpoint``, whose values unpack once, for the node itself). Read from the
@@ -222,7 +224,7 @@ def saved_facts(node, grad_inputs=(), grad_outputs=()) -> tuple[str | None, str 
     (sqrt's result, log's input: the pole of its derivative), ``"1"`` when acos, asin, atanh
     or acosh saved an input of exactly +-1 (theirs), else ``"subnormal"`` when one holds a
     value below its type's smallest normal number (whose reciprocal overflows)."""
-    saved = _saved(node)
+    saved = saved_tensors(node)
     if saved is None:
         return _inferred_saved(node, grad_inputs, grad_outputs), None
     kind = next((kind_of(t) for t in saved if not finite(t)), None)
@@ -338,6 +340,7 @@ def _record(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
         or folded.rows(node, list(grad_inputs))
     found.lead_rows = None if found.samples else lead_rows(bad)
     found.saved, found.saved_zero = saved_facts(node, grad_inputs, grad_outputs)
+    found.scalar_pole = scalar_at_pole(saved_tensors(node))
     found.positive_input = from_positive(node)
     found.exp_of = _exp_of(node)
     found.exp_factor = huge_exp_factor(node)

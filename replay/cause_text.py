@@ -104,7 +104,9 @@ WHOLE_COLUMNS = (
     "the batch itself holds NaN/Inf, and {tensor} holds it in the same feature(s) of every "
     "sample ({cols}): a per-feature step of the data pipeline made them, not a bad record (a "
     "standardisation dividing by a constant column's zero std: add an eps or drop the "
-    "column; a feature missing from the source; a field defined on part of a grid only, as "
+    "column; statistics fitted on a split holding a NaN in that column: fit them with "
+    "nanmean/nanstd or fill the missing values first; a feature missing from the source; a "
+    "field defined on part of a grid only, as "
     "sea-surface temperature over land: fill it, torch.nan_to_num, and mask it in the loss)")
 # ... and every value of it: no feature stands out, a factor all values share made them
 WHOLE_TENSOR = (

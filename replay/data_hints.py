@@ -15,7 +15,8 @@ micro-batch of one sample (``replay.single_sample``); a 0/0 over records with no
 (``replay.grown_number``); an overflow of a batch whose columns are in other units
 (``replay.column_scale``); the attribute holding a NaN number an op was given
 (``replay.nan_attribute``); a log's
-argument outside its domain that the batch holds as given (``replay.data_pole``)."""
+argument outside its domain that the batch holds as given (``replay.data_pole``); other
+tensors of an input event's micro-batch bad in other rows (``replay.other_inputs``)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from .masked_after import masked_after_hint
 from .masked_overflow import masked_overflow_hint
 from .massless_rows import massless_rows_hint
 from .nan_attribute import nan_attribute_hint
+from .other_inputs import other_inputs_note
 from .single_sample import single_sample_hint
 
 
@@ -61,3 +63,4 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     column_scale_hint(report, step)  # (a variable in millimetres among metres: NOTEARS' X)
     data_pole_hint(report, step)  # (log1p of a count filled with -1 for missing)
     nan_attribute_hint(report, step)  # (a KL warm-up weight of 0/0 the loop set on the loss)
+    other_inputs_note(report, step)  # (a bad reading in some windows' inputs, others' targets)

@@ -22,16 +22,19 @@ import torch
 from recorder.capture import loss_path
 from recorder.finite import finite, kind_of
 
+from .backward import saved_facts, saved_tensors
 from .findings import finish, origin_fields
 from .load import Step, autocast_as_recorded, loss_inputs
 from .pole_hints import DIVISOR_OF_DATA, zero_divisor
 from .recorded import samples
 from .rerun import Runner
+from .saved_input import saved_input
+from .scalar_pole import SCALAR_POLE, scalar_at_pole
 from .source import node_source, node_tracebacks
 
 DERIVED = ("{name}, which the loop made from the model's outputs (flip-test averaging, a "
-           "sum of heads) and gave to loss_fn, received a non-finite gradient from the loss's "
-           "backward")
+           "sum of heads, a scaler's inverse_transform) and gave to loss_fn, received a "
+           "non-finite gradient from the loss's backward")
 
 RERUN_ON_VALUE = ("the loss was re-run on the value of {name} that the bundle holds and "
                   "backpropagated to it; the loop's code that made it from the model's outputs "
@@ -57,6 +60,9 @@ def derived_arg_report(report, step: Step) -> dict[str, Any] | None:
             phase="backward", module="<loss>", micro_batch=mb, op=type(node).__name__,
             made=kind_of(bad), samples=rows, tensor=name, source=node_source(node))
         cause, hint = _cause(node, wide is not None)
+        if (came := saved_input(step, type(node).__name__, saved_facts(node)[0])) is not None:
+            cause, hint = "input", came[1]  # no pole: a NaN target the forward masked
+            origin["samples"] = origin["samples"] or came[0]
         report = finish(report, origin, cause, reproduced=True, hint=hint)
         report["problems"].append(DERIVED.format(name=name) + "; " + RERUN_ON_VALUE.format(
             name=name))
@@ -73,6 +79,8 @@ def _cause(node, in_float64: bool) -> tuple[str, str]:
                              "margin the type can hold (a clamp or an eps)")
     if zero_divisor(node) == "data":
         return "invalid", DIVISOR_OF_DATA.format(node=name)
+    if scalar_at_pole(saved_tensors(node)):  # (a masked RMSE's sqrt of a batch with every target missing)
+        return "invalid", SCALAR_POLE.format(node=name)
     return "invalid", (f"{name} made a non-finite gradient from finite incoming gradients, "
                        "in float64 too: its input is at the pole of its derivative (a divisor "
                        "of 0, sqrt or log of 0), which a forward that hides the infinity "

@@ -17,7 +17,7 @@ from . import below_one, output_places, outside, summed_grads, through_time
 from .backward import find_backward_origin
 from .cached_grads import cached_hint, cached_note, gradient_cached
 from .cause import classify
-from .cause_text import ALLOWED_NAN_SAVED, DO, HINTS, inf_arith
+from .cause_text import ALLOWED_NAN_SAVED, DO, inf_arith
 from .copied_rows import recause
 from .coupled import coupled_rows
 from .derived_args import derived_arg_report
@@ -58,9 +58,10 @@ from .pole_hints import pole_hint
 from .power_grad import steep_power_cause
 from .product_underflow import loss_lineage_hint
 from .raw_pole import raw_pole_hint
-from .recorded import allowed_nan_held, batch_non_finite, input_origin, samples
+from .recorded import allowed_nan_held, input_origin, samples
 from .rerun import Runner
 from .run_result import Run
+from .saved_input import saved_input
 from .self_pairs import self_pair_hint
 from .swapped_in import swapped_in_hint
 from .term_args import report_term_arg
@@ -406,18 +407,9 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
     b = b or backward_origin(runner)
     origin = _backward_fields(b)
     reproduced = runner.step.event.get("phase") == "backward"
-    if b.saved is not None and batch_non_finite(runner.step, ("batch/", "loss_in/")):
-        # No pole: the node's derivative multiplied a non-finite value the forward carried
-        # from the batch without an event (saturated by a tanh, masked, summed away), or from
-        # a loss target (labels missing as NaN, which nanmean or a mask on the loss skipped)
-        came = input_origin(runner.step)
-        origin["samples"] = origin["samples"] or came["samples"]
-        target = (came["tensor"] or "").startswith("loss_")
-        hint = (f"{b.node} multiplied a {label(b.saved)} it saved in the forward, which came "
-                f"in with the {'loss target' if target else 'batch'} (rows {came['samples']} "
-                f"of {came['tensor'] or 'an input'}) and which the forward carried without a "
-                "non-finite output; " + (DO["masked_target"] if target else HINTS["input"]))
-        return finish(report, origin, "input", reproduced=reproduced, hint=hint)
+    if (came := saved_input(runner.step, b.node, b.saved)) is not None:  # no pole: the data's
+        origin["samples"] = origin["samples"] or came[0]
+        return finish(report, origin, "input", reproduced=reproduced, hint=came[1])
     maker = None if b.saved is None else \
         _saved_value_maker(runner, b.micro_batch or 0, b.node, b.saved, b.module == "<loss>")
     if maker is not None:

@@ -26,6 +26,7 @@ from .masked_grad import MASKED_INCOMING
 from .positive import node_op
 from .rounded_bound import RoundedBound
 from .rounded_bound import said as said_bound
+from .scalar_pole import SCALAR_POLE
 from .unit_eps import narrow_eps
 from .xlogy_pole import ZERO_ZERO, xlogy_at_zero
 
@@ -117,6 +118,8 @@ def pole_hint(b, cause: Cause) -> str:
 
 
 def _pole_hint(b, cause: Cause) -> str:
+    if b.scalar_pole and b.module == "<loss>" and cause.name == "invalid":  # (no row's)
+        return SCALAR_POLE.format(node=b.node)
     data = b.zero_divisor == "data" and b.saved_zero == "0" and b.samples
     if data and cause.name == "invalid":
         return DIVISOR_OF_DATA.format(node=b.node)
