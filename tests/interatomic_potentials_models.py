@@ -227,14 +227,14 @@ def dataset(plant: str, bad_step: int, bad: int, steps: int = 4, per_batch: int 
     ``"stale"``, an MD frame whose neighbour list (of the first frame, built at r_max + a
     1 Angstrom skin) was not rebuilt after an atom moved 1.3 r_max away; ``"molecule"``, every
     other structure is a crystal, this one a molecule (no cell, no stress label); ``"close"``,
-    two of its atoms 0.1 Angstrom apart. Each item is (z, pos, edges, cell, energy, forces,
-    stress, stress_weight)."""
+    two of its atoms 0.1 Angstrom apart; ``"crystals"``, every structure periodic. Each item
+    is (z, pos, edges, cell, energy, forces, stress, stress_weight)."""
     g = torch.Generator().manual_seed(3)
     items = []
     for step in range(steps):
         for k in range(per_batch):
             here = step == bad_step and k == bad
-            periodic = plant == "molecule" and not here
+            periodic = (plant == "molecule" and not here) or plant == "crystals"
             z, pos, cell = structure(g, int(torch.randint(3, 7, (1,), generator=g)), periodic)
             edges = neighbour_list(pos, R_MAX + (1.0 if plant == "stale" else 0.0),
                                    self_edges=here and plant == "self_edge")
