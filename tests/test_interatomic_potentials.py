@@ -142,7 +142,10 @@ def test_stress_of_a_molecule_among_crystals_names_the_volume_and_no_counts(tmp_
 def test_float16_repulsion_of_a_close_pair_names_the_cast_and_overflow(tmp_path):
     """Under float16 autocast the learned (sigma / r)^12 repulsion of two atoms 0.1 Angstrom
     apart is 2e10 in float32, cast to float16 where the atomic energies are: +inf, and the
-    forces' backward through the float16 sigma head makes NaN of it."""
+    forces' backward through the float16 sigma head makes NaN of it. The hint had replaced
+    the overflow's advice with the story of an infinity a torch.where dropped (the forces'
+    double where), though the energy the model returned held it; now it says to keep the op
+    in float32."""
     b = step_k("close")
     pos, batch = b["pos"], b["batch"]
     d = torch.cdist(pos, pos) + torch.eye(len(pos)) * 9
@@ -155,6 +158,8 @@ def test_float16_repulsion_of_a_close_pair_names_the_cast_and_overflow(tmp_path)
         "forward", "", "aten._to_copy", line_of("self.repulsion(h, lengths, edge_index)"),
         [BAD], "overflow"), rep
     assert "beyond float16's largest value" in rep["hint"], rep["hint"]
+    assert "compute this op in float32" in rep["hint"], rep["hint"]
+    assert "dropped" not in rep["hint"] and "double where" not in rep["hint"], rep["hint"]
 
 
 @pytest.mark.parametrize("kw,stress", [({}, False), ({"basis": "gaussian"}, True)])
