@@ -155,7 +155,7 @@ def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin,
     # (an exp's overflow inside a softplus by hand, or of a chunk's exp(-cumsum))
     hint = exp_overflow_hint(runner, hint, cause.name, hit)
     # (then in the forces' backward, where the model's output does not hold it)
-    return dropped_branch_hint(hint, hit, finder.first_nan, run, o)
+    return dropped_branch_hint(hint, hit, finder.first_nan, run, o, finder.differentiated)
 
 
 def _node_of(runner: Runner, o, hit) -> tuple[str, str | None, str] | None:

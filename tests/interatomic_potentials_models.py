@@ -32,6 +32,17 @@ class BesselBasis(nn.Module):
         return self.prefactor * (numerator / r[:, None])
 
 
+class SincLimitBesselBasis(BesselBasis):
+    """The Bessel basis "made safe" at r = 0 by its limit, w / r_max, under a torch.where."""
+
+    def forward(self, r):
+        rr = r[:, None]
+        numerator = torch.sin(self.bessel_weights * rr / self.r_max)
+        # the bug: the forces' backward still runs the dropped 0/0 branch (0 * NaN)
+        safe = torch.where(rr > 0, numerator / rr, self.bessel_weights / self.r_max)
+        return self.prefactor * safe
+
+
 class GaussianBasis(nn.Module):
     """SchNet's Gaussian smearing of the distance."""
 
@@ -113,12 +124,14 @@ class Potential(nn.Module):
 
     def __init__(self, hidden: int = 32, num_basis: int = 8, r_max: float = R_MAX,
                  layers: int = 2, basis: str = "bessel", cutoff: str = "polynomial",
-                 repulsion: bool = False):
+                 repulsion: bool = False, avg_num_neighbors: float = 4.0):
         super().__init__()
         self.embedding = nn.Embedding(10, hidden)
-        self.basis = BesselBasis(r_max, num_basis) if basis == "bessel" else GaussianBasis(r_max, num_basis)
+        bases = {"bessel": BesselBasis, "sinc_limit": SincLimitBesselBasis, "gaussian": GaussianBasis}
+        self.basis = bases[basis](r_max, num_basis)
         self.cutoff = PolynomialCutoff(r_max) if cutoff == "polynomial" else SmoothCutoff(r_max)
-        self.interactions = nn.ModuleList(Interaction(hidden, num_basis) for _ in range(layers))
+        self.interactions = nn.ModuleList(Interaction(hidden, num_basis, avg_num_neighbors)
+                                          for _ in range(layers))
         self.repulsion = Repulsion(hidden) if repulsion else None
         self.readout = nn.Sequential(nn.Linear(hidden, hidden // 2), nn.SiLU(), nn.Linear(hidden // 2, 1))
 
@@ -272,6 +285,13 @@ def collate(items):
             "batch": torch.cat(batch), "n_atoms": torch.tensor(n, dtype=torch.float32),
             "cell": torch.stack(cells), "energy": torch.stack(e), "forces": torch.cat(f),
             "stress": torch.stack(s), "stress_weight": torch.stack(w)}
+
+
+def avg_num_neighbors(items, cutoff: float) -> float:
+    """MACE's ``compute_avg_num_neighbors`` over the training set: pairs within ``cutoff``
+    per atom, counted from the positions."""
+    pairs = sum(int((torch.pdist(it[1]) < cutoff).sum()) * 2 for it in items if len(it[1]) > 1)
+    return pairs / sum(len(it[0]) for it in items)
 
 
 def loader(plant: str, bad_step: int, bad: int, steps: int = 4, per_batch: int = 4):

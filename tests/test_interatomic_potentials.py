@@ -86,6 +86,24 @@ def test_self_edge_names_the_bessel_basis_0_by_0_in_its_structure(tmp_path):
     assert "0 by 0" in rep["hint"] and "skip the rows where it is 0" in rep["hint"], rep["hint"]
 
 
+def test_a_where_guarded_bessel_basis_names_the_dropped_0_by_0_and_the_double_where(tmp_path):
+    """The same self-edge under a basis "made safe" by its limit at r = 0,
+    torch.where(r > 0, sin(w r) / r, w): the energy is finite, but the forces' autograd.grad
+    runs DivBackward0 through the dropped branch, 0 times 0/0. The report named the div and
+    said to skip the rows where r is 0, which the where already does; now it says the
+    forward dropped that NaN, the derivative still runs it, and to make the input safe
+    before the op (the double where)."""
+    ev, rep = fire("self_edge", tmp_path, kw={"basis": "sinc_limit"})
+    assert (ev["phase"], ev["samples"]) == ("forward", [BAD]), ev
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["source"], o["samples"], rep["cause"]) == (
+        "forward", "basis", "aten.div", line_of("safe = torch.where(rr > 0, numerator / rr"),
+        [BAD], "invalid"), rep
+    assert "the forward dropped that NaN before 'basis' returned" in rep["hint"], rep["hint"]
+    assert "the double where" in rep["hint"], rep["hint"]
+    assert "skip the rows where it is 0" not in rep["hint"], rep["hint"]
+
+
 def test_a_structure_with_no_atoms_names_the_per_atom_energy_and_the_empty_graph(tmp_path):
     """A frame whose atoms a filter removed stays in the batch as a structure of 0 atoms: its
     energy is a sum over nothing and the per-atom error (pred - e) / n_atoms is 0/0. The
@@ -160,6 +178,26 @@ def test_float16_repulsion_of_a_close_pair_names_the_cast_and_overflow(tmp_path)
     assert "beyond float16's largest value" in rep["hint"], rep["hint"]
     assert "compute this op in float32" in rep["hint"], rep["hint"]
     assert "dropped" not in rep["hint"] and "double where" not in rep["hint"], rep["hint"]
+
+
+def test_avg_num_neighbors_of_0_names_the_setting_not_the_data(tmp_path):
+    """MACE's avg_num_neighbors, computed from the training set with the cutoff in nm (0.4)
+    where the positions are in Angstrom, is 0: every message sum is divided by 0 at step 0.
+    The report names the division in the first interaction, every structure, and the
+    setting, a Python number, as what to fix (not an eps in the data)."""
+    avg = M.avg_num_neighbors(M.dataset("none", K, BAD), 0.4)
+    assert avg == 0.0
+    with pytest.raises(NonFiniteError) as info:
+        train("none", tmp_path, kw={"avg_num_neighbors": avg})
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "forward", "interactions.0"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["source"], o["samples"], rep["cause"]) == (
+        "forward", "interactions.0", "aten.div", line_of("/ self.avg_num_neighbors"),
+        [0, 1, 2, 3], "invalid"), rep
+    assert "the divisor is a Python number" in rep["hint"], rep["hint"]
+    assert "find the setting that made it 0" in rep["hint"], rep["hint"]
 
 
 @pytest.mark.parametrize("kw,stress", [({}, False), ({"basis": "gaussian"}, True)])
