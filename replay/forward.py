@@ -48,6 +48,7 @@ from .recurrence import add_line_note
 from .rerun import Runner
 from .returned_fill import returned_fill
 from .run_result import Run
+from .self_edges import self_edge_hint
 from .self_pairs import self_pair_hint
 from .signed_weights import signed_weights_hint
 from .singular_inverse import singular_inverse_hint
@@ -155,7 +156,8 @@ def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin,
     # (an exp's overflow inside a softplus by hand, or of a chunk's exp(-cumsum))
     hint = exp_overflow_hint(runner, hint, cause.name, hit)
     # (then in the forces' backward, where the model's output does not hold it)
-    return dropped_branch_hint(hint, hit, finder.first_nan, run, o, finder.differentiated)
+    hint = dropped_branch_hint(hint, hit, finder.first_nan, run, o, finder.differentiated)
+    return self_edge_hint(hint, cause.name, hit, step, o.micro_batch)  # (i == j in edge_index)
 
 
 def _node_of(runner: Runner, o, hit) -> tuple[str, str | None, str] | None:

@@ -73,7 +73,9 @@ def step_k(plant: str) -> dict:
 def test_self_edge_names_the_bessel_basis_0_by_0_in_its_structure(tmp_path):
     """An image search over periodic shifts that forgot the zero shift leaves each atom's pair
     with itself in one structure's neighbour list: its length is 0 and NequIP's Bessel basis
-    sin(w r / r_max) / r is 0/0 in the forward."""
+    sin(w r / r_max) / r is 0/0 in the forward. The report said to add an eps or skip the
+    rows; now it says the rows are the self-edges of the edge list and to drop them where
+    the list is built."""
     b = step_k("self_edge")
     s, r = b["edge_index"]
     assert sorted(set(b["batch"][s[s == r]].tolist())) == [BAD]
@@ -83,7 +85,9 @@ def test_self_edge_names_the_bessel_basis_0_by_0_in_its_structure(tmp_path):
     assert (o["phase"], o["module"], o["op"], o["source"], o["samples"], o["batch_size"],
             rep["cause"]) == ("forward", "basis", "aten.div", line_of("(numerator / r[:, None])"),
                               [BAD], 4, "invalid"), rep
-    assert "0 by 0" in rep["hint"] and "skip the rows where it is 0" in rep["hint"], rep["hint"]
+    assert "0 by 0" in rep["hint"], rep["hint"]
+    assert "its rows are exactly the self-edges of the edge list args[2]" in rep["hint"]
+    assert "args[2][:, args[2][0] != args[2][1]]" in rep["hint"], rep["hint"]
 
 
 def test_a_where_guarded_bessel_basis_names_the_dropped_0_by_0_and_the_double_where(tmp_path):
@@ -102,6 +106,7 @@ def test_a_where_guarded_bessel_basis_names_the_dropped_0_by_0_and_the_double_wh
     assert "the forward dropped that NaN before 'basis' returned" in rep["hint"], rep["hint"]
     assert "the double where" in rep["hint"], rep["hint"]
     assert "skip the rows where it is 0" not in rep["hint"], rep["hint"]
+    assert "self-edges of the edge list args[2]" in rep["hint"], rep["hint"]
 
 
 def test_a_structure_with_no_atoms_names_the_per_atom_energy_and_the_empty_graph(tmp_path):

@@ -1,0 +1,55 @@
+"""A pole exactly at the self-edges of a neighbour list: each atom paired with itself.
+
+Message passing over a graph batch takes an edge list from the data pipeline,
+``edge_index (2, E)`` of (sender, receiver) node ids (PyG's, SchNetPack's ``_idx_j``/
+``_idx_i``). An image search over periodic shifts that keeps the zero shift, or a
+``radius_graph(loop=True)``, leaves an edge from each atom to itself: its vector is 0, its
+length 0, and a radial basis ``sin(w r) / r`` or a unit vector ``vec / r`` is 0/0 there. The
+cause said to add an eps or skip the rows; but the rows are edges that should not exist, and
+an eps would give each atom a message from itself. :func:`self_edge_hint` says so when the
+op's non-finite rows are exactly the edges of an integer root input, (2, E) or (E, 2), whose
+two ids are equal, and none other: drop them where the list is built.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from recorder.capture import batch_path
+
+from .load import Step
+from .recorded import n_args
+
+
+def self_edge_hint(hint: str | None, cause: str | None, hit, step: Step, mb: int) -> str | None:
+    """``hint`` with the self-edges of an edge-list root input named, for an ``invalid`` op
+    whose non-finite rows are exactly those edges."""
+    ev = None if hit is None else hit.evidence
+    if hint is None or cause != "invalid" or ev is None or ev.bad.dim() < 1 \
+            or mb >= len(step.micro_batches) or not bool(ev.bad.any()):
+        return hint
+    rows = ev.bad.reshape(ev.bad.shape[0], -1).any(1).cpu()
+    entry = step.micro_batches[mb]
+    count = n_args(entry.get("inputs"))
+    for key, raw in (entry.get("paths") or {}).items():
+        ends = _ends(step.tensors.get(key), len(rows))
+        if ends is not None and bool((ends[0] == ends[1]).eq(rows).all()):
+            name = batch_path(raw, count)
+            return (f"{hint}; but its rows are exactly the self-edges of the edge list "
+                    f"{name}, whose two node ids are equal there (each atom paired with "
+                    "itself: an image search over periodic shifts that kept the zero shift, "
+                    "radius_graph(loop=True)), no degenerate record and no place for an eps: "
+                    f"drop them where the list is built ({name}[:, {name}[0] != {name}[1]])")
+    return hint
+
+
+def _ends(t, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The two id rows of an integer edge list of ``n`` edges, (2, n) or (n, 2)."""
+    if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() \
+            or t.dtype == torch.bool or t.dim() != 2 or n < 2:
+        return None
+    if t.shape == (2, n):
+        return t[0].cpu(), t[1].cpu()
+    if t.shape == (n, 2):
+        return t[:, 0].cpu(), t[:, 1].cpu()
+    return None
