@@ -7,8 +7,9 @@ Message passing over a graph batch takes an edge list from the data pipeline,
 length 0, and a radial basis ``sin(w r) / r`` or a unit vector ``vec / r`` is 0/0 there. The
 cause said to add an eps or skip the rows; but the rows are edges that should not exist, and
 an eps would give each atom a message from itself. :func:`self_edge_hint` says so when the
-op's non-finite rows are exactly the edges of an integer root input, (2, E) or (E, 2), whose
-two ids are equal, and none other: drop them where the list is built.
+op's non-finite rows are exactly the edges of an integer root input, (2, E) or (E, 2), or of
+two vectors of E ids (SchNetPack's ``_idx_i``, ``_idx_j``), whose two ids are equal, and none
+other: drop them where the list is built.
 """
 
 from __future__ import annotations
@@ -31,16 +32,31 @@ def self_edge_hint(hint: str | None, cause: str | None, hit, step: Step, mb: int
     rows = ev.bad.reshape(ev.bad.shape[0], -1).any(1).cpu()
     entry = step.micro_batches[mb]
     count = n_args(entry.get("inputs"))
-    for key, raw in (entry.get("paths") or {}).items():
-        ends = _ends(step.tensors.get(key), len(rows))
+    named = [(batch_path(raw, count), step.tensors.get(key))
+             for key, raw in (entry.get("paths") or {}).items()]
+    for name, t in named:
+        ends = _ends(t, len(rows))
         if ends is not None and bool((ends[0] == ends[1]).eq(rows).all()):
-            name = batch_path(raw, count)
-            return (f"{hint}; but its rows are exactly the self-edges of the edge list "
-                    f"{name}, whose two node ids are equal there (each atom paired with "
-                    "itself: an image search over periodic shifts that kept the zero shift, "
-                    "radius_graph(loop=True)), no degenerate record and no place for an eps: "
-                    f"drop them where the list is built ({name}[:, {name}[0] != {name}[1]])")
+            return hint + _said(f"the edge list {name}", f"{name}[:, {name}[0] != {name}[1]]")
+    # (the two ends as two vectors of E ids: SchNetPack's _idx_i and _idx_j)
+    ids = [(name, t.cpu()) for name, t in named if _ids(t, len(rows))]
+    for k, (a, ta) in enumerate(ids):
+        for b, tb in ids[k + 1:]:
+            if bool((ta == tb).eq(rows).all()):
+                return hint + _said(f"the edge ends {a} and {b}", f"keep = {a} != {b}")
     return hint
+
+
+def _said(edges: str, keep: str) -> str:
+    return (f"; but its rows are exactly the self-edges of {edges}, whose two node ids are "
+            "equal there (each atom paired with itself: an image search over periodic shifts "
+            "that kept the zero shift, radius_graph(loop=True)), no degenerate record and no "
+            f"place for an eps: drop them where the list is built ({keep})")
+
+
+def _ids(t, n: int) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == n and n >= 2 \
+        and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
 
 
 def _ends(t, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 
 import interatomic_potentials_models as M
+import molecule_models as Mol
 import pytest
 import torch
 from bundles import nanreplay_json, source_line
@@ -88,6 +89,36 @@ def test_self_edge_names_the_bessel_basis_0_by_0_in_its_structure(tmp_path):
     assert "0 by 0" in rep["hint"], rep["hint"]
     assert "its rows are exactly the self-edges of the edge list args[2]" in rep["hint"]
     assert "args[2][:, args[2][0] != args[2][1]]" in rep["hint"], rep["hint"]
+
+
+def test_self_edges_in_schnetpacks_index_vectors_are_named_too(tmp_path):
+    """SchNetPack's inputs dict carries the neighbour list as two vectors, ``_idx_i`` and
+    ``_idx_j``; a neighbour list that kept each atom of molecule 3 paired with itself makes
+    DimeNet's Bessel basis 0/0 there. The report names both vectors as the edge ends whose ids
+    are equal and to keep the pairs where they differ."""
+    kw = {"basis": "bessel"}
+    model = Mol.make_schnetpack(**kw)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = Mol.SchNetPackLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, factory_kwargs=kw,
+                            factory="molecule_models:make_schnetpack"):
+            for step, (z, pos, batch, e, f) in enumerate(Mol.batches("none", K, 3)):
+                inputs = Mol.schnetpack_collate(z, pos, batch, e, f)
+                if step == K:  # (molecule 3's atoms, each its own neighbour)
+                    atoms = torch.nonzero(batch == 3).flatten()
+                    inputs["_idx_i"] = torch.cat([inputs["_idx_i"], atoms])
+                    inputs["_idx_j"] = torch.cat([inputs["_idx_j"], atoms])
+                opt.zero_grad()
+                crit(model(inputs), {k: inputs[k] for k in ("energy", "forces")}).backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["samples"]) == (K, [3]), info.value.event
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == (
+        "rbf", "aten.div", [3], "invalid"), rep
+    assert 'self-edges of the edge ends batch["_idx_i"] and batch["_idx_j"]' in rep["hint"]
+    assert 'keep = batch["_idx_i"] != batch["_idx_j"]' in rep["hint"], rep["hint"]
 
 
 def test_a_where_guarded_bessel_basis_names_the_dropped_0_by_0_and_the_double_where(tmp_path):
