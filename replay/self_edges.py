@@ -9,7 +9,8 @@ cause said to add an eps or skip the rows; but the rows are edges that should no
 an eps would give each atom a message from itself. :func:`self_edge_hint` says so when the
 op's non-finite rows are exactly the edges of an integer root input, (2, E) or (E, 2), or of
 two vectors of E ids (SchNetPack's ``_idx_i``, ``_idx_j``), whose two ids are equal, and none
-other: drop them where the list is built.
+other: drop them where the list is built. Where instead the two ends are different nodes whose
+positions (a float root input, ``(N, 3)``) are equal there, it names the duplicated nodes.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ def self_edge_hint(hint: str | None, cause: str | None, hit, step: Step, mb: int
     count = n_args(entry.get("inputs"))
     named = [(batch_path(raw, count), step.tensors.get(key))
              for key, raw in (entry.get("paths") or {}).items()]
-    for name, t in named:
-        ends = _ends(t, len(rows))
-        if ends is not None and bool((ends[0] == ends[1]).eq(rows).all()):
+    lists = [(name, ends) for name, t in named if (ends := _ends(t, len(rows))) is not None]
+    for name, (a, b) in lists:
+        if bool((a == b).eq(rows).all()):
             return hint + _said(f"the edge list {name}", f"{name}[:, {name}[0] != {name}[1]]")
     # (the two ends as two vectors of E ids: SchNetPack's _idx_i and _idx_j)
     ids = [(name, t.cpu()) for name, t in named if _ids(t, len(rows))]
@@ -44,6 +45,23 @@ def self_edge_hint(hint: str | None, cause: str | None, hit, step: Step, mb: int
         for b, tb in ids[k + 1:]:
             if bool((ta == tb).eq(rows).all()):
                 return hint + _said(f"the edge ends {a} and {b}", f"keep = {a} != {b}")
+            lists.append((f"{a} and {b}", (ta, tb)))
+    return _coincident(hint, rows, lists, named)
+
+
+def _coincident(hint: str, rows: torch.Tensor, lists, named) -> str:
+    """``hint`` with the node positions named whose rows are equal at the two ends of exactly
+    the op's non-finite edges: two nodes at one place (a duplicated atom)."""
+    for edges, (a, b) in lists:
+        for name, t in named:
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() == 2 \
+                    and t.shape[0] > int(max(a.max(), b.max())) and t.shape[1] <= 3:
+                x = t.detach().cpu()
+                if bool(((x[a] == x[b]).all(-1) & (a != b)).eq(rows).all()):
+                    return (f"{hint}; but its rows are exactly the edges ({edges}) between two "
+                            f"different nodes at one position in {name} (an atom written "
+                            "twice, by a format conversion or a merge of frames), no place "
+                            "for an eps: remove the duplicated nodes where the data is made")
     return hint
 
 

@@ -240,7 +240,8 @@ def dataset(plant: str, bad_step: int, bad: int, steps: int = 4, per_batch: int 
     ``"stale"``, an MD frame whose neighbour list (of the first frame, built at r_max + a
     1 Angstrom skin) was not rebuilt after an atom moved 1.3 r_max away; ``"molecule"``, every
     other structure is a crystal, this one a molecule (no cell, no stress label); ``"close"``,
-    two of its atoms 0.1 Angstrom apart; ``"crystals"``, every structure periodic. Each item
+    two of its atoms 0.1 Angstrom apart, ``"coincident"``, at one position (a duplicated atom
+    of a format conversion); ``"crystals"``, every structure periodic. Each item
     is (z, pos, edges, cell, energy, forces, stress, stress_weight)."""
     g = torch.Generator().manual_seed(3)
     items = []
@@ -256,9 +257,9 @@ def dataset(plant: str, bad_step: int, bad: int, steps: int = 4, per_batch: int 
             if here and plant == "stale":
                 pos = pos.clone()
                 pos[0] = pos[1] + torch.tensor([1.3 * R_MAX, 0.0, 0.0])
-            if here and plant == "close":
+            if here and plant in ("close", "coincident"):
                 pos = pos.clone()
-                pos[1] = pos[0] + torch.tensor([0.1, 0.0, 0.0])
+                pos[1] = pos[0] + torch.tensor([0.1 if plant == "close" else 0.0, 0.0, 0.0])
             e, f, s = reference(z, pos, cell)
             items.append((z, pos, edges, cell, e, f, s, torch.tensor(float(periodic))))
     return items

@@ -91,6 +91,23 @@ def test_self_edge_names_the_bessel_basis_0_by_0_in_its_structure(tmp_path):
     assert "args[2][:, args[2][0] != args[2][1]]" in rep["hint"], rep["hint"]
 
 
+def test_a_duplicated_atom_names_the_positions_not_a_self_edge(tmp_path):
+    """Two different atoms of one structure at one position (a format conversion wrote one
+    twice): their pair's length is 0 and the Bessel basis is 0/0 on those two edges. The
+    report names the positions, args[1], as holding a duplicated node, and not the edge list
+    as holding self-edges."""
+    b = step_k("coincident")
+    s, r = b["edge_index"]
+    zero = (b["pos"][s] == b["pos"][r]).all(-1)
+    assert bool((s[zero] != r[zero]).all()) and sorted(set(b["batch"][s[zero]].tolist())) == [BAD]
+    ev, rep = fire("coincident", tmp_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == (
+        "forward", "basis", "aten.div", [BAD], "invalid"), rep
+    assert "between two different nodes at one position in args[1]" in rep["hint"], rep["hint"]
+    assert "self-edges" not in rep["hint"], rep["hint"]
+
+
 def test_self_edges_in_schnetpacks_index_vectors_are_named_too(tmp_path):
     """SchNetPack's inputs dict carries the neighbour list as two vectors, ``_idx_i`` and
     ``_idx_j``; a neighbour list that kept each atom of molecule 3 paired with itself makes
