@@ -210,6 +210,22 @@ def test_stress_of_a_molecule_among_crystals_names_the_volume_and_no_counts(tmp_
     assert "hold no counts" not in rep["hint"] and "min_counts" not in rep["hint"], rep["hint"]
 
 
+def test_maces_stress_guard_leaves_the_molecules_0_volume_to_the_backward(tmp_path):
+    """MACE's guard, torch.where(|stress| < 1e10, stress, 0), keeps the molecule's stress
+    finite in the forward, but the loss's backward runs DivBackward0 of the where's 0
+    gradient by the volume 0: 0/0 in the parameters' gradients. The report names that node
+    on the stress's line, the molecule, and the double where."""
+    kw = {"stress_guard": True}
+    ev, rep = fire("molecule", tmp_path, kw=kw, stress=True)
+    assert ev["phase"] == "backward", ev
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["source"], o["samples"], rep["cause"]) == (
+        "backward", "", "DivBackward0", line_of('out["stress"] = grads[1] / volume'), [BAD],
+        "invalid"), rep
+    assert "still sends the gradient through both branches" in rep["hint"], rep["hint"]
+    assert "torch.where(mask, x, 1)" in rep["hint"], rep["hint"]
+
+
 def test_float16_repulsion_of_a_close_pair_names_the_cast_and_overflow(tmp_path):
     """Under float16 autocast the learned (sigma / r)^12 repulsion of two atoms 0.1 Angstrom
     apart is 2e10 in float32, cast to float16 where the atomic energies are: +inf, and the
