@@ -22,10 +22,10 @@ def dropped_branch_hint(hint: str | None, hit, end, run=None, o=None,
     dropped it (a float16 energy that overflowed, whose forces' backward then made NaN). A
     NaN ``hit`` made inside call ``o`` that returned finite outputs was dropped there too,
     where a backward node ran after it (``differentiated``)."""
-    if hint is None or hit is None or hit.node is not None or hit.intentional:
+    if hint is None or hit is None or hit.node is not None:
         return hint
-    if hit.made == "nan" and differentiated and o is not None and o.outputs_finite \
-            and not o.in_backward:
+    if hit.made == "nan" and differentiated and not hit.intentional and o is not None \
+            and o.outputs_finite and not o.in_backward:
         return _said(hint, hit, f"the forward dropped that NaN before '{o.module}' returned "
                      "(its outputs are finite: torch.where, masked_fill), but the derivative "
                      "it takes itself", f"{hit.op}'s derivative, NaN there too, by the dropped "
