@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .compat import tree_leaves
+from .compat import running_node, tree_leaves
 from .dispatch import run_op
 from .recurring import widen_rows
 
@@ -23,6 +23,7 @@ from .recurring import widen_rows
 def after_origin(f: Any, func, args, kwargs):
     """An op after the NaN origin of ``f`` (an :class:`~replay.ops.OpFinder`): run, the rows
     it made non-finite widened (:func:`~replay.recurring.widen_rows`), its comparison noted."""
+    f.differentiated = f.differentiated or running_node() is not None
     out = widen_rows(f, func, args, kwargs, run_op(func, args, kwargs), early=True)
     return note_compared(f, func, args, kwargs, out)
 

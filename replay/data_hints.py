@@ -9,8 +9,8 @@ entries a mask's 0 then met (``replay.masked_overflow``); an overflow of an op
 that took the loss's data alone (``replay.data_overflow``); the samples a loss argument of a
 value per pair or group reaches (``replay.grouped_arg``); a loss made non-finite by a
 micro-batch of one sample (``replay.single_sample``); a 0/0 over records with nothing in them
-(``replay.empty_records``), or a log's pole over records whose counts are all 0
-(``replay.empty_counts``); a 0/0 of a feature the batch holds constant
+(``replay.empty_records``), or over graphs with no node (``replay.empty_graphs``), or a log's
+pole over records whose counts are all 0 (``replay.empty_counts``); a 0/0 of a feature the batch holds constant
 (``replay.constant_columns``); a number attribute the loop grew past the step's type
 (``replay.grown_number``); an overflow of a batch whose columns are in other units
 (``replay.column_scale``); the attribute holding a NaN number an op was given
@@ -31,6 +31,7 @@ from .data_scale import data_scale_hint
 from .domain_outliers import domain_outlier_hint
 from .edge_probability import edge_probability_hint
 from .empty_counts import empty_counts_hint
+from .empty_graphs import empty_graphs_hint
 from .empty_records import empty_records_hint
 from .grouped_arg import grouped_arg_hint
 from .grown_number import grown_number_hint
@@ -57,6 +58,7 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     grouped_arg_hint(report, step)  # (a preference pair's NaN rating gap: the pair's rows)
     single_sample_hint(report, step)  # (InfoLOOB's negatives of a last batch of one)
     empty_records_hint(report, step)  # (a per-line mean over an empty stroke file's mask)
+    empty_graphs_hint(report, step)  # (a per-atom energy of a structure with no atoms)
     empty_counts_hint(report, step)  # (log of a library size of a cell with no counts)
     constant_columns_hint(report, step)  # (x.std(0) of a gene no cell of the batch expresses)
     grown_number_hint(report, step)  # (an augmented Lagrangian's rho past float32's range)

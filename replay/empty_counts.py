@@ -61,11 +61,14 @@ def empty_counts_hint(report: dict[str, Any], step: Step) -> None:
 
 
 def _empty_in(t: torch.Tensor, d: int, rows: list[int]) -> bool:
-    """``t`` is non-negative and not 0/1 data, all 0 in ``rows``, not in any other row."""
+    """``t`` holds counts (non-negative integers) and is not 0/1 data, all 0 in ``rows``, not
+    in any other row."""
     if max(rows) >= t.shape[d] or len(rows) >= t.shape[d]:
         return False
     x = t.detach().movedim(d, 0).reshape(t.shape[d], -1)
-    if not bool((x >= 0).all()) or bool(((x == 0) | (x == 1)).all()):
+    # (a crystal's cell beside a molecule's zeros is no count: its volume, not a total, is 0)
+    if not bool((x >= 0).all()) or bool(((x == 0) | (x == 1)).all()) \
+            or not bool((x == x.round()).all()):
         return False
     some = x.ne(0).any(1)
     named = torch.zeros_like(some)

@@ -48,6 +48,7 @@ from .recurrence import add_line_note
 from .rerun import Runner
 from .returned_fill import returned_fill
 from .run_result import Run
+from .self_edges import self_edge_hint
 from .self_pairs import self_pair_hint
 from .signed_weights import signed_weights_hint
 from .singular_inverse import singular_inverse_hint
@@ -118,7 +119,7 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     # event's call: older ones did when a call enclosing it made the infinity its inputs held)
     reproduced = _matches(step, origin) or _matches(step, {"module": recorded.module}) \
         or (trigger is not None and _matches(step, {"module": trigger.module}))
-    hint = _hint(step, runner, finder, o, cause, (hit, node), origin)
+    hint = _hint(step, runner, finder, o, cause, (hit, node), origin, run)
     return add_line_note(finish(report, origin, cause.name, reproduced=reproduced, hint=hint), vals)
 
 
@@ -135,7 +136,8 @@ def _bisect(runner: Runner, run: Run, o, nan_only: bool) -> dict[str, Any]:
             "limit": _log2_ceil(n_calls) + 1}
 
 
-def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin) -> str | None:
+def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin,
+          run: Run) -> str | None:
     """The forward origin's hint: the cause's, with what the op took (a parameter, a table),
     the backward node running it, a raw pole, a log-sum-exp, a log(1 + x) or softplus by
     hand, an inverse of a singular matrix, an exp of a cumulative sum."""
@@ -153,7 +155,9 @@ def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin)
     hint = singular_inverse_hint(runner, hint, cause.name, hit)  # (made of a singular's inverse)
     # (an exp's overflow inside a softplus by hand, or of a chunk's exp(-cumsum))
     hint = exp_overflow_hint(runner, hint, cause.name, hit)
-    return dropped_branch_hint(hint, hit, finder.first_nan)  # (then in the forces' backward)
+    # (then in the forces' backward, where the model's output does not hold it)
+    hint = dropped_branch_hint(hint, hit, finder.first_nan, run, o, finder.differentiated)
+    return self_edge_hint(hint, cause.name, hit, step, o.micro_batch)  # (i == j in edge_index)
 
 
 def _node_of(runner: Runner, o, hit) -> tuple[str, str | None, str] | None:

@@ -168,6 +168,7 @@ class OpFinder:
         # whose only non-finite inputs are views of one passes on an intended infinity
         self.mask_buffers = mask_buffers or {}
         self.first_nan: OpHit | None = None
+        self.differentiated = False  # (a backward node ran after the origin: forces' autograd.grad)
         # kinds not taken for first (a NaN, when a backward node saved an infinity)
         self.passed_kinds: tuple[str, ...] = ()
         self.picked: OpHit | None = None  # an index op that took a fill's +-inf (picked_fill)
