@@ -1,37 +1,41 @@
-"""Samples whose model input is all 0, where an op hit its pole or left its domain on those
-samples alone.
+"""Samples whose model input or loss data is all 0, where an op hit its pole or left its
+domain on those samples alone.
 
 A metric depth head scaled by each camera's focal length (``depth * focal / f0``, the focal
 an extra ``forward`` argument) outputs 0 for an image whose intrinsics were never filled
-(focal 0), and the loss's ``log(pred)`` is -inf on that image; a blank frame (0 after
-normalisation) does the same through a bias-free tower. The op's advice (clamp its input, an
-eps) would train on a record holding nothing; the hint names the input and the samples, so
-the user fixes or filters the record where the data is made. Non-negative data of several
+(focal 0), and the loss's ``log(pred)`` is -inf on that image; AdaBins' chamfer loss
+between the bins and a LiDAR frame with no point averages over none (0/0). The op's advice
+(clamp its input, an eps) would train on a record holding nothing; the hint names the
+tensor and the samples, so the user fixes or filters the record where the data is made. Non-negative data of several
 entries a sample (counts) is :mod:`replay.empty_counts`', 0/1 masks
 :mod:`replay.empty_records`'; a hint that names the data already gains nothing here."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from recorder.capture import loss_path
+
 from .drop import undroppable
 from .empty_counts import root_inputs
 from .load import Step
+from .recorded import samples
 
-_SAID = ("Sample(s) ", "sample(s) ", "nothing is to drop")  # (the data is named already)
+# (the data is named already, or said to be none of a record's)
+_SAID = ("Sample(s) ", "sample(s) ", "nothing is to drop", "--try drop=")
 
 
 def zero_records_hint(report: dict[str, Any], step: Step) -> None:
-    """Append the model input all 0 in exactly the samples of an ``invalid`` origin."""
+    """Append the data all 0 in exactly the samples of an ``invalid`` origin."""
     o, hint = report.get("origin") or {}, report.get("hint") or ""
     rows, mb = o.get("samples") or [], o.get("micro_batch") or 0
     if report.get("cause") != "invalid" or not rows or o.get("all_samples") or not hint \
             or any(said in hint for said in _SAID):
         return
-    name = next((name for name, t, d in root_inputs(step, mb, scalars=True)
-                 if _zero_in(t, d, rows)), None)
+    name = next((name for name, t, d in _records(step, mb) if _zero_in(t, d, rows)), None)
     if name is None:
         return
     which = ",".join(str(r) for r in rows)
@@ -42,6 +46,19 @@ def zero_records_hint(report: dict[str, Any], step: Step) -> None:
         "sample: a blank record (a camera intrinsic never filled, an empty frame) drove the op "
         "there, which an eps would only hide as a wrong value; fix or filter such records "
         f"where the data is made{how}")
+
+
+def _records(step: Step, mb: int) -> Iterator[tuple[str, torch.Tensor, int]]:
+    """(readable name, tensor, sample dim): the floating model inputs, then the loss's
+    arguments that are data (a depth map; not made of the model output)."""
+    yield from root_inputs(step, mb, scalars=True)
+    entry, where = step.micro_batches[mb], samples(step, mb)
+    made = set(entry.get("loss_grad_args") or ())
+    for key, raw in (entry.get("loss_paths") or {}).items():
+        t = step.tensors.get(key)
+        if key not in made and isinstance(t, torch.Tensor) and t.is_floating_point() \
+                and t.numel() and (d := where.dim(t)) is not None:
+            yield loss_path(raw), t, d
 
 
 def _zero_in(t: torch.Tensor, d: int, rows: list[int]) -> bool:
