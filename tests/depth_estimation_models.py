@@ -67,6 +67,36 @@ class DepthNet(nn.Module):
         return depth
 
 
+class AdaBins(DepthNet):
+    """AdaBins' head on the U-Net: ``n_bins`` bin widths per image from the pooled features
+    (softmax, then ``min_depth`` + cumsum), per-pixel probabilities over the bins, depth the
+    expectation of the bin centres; ``forward`` returns ``(bin_edges, depth)``."""
+
+    def __init__(self, n_bins: int = 16, min_depth: float = 1e-3, max_depth: float = 20.0,
+                 width: int = 8):
+        super().__init__(width=width, max_depth=max_depth)
+        self.min_depth, self.head = min_depth, nn.Conv2d(width, n_bins, 1)
+        self.regressor = nn.Sequential(nn.Linear(4 * width, 32), nn.LeakyReLU(),
+                                       nn.Linear(32, n_bins))
+
+    def forward(self, img, focal=None):
+        s1 = self.enc1(img)
+        s2 = self.enc2(s1)
+        bottleneck = self.enc3(s2)
+        x = self.up1(self.up2(bottleneck, s2), s1)
+        widths = torch.softmax(self.regressor(bottleneck.mean((2, 3))), 1)
+        widths = F.pad((self.max_depth - self.min_depth) * widths, (1, 0), value=self.min_depth)
+        edges = torch.cumsum(widths, 1)
+        centers = 0.5 * (edges[:, :-1] + edges[:, 1:])
+        p = torch.softmax(self.head(x), 1)
+        return edges, (p * centers[:, :, None, None]).sum(1, keepdim=True)
+
+
+def make_adabins():
+    torch.manual_seed(0)
+    return AdaBins()
+
+
 def make_depthnet():
     torch.manual_seed(0)
     return DepthNet()
@@ -127,6 +157,31 @@ class BerHuLoss(nn.Module):
         return loss.sum() / mask.sum()
 
 
+def bins_chamfer(bin_edges, gt):
+    """AdaBins' chamfer loss between each image's bin centres and its valid depths, written
+    by hand (pytorch3d's ``chamfer_distance`` with ``y_lengths``)."""
+    centers = 0.5 * (bin_edges[:, 1:] + bin_edges[:, :-1])
+    pts = gt.flatten(1)
+    valid = pts >= 1e-3
+    d2 = (centers[:, :, None] - pts[:, None, :]) ** 2
+    to_gt = d2.masked_fill(~valid[:, None, :], float("inf")).amin(2)  # each centre's nearest
+    to_bins = d2.amin(1)  # each point's nearest centre
+    return (to_gt.mean(1) + (to_bins * valid).sum(1) / valid.sum(1)).mean()
+
+
+class AdaBinsLoss(nn.Module):
+    """AdaBins' objective on ``(bin_edges, depth)``: SILog plus ``w_chamfer`` times the
+    bins' chamfer loss."""
+
+    def __init__(self, w_chamfer: float = 0.1):
+        super().__init__()
+        self.silog, self.w_chamfer = SILogLoss(), w_chamfer
+
+    def forward(self, out, gt):
+        bin_edges, pred = out
+        return self.silog(pred, gt) + self.w_chamfer * bins_chamfer(bin_edges, gt)
+
+
 def compute_scale_and_shift(prediction, target, mask, guard: bool = True):
     """MiDaS's closed-form least squares ``min_{s,t} sum mask (s p + t - d)^2`` per image."""
     a_00 = torch.sum(mask * prediction * prediction, (1, 2))
@@ -163,6 +218,40 @@ class ScaleAndShiftInvariantLoss(nn.Module):
         res = (aligned - target) ** 2 * mask
         image_loss = res.sum((1, 2)) / mask.sum((1, 2)).clamp(min=1)
         return image_loss.mean()
+
+
+def gradient_loss(prediction, target, mask):
+    """MiDaS's gradient matching term of one scale, reduced per image by its valid pixels
+    (``reduction_image_based``, written here without MiDaS's ``M.nonzero()`` guard)."""
+    m = torch.sum(mask, (1, 2))
+    diff = mask * (prediction - target)
+    grad_x = torch.abs(diff[:, :, 1:] - diff[:, :, :-1]) * (mask[:, :, 1:] * mask[:, :, :-1])
+    grad_y = torch.abs(diff[:, 1:, :] - diff[:, :-1, :]) * (mask[:, 1:, :] * mask[:, :-1, :])
+    image_loss = torch.sum(grad_x, (1, 2)) + torch.sum(grad_y, (1, 2))
+    return image_loss / m
+
+
+class SSIGradientLoss(ScaleAndShiftInvariantLoss):
+    """MiDaS's full objective: the aligned MSE plus ``alpha`` times gradient matching of the
+    aligned prediction at ``scales`` scales, each taking every ``2**k``-th pixel."""
+
+    def __init__(self, alpha: float = 0.5, scales: int = 4):
+        super().__init__(guard=True)
+        self.alpha, self.scales = alpha, scales
+
+    def forward(self, prediction, depth):
+        data = super().forward(prediction, depth)
+        prediction, depth = prediction[:, 0], depth[:, 0]
+        mask = (depth > 0).to(prediction.dtype)
+        target = torch.where(depth > 0, 1.0 / depth.clamp(min=1e-3), torch.zeros_like(depth))
+        scale, shift = compute_scale_and_shift(prediction, target, mask)
+        aligned = scale.view(-1, 1, 1) * prediction + shift.view(-1, 1, 1)
+        reg = 0.0
+        for k in range(self.scales):
+            s = 2 ** k
+            reg = reg + gradient_loss(aligned[:, ::s, ::s], target[:, ::s, ::s],
+                                      mask[:, ::s, ::s]).mean()
+        return data + self.alpha * reg
 
 
 def smooth_loss(disp, img):

@@ -36,8 +36,9 @@ def train(out_dir, factory, crit, data, *, record=True, accum=1, bf16=False):
     try:
         for i, (img, depth, focal) in enumerate(loader):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                pred = model(img, focal) if model.head_kind == "sigmoid" else model(img)
-            (loss_fn(pred.float(), depth) / accum).backward()
+                pred = model(img, focal) if factory == "make_depthnet" else model(img)
+            pred = tuple(t.float() for t in pred) if isinstance(pred, tuple) else pred.float()
+            (loss_fn(pred, depth) / accum).backward()
             if (i + 1) % accum == 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
@@ -59,7 +60,9 @@ def test_midas_alignment_of_a_frame_without_lidar_points_is_0_by_0_in_its_image(
     """MiDaS's scale-and-shift-invariant loss solves each image's 2x2 least squares in closed
     form; written without MiDaS's ``det != 0`` guard, a frame with no LiDAR point (image 6:
     step 1, row 2) has ``det = 0`` and its scale is 0/0. The report names that division and
-    that image; with the guard the same data trains."""
+    that image; with the guard the same data trains. The NaN then met the mask's 0, and the
+    hint said it lay in entries the loss leaves out by design, "nothing is to drop"; the mask
+    is 0 in every pixel of that image, a frame with no ground truth, which the hint says now."""
     img, depth, focal = M.scenes(16)
     depth[6] = 0
     train(out_dir / "guarded", "make_midas", M.ScaleAndShiftInvariantLoss(guard=True),
@@ -75,6 +78,9 @@ def test_midas_alignment_of_a_frame_without_lidar_points_is_0_by_0_in_its_image(
         ("<loss>", "aten.div", "nan", [2], "invalid"), json.dumps(rep, indent=1)
     assert o["source"] == source_line(MODELS, "x_0 = (a_11 * b_0 - a_01 * b_1) / det"), o
     assert "skip the rows where it is 0" in rep["hint"], rep["hint"]
+    # (not "entries the loss was meant to leave out, nothing to drop": the frame has no point)
+    assert "the mask is 0 in every entry of those samples" in rep["hint"], rep["hint"]
+    assert "nothing is to drop" not in rep["hint"] and "--try drop=2" in rep["hint"]
 
 
 def test_berhu_threshold_of_an_image_without_ground_truth_is_a_pole_under_where(out_dir):
@@ -159,3 +165,45 @@ def test_float16_sum_of_squared_log_errors_overflows_on_the_indoor_scan(out_dir)
         ("<loss>", "aten.sum", "+inf", [1], "float16", "overflow"), json.dumps(rep, indent=1)
     assert o["source"] == source_line(MODELS, "d2 = (d ** 2).sum((1, 2, 3))"), o
     assert "compute this op in float32" in rep["hint"], rep["hint"]
+
+
+def test_gradient_matching_at_a_coarse_scale_with_no_lidar_point_names_the_image(out_dir):
+    """MiDaS's gradient matching over 4 scales, each every ``2**k``-th pixel, reduced per
+    image by its valid pixels without MiDaS's ``M.nonzero()`` guard. Sparse LiDAR covers
+    every image at full resolution, but at stride 8 image 1's 4 remaining pixels hold no
+    point: 0/0 at the first step, in that image only."""
+    img, depth, focal = M.scenes(16)
+    every = [int((depth[i, 0, ::s, ::s] > 0).sum()) for s in (1, 8) for i in range(BS)]
+    assert every[:BS].count(0) == 0 and [i for i in range(BS) if every[BS + i] == 0] == [1]
+    err = raised(out_dir, "make_midas", M.SSIGradientLoss(), (img, depth, focal))
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "loss", "<loss>"), ev
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == \
+        ("<loss>", "aten.div", "nan", [1], "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == source_line(MODELS, "return image_loss / m"), o
+    assert "skip the rows where it is 0" in rep["hint"], rep["hint"]
+
+
+def test_adabins_chamfer_over_a_frame_without_lidar_points_names_the_blank_depth(out_dir):
+    """AdaBins (``forward`` returns ``(bin_edges, depth)``): SILog plus the chamfer loss
+    between each image's bin centres and its valid depths, written by hand. A frame with no
+    LiDAR point (image 6: step 1, row 2) has every centre's nearest point the ``masked_fill``
+    inf (a fill the loss means) and its points' mean is 0/0. The report names the division,
+    that image, and the depth map (the loss's ``loss_args[1]``) as 0 everywhere in it: a
+    record to filter, not an eps to add. Without that frame the run trains."""
+    img, depth, focal = M.scenes(16)
+    train(out_dir / "healthy", "make_adabins", M.AdaBinsLoss(), (img, depth, focal))
+    assert not list((out_dir / "healthy").glob("*.nan"))
+    depth[6] = 0
+    err = raised(out_dir, "make_adabins", M.AdaBinsLoss(), (img, depth, focal))
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (1, "loss", "<loss>"), ev
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == \
+        ("<loss>", "aten.div", "nan", [2], "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == source_line(MODELS, "(to_bins * valid).sum(1) / valid.sum(1)"), o
+    assert "loss_args[1] is 0 everywhere in sample(s) 2" in rep["hint"], rep["hint"]
+    assert "--try drop=2" in rep["hint"], rep["hint"]
