@@ -171,7 +171,8 @@ def test_gradient_matching_at_a_coarse_scale_with_no_lidar_point_names_the_image
     """MiDaS's gradient matching over 4 scales, each every ``2**k``-th pixel, reduced per
     image by its valid pixels without MiDaS's ``M.nonzero()`` guard. Sparse LiDAR covers
     every image at full resolution, but at stride 8 image 1's 4 remaining pixels hold no
-    point: 0/0 at the first step, in that image only."""
+    point: 0/0 at the first step, in that image only. The report named the line, not which
+    of its runs (scales) made the 0/0, as it did for a module's loop; it says run 4 now."""
     img, depth, focal = M.scenes(16)
     every = [int((depth[i, 0, ::s, ::s] > 0).sum()) for s in (1, 8) for i in range(BS)]
     assert every[:BS].count(0) == 0 and [i for i in range(BS) if every[BS + i] == 0] == [1]
@@ -183,6 +184,7 @@ def test_gradient_matching_at_a_coarse_scale_with_no_lidar_point_names_the_image
     assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == \
         ("<loss>", "aten.div", "nan", [1], "invalid"), json.dumps(rep, indent=1)
     assert o["source"] == source_line(MODELS, "return image_loss / m"), o
+    assert o["line_run"] == 4, o  # (the 4th scale, stride 8: said by the loss's re-run)
     assert "skip the rows where it is 0" in rep["hint"], rep["hint"]
 
 
