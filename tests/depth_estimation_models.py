@@ -1,14 +1,18 @@
-"""Monocular depth estimation as BTS, AdaBins, MiDaS and monodepth2 write it, for
+"""Monocular depth estimation as BTS, AdaBins and MiDaS write it, for
 ``test_depth_estimation``.
 
 - ``DepthNet``: a small U-Net (Conv-BN-ReLU encoder, bilinear upsampling with skip
   connections) whose head gives depth as ``max_depth * sigmoid`` (BTS / AdaBins) or a
   softplus disparity (MiDaS's inverse depth, monodepth2's ``disp``), with the camera's focal
   length an extra ``forward`` argument (depth scales with it, as in Metric3D's canonical camera).
+- ``AdaBins``: the same U-Net with AdaBins' adaptive bins (widths per image from the pooled
+  bottleneck, depth the expectation of the bin centres), ``forward`` returning
+  ``(bin_edges, depth)``.
 - Losses over sparse LiDAR ground truth (0 where no point hit): SILog with its variance focus
-  (the log of the whole ground truth taken before the mask picks the valid pixels), berHu with
-  its threshold per image, MiDaS's scale-and-shift-invariant loss (a per-image least-squares
-  alignment solved in closed form), and monodepth2's edge-aware smoothness.
+  (the log of the whole ground truth taken before the mask picks the valid pixels), Eigen's
+  per-image SILog written with masked sums, berHu with its threshold per image, MiDaS's
+  scale-and-shift-invariant loss (a per-image least-squares alignment solved in closed form)
+  with its multi-scale gradient matching, and AdaBins' bins chamfer loss.
 """
 
 from __future__ import annotations
@@ -252,18 +256,6 @@ class SSIGradientLoss(ScaleAndShiftInvariantLoss):
             reg = reg + gradient_loss(aligned[:, ::s, ::s], target[:, ::s, ::s],
                                       mask[:, ::s, ::s]).mean()
         return data + self.alpha * reg
-
-
-def smooth_loss(disp, img):
-    """monodepth2's ``get_smooth_loss`` on the mean-normalised disparity, its gradients
-    weighted by ``exp(-|dI|)`` (edge-aware)."""
-    mean_disp = disp.mean((2, 3), keepdim=True)
-    disp = disp / mean_disp  # monodepth2 adds 1e-7 here
-    gx = (disp[..., :, :-1] - disp[..., :, 1:]).abs()
-    gy = (disp[..., :-1, :] - disp[..., 1:, :]).abs()
-    gx = gx * torch.exp(-(img[..., :, :-1] - img[..., :, 1:]).abs().mean(1, keepdim=True))
-    gy = gy * torch.exp(-(img[..., :-1, :] - img[..., 1:, :]).abs().mean(1, keepdim=True))
-    return gx.mean() + gy.mean()
 
 
 # ---------------------------------------------------------------------------------------------
