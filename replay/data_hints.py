@@ -10,7 +10,9 @@ that took the loss's data alone (``replay.data_overflow``); the samples a loss a
 value per pair or group reaches (``replay.grouped_arg``); a loss made non-finite by a
 micro-batch of one sample (``replay.single_sample``); a 0/0 over records with nothing in them
 (``replay.empty_records``), or over graphs with no node (``replay.empty_graphs``), or a log's
-pole over records whose counts are all 0 (``replay.empty_counts``); a 0/0 of a feature the batch holds constant
+pole over records whose counts are all 0 (``replay.empty_counts``); a pole or domain edge on
+samples whose model input is all 0 (``replay.zero_records``); a 0/0 of a feature the batch
+holds constant
 (``replay.constant_columns``); a number attribute the loop grew past the step's type
 (``replay.grown_number``); an overflow of a batch whose columns are in other units
 (``replay.column_scale``); the attribute holding a NaN number an op was given
@@ -43,6 +45,7 @@ from .massless_rows import massless_rows_hint
 from .nan_attribute import nan_attribute_hint
 from .other_inputs import other_inputs_note
 from .single_sample import single_sample_hint
+from .zero_records import zero_records_hint
 
 
 def data_hints(report: dict[str, Any], step: Step) -> None:
@@ -60,6 +63,7 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     empty_records_hint(report, step)  # (a per-line mean over an empty stroke file's mask)
     empty_graphs_hint(report, step)  # (a per-atom energy of a structure with no atoms)
     empty_counts_hint(report, step)  # (log of a library size of a cell with no counts)
+    zero_records_hint(report, step)  # (a metric depth scaled by a focal length left at 0)
     constant_columns_hint(report, step)  # (x.std(0) of a gene no cell of the batch expresses)
     grown_number_hint(report, step)  # (an augmented Lagrangian's rho past float32's range)
     column_scale_hint(report, step)  # (a variable in millimetres among metres: NOTEARS' X)

@@ -25,8 +25,10 @@ from .recorded import n_args, samples
 _POLES = ("of 0 (log", "by 0 (x/0", "of 0 by 0")  # (a log's pole, a division's)
 
 
-def root_inputs(step: Step, mb: int) -> Iterator[tuple[str, torch.Tensor, int]]:
-    """(readable name, tensor, sample dim) of micro-batch ``mb``'s floating root inputs."""
+def root_inputs(step: Step, mb: int, scalars: bool = False
+                ) -> Iterator[tuple[str, torch.Tensor, int]]:
+    """(readable name, tensor, sample dim) of micro-batch ``mb``'s floating root inputs;
+    ``scalars``: also those holding one value per sample (a focal length)."""
     if mb >= len(step.micro_batches):
         return
     entry, where = step.micro_batches[mb], samples(step, mb)
@@ -34,7 +36,7 @@ def root_inputs(step: Step, mb: int) -> Iterator[tuple[str, torch.Tensor, int]]:
     for key, raw in (entry.get("paths") or {}).items():
         t = step.tensors.get(key)
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() \
-                and (d := where.dim(t)) is not None and t.numel() > t.shape[d]:
+                and (d := where.dim(t)) is not None and (scalars or t.numel() > t.shape[d]):
             yield batch_path(raw, count), t, d
 
 

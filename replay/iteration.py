@@ -18,6 +18,7 @@ import torch
 from .compat import TorchDispatchMode
 from .dispatch import run_op
 from .errors import StopRun
+from .load import autocast_as_recorded
 from .source import user_source
 
 # a line's runs are counted only while the op's calls before the blamed one are this few
@@ -98,6 +99,22 @@ def line_run(runner, module: str, call: int, mb: int, hit: Any
         return counter.runs, [], True
     sizes = torch.stack(counter.sizes).tolist() if counter.sizes else []  # (one host read)
     return counter.runs, sizes, False
+
+
+def loss_line_run(step, mb: int, hit: Any, args, kwargs) -> int | None:
+    """The 1-based run of a loss origin's op at its line among the loss's ops, re-run on the
+    same arguments (a multi-scale loss's loop: MiDaS's gradient matching at every ``2**k``-th
+    pixel, whose coarsest scale alone has no valid pixel); None when it cannot be told."""
+    if hit is None or not hit.source or hit.occurrence > MOST or hit.node is not None:
+        return None
+    counter = _LineRuns(hit.op, hit.occurrence, hit.source)
+    try:
+        with torch.no_grad(), autocast_as_recorded(step.micro_batches[mb], step.device,
+                                                   loss=True), counter:
+            step.loss_fn(*args, **kwargs)
+    except Exception:  # (no count then; the origin stands as found)
+        return None
+    return counter.runs if counter.seen == hit.occurrence + 1 and counter.runs else None
 
 
 def layer_stack(took: list[frozenset[int]]) -> bool:

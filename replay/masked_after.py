@@ -20,6 +20,7 @@ import torch
 from .cause_text import DO, MASKED_AFTER_NAN
 from .compat import TorchDispatchMode, tree_leaves
 from .dispatch import run_op
+from .drop import undroppable
 from .load import Step, autocast_as_recorded
 from .loss_args import loss_args
 from .masked_product import nan_times_zero
@@ -45,6 +46,7 @@ class FirstThenMasked(TorchDispatchMode):
         self.first: tuple[str, str | None] | None = None
         self.masked: tuple[str, str | None] | None = None
         self.zeros: list[torch.Tensor] = []  # the first op's all-zero inputs
+        self.factors: tuple = ()  # the masking product's operands
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -59,6 +61,7 @@ class FirstThenMasked(TorchDispatchMode):
             elif self.first is not None and self.masks(name, args) \
                     and not any(_same(a, z) for a in args[:2] for z in self.zeros):
                 self.masked = (f"aten.{name}", user_source())
+                self.factors = tuple(a for a in args[:2] if isinstance(a, torch.Tensor))
         return out
 
 
@@ -106,4 +109,34 @@ def masked_after_hint(report: dict[str, Any], step: Step) -> None:
     what = hint[:hint.index(_OF_DATA)].rstrip().rstrip(":") if _OF_DATA in hint \
         else hint.rstrip(".")
     op, source = watch.masked
-    report["hint"] = what + MASKED_AFTER_NAN.format(op=op, at=f" ({source})" if source else "")
+    at = f" ({source})" if source else ""
+    rows, size = o.get("samples") or [], o.get("batch_size") or 0
+    if any(_empty_rows(t, rows, size) for t in watch.factors):
+        which = ",".join(str(r) for r in rows)
+        how = (f" (--try drop={which} re-runs the step without them)"
+               if undroppable(step, o.get("micro_batch") or 0) is None else "")
+        report["hint"] = what + _EMPTY_SAMPLES.format(op=op, at=at, how=how)
+        return
+    report["hint"] = what + MASKED_AFTER_NAN.format(op=op, at=at)
+
+
+# the mask's 0 fills whole samples: a per-sample statistic over their valid entries (MiDaS's
+# least-squares scale of a frame with no LiDAR point) had none, no entry left out by design
+_EMPTY_SAMPLES = (
+    "; then {op}{at} multiplied that NaN by a mask's 0, and NaN * 0 is NaN: the mask is 0 in "
+    "every entry of those samples and not in any other sample's (a frame with no ground "
+    "truth, a record with no valid entry), so what was computed per sample over its valid "
+    "entries (a count, a least-squares fit, a normalisation) had nothing to use there. Skip "
+    "such samples where the denominator is 0 (x[ok] = a[ok] / d[ok] with ok = d != 0) or "
+    "filter them where the data is made{how}")
+
+
+def _empty_rows(t: torch.Tensor, rows: list[int], size: int) -> bool:
+    """``t`` (a mask, dim 0 the batch's) is 0 in every entry of ``rows``, in no other row."""
+    if not rows or not size or len(rows) >= size or t.dim() < 2 or t.shape[0] != size \
+            or max(rows) >= size:
+        return False
+    some = t.detach().reshape(size, -1).ne(0).any(1).cpu()
+    named = torch.zeros(size, dtype=torch.bool)
+    named[rows] = True
+    return not bool(some[named].any()) and bool(some[~named].all())

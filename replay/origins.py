@@ -29,6 +29,7 @@ from .forward_grad import derivative_words, with_node
 from .fractional_power import fractional_power_hint
 from .grad_hooks import hook_fields, hook_hint
 from .held_divisor import held_divisor_hint, loss_buffers
+from .iteration import loss_line_run
 from .load import Step, autocast_as_recorded
 from .logged_output import logged_output_cause
 from .looked_up import looked_up_hint
@@ -183,8 +184,8 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
         phase="loss", module="<loss>", micro_batch=mb, op=hit.op if hit else None,
         source=hit.source if hit else None, chain=finder.chain(made),
         samples=loss_samples(step, run, mb) or (hit.rows if hit else None) or [],
-        made=hit.made if hit else made,
-        # (the type it computed in: a half model output the loop's loss took as it was)
+        made=hit.made if hit else made, line_run=loss_line_run(step, mb, hit, args, kwargs),
+        # (its line's run, a loop over scales; the dtype of a half output the loss took as is)
         **({"dtype": str(hit.evidence.dtype).removeprefix("torch.")}
            if hit and hit.evidence else {}))
     if coupled := coupled_rows(step, run, mb, origin["samples"]):

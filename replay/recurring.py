@@ -73,13 +73,14 @@ def widen_rows(f: Any, func, args, kwargs, out, early: bool = False):
     w = _WIDENED.get(f)
     if w is None or w.hit is not hit:
         w = _WIDENED[f] = _Widened(hit, set(hit.rows))
-    if _settle(w, leaves, float_leaves(out), f.batch_rows):
-        _every_sample(f, w)
-    if early:  # (so that the rows of a value sorted after the origin name their samples)
+    if early:  # (so that the rows of a value sorted after the origin name their samples,
+        # also those a mask's pick keeps: ``log(gt)``'s -inf at the holes ``g[valid]`` drops)
         f.reordered.track(func.overloadpacket.__name__, args, leaves, out)
         f.moved.track(func.overloadpacket.__name__, args, leaves, out)
         if f.lineage is not None:
             f.lineage.track(func.overloadpacket.__name__, args, leaves, out)
+    if _settle(w, leaves, float_leaves(out), f.batch_rows):
+        _every_sample(f, w)
     outs = float_leaves(out)
     if all(finite(t) for t in outs):  # (batch_rows names the rows of a non-finite value)
         return out

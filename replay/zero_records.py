@@ -1,0 +1,84 @@
+"""Samples whose model input or loss data is all 0, where an op hit its pole or left its
+domain on those samples alone.
+
+A metric depth head scaled by each camera's focal length (``depth * focal / f0``, the focal
+an extra ``forward`` argument) outputs 0 for an image whose intrinsics were never filled
+(focal 0), and the loss's ``log(pred)`` is -inf on that image; AdaBins' chamfer loss
+between the bins and a LiDAR frame with no point averages over none (0/0). The op's advice
+(clamp its input, an eps) would train on a record holding nothing; the hint names the
+tensor and the samples, so the user fixes or filters the record where the data is made. Non-negative data of several
+entries a sample (counts) is :mod:`replay.empty_counts`', 0/1 masks
+:mod:`replay.empty_records`'; a hint that names the data already gains nothing here. At a
+0/0 only the loss's data is looked at: a model input's blank row divided by its own spread
+(``(x - mean) / std``) is a normaliser's, which an eps fixes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from recorder.capture import loss_path
+
+from .drop import undroppable
+from .empty_counts import root_inputs
+from .load import Step
+from .recorded import samples
+
+# (the data is named already, or said to be none of a record's)
+_SAID = ("Sample(s) ", "sample(s) ", "nothing is to drop", "--try drop=")
+_ZERO_BY_ZERO = "of 0 by 0 (0/0)"  # (a division's, replay.cause_text)
+
+
+def zero_records_hint(report: dict[str, Any], step: Step) -> None:
+    """Append the data all 0 in exactly the samples of an ``invalid`` origin."""
+    o, hint = report.get("origin") or {}, report.get("hint") or ""
+    rows, mb = o.get("samples") or [], o.get("micro_batch") or 0
+    if report.get("cause") != "invalid" or not rows or o.get("all_samples") or not hint \
+            or any(said in hint for said in _SAID):
+        return
+    # (a 0/0 of a blank model input is a normaliser's, ``(x - mean) / std`` of a constant
+    # row, which an eps fixes; of a blank target, a mean over none of its valid entries)
+    zero_div = _ZERO_BY_ZERO in hint
+    name = next((name for name, t, d in _records(step, mb, inputs=not zero_div)
+                 if _zero_in(t, d, rows)), None)
+    if name is None:
+        return
+    which = ",".join(str(r) for r in rows)
+    how = (f" (--try drop={which} re-runs the step without them)"
+           if undroppable(step, mb) is None else "")
+    hidden = "" if zero_div else ", which an eps would only hide as a wrong value"
+    report["hint"] = (
+        f"{hint}. But {name} is 0 everywhere in sample(s) {which} and not in any other "
+        "sample: a blank record (a camera intrinsic never filled, a frame with no ground "
+        f"truth) drove the op there{hidden}; fix or filter such records where the data is "
+        f"made{how}")
+
+
+def _records(step: Step, mb: int, inputs: bool = True
+             ) -> Iterator[tuple[str, torch.Tensor, int]]:
+    """(readable name, tensor, sample dim): the floating model inputs (with ``inputs``), then
+    the loss's arguments that are data (a depth map; not made of the model output)."""
+    if inputs:
+        yield from root_inputs(step, mb, scalars=True)
+    entry, where = step.micro_batches[mb], samples(step, mb)
+    made = set(entry.get("loss_grad_args") or ())
+    for key, raw in (entry.get("loss_paths") or {}).items():
+        t = step.tensors.get(key)
+        if key not in made and isinstance(t, torch.Tensor) and t.is_floating_point() \
+                and t.numel() and (d := where.dim(t)) is not None:
+            yield loss_path(raw), t, d
+
+
+def _zero_in(t: torch.Tensor, d: int, rows: list[int]) -> bool:
+    """``t`` is not 0/1 data, all 0 in ``rows``, nonzero somewhere in every other row."""
+    if max(rows) >= t.shape[d] or len(rows) >= t.shape[d]:
+        return False
+    x = t.detach().movedim(d, 0).reshape(t.shape[d], -1)
+    if bool(((x == 0) | (x == 1)).all()):
+        return False
+    some = x.ne(0).any(1)
+    named = torch.zeros_like(some)
+    named[rows] = True
+    return not bool(some[named].any()) and bool(some[~named].all())
