@@ -44,8 +44,9 @@ def batch(kind: str, g: torch.Generator, plant: dict[int, float] | None):
         row = next(iter(plant), None)
         h_ls, h = M.ofdm_batch(g, BATCH, *((row, None) if kind == "ofdm" else (None, row)))
         return (h_ls,), h
-    if kind == "mimo":
-        return M.mimo_batch(g, BATCH, snrs(g, 0, 20, plant))
+    if kind in ("mimo", "padded"):
+        pad = next(iter(plant), None) if kind == "padded" else None
+        return M.mimo_batch(g, BATCH, snrs(g, 0, 20, plant), pad)
     return M.qam_batch(g, BATCH, snrs(g, 0, 15, plant))
 
 
@@ -171,6 +172,28 @@ def test_infinite_snr_in_the_second_micro_batch_names_its_rows(tmp_path):
         1, "aten.div", [1, 4], 8), o
 
 
+def test_zero_padded_user_at_infinite_snr_names_the_singular_lmmse_matrix(tmp_path):
+    """Sample 5 carries one user, its channel zero-padded to two columns, and is noiseless:
+    ``H^H H + no I`` has a zero row and column and ``no = 0``, so ``linalg.inv`` raises. The
+    loop gets the LinAlgError itself with the bundle in a note; the replay names the
+    detector's inversion of the complex64 matrix, sample 5 only (its own matrix, not the
+    batch's), and blames the ridge ``no * I`` being 0 there, not the record."""
+    with pytest.raises(torch.linalg.LinAlgError) as info:
+        train("padded", "make_mimo", tmp_path, {5: float("inf")})
+    assert any("matrix decomposition failed at step 3" in n for n in info.value.__notes__)
+    (bundle,) = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["module"], o["op"], o["made"], o["samples"]) == (
+        3, "detector", "aten.linalg_inv_ex", "LinAlgError", [5]), o
+    assert o["source"] == line_of("g_inv = torch.linalg.inv(hh @ h + no[:, None, None] * eye)")
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "singular in exact arithmetic too" in rep["hint"], rep["hint"]
+    assert "ridge the code adds to its diagonal" in rep["hint"], rep["hint"]
+    assert "exactly 0 at the samples named" in rep["hint"], rep["hint"]
+    assert "would only hide" not in rep["hint"], rep["hint"]
+
+
 def test_hand_written_demapper_at_high_snr_is_an_exp_underflow(tmp_path):
     """At 40 dB (sample 4) ``exp(-|y - s|^2 / no)`` is 0 at every point of a bit's set, so
     ``log(p @ labels)`` is -inf and the LLR NaN. ``p @ labels`` of 0/1 labels is positive in
@@ -204,13 +227,15 @@ def test_hand_written_demapper_under_bf16_autocast_is_the_same_underflow(tmp_pat
     ("autoencoder", "make_autoencoder_eps", {5: 0}, None, {"bf16": True}),
     ("ofdm", "make_estimator", None, "complex", {}),
     ("mimo", "make_mimo", None, None, {"accum": 2}),
+    ("padded", "make_mimo", {5: 30.0}, None, {}),
     ("qam", "make_equalizer_lse", {4: 40.0}, None, {}),
     ("qam", "make_equalizer_lse", {4: 40.0}, None, {"bf16": True}),
 ])
 def test_fixed_versions_raise_nothing_and_train_the_same(tmp_path, kind, make, plant, loss,
                                                           how):
     """The fixes on the same batches: the eps in the power normalisation (the padded block
-    sent as zeros), the amplitude through complex64 ``abs`` (nulled subcarriers), finite SNRs,
+    sent as zeros), the amplitude through complex64 ``abs`` (nulled subcarriers), finite SNRs
+    (a zero-padded user's LMMSE matrix kept invertible by its ridge ``no * I``),
     and the demapper's ``logsumexp`` over ``-inf``-filled bit sets at 40 dB (also under bf16
     autocast, and accumulating two micro-batches). No event, and the weights are
     bit-identical with and without the recorder."""

@@ -216,10 +216,13 @@ def make_mimo() -> nn.Module:
     return MIMOReceiver()
 
 
-def mimo_batch(g: torch.Generator, n: int, snr_db: torch.Tensor):
+def mimo_batch(g: torch.Generator, n: int, snr_db: torch.Tensor, one_user: int | None = None):
     """Rayleigh channels, QPSK bits, received signals; ``no = 10 ** (-snr_db / 10)`` per
-    sample, as the data pipeline converts the config's SNR (``inf``: noiseless)."""
+    sample, as the data pipeline converts the config's SNR (``inf``: noiseless). The sample
+    ``one_user`` has a single user, its channel matrix zero-padded to ``N_TX`` columns."""
     h = torch.view_as_complex(torch.randn(n, N_RX, N_TX, 2, generator=g) / math.sqrt(2))
+    if one_user is not None:
+        h[one_user, :, 1:] = 0
     bits = torch.randint(0, 2, (n, N_TX, 2), generator=g).float()
     x = torch.view_as_complex((1 - 2 * bits) / math.sqrt(2))
     no = 10 ** (-snr_db / 10)
