@@ -37,7 +37,7 @@ def snrs(g: torch.Generator, lo: float, hi: float, special: dict[int, float]) ->
 def batch(kind: str, g: torch.Generator, plant: dict[int, float] | None):
     """(model args, target) of one step; ``plant`` maps rows to their planted condition."""
     plant = plant or {}
-    if kind == "autoencoder":
+    if kind in ("autoencoder", "rayleigh"):
         bits, ebno = M.bit_blocks(g, BATCH, next(iter(plant), None))
         return (bits, ebno), bits
     if kind in ("ofdm", "muted"):
@@ -108,6 +108,22 @@ def test_zero_padded_block_names_the_power_normalisation_and_its_sample(tmp_path
     assert o["source"] == line_of("return x / torch.sqrt(x.pow(2).mean(dim=1, keepdim=True)")
     assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
     assert "empty records" in rep["hint"] and "args[0]" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_complex_code_over_rayleigh_fading_names_the_complex_power_normalisation(tmp_path):
+    """The same padded block through a complex64 linear code and a Rayleigh layer drawing its
+    fading and noise inside forward: the complex ``z / sqrt(mean(|z|^2))`` is 0/0 at sample 5,
+    the replay (restoring the step's RNG) names that division and sample, and dropping the
+    sample makes the step finite."""
+    ev, bundle = fire("rayleigh", "make_rayleigh_autoencoder", tmp_path, {5: 0})
+    assert (ev["step"], ev["module"], ev["kind"], ev["samples"]) == (3, "norm", "nan", [5]), ev
+    rep = nanreplay_json(bundle, "--try", "drop=5")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "norm", "aten.div", "nan", [5]), o
+    assert o["source"] == line_of("return z / torch.sqrt(torch.mean(z.abs() ** 2"), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
@@ -226,6 +242,7 @@ def test_hand_written_demapper_under_bf16_autocast_is_the_same_underflow(tmp_pat
     ("autoencoder", "make_autoencoder_eps", {5: 0}, None, {}),
     ("autoencoder", "make_autoencoder_eps", {5: 0}, None, {"bf16": True}),
     ("ofdm", "make_estimator", None, "complex", {}),
+    ("rayleigh", "make_rayleigh_autoencoder", None, None, {}),
     ("mimo", "make_mimo", None, None, {"accum": 2}),
     ("padded", "make_mimo", {5: 30.0}, None, {}),
     ("qam", "make_equalizer_lse", {4: 40.0}, None, {}),
@@ -235,7 +252,8 @@ def test_fixed_versions_raise_nothing_and_train_the_same(tmp_path, kind, make, p
                                                           how):
     """The fixes on the same batches: the eps in the power normalisation (the padded block
     sent as zeros), the amplitude through complex64 ``abs`` (nulled subcarriers), finite SNRs
-    (a zero-padded user's LMMSE matrix kept invertible by its ridge ``no * I``),
+    (a zero-padded user's LMMSE matrix kept invertible by its ridge ``no * I``), the complex64
+    code over Rayleigh fading without a padded block,
     and the demapper's ``logsumexp`` over ``-inf``-filled bit sets at 40 dB (also under bf16
     autocast, and accumulating two micro-batches). No event, and the weights are
     bit-identical with and without the recorder."""

@@ -69,6 +69,36 @@ def make_autoencoder_eps() -> nn.Module:
     return Autoencoder(eps=1e-9)
 
 
+class ComplexPowerNorm(nn.Module):
+    """Unit average power per block of complex symbols, ``z / sqrt(mean(|z|^2))``."""
+
+    def forward(self, z):
+        return z / torch.sqrt(torch.mean(z.abs() ** 2, dim=1, keepdim=True))
+
+
+class RayleighAutoencoder(nn.Module):
+    """A complex64 linear code (``nn.Linear(dtype=torch.cfloat)``, no bias) over a block-fading
+    Rayleigh channel ``y = h x + n`` inside the model, equalised with the known ``h``."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Linear(K_BITS, N_CH, bias=False, dtype=torch.cfloat)
+        self.norm = ComplexPowerNorm()
+        self.decoder = nn.Sequential(nn.Linear(2 * N_CH, 64), nn.ReLU(), nn.Linear(64, K_BITS))
+
+    def forward(self, bits, ebno_db):
+        x = self.norm(self.encoder(bits.to(torch.cfloat)))
+        h = torch.randn(x.shape[0], 1, dtype=torch.cfloat)
+        no = 1.0 / (K_BITS / N_CH * 10 ** (ebno_db / 10))
+        y = h * x + torch.randn_like(x) * torch.sqrt(no)[:, None]
+        return self.decoder(torch.view_as_real(y * h.conj() / h.abs() ** 2).flatten(1))
+
+
+def make_rayleigh_autoencoder() -> nn.Module:
+    torch.manual_seed(0)
+    return RayleighAutoencoder()
+
+
 def bit_blocks(g: torch.Generator, n: int, padded: int | None = None):
     """Random bit blocks and Eb/N0 in dB; the block ``padded`` is the zero padding a file's
     last frame gets."""
