@@ -15,6 +15,7 @@ import pytest
 import torch
 import wireless_communications_models as M
 from bundles import nanreplay_json, source_line
+from torch.utils.data import DataLoader, TensorDataset
 
 from recorder import FlightRecorder, NonFiniteError
 
@@ -39,6 +40,11 @@ def batch(kind: str, g: torch.Generator, plant: dict[int, float] | None):
     plant = plant or {}
     if kind in ("autoencoder", "rayleigh"):
         bits, ebno = M.bit_blocks(g, BATCH, next(iter(plant), None))
+        return (bits, ebno), bits
+    if kind == "ebno":  # (the planted rows' Eb/N0 in dB)
+        bits, ebno = M.bit_blocks(g, BATCH)
+        for row, value in plant.items():
+            ebno[row] = value
         return (bits, ebno), bits
     if kind in ("ofdm", "muted"):
         row = next(iter(plant), None)
@@ -70,10 +76,13 @@ def train(kind: str, make: str, out_dir, plant=None, loss=None, steps: int = 4,
     torch.manual_seed(1)  # (the AWGN layer's noise)
     rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
                          factory=f"wireless_communications_models:{make}") if record else None
+    data = [batch(kind, g, plant if step == steps - 1 else None) for step in range(steps)]
+    if kind in ("ofdm", "muted"):  # (a channel dataset, served by a DataLoader in order)
+        ds = TensorDataset(torch.cat([a[0] for a, _ in data]), torch.cat([t for _, t in data]))
+        data = [((x,), y) for x, y in DataLoader(ds, batch_size=BATCH)]
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else crit
-        for step in range(steps):
-            args, target = batch(kind, g, plant if step == steps - 1 else None)
+        for args, target in data:
             opt.zero_grad()
             for part in range(accum):
                 rows = slice(part * BATCH // accum, (part + 1) * BATCH // accum)
@@ -125,6 +134,21 @@ def test_complex_code_over_rayleigh_fading_names_the_complex_power_normalisation
     assert o["source"] == line_of("return z / torch.sqrt(torch.mean(z.abs() ** 2"), o
     assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_eb_n0_of_minus_inf_db_is_named_as_the_input_a_log_of_zero_made(tmp_path):
+    """The pipeline converts a link's measured SNR of 0 to dB, ``10 log10(0) = -inf``, for
+    sample 7: the AWGN layer's noise std is then inf. The recorder stops at the input (no
+    op of the model ran on it); the replay names args[1], sample 7, and a log without a
+    floor in the data pipeline."""
+    ev, bundle = fire("ebno", "make_autoencoder", tmp_path, {7: float("-inf")})
+    assert (ev["step"], ev["phase"], ev["kind"], ev["samples"]) == (3, "input", "-inf", [7])
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["tensor"], o["made"], o["samples"]) == (
+        "input", "args[1]", "-inf", [7]), o
+    assert rep["cause"] == "input", rep["cause"]
+    assert "which log(0) makes" in rep["hint"] and "clamp before the log" in rep["hint"]
 
 
 def test_user_without_propagation_path_names_the_nmse_division_and_the_record(tmp_path):
