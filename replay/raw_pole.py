@@ -11,8 +11,10 @@ storage with a tensor of the batch, unmodified since, or is such a value's produ
 quotient with data (``p_t / p_{t-1}``, 0 where a delisted ``p_t`` is 0, before the log), or
 its product with a learned factor (a nominal capacity of 0 times a learned fade), and holds a 0 where the op went non-finite; :func:`raw_pole_hint` then points at the record.
 A norm of the batch's records (DAGMM's relative distance ``|x - x'| / |x|``; a frame's power
-``10 log10(mean(x ** 2))``) is 0 exactly for an all-zero record: a divisor made so points at blank records; a difference of two of its
-values (a rate ``diff(I) / diff(t)``) is 0 where the record repeats one: a duplicated row.
+``10 log10(mean(x ** 2))``) is 0 exactly for an all-zero record (a norm of part of each, a
+noise power from a guard band's bins, for an all-zero part: a noise-free frame's): a divisor
+made so points at blank records (or parts); a difference of two of its values (a rate
+``diff(I) / diff(t)``) is 0 where the record repeats one: a duplicated row.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class RawPole:
         self._normed = TensorSet()  # those that are norms of the batch's records
         self._diffed = TensorSet()  # and differences of two of their values (torch.diff)
         self._squared = TensorSet()  # and their magnitudes or powers >= 0: 0 where they are
+        self._part = TensorSet()  # values of part of each record (a band sliced out of it)
+        self.part = False  # the pole's operand is a norm of such a part
         self.diffed = False  # the pole's operand is such a difference
 
     def _raw(self, x) -> bool:
@@ -78,6 +82,12 @@ class RawPole:
         name = name.split(".")[0]
         if self.op is not None or not isinstance(out, torch.Tensor) or not args:
             return
+        if name in _SAME_VALUES and self._raw(args[0]) and (args[0] in self._part or (
+                out.dim() and args[0].dim() and out.shape[0] == args[0].shape[0]
+                and out.numel() < args[0].numel())):
+            self._part.add(out)  # (each sample's rows kept, some of its values dropped)
+        if _nonneg_power(name, args) and args[0] in self._part:
+            self._part.add(out)
         if (name in _SAME_VALUES and self._raw(args[0])) or (
                 name in _CARRY_ZERO and any(self._raw(a) for a in args[:_CARRY_ZERO[name]])
                 and not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)) \
@@ -94,6 +104,8 @@ class RawPole:
                 name in _NONNEG_SUMS and args[0] in self._squared):
             self._carry(out, args)
             self._normed.add(out)
+            if args[0] in self._part:
+                self._part.add(out)
         at = _POLE_OPERAND.get(name)
         if at is None or len(args) <= at or not self._raw(x := args[at]):
             return
@@ -103,7 +115,7 @@ class RawPole:
             return
         if bool(at_zero.any()):
             self.op, self.blank, self.diffed = f"aten.{name}", x in self._normed, x in self._diffed
-            self.input = self._name_of(x)
+            self.input, self.part = self._name_of(x), x in self._part
 
 
 def raw_pole_hint(watch: RawPole | None, cause: str | None, hit) -> str | None:
@@ -113,6 +125,13 @@ def raw_pole_hint(watch: RawPole | None, cause: str | None, hit) -> str | None:
         return None
     what = "by 0: its divisor" if hit.op == "aten.div" else "of 0: its input"
     held = f"{watch.input}: " if watch.input else ""
+    if watch.blank and watch.part:
+        return (f"{hit.op} {what} is a norm of part of the batch's own records ({held}the "
+                "model's input as given, some of each record's values), exactly 0 in the "
+                "samples named: the values it reads of them are all zeros (a noise-only band "
+                "of a noise-free simulation, a channel or segment never filled); floor it at a level the data can have (a noise "
+                "floor: clamp_min), bound what it makes (clamp the ratio to the range the "
+                "model trains on), or leave such records out")
     if watch.blank:
         return (f"{hit.op} {what} is a norm of the batch's own records ({held}the model's "
                 "input as given), exactly 0 in the samples named: those records are all zeros (a blank "
