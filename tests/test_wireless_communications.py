@@ -41,6 +41,9 @@ def batch(kind: str, g: torch.Generator, plant: dict[int, float] | None):
     if kind in ("autoencoder", "rayleigh"):
         bits, ebno = M.bit_blocks(g, BATCH, next(iter(plant), None))
         return (bits, ebno), bits
+    if kind == "snr":
+        y, h = M.ofdm_received(g, BATCH, next(iter(plant), None))
+        return (y,), h
     if kind == "ebno":  # (the planted rows' Eb/N0 in dB)
         bits, ebno = M.bit_blocks(g, BATCH)
         for row, value in plant.items():
@@ -57,7 +60,7 @@ def batch(kind: str, g: torch.Generator, plant: dict[int, float] | None):
 
 
 def criterion(kind: str, loss: str | None):
-    if kind in ("ofdm", "muted"):
+    if kind in ("ofdm", "muted", "snr"):
         return {"amp": M.NMSEAmplitudeLoss(), "complex": M.ComplexAmplitudeLoss()}.get(
             loss, M.NMSELoss())
     return torch.nn.BCEWithLogitsLoss()
@@ -234,6 +237,24 @@ def test_zero_padded_user_at_infinite_snr_names_the_singular_lmmse_matrix(tmp_pa
     assert "would only hide" not in rep["hint"], rep["hint"]
 
 
+def test_noise_estimate_from_the_guard_band_of_a_noise_free_frame_names_the_ratio(tmp_path):
+    """The estimator measures each frame's noise power on the guard band's bins; a frame
+    from a noise-free simulation (sample 10) has exact zeros there, so the SNR estimate
+    ``p / no_hat`` is +inf and, unclamped, a NaN in the first convolution. The replay names
+    the division, sample 10, and says its divisor is a norm of part of the record that is
+    all zeros (a noise-only band), to floor or bound, not a blank record to drop."""
+    ev, bundle = fire("snr", "make_estimator_snr_unclamped", tmp_path, {10: 0})
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", [10])
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.div", "+inf", [10])
+    assert o["source"] == line_of("snr_db = 10 * torch.log10(y.pow(2).mean(dim=(1, 2)) /"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "a norm of part of the batch's own records (batch: " in rep["hint"], rep["hint"]
+    assert "noise-only band" in rep["hint"] and "clamp the ratio" in rep["hint"], rep["hint"]
+    assert "records are all zeros" not in rep["hint"], rep["hint"]
+
+
 def test_hand_written_demapper_at_high_snr_is_an_exp_underflow(tmp_path):
     """At 40 dB (sample 4) ``exp(-|y - s|^2 / no)`` is 0 at every point of a bit's set, so
     ``log(p @ labels)`` is -inf and the LLR NaN. ``p @ labels`` of 0/1 labels is positive in
@@ -266,6 +287,7 @@ def test_hand_written_demapper_under_bf16_autocast_is_the_same_underflow(tmp_pat
     ("autoencoder", "make_autoencoder_eps", {5: 0}, None, {}),
     ("autoencoder", "make_autoencoder_eps", {5: 0}, None, {"bf16": True}),
     ("ofdm", "make_estimator", None, "complex", {}),
+    ("snr", "make_estimator_snr", {10: 0}, None, {}),
     ("rayleigh", "make_rayleigh_autoencoder", None, None, {}),
     ("mimo", "make_mimo", None, None, {"accum": 2}),
     ("padded", "make_mimo", {5: 30.0}, None, {}),
@@ -277,7 +299,8 @@ def test_fixed_versions_raise_nothing_and_train_the_same(tmp_path, kind, make, p
     """The fixes on the same batches: the eps in the power normalisation (the padded block
     sent as zeros), the amplitude through complex64 ``abs`` (nulled subcarriers), finite SNRs
     (a zero-padded user's LMMSE matrix kept invertible by its ridge ``no * I``), the complex64
-    code over Rayleigh fading without a padded block,
+    code over Rayleigh fading without a padded block, the SNR estimate clamped to its range
+    (a noise-free frame's +inf to 40 dB, an infinity that stays inside),
     and the demapper's ``logsumexp`` over ``-inf``-filled bit sets at 40 dB (also under bf16
     autocast, and accumulating two micro-batches). No event, and the weights are
     bit-identical with and without the recorder."""

@@ -211,6 +211,45 @@ def ofdm_batch(g: torch.Generator, n: int, no_path: int | None = None,
     return h_ls, h
 
 
+class SNRAwareEstimator(ChannelEstimator):
+    """Estimates each frame's SNR from the received grid, the noise power from the guard
+    band's bins (which carry noise only), and gives ``10 log10(snr)`` as a feature channel."""
+
+    def __init__(self, clamp: bool = True):
+        super().__init__()
+        self.inp = nn.Conv1d(3, 16, 3, padding=1)
+        self.clamp = clamp
+
+    def forward(self, y):
+        no_hat = y[:, :, :GUARD].pow(2).mean(dim=(1, 2))
+        snr_db = 10 * torch.log10(y.pow(2).mean(dim=(1, 2)) / no_hat - 1)
+        if self.clamp:  # (the range the model trains on; a noiseless frame's +inf to 40)
+            snr_db = snr_db.clamp(-10, 40)
+        feats = torch.cat([y, (snr_db / 10)[:, None, None].expand(-1, 1, N_SC)], dim=1)
+        return (y + self.out(self.blocks(self.inp(feats)))) * self.active
+
+
+def make_estimator_snr() -> nn.Module:
+    torch.manual_seed(0)
+    return SNRAwareEstimator()
+
+
+def make_estimator_snr_unclamped() -> nn.Module:
+    torch.manual_seed(0)
+    return SNRAwareEstimator(clamp=False)
+
+
+def ofdm_received(g: torch.Generator, n: int, noiseless: int | None = None):
+    """(received grid divided by the pilots, true channel): noise on every bin, the guard
+    band's included, at 0 to 20 dB; the frame ``noiseless`` comes from a noise-free
+    simulation (the config's ``snr_db = inf``)."""
+    h_ls, h = ofdm_batch(g, n)
+    std = 10 ** (-torch.empty(n, 1, 1).uniform_(0, 20, generator=g) / 20)
+    if noiseless is not None:
+        std[noiseless] = 0
+    return h + std * torch.randn(h.shape, generator=g) / math.sqrt(2), h
+
+
 # -- MIMO detection --------------------------------------------------------------------------
 
 class LMMSEDetector(nn.Module):
