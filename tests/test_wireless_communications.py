@@ -63,7 +63,7 @@ def criterion(kind: str, loss: str | None):
     if kind in ("ofdm", "muted", "snr"):
         return {"amp": M.NMSEAmplitudeLoss(), "complex": M.ComplexAmplitudeLoss()}.get(
             loss, M.NMSELoss())
-    return torch.nn.BCEWithLogitsLoss()
+    return M.BitwiseBCE() if loss == "bce" else torch.nn.BCEWithLogitsLoss()
 
 
 def train(kind: str, make: str, out_dir, plant=None, loss=None, steps: int = 4,
@@ -253,6 +253,29 @@ def test_noise_estimate_from_the_guard_band_of_a_noise_free_frame_names_the_rati
     assert "a norm of part of the batch's own records (batch: " in rep["hint"], rep["hint"]
     assert "noise-only band" in rep["hint"] and "clamp the ratio" in rep["hint"], rep["hint"]
     assert "records are all zeros" not in rep["hint"], rep["hint"]
+
+
+def test_hand_written_bit_cross_entropy_of_confident_llrs_is_an_underflow(tmp_path):
+    """The LLRs of an LMMSE receiver with a residual neural demapper reach hundreds at 10 to
+    20 dB, and a cross-entropy written from ``sigmoid(llr)`` takes ``log(0)`` at the first
+    step (``log(p)`` where p underflowed to 0, ``log(1 - p)`` where it rounded to 1). The
+    replay names the loss's log, the samples of both (counted on an unrecorded copy),
+    underflow, and BCEWithLogitsLoss on the logits."""
+    model = M.make_mimo_residual()
+    (args, _), = [batch("mimo", torch.Generator().manual_seed(0), None)]
+    with torch.no_grad():
+        p = torch.sigmoid(model(*args))
+    rows = ((p == 0) | (p == 1)).any(1).nonzero().flatten().tolist()
+    assert 0 < len(rows) < BATCH, rows
+    ev, bundle = fire("mimo", "make_mimo_residual", tmp_path, loss="bce")
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "loss", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "<loss>", "aten.log", "-inf", rows), o
+    assert o["source"] == line_of("return -(bits * torch.log(p) + (1 - bits)"), o
+    assert rep["cause"] == "underflow", rep["cause"]
+    assert "BCEWithLogitsLoss on the logits" in rep["hint"], rep["hint"]
 
 
 def test_hand_written_demapper_at_high_snr_is_an_exp_underflow(tmp_path):

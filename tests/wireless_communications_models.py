@@ -269,20 +269,35 @@ class MIMOReceiver(nn.Module):
     """LMMSE, QPSK max-log LLRs ``2 sqrt(2) x / no_eff`` (the bug: ``no_eff`` is 0 for a
     noiseless sample), then a neural demapper refining them."""
 
-    def __init__(self):
+    def __init__(self, residual: bool = False):
         super().__init__()
         self.detector = LMMSEDetector()
         self.demapper = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 2))
+        self.residual = residual  # (a correction added to the max-log LLRs)
 
     def forward(self, y, h, no):
         x_hat, no_eff = self.detector(y, h, no)
         llr = 2 * math.sqrt(2) * torch.view_as_real(x_hat) / no_eff[..., None]
-        return self.demapper(llr).flatten(1)
+        out = self.demapper(llr)
+        return (llr + out if self.residual else out).flatten(1)
+
+
+class BitwiseBCE(nn.Module):
+    """Bit-wise cross-entropy written from the soft bits ``sigmoid(llr)`` (bit 0 positive)."""
+
+    def forward(self, llr, bits):
+        p = torch.sigmoid(llr)
+        return -(bits * torch.log(p) + (1 - bits) * torch.log(1 - p)).mean()
 
 
 def make_mimo() -> nn.Module:
     torch.manual_seed(0)
     return MIMOReceiver()
+
+
+def make_mimo_residual() -> nn.Module:
+    torch.manual_seed(0)
+    return MIMOReceiver(residual=True)
 
 
 def mimo_batch(g: torch.Generator, n: int, snr_db: torch.Tensor, one_user: int | None = None):
