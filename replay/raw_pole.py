@@ -128,26 +128,27 @@ def raw_pole_hint(watch: RawPole | None, cause: str | None, hit) -> str | None:
     if watch.blank and watch.part:
         return (f"{hit.op} {what} is a norm of part of the batch's own records ({held}the "
                 "model's input as given, some of each record's values), exactly 0 in the "
-                "samples named: the values it reads of them are all zeros (a noise-only band "
-                "of a noise-free simulation, a channel or segment never filled); floor it at a level the data can have (a noise "
-                "floor: clamp_min), bound what it makes (clamp the ratio to the range the "
-                "model trains on), or leave such records out")
+                "samples named: the values it reads of them are all zeros (a noise-only "
+                "band of a noise-free simulation, a channel or segment never filled); floor "
+                "it at a level the data can have (a noise floor: clamp_min), bound what it "
+                "makes (clamp the ratio to the range the model trains on), or leave such "
+                "records out")
     if watch.blank:
         return (f"{hit.op} {what} is a norm of the batch's own records ({held}the model's "
-                "input as given), exactly 0 in the samples named: those records are all zeros (a blank "
-                "or empty record: a missing row filled with 0, a padding row, an empty "
-                "capture); drop or repair them where the data is made, or give them a value "
-                "of their own (torch.where(norm > 0, ratio, 0)). An eps on the norm hides "
-                "them only where the numerator is 0 too (F.normalize's x / max(|x|, eps)); "
-                "elsewhere it makes a huge finite ratio the model trains on")
+                "input as given), exactly 0 in the samples named: those records are all "
+                "zeros (a blank or empty record: a missing row filled with 0, a padding row, "
+                "an empty capture); drop or repair them where the data is made, or give them "
+                "a value of their own (torch.where(norm > 0, ratio, 0)). An eps on the norm "
+                "hides them only where the numerator is 0 too (F.normalize's x / max(|x|, "
+                "eps)); elsewhere it makes a huge finite ratio the model trains on")
     if watch.diffed:
         return (f"{hit.op} {what} is a difference of two of the batch's own values ({held}"
-                "the model's input as given: torch.diff of timestamps, x2 - x1 of a box), exactly "
-                "0 in the samples named, where the record repeats a value (a timestamp logged "
-                "twice, two rows in one clock tick; a box of zero width): drop or merge such "
-                "rows where the data is made, or floor the difference at the resolution the "
-                "data has (dt.clamp_min(min_dt)). An eps on it would make a huge finite rate "
-                "the model trains on")
+                "the model's input as given: torch.diff of timestamps, x2 - x1 of a box), "
+                "exactly 0 in the samples named, where the record repeats a value (a "
+                "timestamp logged twice, two rows in one clock tick; a box of zero width): "
+                "drop or merge such rows where the data is made, or floor the difference at "
+                "the resolution the data has (dt.clamp_min(min_dt)). An eps on it would make a "
+                "huge finite rate the model trains on")
     return (f"{hit.op} {what} is the batch's own data ({held}the model's input as given, or "
             "its ratio or product with other data or a learned factor), exactly 0 in the samples "
             "named: a 0 where the data should hold none (a missing value filled with 0: a "

@@ -310,7 +310,8 @@ def mimo_batch(g: torch.Generator, n: int, snr_db: torch.Tensor, one_user: int |
     bits = torch.randint(0, 2, (n, N_TX, 2), generator=g).float()
     x = torch.view_as_complex((1 - 2 * bits) / math.sqrt(2))
     no = 10 ** (-snr_db / 10)
-    noise = torch.view_as_complex(torch.randn(n, N_RX, 2, generator=g)) * torch.sqrt(no / 2)[:, None]
+    noise = torch.view_as_complex(torch.randn(n, N_RX, 2, generator=g))
+    noise = noise * torch.sqrt(no / 2)[:, None]
     y = (h @ x[..., None]).squeeze(-1) + noise
     return (y, h, no), (1 - bits).flatten(1)   # bit 0 maps to +1: a positive LLR
 
