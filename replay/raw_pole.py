@@ -58,6 +58,7 @@ class RawPole:
         self._diffed = TensorSet()  # and differences of two of their values (torch.diff)
         self._squared = TensorSet()  # and their magnitudes or powers >= 0: 0 where they are
         self._part = TensorSet()  # values of part of each record (a band sliced out of it)
+        self._summed = TensorSet()  # norms made by a sum or mean of them (mean(x ** 2))
         self.part = False  # the pole's operand is a norm of such a part
         self.diffed = False  # the pole's operand is such a difference
 
@@ -106,6 +107,8 @@ class RawPole:
             self._normed.add(out)
             if args[0] in self._part:
                 self._part.add(out)
+            if name in _NONNEG_SUMS:
+                self._summed.add(out)
         at = _POLE_OPERAND.get(name)
         if at is None or len(args) <= at or not self._raw(x := args[at]):
             return
@@ -113,7 +116,8 @@ class RawPole:
             at_zero = (x == 0) & ~torch.isfinite(out)
         except RuntimeError:  # (shapes that do not broadcast to the output: not elementwise)
             return
-        if bool(at_zero.any()):
+        if bool(at_zero.any()) and not (
+                name == "div" and x in self._summed and _zero_by_zero(args[0], at_zero)):
             self.op, self.blank, self.diffed = f"aten.{name}", x in self._normed, x in self._diffed
             self.input, self.part = self._name_of(x), x in self._part
 
@@ -175,6 +179,17 @@ def _input_names(given: Any) -> dict[int, str]:
             if _strided_float(t):
                 names.setdefault(t.untyped_storage().data_ptr(), top)
     return names
+
+
+def _zero_by_zero(num, at: torch.Tensor) -> bool:
+    """A division's numerator ``num`` is 0 wherever it is non-finite at its divisor's 0: a
+    mean scaling's ``x / mean(|x|)`` of an all-zero series, which an eps (DeepAR's
+    ``1 + mean``) scales to the 0 it is, so the plain 0/0 advice holds."""
+    try:
+        return isinstance(num, torch.Tensor) and bool(
+            torch.broadcast_to(num == 0, at.shape)[at].all())
+    except RuntimeError:  # (not elementwise with the output)
+        return False
 
 
 def _nonneg_power(name: str, args) -> bool:
