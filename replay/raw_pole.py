@@ -10,11 +10,12 @@ std); on a raw value it turns the bad record into a huge finite ratio the model 
 storage with a tensor of the batch, unmodified since, or is such a value's product or
 quotient with data (``p_t / p_{t-1}``, 0 where a delisted ``p_t`` is 0, before the log), or
 its product with a learned factor (a nominal capacity of 0 times a learned fade), and holds a 0 where the op went non-finite; :func:`raw_pole_hint` then points at the record.
-A norm of the batch's records (DAGMM's relative distance ``|x - x'| / |x|``; a frame's power
-``10 log10(mean(x ** 2))``) is 0 exactly for an all-zero record (a norm of part of each, a
-noise power from a guard band's bins, for an all-zero part: a noise-free frame's): a divisor
-made so points at blank records (or parts); a difference of two of its values (a rate
-``diff(I) / diff(t)``) is 0 where the record repeats one: a duplicated row.
+A norm of the batch's records (DAGMM's relative distance ``|x - x'| / |x|``; a record's power
+``10 log10(x.pow(2).mean((1, 2)))``, one per record) is 0 exactly for an all-zero record (a
+norm of part of each, a noise power from a guard band's bins, for an all-zero part: a
+noise-free frame's): a divisor made so points at blank records (or parts); a difference of
+two of its values (a rate ``diff(I) / diff(t)``) is 0 where the record repeats one: a
+duplicated row.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ _POLE_OPERAND = {"div": 1, "reciprocal": 0, "log": 0, "log2": 0, "log10": 0, "rs
 # ops whose 0 is a 0 of their first argument's (or, for mul, either's), as the record's 0
 _CARRY_ZERO = {"mul": 2, "div": 1}
 # reductions 0 exactly where every value they reduce is 0: a record's norm, 0 for a blank one;
-# a sum or mean is one of values >= 0 (a frame's power ``mean(|x| ** 2)``)
+# a sum or mean is one of values >= 0 over each whole record (a frame's ``mean(|x| ** 2)``)
 _NORMS = {"linalg_vector_norm", "norm", "frobenius_norm"}
 _NONNEG_SUMS = {"sum", "mean"}
 # ops that keep the values of their first argument as they are
@@ -56,7 +57,7 @@ class RawPole:
         self._carried = TensorSet()  # values whose 0s are the batch's own 0s
         self._normed = TensorSet()  # those that are norms of the batch's records
         self._diffed = TensorSet()  # and differences of two of their values (torch.diff)
-        self._squared = TensorSet()  # and their magnitudes or powers >= 0: 0 where they are
+        self._squared = TensorSet()  # the batch's magnitudes or powers >= 0: 0 where it is
         self._part = TensorSet()  # values of part of each record (a band sliced out of it)
         self._summed = TensorSet()  # norms made by a sum or mean of them (mean(x ** 2))
         self.part = False  # the pole's operand is a norm of such a part
@@ -99,11 +100,16 @@ class RawPole:
             self._carry(out, args)  # (a difference of two of the record's values: 0 if equal)
             self._diffed.add(out)
         if _nonneg_power(name, args) and self._raw(args[0]) and not args[0].requires_grad:
-            self._carry(out, args)
+            # (not carried itself: a log of a frame's power of silence wants its floor, eps)
             self._squared.add(out)
+            if (named := self._name_of(args[0])) is not None:
+                self._named.put(out, named)
         if (name in _NORMS and self._raw(args[0])) or (
-                name in _NONNEG_SUMS and args[0] in self._squared):
+                name in _NONNEG_SUMS and args[0] in self._squared
+                and out.numel() == args[0].shape[0]):  # (one per record: the whole record's)
             self._carry(out, args)
+            if args[0] in self._squared and (named := self._named.get(args[0])) is not None:
+                self._named.put(out, named)
             self._normed.add(out)
             if args[0] in self._part:
                 self._part.add(out)
