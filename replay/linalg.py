@@ -29,7 +29,7 @@ from recorder.linalg import linalg_reason
 from .buffer_divisor import buffer_divisor_hint
 from .cause import classify
 from .compat import TorchDispatchMode, running_node, tree_leaves
-from .dispatch import float_leaves, run_op
+from .dispatch import run_op
 from .errors import StopRun
 from .failed_samples import all_zero_hint, failed_matrices
 from .few_samples import few_samples_note
@@ -44,6 +44,7 @@ from .recorded import batch_size
 from .rerun import Runner
 from .source import user_source
 from .transforms import outside_transforms
+from .zero_ridge import Ridges, zero_ridge_hint
 
 # ops whose inputs must be symmetric positive-definite: judged by their eigenvalues
 _SPD = ("cholesky", "cholesky_ex", "linalg_cholesky_ex", "cholesky_inverse", "cholesky_solve")
@@ -63,6 +64,7 @@ class Failed:
     raised: bool = True  # (the float64 run's: the op failed there too)
     learned: bool = True  # the model's parameters or buffers went into the matrix
     in_backward: bool = False  # raised by a derivative (a custom Function's KKT solve)
+    ridge: torch.Tensor | None = None  # the diagonal an add put on the matrix (zero_ridge)
 
 
 @dataclass
@@ -118,6 +120,7 @@ class _Failing(TorchDispatchMode):
         self.failed: Failed | None = None
         # (only the first run's: its matrix is judged, the float64 run's only measured)
         self.learned = Learned(calls.runner.model) if target is None else None
+        self.ridges = Ridges() if target is None else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -125,7 +128,9 @@ class _Failing(TorchDispatchMode):
         k = self.seen.get(name, 0)
         if name != _CHECK:
             self.seen[name] = k + 1
-        ins = [t for t in float_leaves((args, kwargs)) if t.dim() >= 2]
+        # (a complex matrix as it is, not its real view: its batch of matrices, its spectrum)
+        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+               and (t.is_floating_point() or t.is_complex()) and t.dim() >= 2]
         hit = self.target == (name, k)
         if hit:
             self.failed = Failed(name, k, ins[0].detach().clone() if ins else None, None, None,
@@ -140,13 +145,15 @@ class _Failing(TorchDispatchMode):
                 self.failed = Failed(op, occ, mats[0].detach().clone() if mats else None,
                                      user_source(), self.calls.running(), str(e).split("\n")[0],
                                      learned=not mats or mats[0] in self.learned,
-                                     in_backward=running_node() is not None)
+                                     in_backward=running_node() is not None,
+                                     ridge=self.ridges.of(mats[0]) if mats else None)
             elif self.failed is not None and self.target is not None:
                 self.failed.raised = True
                 raise StopRun from e
             raise
         if self.learned is not None:
             self.learned.track((args, kwargs), out)
+            self.ridges.track(name, args, out)
         if self.target is not None and self.failed is not None and name != _CHECK \
                 and not hit:
             raise StopRun  # (the op and its check ran: what comes later is not needed)
@@ -214,6 +221,9 @@ def report_linalg(report, step: Step, runner: Runner, run) -> dict[str, Any] | N
             "exact arithmetic is not known: " + _REMEDY["invalid"]))
     of_data = not failed.learned and 0 < len(origin["samples"]) < (batch_size(step, mb) or 0)
     cause, hint = judge(failed.op, failed.matrix, exact, of_data, origin["samples"])
+    if cause == "invalid" and (ridge := zero_ridge_hint(failed.ridge, origin["samples"])):
+        # (of data alone, the advice that a ridge would only hide the records is wrong here)
+        hint = f"{hint.split('); ', 1)[0]}); {ridge}" if of_data else f"{hint}; {ridge}"
     if cause == "precision":
         hint += few_samples_note(failed.matrix, exact.matrix,
                                  batch_size(step, mb), failed.op in _SPD)
@@ -239,7 +249,8 @@ def judge(op: str, m32: torch.Tensor, exact: Failed, of_data: bool = False,
     the float64 re-run's matrix ``exact`` (the matrices of the failing samples ``rows`` in a
     batch of them); ``of_data``: the batch alone made the matrices, of which only some
     samples' failed (see :mod:`replay.learned`)."""
-    whole = exact.matrix.detach().to(torch.float64)
+    whole = exact.matrix.detach()
+    whole = whole.to(torch.complex128 if whole.is_complex() else torch.float64)
     a = failed_matrices(whole, list(rows))
     # (the batch elements a's matrices are: the failing samples' when picked out of a batch)
     elements = list(rows) if a is not whole else None if whole.dim() < 3 else \
@@ -249,7 +260,7 @@ def judge(op: str, m32: torch.Tensor, exact: Failed, of_data: bool = False,
         return "invalid", zero
     n = a.shape[-1]
     spd = op in _SPD
-    vals = (torch.linalg.eigvalsh((a + a.mT) / 2) if spd else torch.linalg.svdvals(a))
+    vals = (torch.linalg.eigvalsh((a + a.mH) / 2) if spd else torch.linalg.svdvals(a))
     lo, hi = float(vals.min()), float(vals.abs().max())
     tol = n * torch.finfo(torch.float64).eps * max(hi, 1e-300)
     what = "eigenvalue" if spd else "singular value"

@@ -48,11 +48,14 @@ def undersized_input(step: Step, mb: int, rows: list[int], factor: float = FACTO
                      ) -> dict[str, Any] | None:
     """An underflow's converse of :func:`outlier_input`: the first floating tensor whose
     largest magnitude in ``rows`` is nonzero and ``factor`` times below that of every other
-    row (a record in volts among records in microvolts), described alike; None if none."""
+    row (a record in volts among records in microvolts), described alike; None if none.
+    A tensor of one value per sample is a condition, not a record (an SNR's noise variance
+    ``10 ** (-snr_db / 10)``, a diffusion sigma): spanning decades is its design."""
     if not rows:
         return None
     for key, name, per in _row_magnitudes(step, mb):
-        if max(rows) >= len(per) or len(rows) >= len(per):
+        if max(rows) >= len(per) or len(rows) >= len(per) or (
+                step.tensors[key].numel() == len(per)):
             continue
         mask = torch.zeros(len(per), dtype=torch.bool)
         mask[rows] = True

@@ -5,7 +5,8 @@ exp, softmax, sigmoid and softplus make them; ops that pass values on unchanged 
 (a gathered probability, a view), and so do a power of one (``std ** 2``: a Gaussian's
 variance from ``log_std.exp()``), a product of them with positive factors (``2 * var``), and
 a sum of them: a reduction, or a matrix product with a tensor whose values are all > 0
-(Sinkhorn's ``K @ v`` with ``K = exp(-C / eps)``, whose row of zeros is an underflow).
+(Sinkhorn's ``K @ v`` with ``K = exp(-C / eps)``, whose row of zeros is an underflow) or
+with one >= 0 with a positive term in every entry (a demapper's ``exp(-d / no) @ labels``).
 Followed both as the op finder sees ops run and, for a value made before the watched code
 ran (a model's softplus variance that the loss takes the log of), on the autograd graph.
 """
@@ -69,10 +70,25 @@ def positive_result(name: str, ins: list[torch.Tensor], leaves: list, positive) 
         # every term positive: the other factors' values all > 0 (v = ones, b / (K^T u));
         # the inputs are finite here, so ``> 0`` reads their values (add's alpha too)
         return all(v > 0 for v in numbers) and all(
-            positive(t) or bool((t > 0).all()) for t in ins)
+            positive(t) or bool((t > 0).all()) or _covers(name, ins, i)
+            for i, t in enumerate(ins))
     # a product of positive tensors and positive numbers (2 * var)
     return name == "mul" and bool(ins) and all(positive(t) for t in ins) and all(
         v > 0 for v in numbers)
+
+
+# the dim each factor of a matrix product sums over, by the factor's position
+_CONTRACTED = {"mm": (-1, -2), "bmm": (-1, -2), "mv": (-1, -1), "dot": (-1, -1)}
+
+
+def _covers(name: str, ins: list[torch.Tensor], i: int) -> bool:
+    """Factor ``i`` of matrix product ``name`` is >= 0 with a positive entry in each slice it
+    sums over, so a positive other factor's product has a positive term in every entry (a
+    demapper's ``exp(-d / no) @ labels`` of 0/1 bit labels, each bit 1 at some point)."""
+    t = ins[i]
+    if name not in _CONTRACTED or len(ins) != 2 or t.is_complex() or t.dim() == 0:
+        return False
+    return bool((t >= 0).all()) and bool((t > 0).any(_CONTRACTED[name][i]).all())
 
 
 def _integral_positive(leaves: list) -> bool:

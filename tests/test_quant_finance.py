@@ -98,7 +98,7 @@ def test_log_returns_of_a_zero_price_name_the_record_not_an_eps(tmp_path):
     assert o["source"] == line_of("torch.log(prices[:, 1:] / prices[:, :-1])")
     # (was: "add an eps to the denominator (std + eps, ...)": p / (0 + eps) is a made-up
     # return of 1e8 the LSTM would train on; the 0 is the record's)
-    assert "the batch's own data (the model's input as given" in rep["hint"], rep["hint"]
+    assert "the batch's own data (batch: the model's input as given" in rep["hint"], rep["hint"]
     assert "missing value filled with 0" in rep["hint"], rep["hint"]
     assert "add an eps" not in rep["hint"], rep["hint"]
 
