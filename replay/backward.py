@@ -340,7 +340,7 @@ def _record(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
         or folded.rows(node, list(grad_inputs))
     found.lead_rows = None if found.samples else lead_rows(bad)
     found.saved, found.saved_zero = saved_facts(node, grad_inputs, grad_outputs)
-    found.scalar_pole = scalar_at_pole(saved_tensors(node))
+    found.scalar_pole = scalar_at_pole(node, saved_tensors(node))
     found.positive_input = from_positive(node)
     found.exp_of = _exp_of(node)
     found.exp_factor = huge_exp_factor(node)

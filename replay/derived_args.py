@@ -79,7 +79,7 @@ def _cause(node, in_float64: bool) -> tuple[str, str]:
                              "margin the type can hold (a clamp or an eps)")
     if zero_divisor(node) == "data":
         return "invalid", DIVISOR_OF_DATA.format(node=name)
-    if scalar_at_pole(saved_tensors(node)):  # (a masked RMSE's sqrt of a batch with every target missing)
+    if scalar_at_pole(node, saved_tensors(node)):  # (a masked RMSE's sqrt, no target)
         return "invalid", SCALAR_POLE.format(node=name)
     return "invalid", (f"{name} made a non-finite gradient from finite incoming gradients, "
                        "in float64 too: its input is at the pole of its derivative (a divisor "

@@ -6,6 +6,8 @@ entries" reads as if some rows were bad; no row is, the batch holds nothing to f
 
 from __future__ import annotations
 
+import torch
+
 SCALAR_POLE = (
     "{node} made a non-finite gradient from finite incoming gradients, in float64 too: its "
     "input is one 0-d value for the whole batch, exactly 0 in this step (a mean or sum over "
@@ -14,9 +16,41 @@ SCALAR_POLE = (
     "keep the value off the pole (torch.sqrt(mse + eps))")
 
 
-def scalar_at_pole(saved) -> bool:
-    """Every floating tensor a node saved (``saved``, None when unknown) is 0-d and one of
-    them is exactly 0."""
+def scalar_at_pole(node, saved) -> bool:
+    """Every floating tensor ``node`` saved (``saved``, None when unknown) is 0-d, one of them
+    is exactly 0, and that 0 is a masked reduction's: a product with a mask of zeros only
+    feeds it (not a distance that is 0 because two values are equal, FedProx's
+    ``sqrt(sum((w - w_g) ** 2))`` at ``w == w_g``: its own advice, vector_norm)."""
     saved = saved or []
     return bool(saved) and all(t.dim() == 0 for t in saved) \
-        and any(bool(t == 0) for t in saved if not t.is_complex())
+        and any(bool(t == 0) for t in saved if not t.is_complex()) and _masked_to_zero(node)
+
+
+def _masked_to_zero(node, depth: int = 6) -> bool:
+    """A ``MulBackward0`` within ``depth`` nodes below ``node`` saved a factor that is 0 at
+    every entry (the mask of a batch with nothing valid)."""
+    seen, frontier = set(), [node]
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for f, _ in getattr(n, "next_functions", ()):
+                if f is None or f in seen:
+                    continue
+                seen.add(f)
+                if type(f).__name__ == "MulBackward0" and any(
+                        isinstance(t, torch.Tensor) and t.numel() > 1 and t.is_floating_point()
+                        and not bool(t.any()) for t in _factors(f)):
+                    return True
+                nxt.append(f)
+        frontier = nxt
+    return False
+
+
+def _factors(node) -> list:
+    out = []
+    for name in ("_saved_self", "_saved_other"):
+        try:
+            out.append(getattr(node, name))
+        except (AttributeError, RuntimeError):  # (not saved, or freed)
+            continue
+    return out

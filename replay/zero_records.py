@@ -27,7 +27,8 @@ from .load import Step
 from .recorded import samples
 
 # (the data is named already, or said to be none of a record's)
-_SAID = ("Sample(s) ", "sample(s) ", "nothing is to drop", "--try drop=")
+_SAID = ("Sample(s) ", "sample(s) ", "nothing is to drop", "--try drop=",
+         "exactly 0 at the samples named", "exactly 0 in the samples named")  # (a ridge's)
 _ZERO_BY_ZERO = "of 0 by 0 (0/0)"  # (a division's, replay.cause_text)
 
 
