@@ -1,7 +1,8 @@
 """What the data did, said once the report is made: the rows of the loop's batch a chunk's
 samples are (``replay.chunk_rows``); values far outside the batch's scale
 (``replay.data_scale``), also where they drove an op out of its domain
-(``replay.domain_outliers``); a propensity of 0 or 1 given as data (``replay.edge_probability``);
+(``replay.domain_outliers``), or negative in a few records alone (``replay.negative_rows``);
+a propensity of 0 or 1 given as data (``replay.edge_probability``);
 a target distribution the loop built with no mass in a row (``replay.massless_rows``);
 a loss argument normalised by an infinite total (``replay.inf_normalised``);
 a NaN the loss made that a mask's 0 then met (``replay.masked_after``); an overflow in
@@ -41,6 +42,7 @@ from .masked_after import masked_after_hint
 from .masked_overflow import masked_overflow_hint
 from .massless_rows import massless_rows_hint
 from .nan_attribute import nan_attribute_hint
+from .negative_rows import negative_hint
 from .other_inputs import other_inputs_note
 from .single_sample import single_sample_hint
 
@@ -49,6 +51,7 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     chunk_note(step, report)  # (a chunk of the loop's batch: its rows there)
     data_scale_hint(report, step)
     domain_outlier_hint(report, step)  # (log1p of a gap after a timestamp in ms)
+    negative_hint(report, step)  # (exp(-k t) of a time since dose of -150 h)
     edge_probability_hint(report, step)  # (a propensity of 0 or 1 given as data)
     massless_rows_hint(report, step)  # (a projected target that lost its mass: C51)
     inf_normalised_hint(report, step)  # (NaN beside 0s: w / w.max() of an infinite w)
