@@ -1,0 +1,162 @@
+"""Population PK/PD models written the way neural-NLME code (DeepNLME-style covariate nets,
+PK-informed neural nets) writes them, for ``test_pharmacokinetics``.
+
+- ``OneCompartment``: an MLP maps each patient's standardised covariates to random effects
+  ``eta`` around population log-parameters; ``ka, ke, V = exp(log_theta + eta)`` (log-normal
+  individual parameters) and the Bateman function of first-order absorption
+  ``C(t) = D/V * ka/(ka - ke) * (exp(-ke t) - exp(-ka t))`` at each record's time since dose
+  (given to ``forward`` beside the covariates and the dose). ``clamp_time`` is the usual
+  ``t.clamp(min=0)`` that makes pre-dose samples 0.
+- ``EmaxPD``: the PK model above feeding a sigmoid Emax (Hill) effect
+  ``E = E0 + Emax C^h / (EC50^h + C^h)`` with a learned Hill coefficient ``h = exp(log_h)``.
+- ``PKLoss``: the NLME-style Gaussian NLL of a residual error model, ``sigma = a + b C``
+  (combined) or ``b C`` (proportional only), ``0.5 (log sigma^2 + (y - C)^2 / sigma^2)`` over
+  the observed (unpadded) records, with Beal's M3 for samples below the LLOQ
+  (``-log Phi((LLOQ - C) / sigma)``) and the mean per patient then over patients.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+N_COV, N_OBS, N_PAT = 4, 6, 8
+LLOQ = 0.05
+TIMES = torch.tensor([0.5, 1.0, 2.0, 4.0, 8.0, 24.0])
+
+
+class OneCompartment(nn.Module):
+    """Covariates -> eta -> (ka, ke, V) -> concentration at each time since dose."""
+
+    def __init__(self, log_theta=(0.4, -1.6, 2.3), clamp_time: bool = True,
+                 zero_eta: bool = False):
+        super().__init__()
+        self.covnet = nn.Sequential(nn.Linear(N_COV, 16), nn.SiLU(), nn.Linear(16, 3))
+        self.log_theta = nn.Parameter(torch.tensor(log_theta))
+        self.clamp_time = clamp_time
+        if zero_eta:  # random effects start at 0: every patient at the typical values
+            nn.init.zeros_(self.covnet[2].weight)
+            nn.init.zeros_(self.covnet[2].bias)
+
+    def params(self, cov):
+        eta = self.covnet(cov)
+        return (self.log_theta + eta).exp().unbind(-1)
+
+    def forward(self, cov, dose, tad):
+        ka, ke, v = (p[:, None] for p in self.params(cov))
+        t = tad.clamp(min=0) if self.clamp_time else tad
+        return dose[:, None] / v * ka / (ka - ke) * (torch.exp(-ke * t) - torch.exp(-ka * t))
+
+
+class EmaxPD(nn.Module):
+    """PK (``OneCompartment``) then a sigmoid Emax effect of the concentration."""
+
+    def __init__(self):
+        super().__init__()
+        self.pk = OneCompartment()
+        self.e0 = nn.Parameter(torch.tensor(1.0))
+        self.log_emax = nn.Parameter(torch.tensor(1.0))
+        self.log_ec50 = nn.Parameter(torch.tensor(0.0))
+        self.log_h = nn.Parameter(torch.tensor(math.log(0.7)))  # a shallow, fractional Hill
+
+    def forward(self, cov, dose, tad):
+        c = self.pk(cov, dose, tad)
+        h = self.log_h.exp()
+        ch = c ** h
+        return self.e0 + self.log_emax.exp() * ch / (self.log_ec50.exp() ** h + ch)
+
+
+class PKLoss(nn.Module):
+    """Gaussian NLL of a residual error model with M3 for BLQ records, masked for padding."""
+
+    def __init__(self, additive: float = 0.02, exact_tail: bool = True,
+                 per_patient: bool = True):
+        super().__init__()
+        self.log_b = nn.Parameter(torch.tensor(math.log(0.1)))
+        self.additive = additive
+        self.exact_tail = exact_tail
+        self.per_patient = per_patient
+
+    def forward(self, pred, y, mask, blq):
+        sigma = self.additive + self.log_b.exp() * pred
+        nll = 0.5 * (torch.log(sigma ** 2) + (y - pred) ** 2 / sigma ** 2)
+        z = (LLOQ - pred) / sigma
+        if self.exact_tail:
+            cens = -torch.special.log_ndtr(z)
+        else:  # Phi through erf, as most NONMEM ports write it: 0 below z of about -9
+            cens = -torch.log(0.5 * (1 + torch.erf(z / math.sqrt(2))))
+        # padded records hold 0 in y and tad, and a pre-dose 0 is no sample: keep them out
+        nll = torch.where(mask & ~blq, nll, 0.0) + torch.where(mask & blq, cens, 0.0)
+        if self.per_patient:
+            return (nll.sum(1) / mask.sum(1)).mean()
+        return nll.sum() / mask.sum()
+
+
+class EffectLoss(nn.Module):
+    """The PD model's Gaussian NLL with a learned variance, masked for padding."""
+
+    def __init__(self):
+        super().__init__()
+        self.log_sd = nn.Parameter(torch.tensor(-1.0))
+
+    def forward(self, pred, y, mask, blq):
+        nll = self.log_sd + 0.5 * ((y - pred) / self.log_sd.exp()) ** 2
+        return (nll * mask).sum() / mask.sum()
+
+
+def make_pk():
+    torch.manual_seed(0)
+    return OneCompartment()
+
+
+def make_pk_untouched_time():
+    torch.manual_seed(0)
+    return OneCompartment(clamp_time=False)
+
+
+def make_pk_same_rates():
+    torch.manual_seed(0)
+    return OneCompartment(log_theta=(0.0, 0.0, 2.3), zero_eta=True)
+
+
+def make_pd():
+    torch.manual_seed(0)
+    return EmaxPD()
+
+
+def make_loss(**kw):
+    torch.manual_seed(0)
+    return PKLoss(**kw)
+
+
+def patients(g: torch.Generator, n: int = N_PAT, padded: bool = True):
+    """One batch of patients: covariates (standardised weight, age, CrCl, sex), a dose in mg,
+    the time after dose of each record, observed concentrations (log-normal noise), the
+    padding mask (patients have 4-6 records) and the BLQ flags (y recorded as LLOQ)."""
+    cov = torch.randn(n, N_COV, generator=g)
+    dose = 100.0 * torch.ones(n)
+    tad = TIMES.repeat(n, 1) + 0.1 * torch.rand(n, N_OBS, generator=g)
+    ka, ke, v = 1.5 * torch.ones(n, 1), 0.2 * (1 + 0.2 * cov[:, 2:3]).clamp(0.5), 10.0
+    c = dose[:, None] / v * ka / (ka - ke) * (torch.exp(-ke * tad) - torch.exp(-ka * tad))
+    y = c * torch.exp(0.1 * torch.randn(n, N_OBS, generator=g))
+    n_obs = torch.randint(4, N_OBS + 1, (n,), generator=g) if padded else torch.full((n,), N_OBS)
+    mask = torch.arange(N_OBS)[None] < n_obs[:, None]
+    blq = mask & (y < LLOQ)
+    y = torch.where(blq, LLOQ, y) * mask
+    return cov, dose, tad * mask, y, mask, blq
+
+
+def plant(batch, kind: str, bad: int):
+    """The data conditions of real PK datasets, in patient ``bad``."""
+    cov, dose, tad, y, mask, blq = (t.clone() for t in batch)
+    if kind == "blq_at_peak":  # a BLQ flag copied onto the wrong row: at tmax, ~8 mg/L predicted
+        blq[bad, 2], y[bad, 2] = True, LLOQ
+    elif kind == "predose":  # the pre-dose sample kept in: time -0.5 h, concentration 0
+        tad[bad, 0], y[bad, 0] = -0.5, 0.0
+    elif kind == "unsorted":  # records sorted by clock time across a day change: tad -150 h
+        tad[bad, 3] = -150.0
+    elif kind == "no_obs":  # a patient dosed but every sample lost: all padding
+        mask[bad], blq[bad], y[bad], tad[bad] = False, False, 0.0, 0.0
+    return cov, dose, tad, y, mask, blq

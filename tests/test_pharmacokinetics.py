@@ -1,0 +1,195 @@
+"""End to end on population PK/PD models (``pharmacokinetics_models``): covariate nets giving
+log-normal individual parameters, the one-compartment Bateman function at each record's time
+since dose, a sigmoid Emax effect with a fractional Hill coefficient, a combined or
+proportional residual error model's Gaussian NLL with Beal's M3 for BLQ records, padded
+records masked, a per-patient mean. Each planted bug or data condition of the domain fires
+under the recorder and is replayed with the CLI; the healthy run raises no event and trains
+bit-identically with and without the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pharmacokinetics_models as M
+import pytest
+import torch
+from bundles import nanreplay_json, source_line
+from torch.utils.data import DataLoader, TensorDataset
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+
+def line_of(text: str) -> str:
+    return source_line("pharmacokinetics_models.py", text)
+
+
+def loader(steps: int, padded: bool = True) -> DataLoader:
+    """``steps`` batches of ``N_PAT`` patients, as a DataLoader over the study's records."""
+    g = torch.Generator().manual_seed(0)
+    parts = [M.patients(g, padded=padded) for _ in range(steps)]
+    return DataLoader(TensorDataset(*(torch.cat(t) for t in zip(*parts))),
+                      batch_size=M.N_PAT, shuffle=False)
+
+
+def train(make: str, out_dir, plant: str | None = None, bad: int = 3, steps: int = 4,
+          record: bool = True, padded: bool = True, loss=None):
+    """Adam over the model's and the error model's parameters, a step schedule and gradient
+    clipping, as neural-NLME fits train; ``plant`` is done to patient ``bad`` of the last
+    batch. Returns the model."""
+    model = getattr(M, make)()
+    crit = loss() if loss is not None else M.make_loss()
+    opt = torch.optim.Adam([*model.parameters(), *crit.parameters()], lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory=f"pharmacokinetics_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for step, b in enumerate(loader(steps, padded)):
+            if plant is not None and step == steps - 1:
+                b = M.plant(b, plant, bad)
+            cov, dose, tad, y, mask, blq = b
+            out = model(cov, dose, tad)
+            nll = loss_fn(out, y, mask, blq)
+            opt.zero_grad()
+            nll.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+            opt.step()
+            sched.step()
+    return model
+
+
+def fire(make: str, tmp_path, **kw):
+    with pytest.raises(NonFiniteError) as info:
+        train(make, tmp_path, **kw)
+    return info.value.event, info.value.bundle_path
+
+
+def padded_patients() -> list[int]:
+    """The patients of the first batch with padded records (fewer than 6 samples)."""
+    mask = next(iter(loader(1)))[4]
+    return torch.nonzero(~mask.all(1)).flatten().tolist()
+
+
+def test_equal_absorption_and_elimination_rates_name_the_bateman_pole(tmp_path):
+    """ka and ke started at the same typical value (log 0) and the random-effects head
+    zero-initialised: ka = ke in every patient, and the Bateman function's ``ka / (ka - ke)``
+    is +inf, times ``exp(-ke t) - exp(-ka t) = 0``. The replay names the division on every
+    row; zeroing the head alone is not the pole (with ones in its place the rates are still
+    equal), so the hint says so and sends the user to start the rates apart or take the
+    limit where they meet, not to an eps or a random init."""
+    ev, bundle = fire("make_pk_same_rates", tmp_path, steps=2)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "forward", "", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["all_samples"]) == (
+        "", "aten.div", "+inf", True), o
+    assert o["source"] == line_of("return dose[:, None] / v * ka / (ka - ke)"), o
+    assert rep["cause"] == "invalid", rep
+    assert "ka = ke" in rep["hint"] and "zero start is not" not in rep["hint"], rep["hint"]
+    assert "only hides what else makes them equal" in rep["hint"], rep["hint"]
+    assert "limit" in rep["hint"] and "AF2" not in rep["hint"], rep["hint"]
+
+
+def test_m3_through_erf_masked_by_where_names_the_log_backward(tmp_path):
+    """Beal's M3 written as ``-log(0.5 (1 + erf(z / sqrt 2)))`` over every record, kept
+    only at BLQ ones by ``torch.where``: at a quantified peak z is about -10, erf rounds to
+    -1, Phi to 0, and the unselected branch's -inf sends NaN through the where's backward at
+    step 0. The replay names LogBackward0 in the loss, on its line, and says the where still
+    sends the gradient through both branches."""
+    ev, bundle = fire("make_pk", tmp_path, loss=lambda: M.make_loss(exact_tail=False))
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "backward", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"]) == ("backward", "<loss>", "LogBackward0"), o
+    assert o["source"] == line_of("cens = -torch.log(0.5 * (1 + torch.erf("), o
+    assert rep["cause"] == "invalid" and "both branches" in rep["hint"], rep["hint"]
+
+
+def test_proportional_error_at_a_predose_sample_names_the_log_of_sigma(tmp_path):
+    """A proportional-only error model (``sigma = b C``, the additive term 0) and a pre-dose
+    sample kept in the data: C = 0 there (time clamped at 0), so ``log(sigma^2)`` is -inf in
+    patient 3 at the last step. The replay names the log on its line, the patient, and the
+    additive term of 0 as an eps that guards nothing."""
+    ev, bundle = fire("make_pk", tmp_path, plant="predose", padded=False,
+                      loss=lambda: M.make_loss(additive=0.0))
+    assert (ev["step"], ev["phase"], ev["module"]) == (3, "loss", "<loss>"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"]) == ("aten.log", "-inf", [3]), o
+    assert o["source"] == line_of("nll = 0.5 * (torch.log(sigma ** 2)"), o
+    assert rep["cause"] == "invalid" and "exactly 0" in rep["hint"], rep["hint"]
+
+
+def test_proportional_error_at_padded_records_names_the_where_backward(tmp_path):
+    """The same error model over padded patients: padded records hold time 0, C = 0 and
+    sigma = 0, and the M3 term's ``(LLOQ - C) / sigma`` is +inf there, dropped by the
+    ``torch.where`` in forward but NaN through its backward at step 0. The replay names
+    DivBackward0 on the z line, exactly the patients with padding, and the where."""
+    ev, bundle = fire("make_pk", tmp_path, loss=lambda: M.make_loss(additive=0.0))
+    assert (ev["step"], ev["phase"]) == (0, "backward"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"]) == (
+        "<loss>", "DivBackward0", padded_patients()), o
+    assert o["source"] == line_of("z = (LLOQ - pred) / sigma"), o
+    assert rep["cause"] == "invalid" and "both branches" in rep["hint"], rep["hint"]
+
+
+def test_negative_time_since_dose_names_the_exp_and_the_record(tmp_path):
+    """Records sorted by clock time across a day change: one sample of patient 3 has a time
+    since dose of -150 h (no 10x outlier among 0-24 h), the model does not clamp it, and
+    ``exp(-ka t)`` overflows there. The replay names the exp, the patient, overflow, and the
+    record's negative time in ``args[2]`` where every other patient's are 0 or more;
+    dropping it makes the step finite."""
+    ev, bundle = fire("make_pk_untouched_time", tmp_path, plant="unsorted")
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", [3]), ev
+    rep = nanreplay_json(bundle, "--try", "drop=3")
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "aten.exp", "+inf", [3], "overflow"), rep
+    assert o["source"] == line_of("return dose[:, None] / v * ka / (ka - ke)"), o
+    assert "sample(s) 3 of args[2] hold negative values (down to -150)" in rep["hint"], \
+        rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_patient_with_no_observations_names_the_per_patient_mean(tmp_path):
+    """A patient dosed but with every sample lost (all padding): the per-patient mean
+    ``nll.sum(1) / mask.sum(1)`` is 0/0 in that row. The replay names the division, the
+    patient, and the empty record with the count floor."""
+    ev, bundle = fire("make_pk", tmp_path, plant="no_obs", bad=5)
+    assert (ev["step"], ev["phase"]) == (3, "loss"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=5")
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"]) == ("aten.div", "nan", [5]), o
+    assert o["source"] == line_of("return (nll.sum(1) / mask.sum(1)).mean()"), o
+    assert rep["cause"] == "invalid" and "empty records" in rep["hint"], rep["hint"]
+    assert "clamp_min(1)" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_fractional_hill_coefficient_at_zero_concentration_names_the_pow_backward(tmp_path):
+    """The Emax model's ``C ** h`` with h = 0.7 at the padded records' C = 0: finite in
+    forward, but the exponent's derivative ``C^h log C`` is 0 * -inf there. The replay names
+    PowBackward1 in the root's forward on its line, exactly the patients with padding, and
+    says to make the base safe before the op."""
+    ev, bundle = fire("make_pd", tmp_path, loss=M.EffectLoss)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "backward", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"]) == ("", "PowBackward1", padded_patients()), o
+    assert o["source"] == line_of("ch = c ** h"), o
+    assert rep["cause"] == "invalid" and "torch.where(mask, x, 1)" in rep["hint"], rep["hint"]
+
+
+def test_healthy_fit_raises_nothing_and_trains_the_same(tmp_path):
+    """The combined error model, M3 through ``log_ndtr`` (whose -log at quantified peaks is
+    large but finite, then dropped by the where), padding and BLQ records: no event, and
+    bit-identical weights with and without the recorder."""
+    recorded = train("make_pk", tmp_path)
+    plain = train("make_pk", tmp_path, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
