@@ -72,21 +72,30 @@ class PKLoss(nn.Module):
     """Gaussian NLL of a residual error model with M3 for BLQ records, masked for padding."""
 
     def __init__(self, additive: float = 0.02, exact_tail: bool = True,
-                 per_patient: bool = True):
+                 per_patient: bool = True, blq_only: bool = False):
         super().__init__()
         self.log_b = nn.Parameter(torch.tensor(math.log(0.1)))
         self.additive = additive
         self.exact_tail = exact_tail
         self.per_patient = per_patient
+        self.blq_only = blq_only
+
+    def m3(self, z):
+        """-log P(y < LLOQ) of Beal's M3."""
+        if self.exact_tail:
+            return -torch.special.log_ndtr(z)
+        # Phi through erf, as most NONMEM ports write it: 0 below z of about -5.4
+        return -torch.log(0.5 * (1 + torch.erf(z / math.sqrt(2))))
 
     def forward(self, pred, y, mask, blq):
         sigma = self.additive + self.log_b.exp() * pred
         nll = 0.5 * (torch.log(sigma ** 2) + (y - pred) ** 2 / sigma ** 2)
         z = (LLOQ - pred) / sigma
-        if self.exact_tail:
-            cens = -torch.special.log_ndtr(z)
-        else:  # Phi through erf, as most NONMEM ports write it: 0 below z of about -9
-            cens = -torch.log(0.5 * (1 + torch.erf(z / math.sqrt(2))))
+        if self.blq_only:  # the M3 term of the BLQ records alone, scattered back
+            cens = torch.zeros_like(pred)
+            cens[mask & blq] = self.m3(z[mask & blq])
+        else:
+            cens = self.m3(z)
         # padded records hold 0 in y and tad, and a pre-dose 0 is no sample: keep them out
         nll = torch.where(mask & ~blq, nll, 0.0) + torch.where(mask & blq, cens, 0.0)
         if self.per_patient:

@@ -103,8 +103,34 @@ def test_m3_through_erf_masked_by_where_names_the_log_backward(tmp_path):
     rep = nanreplay_json(bundle)
     o = rep["origin"]
     assert (o["phase"], o["module"], o["op"]) == ("backward", "<loss>", "LogBackward0"), o
-    assert o["source"] == line_of("cens = -torch.log(0.5 * (1 + torch.erf("), o
+    assert o["source"] == line_of("return -torch.log(0.5 * (1 + torch.erf("), o
     assert rep["cause"] == "invalid" and "both branches" in rep["hint"], rep["hint"]
+
+
+def blq_patients(step: int) -> list[int]:
+    """The patients of batch ``step`` with a BLQ record."""
+    blq = list(loader(step + 1))[step][5]
+    return torch.nonzero(blq.any(1)).flatten().tolist()
+
+
+def test_m3_through_erf_at_a_blq_record_names_the_rounded_normal_cdf(tmp_path):
+    """The same erf-based M3, taken of the BLQ records alone (indexed, then scattered back):
+    at step 1 the first BLQ record (patient 4's 24 h sample) is predicted far above the
+    LLOQ early in the fit, erf rounds to -1 and log(Phi) is log(0) in the loss. Float64 keeps
+    Phi positive there, so the cause is precision, and the hint gives log_ndtr(z) for a
+    normal cdf written as 0.5 (1 + erf(z / sqrt 2)), not a variance's cancellation."""
+    assert blq_patients(1) == [4]
+    ev, bundle = fire("make_pk", tmp_path, loss=lambda: M.make_loss(exact_tail=False,
+                                                                    blq_only=True))
+    assert (ev["step"], ev["phase"], ev["module"]) == (1, "loss", "<loss>"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"]) == ("aten.log", "-inf", [4]), o
+    assert o["source"] == line_of("return -torch.log(0.5 * (1 + torch.erf("), o
+    assert rep["cause"] == "precision", rep
+    assert "log Φ(z) of 0.5·(1 + erf(z/√2)) = torch.special.log_ndtr(z)" in rep["hint"], \
+        rep["hint"]
+    assert "variance" not in rep["hint"], rep["hint"]
 
 
 def test_proportional_error_at_a_predose_sample_names_the_log_of_sigma(tmp_path):
@@ -184,12 +210,15 @@ def test_fractional_hill_coefficient_at_zero_concentration_names_the_pow_backwar
     assert rep["cause"] == "invalid" and "torch.where(mask, x, 1)" in rep["hint"], rep["hint"]
 
 
-def test_healthy_fit_raises_nothing_and_trains_the_same(tmp_path):
+@pytest.mark.parametrize("blq_only", [False, True])
+def test_healthy_fit_raises_nothing_and_trains_the_same(tmp_path, blq_only):
     """The combined error model, M3 through ``log_ndtr`` (whose -log at quantified peaks is
-    large but finite, then dropped by the where), padding and BLQ records: no event, and
-    bit-identical weights with and without the recorder."""
-    recorded = train("make_pk", tmp_path)
-    plain = train("make_pk", tmp_path, record=False)
+    large but finite, then dropped by the where; or taken of the BLQ records alone and
+    scattered back), padding and BLQ records: no event, and bit-identical weights with and
+    without the recorder."""
+    loss = lambda: M.make_loss(blq_only=blq_only)  # noqa: E731
+    recorded = train("make_pk", tmp_path, loss=loss)
+    plain = train("make_pk", tmp_path, record=False, loss=loss)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
