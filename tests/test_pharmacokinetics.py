@@ -96,15 +96,19 @@ def test_m3_through_erf_masked_by_where_names_the_log_backward(tmp_path):
     """Beal's M3 written as ``-log(0.5 (1 + erf(z / sqrt 2)))`` over every record, kept
     only at BLQ ones by ``torch.where``: at a quantified peak z is about -10, erf rounds to
     -1, Phi to 0, and the unselected branch's -inf sends NaN through the where's backward at
-    step 0. The replay names LogBackward0 in the loss, on its line, and says the where still
-    sends the gradient through both branches."""
+    step 0. The replay names LogBackward0 in the loss, on its line: precision, since exact
+    arithmetic keeps 0.5 (1 + erf) above 0 (the graph alone, whose nodes keep no scalars,
+    cannot tell 1 + y from y + c: the re-run notes it), with log_ndtr(z), and the where that
+    still sends the gradient through the dropped branch."""
     ev, bundle = fire("make_pk", tmp_path, loss=lambda: M.make_loss(exact_tail=False))
     assert (ev["step"], ev["phase"], ev["kind"]) == (0, "backward", "nan"), ev
     rep = nanreplay_json(bundle)
     o = rep["origin"]
     assert (o["phase"], o["module"], o["op"]) == ("backward", "<loss>", "LogBackward0"), o
     assert o["source"] == line_of("return -torch.log(0.5 * (1 + torch.erf("), o
-    assert rep["cause"] == "invalid" and "both branches" in rep["hint"], rep["hint"]
+    assert rep["cause"] == "precision", rep
+    assert "torch.special.log_ndtr(z)" in rep["hint"], rep["hint"]
+    assert "the forward dropped the op's output there" in rep["hint"], rep["hint"]
 
 
 def blq_patients(step: int) -> list[int]:
