@@ -53,18 +53,23 @@ class OneCompartment(nn.Module):
 class EmaxPD(nn.Module):
     """PK (``OneCompartment``) then a sigmoid Emax effect of the concentration."""
 
-    def __init__(self):
+    def __init__(self, hill: float = 0.7, safe_base: bool = False):
         super().__init__()
         self.pk = OneCompartment()
         self.e0 = nn.Parameter(torch.tensor(1.0))
         self.log_emax = nn.Parameter(torch.tensor(1.0))
         self.log_ec50 = nn.Parameter(torch.tensor(0.0))
-        self.log_h = nn.Parameter(torch.tensor(math.log(0.7)))  # a shallow, fractional Hill
+        self.log_h = nn.Parameter(torch.tensor(math.log(hill)))  # 0.7: shallow, fractional
+        self.safe_base = safe_base
 
     def forward(self, cov, dose, tad):
         c = self.pk(cov, dose, tad)
         h = self.log_h.exp()
-        ch = c ** h
+        if self.safe_base:  # C = 0 (padding, pre-dose) gives 1 ** h, then 0: no pole
+            on = c > 0
+            ch = torch.where(on, c, 1.0) ** h * on
+        else:
+            ch = c ** h
         return self.e0 + self.log_emax.exp() * ch / (self.log_ec50.exp() ** h + ch)
 
 
@@ -135,6 +140,17 @@ def make_pd():
     return EmaxPD()
 
 
+def make_pd_safe():
+    torch.manual_seed(0)
+    return EmaxPD(safe_base=True)
+
+
+def make_pd_steep():
+    """A steep concentration-effect curve (h = 10: a neuromuscular blocker's)."""
+    torch.manual_seed(0)
+    return EmaxPD(hill=10.0, safe_base=True)
+
+
 def make_loss(**kw):
     torch.manual_seed(0)
     return PKLoss(**kw)
@@ -166,6 +182,8 @@ def plant(batch, kind: str, bad: int):
         tad[bad, 0], y[bad, 0] = -0.5, 0.0
     elif kind == "unsorted":  # records sorted by clock time across a day change: tad -150 h
         tad[bad, 3] = -150.0
+    elif kind == "dose_in_ug":  # a dose entered in micrograms among milligrams
+        dose[bad] = dose[bad] * 1000
     elif kind == "no_obs":  # a patient dosed but every sample lost: all padding
         mask[bad], blq[bad], y[bad], tad[bad] = False, False, 0.0, 0.0
     return cov, dose, tad, y, mask, blq

@@ -214,6 +214,24 @@ def test_fractional_hill_coefficient_at_zero_concentration_names_the_pow_backwar
     assert rep["cause"] == "invalid" and "torch.where(mask, x, 1)" in rep["hint"], rep["hint"]
 
 
+def test_steep_hill_of_a_dose_in_micrograms_names_the_exponent_gradient(tmp_path):
+    """A steep Emax curve (h near 10) and one patient's dose entered in micrograms among
+    milligrams: C near 7e3 there, C^h still finite, but the Hill coefficient's gradient
+    ``C^h log C`` overflows. The replay names PowBackward1 on the power's line, overflow of
+    the power's derivative (no pole near 0, whose advice, log space for a tiny input, would
+    mislead), and patient 3's dose 1000x every other's; dropping it makes the step finite."""
+    ev, bundle = fire("make_pd_steep", tmp_path, plant="dose_in_ug", loss=M.EffectLoss)
+    assert (ev["step"], ev["phase"]) == (3, "backward"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=3")
+    o = rep["origin"]
+    assert (o["module"], o["op"]) == ("", "PowBackward1"), o
+    assert o["source"] == line_of("ch = torch.where(on, c, 1.0) ** h * on"), o
+    assert rep["cause"] == "overflow" and "a learned exponent's" in rep["hint"], rep["hint"]
+    assert "pole (1/y" not in rep["hint"] and "tiny" not in rep["hint"], rep["hint"]
+    assert "sample(s) 3 of args[1] reach 1e+05, 1e+03x" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
 @pytest.mark.parametrize("blq_only", [False, True])
 def test_healthy_fit_raises_nothing_and_trains_the_same(tmp_path, blq_only):
     """The combined error model, M3 through ``log_ndtr`` (whose -log at quantified peaks is
@@ -223,6 +241,16 @@ def test_healthy_fit_raises_nothing_and_trains_the_same(tmp_path, blq_only):
     loss = lambda: M.make_loss(blq_only=blq_only)  # noqa: E731
     recorded = train("make_pk", tmp_path, loss=loss)
     plain = train("make_pk", tmp_path, record=False, loss=loss)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_healthy_emax_fit_over_padding_raises_nothing_and_trains_the_same(tmp_path):
+    """The Emax model with its base made safe at C = 0 (``where(c > 0, c, 1) ** h``, then
+    0): no event at the padded records, and bit-identical weights."""
+    recorded = train("make_pd_safe", tmp_path, loss=M.EffectLoss)
+    plain = train("make_pd_safe", tmp_path, record=False, loss=M.EffectLoss)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
