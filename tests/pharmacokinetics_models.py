@@ -7,6 +7,8 @@ PK-informed neural nets) writes them, for ``test_pharmacokinetics``.
   ``C(t) = D/V * ka/(ka - ke) * (exp(-ke t) - exp(-ka t))`` at each record's time since dose
   (given to ``forward`` beside the covariates and the dose). ``clamp_time`` is the usual
   ``t.clamp(min=0)`` that makes pre-dose samples 0.
+- ``Infusion``: a one-compartment zero-order infusion, rate ``D / dur`` (the duration per
+  patient given to ``forward``).
 - ``EmaxPD``: the PK model above feeding a sigmoid Emax (Hill) effect
   ``E = E0 + Emax C^h / (EC50^h + C^h)`` with a learned Hill coefficient ``h = exp(log_h)``.
 - ``PKLoss``: the NLME-style Gaussian NLL of a residual error model, ``sigma = a + b C``
@@ -48,6 +50,23 @@ class OneCompartment(nn.Module):
         ka, ke, v = (p[:, None] for p in self.params(cov))
         t = tad.clamp(min=0) if self.clamp_time else tad
         return dose[:, None] / v * ka / (ka - ke) * (torch.exp(-ke * t) - torch.exp(-ka * t))
+
+
+class Infusion(nn.Module):
+    """A one-compartment zero-order infusion: rate ``R = D / dur`` over ``[0, dur]``, then
+    first-order elimination; CL and V from the covariates as above."""
+
+    def __init__(self):
+        super().__init__()
+        self.covnet = nn.Sequential(nn.Linear(N_COV, 16), nn.SiLU(), nn.Linear(16, 2))
+        self.log_theta = nn.Parameter(torch.tensor([0.7, 2.3]))
+
+    def forward(self, cov, dose, tad, dur):
+        cl, v = ((self.log_theta + self.covnet(cov)).exp()[:, None, i] for i in range(2))
+        ke, rate = cl / v, (dose / dur)[:, None]
+        t_in = torch.minimum(tad, dur[:, None])  # time infused so far
+        during = rate / cl * (1 - torch.exp(-ke * t_in))
+        return during * torch.exp(-ke * (tad - t_in))
 
 
 class EmaxPD(nn.Module):
@@ -151,6 +170,11 @@ def make_pd_steep():
     return EmaxPD(hill=10.0, safe_base=True)
 
 
+def make_infusion():
+    torch.manual_seed(0)
+    return Infusion()
+
+
 def make_loss(**kw):
     torch.manual_seed(0)
     return PKLoss(**kw)
@@ -171,6 +195,20 @@ def patients(g: torch.Generator, n: int = N_PAT, padded: bool = True):
     blq = mask & (y < LLOQ)
     y = torch.where(blq, LLOQ, y) * mask
     return cov, dose, tad * mask, y, mask, blq
+
+
+def durations(n: int = N_PAT) -> torch.Tensor:
+    """Each patient's infusion duration, 1 h (a short infusion)."""
+    return torch.ones(n)
+
+
+def plant_duration(dur, kind: str, bad: int):
+    """A bolus coded as an infusion of duration 0 in patient ``bad``."""
+    if kind != "zero_duration":
+        return dur
+    dur = dur.clone()
+    dur[bad] = 0.0
+    return dur
 
 
 def plant(batch, kind: str, bad: int):

@@ -28,7 +28,7 @@ def line_of(text: str) -> str:
 def loader(steps: int, padded: bool = True) -> DataLoader:
     """``steps`` batches of ``N_PAT`` patients, as a DataLoader over the study's records."""
     g = torch.Generator().manual_seed(0)
-    parts = [M.patients(g, padded=padded) for _ in range(steps)]
+    parts = [(*M.patients(g, padded=padded), M.durations()) for _ in range(steps)]
     return DataLoader(TensorDataset(*(torch.cat(t) for t in zip(*parts))),
                       batch_size=M.N_PAT, shuffle=False)
 
@@ -48,9 +48,9 @@ def train(make: str, out_dir, plant: str | None = None, bad: int = 3, steps: int
         loss_fn = rec.loss_fn if rec is not None else crit
         for step, b in enumerate(loader(steps, padded)):
             if plant is not None and step == steps - 1:
-                b = M.plant(b, plant, bad)
-            cov, dose, tad, y, mask, blq = b
-            out = model(cov, dose, tad)
+                b = (*M.plant(b[:6], plant, bad), M.plant_duration(b[6], plant, bad))
+            cov, dose, tad, y, mask, blq, dur = b
+            out = model(cov, dose, tad, dur) if make == "make_infusion" else model(cov, dose, tad)
             nll = loss_fn(out, y, mask, blq)
             opt.zero_grad()
             nll.backward()
@@ -70,6 +70,21 @@ def padded_patients() -> list[int]:
     """The patients of the first batch with padded records (fewer than 6 samples)."""
     mask = next(iter(loader(1)))[4]
     return torch.nonzero(~mask.all(1)).flatten().tolist()
+
+
+def test_bolus_coded_as_a_zero_length_infusion_names_the_rate_and_the_record(tmp_path):
+    """A bolus dose entered as an infusion of duration 0 (patient 2): the rate ``D / dur``
+    is +inf and the concentration NaN. The replay names the division on its line, the
+    patient, the batch's own 0 as the divisor, and to repair the record or not take the op
+    at a 0 that is valid (a bolus), not an eps."""
+    ev, bundle = fire("make_infusion", tmp_path, plant="zero_duration", bad=2)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", [2]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"]) == ("aten.div", "+inf", [2]), o
+    assert o["source"] == line_of("ke, rate = cl / v, (dose / dur)[:, None]"), o
+    assert rep["cause"] == "invalid" and "the batch's own data" in rep["hint"], rep["hint"]
+    assert "do not take the op at it" in rep["hint"], rep["hint"]
 
 
 def test_equal_absorption_and_elimination_rates_name_the_bateman_pole(tmp_path):
