@@ -215,6 +215,34 @@ def test_patient_with_no_observations_names_the_per_patient_mean(tmp_path):
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
+def test_empty_patient_in_the_second_accumulated_micro_batch_is_named_there(tmp_path):
+    """Gradient accumulation over two micro-batches of patients (AdamW, the loss halved):
+    the patient with no observations sits in the second micro-batch of step 2. The event and
+    the replay name that micro-batch and the patient's row within it."""
+    model, crit = M.make_pk(), M.make_loss()
+    opt = torch.optim.AdamW([*model.parameters(), *crit.parameters()], lr=1e-2)
+    batches = iter(loader(6))
+    with pytest.raises(NonFiniteError) as info, FlightRecorder(
+            model, opt, loss_fn=crit, out_dir=tmp_path,
+            factory="pharmacokinetics_models:make_pk") as rec:
+        for step in range(3):
+            opt.zero_grad()
+            for k in range(2):
+                b = next(batches)[:6]
+                if (step, k) == (2, 1):
+                    b = M.plant(b, "no_obs", 6)
+                cov, dose, tad, y, mask, blq = b
+                (rec.loss_fn(model(cov, dose, tad), y, mask, blq) / 2).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+            opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"]) == (2, "loss", 1), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["micro_batch"], o["op"], o["samples"]) == (1, "aten.div", [6]), o
+    assert "empty records" in rep["hint"] and "--try drop=6" in rep["hint"], rep["hint"]
+
+
 def test_fractional_hill_coefficient_at_zero_concentration_names_the_pow_backward(tmp_path):
     """The Emax model's ``C ** h`` with h = 0.7 at the padded records' C = 0: finite in
     forward, but the exponent's derivative ``C^h log C`` is 0 * -inf there. The replay names
