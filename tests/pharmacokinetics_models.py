@@ -15,6 +15,7 @@ PK-informed neural nets) writes them, for ``test_pharmacokinetics``.
   (combined) or ``b C`` (proportional only), ``0.5 (log sigma^2 + (y - C)^2 / sigma^2)`` over
   the observed (unpadded) records, with Beal's M3 for samples below the LLOQ
   (``-log Phi((LLOQ - C) / sigma)``) and the mean per patient then over patients.
+- ``LogTransformLoss``: log-transform-both-sides, an additive error on log C.
 """
 
 from __future__ import annotations
@@ -127,6 +128,20 @@ class PKLoss(nn.Module):
         return nll.sum() / mask.sum()
 
 
+class LogTransformLoss(nn.Module):
+    """Log-transform-both-sides (LTBS): an additive error on log C, as NONMEM's exponential
+    error model is fitted, over the observed records."""
+
+    def __init__(self):
+        super().__init__()
+        self.log_sd = nn.Parameter(torch.tensor(-1.0))
+
+    def forward(self, pred, y, mask, blq):
+        res = (torch.log(y) - torch.log(pred)) / self.log_sd.exp()
+        nll = self.log_sd + 0.5 * res ** 2
+        return nll[mask].mean()
+
+
 class EffectLoss(nn.Module):
     """The PD model's Gaussian NLL with a learned variance, masked for padding."""
 
@@ -222,6 +237,8 @@ def plant(batch, kind: str, bad: int):
         tad[bad, 3] = -150.0
     elif kind == "dose_in_ug":  # a dose entered in micrograms among milligrams
         dose[bad] = dose[bad] * 1000
+    elif kind == "blq_as_zero":  # a BLQ result exported as 0 instead of flagged
+        y[bad, 4] = 0.0
     elif kind == "no_obs":  # a patient dosed but every sample lost: all padding
         mask[bad], blq[bad], y[bad], tad[bad] = False, False, 0.0, 0.0
     return cov, dose, tad, y, mask, blq

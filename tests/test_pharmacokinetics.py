@@ -243,6 +243,22 @@ def test_empty_patient_in_the_second_accumulated_micro_batch_is_named_there(tmp_
     assert "empty records" in rep["hint"] and "--try drop=6" in rep["hint"], rep["hint"]
 
 
+def test_blq_exported_as_zero_under_a_log_transform_names_the_target(tmp_path):
+    """Log-transform-both-sides error, and one BLQ result exported as 0 instead of flagged
+    (patient 5's 8 h sample): ``log(y)`` is -inf in the loss. The replay names the log, the
+    patient, the target computed from the data alone, and to leave positions holding no
+    target out of the loss with a mask."""
+    ev, bundle = fire("make_pk", tmp_path, plant="blq_as_zero", bad=5, padded=False,
+                      loss=M.LogTransformLoss)
+    assert (ev["step"], ev["phase"]) == (3, "loss"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"]) == ("aten.log", "-inf", [5]), o
+    assert o["source"] == line_of("res = (torch.log(y) - torch.log(pred))"), o
+    assert rep["cause"] == "invalid" and "batch's data alone" in rep["hint"], rep["hint"]
+    assert "leave those out of the loss with a mask" in rep["hint"], rep["hint"]
+
+
 def test_fractional_hill_coefficient_at_zero_concentration_names_the_pow_backward(tmp_path):
     """The Emax model's ``C ** h`` with h = 0.7 at the padded records' C = 0: finite in
     forward, but the exponent's derivative ``C^h log C`` is 0 * -inf there. The replay names
