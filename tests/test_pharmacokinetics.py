@@ -259,6 +259,23 @@ def test_blq_exported_as_zero_under_a_log_transform_names_the_target(tmp_path):
     assert "leave those out of the loss with a mask" in rep["hint"], rep["hint"]
 
 
+def test_log_transform_over_padded_records_names_the_log_and_the_padding(tmp_path):
+    """The same LTBS loss over padded patients, the padding dropped by ``nll[mask]`` after
+    the log: padded records hold y = 0 and C = 0 (time 0), log(0) - log(0) is NaN, and the
+    square's backward multiplies it at step 0. The replay names PowBackward0 with the log
+    that made the NaN in its chain, exactly the patients with padding, and the padding to
+    keep out of the op's input."""
+    ev, bundle = fire("make_pk", tmp_path, loss=M.LogTransformLoss)
+    assert (ev["step"], ev["phase"]) == (0, "backward"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"]) == (
+        "<loss>", "PowBackward0", padded_patients()), o
+    assert [c["source"] for c in o["chain"]] == [
+        line_of("res = (torch.log(y) - torch.log(pred))"), o["source"]], o["chain"]
+    assert "zero padding" in rep["hint"] and "before the op" in rep["hint"], rep["hint"]
+
+
 def test_fractional_hill_coefficient_at_zero_concentration_names_the_pow_backward(tmp_path):
     """The Emax model's ``C ** h`` with h = 0.7 at the padded records' C = 0: finite in
     forward, but the exponent's derivative ``C^h log C`` is 0 * -inf there. The replay names
