@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .cause_text import DO
+from .data_pole import AS_GIVEN
 from .domains import g
 from .drop import undroppable
 from .load import Step
@@ -48,7 +49,8 @@ def negative_hint(report: dict[str, Any], step: Step) -> bool:
     o, hint = report["origin"], report.get("hint") or ""
     rows, mb = o.get("samples") or [], o.get("micro_batch") or 0
     edge = report.get("cause") == "invalid" and any(a in hint for a in _EDGE_ADVICE)
-    if not rows or o.get("all_samples") or "out of scale" in hint \
+    # (not where an out-of-scale record or a value the op took as given was named)
+    if not rows or o.get("all_samples") or "out of scale" in hint or AS_GIVEN in hint \
             or not (report.get("cause") == "overflow" or edge):
         return False
     found = negative_input(step, mb, rows)
