@@ -7,6 +7,10 @@ PK-informed neural nets) writes them, for ``test_pharmacokinetics``.
   ``C(t) = D/V * ka/(ka - ke) * (exp(-ke t) - exp(-ka t))`` at each record's time since dose
   (given to ``forward`` beside the covariates and the dose). ``clamp_time`` is the usual
   ``t.clamp(min=0)`` that makes pre-dose samples 0.
+- ``WeibullAbsorption``: the Weibull fraction absorbed ``1 - exp(-(t / td) ** beta)`` times
+  first-order elimination.
+- ``LogTimeMLP``: a data-driven surrogate, an MLP of the covariates, log dose and
+  ``log1p(t)`` of each record.
 - ``Infusion``: a one-compartment zero-order infusion, rate ``D / dur`` (the duration per
   patient given to ``forward``).
 - ``EmaxPD``: the PK model above feeding a sigmoid Emax (Hill) effect
@@ -51,6 +55,38 @@ class OneCompartment(nn.Module):
         ka, ke, v = (p[:, None] for p in self.params(cov))
         t = tad.clamp(min=0) if self.clamp_time else tad
         return dose[:, None] / v * ka / (ka - ke) * (torch.exp(-ke * t) - torch.exp(-ka * t))
+
+
+class WeibullAbsorption(nn.Module):
+    """Weibull-type absorption: the fraction absorbed by t is ``1 - exp(-(t / td) ** beta)``
+    (a shape beta = exp(log_beta) learned per population, often below 1), times first-order
+    elimination of the absorbed amount (the quick approximation of its convolution)."""
+
+    def __init__(self):
+        super().__init__()
+        self.covnet = nn.Sequential(nn.Linear(N_COV, 16), nn.SiLU(), nn.Linear(16, 3))
+        self.log_theta = nn.Parameter(torch.tensor([0.0, -1.6, 2.3]))  # td, ke, V
+        self.log_beta = nn.Parameter(torch.tensor(math.log(0.8)))
+
+    def forward(self, cov, dose, tad):
+        td, ke, v = ((self.log_theta + self.covnet(cov)).exp()[:, None, i] for i in range(3))
+        absorbed = 1 - torch.exp(-(tad / td) ** self.log_beta.exp())
+        return dose[:, None] / v * absorbed * torch.exp(-ke * tad)
+
+
+class LogTimeMLP(nn.Module):
+    """A data-driven PK surrogate: an MLP of the covariates, log dose and log(1 + t) of each
+    record (time on a log scale, as ML PK models take it) gives log C."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(N_COV + 2, 32), nn.SiLU(), nn.Linear(32, 1))
+
+    def forward(self, cov, dose, tad):
+        n, t = tad.shape
+        x = torch.cat([cov[:, None].expand(n, t, N_COV), torch.log1p(tad)[..., None],
+                       torch.log(dose)[:, None, None].expand(n, t, 1)], -1)
+        return self.net(x).squeeze(-1).exp()
 
 
 class Infusion(nn.Module):
@@ -183,6 +219,16 @@ def make_pd_steep():
     """A steep concentration-effect curve (h = 10: a neuromuscular blocker's)."""
     torch.manual_seed(0)
     return EmaxPD(hill=10.0, safe_base=True)
+
+
+def make_weibull():
+    torch.manual_seed(0)
+    return WeibullAbsorption()
+
+
+def make_log_time():
+    torch.manual_seed(0)
+    return LogTimeMLP()
 
 
 def make_infusion():

@@ -200,6 +200,37 @@ def test_negative_time_since_dose_names_the_exp_and_the_record(tmp_path):
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
+def test_negative_time_under_a_weibull_absorption_names_the_power_and_the_record(tmp_path):
+    """The same wrongly sorted record under Weibull absorption: ``(t / td) ** beta`` with a
+    fractional beta is NaN at t = -150 h. The replay names the pow, the patient, and the
+    record's negative time in ``args[2]`` beside the op's own advice (a clamp at 0 would
+    hide a corrupt record as a pre-dose sample)."""
+    ev, bundle = fire("make_weibull", tmp_path, plant="unsorted", padded=False)
+    assert (ev["step"], ev["phase"], ev["samples"]) == (3, "forward", [3]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.pow", "nan", [3]), o
+    assert o["source"] == line_of("absorbed = 1 - torch.exp(-(tad / td)"), o
+    assert rep["cause"] == "invalid" and "negative number to a fractional power" in rep["hint"]
+    assert "sample(s) 3 of args[2] hold negative values (down to -150)" in rep["hint"], \
+        rep["hint"]
+
+
+def test_negative_time_as_a_log_time_feature_names_the_value_as_given(tmp_path):
+    """The same record fed to an MLP surrogate as ``log1p(t)``: NaN at -150. The replay
+    names the log1p, the patient, and the value the op took as the batch gave it, once (the
+    negative-record note defers to it)."""
+    ev, bundle = fire("make_log_time", tmp_path, plant="unsorted")
+    assert (ev["step"], ev["phase"], ev["samples"]) == (3, "forward", [3]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"]) == ("aten.log1p", "nan", [3]), o
+    assert o["source"] == line_of("x = torch.cat([cov[:, None].expand(n, t, N_COV)"), o
+    assert rep["cause"] == "invalid", rep
+    assert "args[2] holds -150 at sample(s) 3 (column 3) as the batch gave it" in rep["hint"]
+    assert "hold negative values" not in rep["hint"], rep["hint"]
+
+
 def test_patient_with_no_observations_names_the_per_patient_mean(tmp_path):
     """A patient dosed but with every sample lost (all padding): the per-patient mean
     ``nll.sum(1) / mask.sum(1)`` is 0/0 in that row. The replay names the division, the
