@@ -47,8 +47,8 @@ SOFTMAX = {"_softmax", "softmax"}
 STABLE = ("use the complement's stable form: log(1 - tanh(u)²) = 2·(log 2 − u − softplus(−2u)) "
           "(a tanh-squashed policy's correction), 1 − sigmoid(z) = sigmoid(−z) and "
           "log(1 − sigmoid(z)) = logsigmoid(−z), a normal's log Φ(z) of 0.5·(1 + erf(z/√2)) = "
-          "torch.special.log_ndtr(z) and log(1 − Φ(z)) = log_ndtr(−z), log(1 − softmax(w)ᵢ) = logsumexp of w without wᵢ "
-          "minus logsumexp(w); or add an eps inside (1 − y² + 1e-6, "
+          "torch.special.log_ndtr(z) and log(1 − Φ(z)) = log_ndtr(−z), log(1 − softmax(w)ᵢ) "
+          "= logsumexp of w without wᵢ minus logsumexp(w); or add an eps inside (1 − y² + 1e-6, "
           "(1 − p).clamp_min(1e-20))")
 
 
