@@ -145,7 +145,7 @@ class PKLoss(nn.Module):
         """-log P(y < LLOQ) of Beal's M3."""
         if self.exact_tail:
             return -torch.special.log_ndtr(z)
-        # Phi through erf, as most NONMEM ports write it: 0 below z of about -5.4
+        # Phi through erf, as most NONMEM ports write it: 0 in float32 below z of about -5.5
         return -torch.log(0.5 * (1 + torch.erf(z / math.sqrt(2))))
 
     def forward(self, pred, y, mask, blq):
