@@ -7,6 +7,8 @@ PK-informed neural nets) writes them, for ``test_pharmacokinetics``.
   ``C(t) = D/V * ka/(ka - ke) * (exp(-ke t) - exp(-ka t))`` at each record's time since dose
   (given to ``forward`` beside the covariates and the dose). ``clamp_time`` is the usual
   ``t.clamp(min=0)`` that makes pre-dose samples 0.
+- ``AmortisedPK``: amortised inference, eta from an attention pool over each patient's
+  observed records (padding masked with -inf) and the covariates.
 - ``WeibullAbsorption``: the Weibull fraction absorbed ``1 - exp(-(t / td) ** beta)`` times
   first-order elimination.
 - ``LogTimeMLP``: a data-driven surrogate, an MLP of the covariates, log dose and
@@ -55,6 +57,25 @@ class OneCompartment(nn.Module):
         ka, ke, v = (p[:, None] for p in self.params(cov))
         t = tad.clamp(min=0) if self.clamp_time else tad
         return dose[:, None] / v * ka / (ka - ke) * (torch.exp(-ke * t) - torch.exp(-ka * t))
+
+
+class AmortisedPK(OneCompartment):
+    """Amortised inference of the random effects: an attention pool over each patient's
+    observed records ``(t, log y)``, its padding masked with -inf before the softmax, with the
+    covariates gives eta (the observations given to ``forward`` beside the times)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(2, 16), nn.SiLU())
+        self.score = nn.Linear(16, 1)
+        self.head = nn.Linear(16 + N_COV, 3)
+
+    def forward(self, cov, dose, tad, y, mask):
+        h = self.enc(torch.stack([tad, torch.log(y.clamp_min(LLOQ))], -1))
+        w = self.score(h).squeeze(-1).masked_fill(~mask, float("-inf")).softmax(-1)
+        eta = self.head(torch.cat([(w[..., None] * h).sum(1), cov], -1))
+        ka, ke, v = ((self.log_theta + eta).exp()[:, None, i] for i in range(3))
+        return dose[:, None] / v * ka / (ka - ke) * (torch.exp(-ke * tad) - torch.exp(-ka * tad))
 
 
 class WeibullAbsorption(nn.Module):
@@ -219,6 +240,11 @@ def make_pd_steep():
     """A steep concentration-effect curve (h = 10: a neuromuscular blocker's)."""
     torch.manual_seed(0)
     return EmaxPD(hill=10.0, safe_base=True)
+
+
+def make_amortised():
+    torch.manual_seed(0)
+    return AmortisedPK()
 
 
 def make_weibull():

@@ -50,7 +50,8 @@ def train(make: str, out_dir, plant: str | None = None, bad: int = 3, steps: int
             if plant is not None and step == steps - 1:
                 b = (*M.plant(b[:6], plant, bad), M.plant_duration(b[6], plant, bad))
             cov, dose, tad, y, mask, blq, dur = b
-            out = model(cov, dose, tad, dur) if make == "make_infusion" else model(cov, dose, tad)
+            extra = {"make_infusion": (dur,), "make_amortised": (y, mask)}.get(make, ())
+            out = model(cov, dose, tad, *extra)
             nll = loss_fn(out, y, mask, blq)
             opt.zero_grad()
             nll.backward()
@@ -358,6 +359,34 @@ def test_healthy_emax_fit_over_padding_raises_nothing_and_trains_the_same(tmp_pa
     0): no event at the padded records, and bit-identical weights."""
     recorded = train("make_pd_safe", tmp_path, loss=M.EffectLoss)
     plain = train("make_pd_safe", tmp_path, record=False, loss=M.EffectLoss)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_patient_with_no_observations_under_amortised_attention_names_the_softmax(tmp_path):
+    """Amortised inference over a patient with every record padding: the attention pool's
+    softmax takes a row of -inf only, NaN for that patient. The replay names the softmax on
+    its line, the patient and the fully masked row; the NaN eta then meets the padded
+    record's time of 0 in ``exp(-ke * t)``, data's own 0, not a mask meant to drop it, so
+    the hint does not call it one."""
+    ev, bundle = fire("make_amortised", tmp_path, plant="no_obs", bad=5)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", [5]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"]) == ("aten._softmax", "nan", [5]), o
+    assert o["source"] == line_of("w = self.score(h).squeeze(-1).masked_fill(~mask"), o
+    assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
+    assert "keep at least one key per row" in rep["hint"], rep["hint"]
+    assert "a mask's 0" not in rep["hint"], rep["hint"]
+
+
+def test_amortised_attention_over_padded_records_raises_nothing_and_trains_the_same(tmp_path):
+    """Amortised inference: the attention pool's padding is -inf before the softmax in every
+    step, and stays inside it (each patient has records): no event, and bit-identical
+    weights with and without the recorder."""
+    recorded = train("make_amortised", tmp_path)
+    plain = train("make_amortised", tmp_path, record=False)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
