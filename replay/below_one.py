@@ -19,6 +19,10 @@ from .cause import Cause
 from .positive import node_op
 from .saturation import hint, made_unit
 
+_UNIT = {"erf", "special_erf", "tanh", "sigmoid", "special_expit"}
+_ADD = {"add", "__add__", "__radd__"}
+_SCALE = {"mul", "__mul__", "__rmul__", "div", "__truediv__"}
+
 
 class BelowOneNodes(TorchFunctionMode):
     """Inside the block, the autograd nodes of softmaxes whose every slice held two or more
@@ -27,6 +31,8 @@ class BelowOneNodes(TorchFunctionMode):
     def __init__(self, watchers=()) -> None:
         super().__init__()
         self.nodes: list = []  # (strong references, for the block's one re-run)
+        self._unit: list = []  # tanh/sigmoid/erf values, strictly inside (-1, 1)
+        self.complements: list = []  # nodes of 1 + y of those, and positive multiples
         # other watchers of the same ops (replay.off_graph_positive): one mode only, as a
         # second one's frames between torch's would hide the user's line (replay.source)
         self.watchers = list(watchers)
@@ -41,10 +47,32 @@ class BelowOneNodes(TorchFunctionMode):
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
             if isinstance(dim, int) and _two_entries(args[0], dim):
                 self.nodes.append(out.grad_fn)
+        self._note_complement(getattr(func, "__name__", ""), args, kwargs, out)
         return out
 
+    def _note_complement(self, name: str, args, kwargs, out) -> None:
+        """Note the nodes of ``1 + y`` of a y tanh/sigmoid/erf made in the block, and of its
+        positive multiples: above 0 in exact arithmetic (a normal cdf 0.5 (1 + erf(x)), which
+        the graph alone cannot tell from y + c, its scalars not kept)."""
+        if not isinstance(out, torch.Tensor) or out.grad_fn is None or kwargs:
+            return
+        if name in _UNIT:
+            self._unit.append(out)
+            return
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        scalars = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+        if len(tensors) != 1 or len(scalars) != 1:
+            return
+        t, c = tensors[0], scalars[0]
+        if (name in _ADD and c >= 1 and any(t is u for u in self._unit)) or (
+                name in _SCALE and c > 0 and any(t.grad_fn is n for n in self.complements)):
+            self.complements.append(out.grad_fn)
+
     def complement_at(self, node) -> bool:
-        """``node`` took ``1 - y`` (``rsub``) of such a softmax, or of tanh/sigmoid/erf."""
+        """``node`` took ``1 - y`` (``rsub``) of such a softmax, or of tanh/sigmoid/erf, or
+        a noted ``1 + y`` of the latter (M3's log Φ written with erf)."""
+        if any(fn is n for fn in _nexts(node) if fn is not None for n in self.complements):
+            return True
         for fn in _nexts(node):
             if fn is not None and node_op(fn) == "Rsub":
                 made = [g for g in _nexts(fn) if g is not None]

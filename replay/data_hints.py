@@ -1,7 +1,8 @@
 """What the data did, said once the report is made: the rows of the loop's batch a chunk's
 samples are (``replay.chunk_rows``); values far outside the batch's scale
 (``replay.data_scale``), also where they drove an op out of its domain
-(``replay.domain_outliers``); a propensity of 0 or 1 given as data (``replay.edge_probability``);
+(``replay.domain_outliers``), or negative in a few records alone (``replay.negative_rows``);
+a propensity of 0 or 1 given as data (``replay.edge_probability``);
 a target distribution the loop built with no mass in a row (``replay.massless_rows``);
 a loss argument normalised by an infinite total (``replay.inf_normalised``);
 a NaN the loss made that a mask's 0 then met (``replay.masked_after``); an overflow in
@@ -43,6 +44,7 @@ from .masked_after import masked_after_hint
 from .masked_overflow import masked_overflow_hint
 from .massless_rows import massless_rows_hint
 from .nan_attribute import nan_attribute_hint
+from .negative_rows import negative_hint
 from .other_inputs import other_inputs_note
 from .single_sample import single_sample_hint
 from .zero_records import zero_records_hint
@@ -68,5 +70,6 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     grown_number_hint(report, step)  # (an augmented Lagrangian's rho past float32's range)
     column_scale_hint(report, step)  # (a variable in millimetres among metres: NOTEARS' X)
     data_pole_hint(report, step)  # (log1p of a count filled with -1 for missing)
+    negative_hint(report, step)  # (exp(-k t) of a time since dose of -150 h)
     nan_attribute_hint(report, step)  # (a KL warm-up weight of 0/0 the loop set on the loss)
     other_inputs_note(report, step)  # (a bad reading in some windows' inputs, others' targets)

@@ -25,6 +25,8 @@ from .recorded import n_args
 # count of 0 (the log-of-0 advice stands there); a count is never -1 nor below 0
 _EDGE = {"log1p": -1.0, "log": -1e-30, "log2": -1e-30, "log10": -1e-30, "sqrt": -1e-30}
 
+AS_GIVEN = "as the batch gave it"  # (what replay.negative_rows defers to)
+
 
 def data_pole_hint(report: dict[str, Any], step: Step) -> None:
     """Append to an invalid log's or root's hint the batch tensor holding its bad value."""
@@ -49,7 +51,7 @@ def data_pole_hint(report: dict[str, Any], step: Step) -> None:
         where = f" (column {', '.join(map(str, cols))})" if cols else ""
         report["hint"] = (
             f"{report['hint']}. But {batch_path(raw, n_args(mb.get('inputs')))} holds "
-            f"{g(low)} at sample(s) {', '.join(map(str, rows))}{where} as the batch gave it, "
+            f"{g(low)} at sample(s) {', '.join(map(str, rows))}{where} {AS_GIVEN}, "
             "the value the op took: a code for a missing value (fillna(-1)) or a corrupt "
             "record, which a clamp would turn into an extreme feature; impute it where the "
             "data is made (a default such as 0, with a missing-indicator column) or drop "

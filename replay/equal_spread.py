@@ -23,6 +23,19 @@ EQUAL_SPREAD = (
     "(std.clamp_min(eps))")
 
 
+# (a trained layer of zeros: with ones in its place the divisor is still 0, so the values it
+# compares are equal for another reason, the parameters they start from)
+EQUAL_TERMS = (
+    "{op}'s divisor is 0 in every sample because the values it compares are equal: they come "
+    "through {what}, all 0 as the step began, and with random values in its place the call "
+    "is finite, but with a nonzero constant in its place it is not, so that layer's zero "
+    "start only hides what else makes them equal: parameters started at the same value (two "
+    "rates of a closed form: a Bateman function's ka / (ka - ke) at ka = ke; a divided "
+    "difference (f(a) - f(b)) / (a - b) at a = b). Start them apart, and where the formula "
+    "has a removable singularity take its limit where they meet (torch.where(|a - b| > eps, "
+    "formula, limit)) or parameterise them so they cannot meet (ka = ke + softplus(d))")
+
+
 def equal_spread_hint(op: str, what: str, finite_with_ones) -> str | None:
     """The hint when a state ``what`` all 0 makes the divisor 0 only by making values equal
     (see the module doc), else None. ``finite_with_ones()``: whether the origin's call is

@@ -32,7 +32,7 @@ def _value(name: str, a, first: bool) -> float | None:
         return a
     if not first and name in _TENSOR_VALUE and isinstance(a, torch.Tensor) and a.dim() == 0 \
             and a.is_floating_point() and not a.is_meta:
-        return float(a)
+        return float(a.detach())  # (a value the loss computes: no autograd warning)
     return None
 
 

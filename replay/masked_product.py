@@ -32,6 +32,19 @@ def nan_times_zero(name: str, args) -> bool:
             return False
 
 
+def nan_times_mask(name: str, args) -> bool:
+    """:func:`nan_times_zero` where the 0 is a 0/1 mask's, not data's own 0 (a padded
+    record's time since dose of 0 in ``exp(-k * t)``)."""
+    if name not in _PRODUCTS or len(args) < 2:
+        return False
+    a, b = args[0], args[1]
+    with torch.no_grad():
+        try:
+            return bool((_met(a, b) and _mask_like(b)) or (_met(b, a) and _mask_like(a)))
+        except RuntimeError:  # shapes that do not broadcast: the op would have raised
+            return False
+
+
 def mask_dropped(name: str, args) -> bool:
     """Whether aten op ``name`` multiplied every non-finite value of one operand by a 0/1
     mask's exact 0 (padding's ``nll * mask`` after the padded entries overflowed)."""
@@ -107,7 +120,8 @@ def masked_row_product_hint(hint: str | None, finder, hit) -> str | None:
     mask's 0 (padding steps' ``delta * pad`` after a ``log_softmax`` over a sink state with
     every action masked): the product keeps it, NaN * 0 being NaN."""
     kept = finder.masked_nan
-    if hint is None or hit is None or kept is None or not hit.row_masked or hit.made != "nan":
+    if hint is None or hit is None or kept is None or not hit.row_masked or hit.made != "nan" \
+            or not finder.masked_by_mask:
         return hint
     at = f" ({kept.source})" if kept.source else ""
     return (f"{hint}; {kept.op}{at} then multiplied those NaN by a mask's 0 to drop them, "

@@ -39,7 +39,7 @@ from .hits import Evidence, OpHit
 from .lineage import Lineage, pole_inputs
 from .literal_fill import literals, nan_number
 from .lost_eps import LostEps
-from .masked_product import mask_after_pole, nan_times_zero
+from .masked_product import mask_after_pole, nan_times_mask, nan_times_zero
 from .memo import TensorMarks, TensorSet
 from .moved import Moved
 from .nan_rows import nan_rows
@@ -162,6 +162,8 @@ class OpFinder:
     infinities runs, so infinities made there count as intentional.
     """
 
+    masked_by_mask = False  # (``masked_nan``'s 0 a 0/1 mask's, not data's own)
+
     def __init__(self, samples: Samples | None = None, mask_buffers: dict[int, str] | None = None):
         self.first: OpHit | None = None
         # the model's buffers holding +-inf and no NaN (causal masks), by storage: an op
@@ -281,6 +283,7 @@ class OpFinder:
             if self.masked_nan is None and nan_times_zero(name, given[0]):
                 self.masked_nan = OpHit(f"aten.{name}", "nan", user_source(), None, None,
                                         within=self.where)
+                self.masked_by_mask = nan_times_mask(name, given[0])
             return
         if any(isinstance(t, torch.Tensor) and t.is_complex() for t in leaves):
             return  # (exp of a complex number is no positive real: its parts, real views here)

@@ -89,6 +89,23 @@ def _row_magnitudes(step: Step, mb: int, skip: frozenset[str] = frozenset()):
     """(bundle key, readable name, each sample's largest magnitude, NaN as +Inf) of the
     floating tensors of micro-batch ``mb`` that have a sample dimension, but those in
     ``skip``: model inputs, then loss arguments."""
+    where = samples(step, mb) if mb < len(step.micro_batches) else None
+    for key, name, missing, a in row_values(step, mb, skip):
+        a = a.abs()
+        per = torch.nan_to_num((torch.nan_to_num(a, nan=0.0) if missing else a).amax(1),
+                               nan=math.inf)
+        # (a row per node of a graph batch: each graph's largest)
+        if where.per_node(step.tensors[key]):
+            ids = where.segments.ids.to(per.device)
+            per = per.new_zeros(where.size).scatter_reduce(0, ids, per, "amax")
+        yield key, name, per
+
+
+def row_values(step: Step, mb: int, skip: frozenset[str] = frozenset()):
+    """(bundle key, readable name, whether its NaN are missing values, its values as float64
+    with a row per sample dimension entry, ``(rows, -1)``) of the floating tensors of
+    micro-batch ``mb`` that have a sample dimension, but those in ``skip``: model inputs, then
+    loss arguments. A graph batch's tensors have a row per node."""
     if mb >= len(step.micro_batches):
         return
     entry, where = step.micro_batches[mb], samples(step, mb)
@@ -107,13 +124,7 @@ def _row_magnitudes(step: Step, mb: int, skip: frozenset[str] = frozenset()):
             continue
         d = 0 if where.per_node(t) else where.dim(t)
         if d is not None and t.shape[d] > 1:
-            a = t.detach().movedim(d, 0).reshape(t.shape[d], -1).abs().double()
-            per = torch.nan_to_num((torch.nan_to_num(a, nan=0.0) if missing else a).amax(1),
-                                   nan=math.inf)
-            if where.per_node(t):  # (a row per node of a graph batch: each graph's largest)
-                ids = where.segments.ids.to(per.device)
-                per = per.new_zeros(where.size).scatter_reduce(0, ids, per, "amax")
-            yield key, name, per
+            yield key, name, missing, t.detach().movedim(d, 0).reshape(t.shape[d], -1).double()
 
 
 def out_of_scale(step: Step, origin: dict[str, Any]

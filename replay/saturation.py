@@ -46,9 +46,9 @@ SOFTMAX = {"_softmax", "softmax"}
 # what a rounded complement needs instead of an eps
 STABLE = ("use the complement's stable form: log(1 - tanh(u)²) = 2·(log 2 − u − softplus(−2u)) "
           "(a tanh-squashed policy's correction), 1 − sigmoid(z) = sigmoid(−z) and "
-          "log(1 − sigmoid(z)) = logsigmoid(−z), a normal's log(1 − Φ(z)) = "
-          "torch.special.log_ndtr(−z), log(1 − softmax(w)ᵢ) = logsumexp of w without wᵢ "
-          "minus logsumexp(w); or add an eps inside (1 − y² + 1e-6, "
+          "log(1 − sigmoid(z)) = logsigmoid(−z), a normal's log Φ(z) of 0.5·(1 + erf(z/√2)) = "
+          "torch.special.log_ndtr(z) and log(1 − Φ(z)) = log_ndtr(−z), log(1 − softmax(w)ᵢ) "
+          "= logsumexp of w without wᵢ minus logsumexp(w); or add an eps inside (1 − y² + 1e-6, "
           "(1 − p).clamp_min(1e-20))")
 
 
@@ -83,8 +83,9 @@ class Saturation:
                     self._twice_unit.add(t)
         elif name in ("mul", "div") and len(ins) == 1 and ins[0] in self._twice_unit \
                 and _halves(name, leaves):
-            for t in outs:  # a normal cdf, 0.5 * (1 + erf(x)), strictly inside (0, 1)
-                self._unit.add(t)
+            for t in outs:  # a normal cdf, 0.5 * (1 + erf(x)), strictly inside (0, 1):
+                self._unit.add(t)  # below 1, and above 0 as 1 + y is (M3's log Φ of a BLQ)
+                self._complement.add(t)
         elif (name == "add" and len(ins) == 1 and ins[0] in self._complement
               and _non_negative(leaves)) or (name == "mul" and self._scaled(ins, leaves)):
             for t in outs:  # 1 - y + eps, eps >= 0 (0: an eps option set to 0), or scaled by

@@ -23,7 +23,7 @@ import torch
 from recorder.compat import is_norm_layer
 from recorder.finite import finite
 
-from .equal_spread import equal_spread_hint
+from .equal_spread import EQUAL_TERMS, equal_spread_hint
 from .errors import StopRun
 from .rerun import Runner
 from .zero_statistic import zero_statistic_hint
@@ -65,6 +65,10 @@ def zero_state_hint(runner: Runner, origin, hit, samples=None) -> str | None:
             if t.requires_grad:  # (a layer the optimizer trains: initialised to zeros)
                 if some_rows(hit.rows, samples):
                     return ZERO_IN_SOME_ROWS.format(op=hit.op, what=what, rows=hit.rows)
+                # (a layer at any constant still leaves the compared values equal: other
+                # parameters started alike, ka = ke in a Bateman function, are the pole)
+                if not _finite_with(runner, origin, module, t, torch.ones_like(t)):
+                    return EQUAL_TERMS.format(op=hit.op, what=what)
                 return ZERO_LAYER.format(op=hit.op, what=what)
             # (state the forward fills from a zero-initialised weight: an FP8 amax history)
             if stat := zero_statistic_hint(hit.op, what, module, prefix, lambda p: (
