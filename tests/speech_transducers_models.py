@@ -1,0 +1,283 @@
+"""A streaming-ASR transducer written the way ESPnet, icefall and NeMo write theirs, for
+``test_speech_transducers``: SpecAugment's time and frequency masks and a per-utterance mean/var
+normalisation (utterance CMVN over each clip's own frames) in the front end, ESPnet's
+``Conv2dSubsampling`` (two stride-2 convs: ``((L - 1) // 2 - 1) // 2`` frames), conformer
+blocks (macaron feed-forwards, self-attention with a key padding mask, the depthwise conv
+module), an embedding+LSTM prediction network over the blank-prefixed labels, the additive
+joiner ``tanh(enc[:, :, None] + pred[:, None])`` -> ``(B, T, U+1, V)``, and a CTC head beside
+it (icefall's hybrid ``rnnt + 0.3 * ctc``). The RNN-T loss is torchaudio's python reference
+recursion over the (T, U) lattice in log space, with the log-add as ``torch.logaddexp`` or
+written out as ``log(exp(a) + exp(b))``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, MELS, D, BLANK, PAD = 12, 16, 32, 0, -1
+
+
+class SpecAugment(nn.Module):
+    """Park et al.'s masks (no time warp): ``n_freq`` bands of up to ``F`` bins and ``n_time``
+    spans of up to ``T`` frames per utterance, filled with 0, only in training."""
+
+    def __init__(self, freq_width: int = 4, time_width: int = 20, n_freq: int = 1,
+                 n_time: int = 2):
+        super().__init__()
+        self.freq_width, self.time_width = freq_width, time_width
+        self.n_freq, self.n_time = n_freq, n_time
+
+    def forward(self, x, lens):
+        if not self.training:
+            return x
+        b, t, f = x.shape
+        keep = torch.ones_like(x, dtype=torch.bool)
+        frames, bins = torch.arange(t), torch.arange(f)
+        for _ in range(self.n_freq):
+            w = torch.randint(0, self.freq_width + 1, (b, 1))
+            f0 = (torch.rand(b, 1) * (f - w)).long()
+            keep &= ~((bins >= f0) & (bins < f0 + w))[:, None, :]
+        for _ in range(self.n_time):
+            w = torch.randint(0, self.time_width + 1, (b, 1))
+            t0 = (torch.rand(b, 1) * (lens[:, None] - w).clamp_min(0)).long()
+            keep &= ~((frames >= t0) & (frames < t0 + w))[:, :, None]
+        return x.masked_fill(~keep, 0.0)
+
+
+class UtteranceCMVN(nn.Module):
+    """Mean and variance normalisation over each utterance's own valid frames."""
+
+    def forward(self, x, lens):
+        mask = (torch.arange(x.shape[1])[None] < lens[:, None])[..., None]
+        n = lens[:, None, None].to(x.dtype)
+        mean = (x * mask).sum(1, keepdim=True) / n
+        var = (((x - mean) * mask) ** 2).sum(1, keepdim=True) / n
+        return (x - mean) / var.sqrt() * mask  # the bug: no eps, 0/0 on a constant utterance
+
+
+class Conv2dSubsampling(nn.Module):
+    """ESPnet's 4x subsampling: two 3x3 stride-2 convs, then a projection of channels x bins."""
+
+    def __init__(self, channels: int = 8):
+        super().__init__()
+        self.conv = nn.Sequential(nn.Conv2d(1, channels, 3, 2), nn.ReLU(),
+                                  nn.Conv2d(channels, channels, 3, 2), nn.ReLU())
+        self.out = nn.Linear(channels * (((MELS - 1) // 2 - 1) // 2), D)
+
+    def forward(self, x, lens):
+        x = self.conv(x[:, None])
+        b, c, t, f = x.shape
+        x = self.out(x.transpose(1, 2).reshape(b, t, c * f))
+        return x, ((lens - 1) // 2 - 1) // 2
+
+
+class FeedForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.LayerNorm(D), nn.Linear(D, 4 * D), nn.SiLU(),
+                                 nn.Linear(4 * D, D))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class ConvModule(nn.Module):
+    """The conformer conv module: pointwise + GLU, depthwise, batch norm, SiLU, pointwise."""
+
+    def __init__(self, kernel: int = 7):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.pw1 = nn.Conv1d(D, 2 * D, 1)
+        self.dw = nn.Conv1d(D, D, kernel, padding=kernel // 2, groups=D)
+        self.bn = nn.BatchNorm1d(D)
+        self.pw2 = nn.Conv1d(D, D, 1)
+
+    def forward(self, x, pad):
+        y = self.norm(x).masked_fill(pad[..., None], 0.0).transpose(1, 2)
+        y = F.glu(self.pw1(y), dim=1)
+        y = self.pw2(F.silu(self.bn(self.dw(y))))
+        return y.transpose(1, 2)
+
+
+class ConformerBlock(nn.Module):
+    def __init__(self, heads: int = 4):
+        super().__init__()
+        self.ff1, self.ff2 = FeedForward(), FeedForward()
+        self.attn_norm = nn.LayerNorm(D)
+        self.attn = nn.MultiheadAttention(D, heads, batch_first=True)
+        self.conv = ConvModule()
+        self.final = nn.LayerNorm(D)
+
+    def forward(self, x, pad):
+        x = x + 0.5 * self.ff1(x)
+        h = self.attn_norm(x)
+        x = x + self.attn(h, h, h, key_padding_mask=pad, need_weights=False)[0]
+        x = x + self.conv(x, pad)
+        return self.final(x + 0.5 * self.ff2(x))
+
+
+class Predictor(nn.Module):
+    """The prediction network over the labels with the blank as start symbol."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D)
+        self.lstm = nn.LSTM(D, D, batch_first=True)
+
+    def forward(self, ys):
+        sos = torch.cat([ys.new_full((ys.shape[0], 1), BLANK), ys.clamp_min(0)], 1)
+        return self.lstm(self.embed(sos))[0]
+
+
+class Joiner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc_proj, self.pred_proj = nn.Linear(D, D), nn.Linear(D, D)
+        self.out = nn.Linear(D, VOCAB)
+
+    def forward(self, enc, pred):
+        joint = torch.tanh(self.enc_proj(enc)[:, :, None] + self.pred_proj(pred)[:, None])
+        return self.out(joint)
+
+
+class ConformerTransducer(nn.Module):
+    """Returns the joint's logits (B, T', U+1, V), the encoder lengths T' and the CTC head's
+    log-probabilities (B, T', V)."""
+
+    def __init__(self, specaug_first: bool = False, blocks: int = 2):
+        super().__init__()
+        self.specaug, self.cmvn = SpecAugment(), UtteranceCMVN()
+        self.specaug_first = specaug_first
+        self.subsample = Conv2dSubsampling()
+        self.blocks = nn.ModuleList(ConformerBlock() for _ in range(blocks))
+        self.predictor, self.joiner = Predictor(), Joiner()
+        self.ctc_head = nn.Linear(D, VOCAB)
+
+    def forward(self, feats, feat_lens, ys):
+        if self.specaug_first:  # the bug: masks a whole short clip before its CMVN
+            x = self.cmvn(self.specaug(feats, feat_lens), feat_lens)
+        else:
+            x = self.specaug(self.cmvn(feats, feat_lens), feat_lens)
+        x, lens = self.subsample(x, feat_lens)
+        pad = torch.arange(x.shape[1])[None] >= lens[:, None]
+        for block in self.blocks:
+            x = block(x, pad)
+        logits = self.joiner(x, self.predictor(ys))
+        return logits, lens, self.ctc_head(x).log_softmax(-1)
+
+
+def make_transducer() -> ConformerTransducer:
+    torch.manual_seed(0)
+    return ConformerTransducer()
+
+
+def make_transducer_specaug_first() -> ConformerTransducer:
+    torch.manual_seed(0)
+    return ConformerTransducer(specaug_first=True)
+
+
+def log_add_by_hand(a, b):
+    return torch.log(torch.exp(a) + torch.exp(b))  # the bug: both exp underflow past -104
+
+
+def log_add_max_trick(a, b):
+    """The "stable" log-add: factor out the larger argument."""
+    m = torch.maximum(a, b)
+    return m + torch.log(torch.exp(a - m) + torch.exp(b - m))  # the bug: -inf - -inf is NaN
+
+
+def monotonic_rnnt_nll(logits, ys, t_lens, y_lens, log_add=log_add_max_trick):
+    """The monotonic (one symbol per frame) RNN-T of k2's ``rnnt_type="modified"``: a label
+    consumes its frame, so alpha[t, u] = logadd(alpha[t-1, u] + blank[t-1, u],
+    alpha[t-1, u-1] + emit[t-1, u-1]) from alpha[0] = (0, -inf, ...); a cell u > t has no path.
+    Returns each utterance's negative log-likelihood alpha[T, U]."""
+    logp = logits.log_softmax(-1)
+    b, t_max, u1, _ = logp.shape
+    blank = logp[..., BLANK]
+    emit = logp[:, :, :-1].gather(3, ys.clamp_min(0)[:, None, :, None].expand(
+        b, t_max, u1 - 1, 1)).squeeze(3)
+    alpha = torch.cat([logp.new_zeros(b, 1), logp.new_full((b, u1 - 1), float("-inf"))], 1)
+    rows = [alpha]
+    for t in range(t_max):
+        moved = torch.cat([alpha.new_full((b, 1), float("-inf")), alpha[:, :-1] + emit[:, t]], 1)
+        alpha = log_add(alpha + blank[:, t], moved)
+        rows.append(alpha)
+    return -torch.stack(rows, 1)[torch.arange(b), t_lens, y_lens]
+
+
+def monotonic_loss(out, ys, y_lens):
+    logits, t_lens, _ = out
+    return monotonic_rnnt_nll(logits, ys, t_lens, y_lens).sum() / y_lens.sum()
+
+
+def rnnt_nll(logits, ys, t_lens, y_lens, log_add=torch.logaddexp):
+    """torchaudio's python reference ``compute_alpha``: alpha[t, u] = logadd(alpha[t-1, u] +
+    blank[t-1, u], alpha[t, u-1] + emit[t, u-1]); the utterance's log-likelihood is
+    alpha[T-1, U] + blank[T-1, U]. Returns each utterance's negative log-likelihood."""
+    logp = logits.log_softmax(-1)
+    b, t_max, u1, _ = logp.shape
+    blank = logp[..., BLANK]
+    emit = logp[:, :, :-1].gather(3, ys.clamp_min(0)[:, None, :, None].expand(
+        b, t_max, u1 - 1, 1)).squeeze(3)
+    rows, alpha = [], None
+    for t in range(t_max):
+        if t == 0:
+            col = [logp.new_zeros(b)]
+        else:
+            col = [alpha[:, 0] + blank[:, t - 1, 0]]
+        for u in range(1, u1):
+            diag = col[u - 1] + emit[:, t, u - 1]
+            col.append(diag if t == 0 else log_add(alpha[:, u] + blank[:, t - 1, u], diag))
+        alpha = torch.stack(col, 1)
+        rows.append(alpha)
+    alphas = torch.stack(rows, 1)
+    last = (t_lens - 1).clamp_min(0)
+    idx = torch.arange(b)
+    return -(alphas[idx, last, y_lens] + blank[idx, last, y_lens])
+
+
+def hybrid_loss(out, ys, y_lens, ctc_weight=0.3, zero_infinity=False):
+    """icefall's ``rnnt + ctc_weight * ctc``, each summed over the utterances and divided by the
+    number of label tokens of the batch."""
+    logits, t_lens, ctc_lp = out
+    rnnt = rnnt_nll(logits, ys, t_lens, y_lens).sum()
+    ctc = F.ctc_loss(ctc_lp.transpose(0, 1), ys.clamp_min(0), t_lens, y_lens, blank=BLANK,
+                     reduction="sum", zero_infinity=zero_infinity)
+    return (rnnt + ctc_weight * ctc) / y_lens.sum()
+
+
+def hybrid_loss_safe(out, ys, y_lens):
+    return hybrid_loss(out, ys, y_lens, zero_infinity=True)
+
+
+def rnnt_loss_log_add_by_hand(out, ys, y_lens):
+    logits, t_lens, _ = out
+    return rnnt_nll(logits, ys, t_lens, y_lens, log_add=log_add_by_hand).sum() / y_lens.sum()
+
+
+def utterance(g: torch.Generator, frames: int, labels: int):
+    """Log-mel-like features (an offset per band, speech-like variance) and labels 1..V-1."""
+    feats = torch.randn(frames, MELS, generator=g) * 2 + torch.linspace(-4, 2, MELS)
+    return feats, torch.randint(1, VOCAB, (labels,), generator=g)
+
+
+def collate(items):
+    """Pad frames with 0 and labels with PAD, lengths from the items (an ASR collate_fn)."""
+    feats = nn.utils.rnn.pad_sequence([f for f, _ in items], batch_first=True)
+    ys = nn.utils.rnn.pad_sequence([y for _, y in items], batch_first=True, padding_value=PAD)
+    return (feats, torch.tensor([len(f) for f, _ in items]), ys,
+            torch.tensor([len(y) for _, y in items]))
+
+
+def corpus(n: int, special: dict[int, tuple[int, int]] | None = None, seed: int = 0):
+    """``n`` utterances of 40-64 frames and 3-6 labels; ``special``: index -> (frames, labels)."""
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for i in range(n):
+        frames = int(torch.randint(40, 65, (1,), generator=g))
+        labels = int(torch.randint(3, 7, (1,), generator=g))
+        frames, labels = (special or {}).get(i, (frames, labels))
+        items.append(utterance(g, frames, labels))
+    return items

@@ -1,0 +1,149 @@
+"""End to end on a streaming-ASR conformer transducer (``speech_transducers_models``):
+SpecAugment and utterance CMVN in the front end, ESPnet's 4x ``Conv2dSubsampling``, conformer
+blocks with key padding masks, an LSTM prediction network, the additive joiner over
+(B, T, U+1, V), and icefall's hybrid ``rnnt + 0.3 * ctc`` loss (the RNN-T recursion by hand,
+``F.ctc_loss`` on the CTC head), trained with AdamW under a warmup schedule and gradient
+clipping over a DataLoader of padded utterances. Each planted failure of the domain fires under
+the recorder and is replayed with the CLI; the healthy run raises no event and trains
+bit-identically with and without the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import speech_transducers_models as M
+import torch
+from bundles import nanreplay_json, source_line
+from torch.utils.data import DataLoader
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+
+def line_of(text: str) -> str:
+    return source_line("speech_transducers_models.py", text)
+
+
+def train(make: str, loss, out_dir, special=None, steps: int = 4, record: bool = True):
+    """AdamW with a linear warmup and clip_grad_norm_, 4 utterances a batch; ``special``:
+    corpus index -> (frames, labels) of planted utterances. Returns the model."""
+    model = getattr(M, make)()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+    loader = DataLoader(M.corpus(4 * steps, special), batch_size=4, collate_fn=M.collate)
+    torch.manual_seed(1)  # (SpecAugment's masks)
+    rec = FlightRecorder(model, opt, loss_fn=loss, out_dir=out_dir,
+                         factory=f"speech_transducers_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else loss
+        for feats, feat_lens, ys, y_lens in loader:
+            out = model(feats, feat_lens, ys)
+            opt.zero_grad()
+            loss_fn(out, ys, y_lens).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+            opt.step()
+            sched.step()
+    return model
+
+
+def fire(make: str, loss, tmp_path, special=None):
+    with pytest.raises(NonFiniteError) as info:
+        train(make, loss, tmp_path, special)
+    return info.value.event, info.value.bundle_path
+
+
+def test_frequency_mask_before_utterance_cmvn_names_its_division_and_asks_for_an_eps(tmp_path):
+    """SpecAugment run before the per-utterance mean/var normalisation (ESPnet's order, with
+    ``norm_vars=True`` and no eps): a masked frequency band is 0 in every frame of the clip,
+    its variance 0, and ``(x - mean) / std`` is 0/0 at the first step, in every utterance
+    that drew a band."""
+    ev, bundle = fire("make_transducer_specaug_first", M.hybrid_loss_safe, tmp_path)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "forward", "cmvn", "nan")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "cmvn", "aten.div", "nan", [0, 1, 2, 3]), o
+    assert o["source"] == line_of("return (x - mean) / var.sqrt() * mask"), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+    assert "add an eps to the denominator" in rep["hint"], rep["hint"]
+
+
+def test_clip_shorter_than_the_subsampling_names_ctc_and_its_zero_frames(tmp_path):
+    """A 5-frame clip (a click the VAD kept) has ``((5 - 1) // 2 - 1) // 2 = 0`` frames after
+    the 4x subsampling: the attention's fully masked row is handled by SDPA, but CTC cannot
+    align its 2 labels to 0 frames and returns +inf. The replay names the CTC loss, the
+    utterance's row in the last batch, and its 0 frames."""
+    ev, bundle = fire("make_transducer", M.hybrid_loss, tmp_path, {13: (5, 2)})
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "+inf"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=1")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "<loss>", "aten._ctc_loss", "+inf", [1]), o
+    assert o["source"] == line_of("ctc = F.ctc_loss(ctc_lp.transpose(0, 1)"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "row 1: target of 2 labels needs 2 frames, the input has 0" in rep["hint"]
+    assert "zero_infinity=True" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_labels_longer_than_the_subsampled_frames_name_the_utterance(tmp_path):
+    """A 20-frame clip transcribed with 6 labels: 4 frames after subsampling, fewer than the
+    labels (T' < U): the CTC branch's +inf, on that utterance, with the frames it needs."""
+    ev, bundle = fire("make_transducer", M.hybrid_loss, tmp_path, {13: (20, 6)})
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "+inf"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=1")
+    o = rep["origin"]
+    assert (o["op"], o["samples"], rep["cause"]) == ("aten._ctc_loss", [1], "invalid"), rep
+    assert "row 1: target of 6 labels needs " in rep["hint"], rep["hint"]
+    assert "the input has 4" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_log_add_written_out_underflows_on_a_long_utterance(tmp_path):
+    """The RNN-T recursion's log-add written as ``log(exp(a) + exp(b))``: alpha falls ~2.5 per
+    frame, and past -104 both exp round to 0 in float32, log(0) = -inf. A 400-frame utterance
+    (row 1) pads the batch to 99 encoder frames; the recursion runs over all of them, so row 0
+    underflows too in its padded frames (which backward would turn into 0/0). The replay
+    names the log, both rows, underflow, and asks for log space."""
+    ev, bundle = fire("make_transducer", M.rnnt_loss_log_add_by_hand, tmp_path, {13: (400, 6)})
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "+inf"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "<loss>", "aten.log", "-inf", [0, 1]), o
+    assert o["source"] == line_of("return torch.log(torch.exp(a) + torch.exp(b))"), o
+    assert rep["cause"] == "underflow", rep["cause"]
+    assert "compute in log space" in rep["hint"] and "logsumexp" in rep["hint"], rep["hint"]
+
+
+def test_max_trick_log_add_over_unreachable_cells_names_the_subtraction(tmp_path):
+    """The monotonic RNN-T (one symbol per frame) starts alpha at (0, -inf, ...) and shifts a
+    -inf in at u = 0: a cell u > t has no path. Its log-add written with the max trick,
+    ``m + log(exp(a - m) + exp(b - m))``, computes -inf - -inf = NaN at such a cell, in every
+    utterance at the first step. The replay names that subtraction (not the intended -inf
+    ``alpha.new_full`` before it, which reads only alpha's dtype and device) and its -inf
+    operands put in on purpose."""
+    ev, bundle = fire("make_transducer", M.monotonic_loss, tmp_path)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "loss", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["all_samples"]) == (
+        "<loss>", "aten.sub", "nan", True), o
+    assert o["source"] == line_of("return m + torch.log(torch.exp(a - m)"), o
+    assert [c["op"] for c in o["chain"]] == ["aten.new_full", "aten.sub"], o["chain"]
+    assert o["chain"][0]["intentional"] is True, o["chain"]
+    assert rep["cause"] == "invalid" and "inf - inf" in rep["hint"], rep["hint"]
+    assert "large finite negative number" in rep["hint"], rep["hint"]
+
+
+def test_healthy_transducer_raises_nothing_and_trains_the_same(tmp_path):
+    """CMVN before SpecAugment, the RNN-T by ``torch.logaddexp`` and CTC, with key padding
+    masks (their -inf stays inside the attention) over utterances of 40-64 frames: no event,
+    and bit-identical weights with and without the recorder."""
+    recorded = train("make_transducer", M.hybrid_loss, tmp_path)
+    plain = train("make_transducer", M.hybrid_loss, tmp_path, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
