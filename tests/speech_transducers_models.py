@@ -146,9 +146,9 @@ class ConformerTransducer(nn.Module):
     """Returns the joint's logits (B, T', U+1, V), the encoder lengths T' and the CTC head's
     log-probabilities (B, T', V)."""
 
-    def __init__(self, specaug_first: bool = False, blocks: int = 2):
+    def __init__(self, specaug_first: bool = False, blocks: int = 2, n_freq: int = 1):
         super().__init__()
-        self.specaug, self.cmvn = SpecAugment(), UtteranceCMVN()
+        self.specaug, self.cmvn = SpecAugment(n_freq=n_freq), UtteranceCMVN()
         self.specaug_first = specaug_first
         self.subsample = Conv2dSubsampling()
         self.blocks = nn.ModuleList(ConformerBlock() for _ in range(blocks))
@@ -176,6 +176,12 @@ def make_transducer() -> ConformerTransducer:
 def make_transducer_specaug_first() -> ConformerTransducer:
     torch.manual_seed(0)
     return ConformerTransducer(specaug_first=True)
+
+
+def make_transducer_time_masks_first() -> ConformerTransducer:
+    """Time masks only (no frequency masks), still before the CMVN."""
+    torch.manual_seed(0)
+    return ConformerTransducer(specaug_first=True, n_freq=0)
 
 
 def log_add_by_hand(a, b):

@@ -26,9 +26,11 @@ def line_of(text: str) -> str:
     return source_line("speech_transducers_models.py", text)
 
 
-def train(make: str, loss, out_dir, special=None, steps: int = 4, record: bool = True):
+def train(make: str, loss, out_dir, special=None, steps: int = 4, record: bool = True,
+          amp: bool = False):
     """AdamW with a linear warmup and clip_grad_norm_, 4 utterances a batch; ``special``:
-    corpus index -> (frames, labels) of planted utterances. Returns the model."""
+    corpus index -> (frames, labels) of planted utterances; ``amp``: the forward and the loss
+    under bfloat16 autocast. Returns the model."""
     model = getattr(M, make)()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
@@ -39,18 +41,20 @@ def train(make: str, loss, out_dir, special=None, steps: int = 4, record: bool =
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else loss
         for feats, feat_lens, ys, y_lens in loader:
-            out = model(feats, feat_lens, ys)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                out = model(feats, feat_lens, ys)
+                value = loss_fn(out, ys, y_lens)
             opt.zero_grad()
-            loss_fn(out, ys, y_lens).backward()
+            value.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
             opt.step()
             sched.step()
     return model
 
 
-def fire(make: str, loss, tmp_path, special=None):
+def fire(make: str, loss, tmp_path, special=None, steps: int = 4):
     with pytest.raises(NonFiniteError) as info:
-        train(make, loss, tmp_path, special)
+        train(make, loss, tmp_path, special, steps)
     return info.value.event, info.value.bundle_path
 
 
@@ -68,6 +72,22 @@ def test_frequency_mask_before_utterance_cmvn_names_its_division_and_asks_for_an
     assert o["source"] == line_of("return (x - mean) / var.sqrt() * mask"), o
     assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
     assert "add an eps to the denominator" in rep["hint"], rep["hint"]
+
+
+def test_time_masks_over_a_whole_short_clip_name_its_cmvn_division_and_row(tmp_path):
+    """Time masks only, still before the CMVN: an 11-frame clip (index 17, row 1 of the fifth
+    batch) drew masks of up to 20 frames that cover all of it, so its every frame is 0 and
+    its std 0. The replay names the division on that row alone (BatchNorm in the conv module
+    spreads the NaN to the other rows' outputs, which the event names), and dropping the row
+    makes the step finite."""
+    ev, bundle = fire("make_transducer_time_masks_first", M.hybrid_loss_safe, tmp_path,
+                      {17: (11, 1)}, steps=6)
+    assert (ev["step"], ev["phase"], ev["module"]) == (4, "forward", "cmvn"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=1")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("cmvn", "aten.div", "nan", [1])
+    assert rep["cause"] == "invalid" and "skip the rows where it is 0" in rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
 def test_clip_shorter_than_the_subsampling_names_ctc_and_its_zero_frames(tmp_path):
@@ -138,12 +158,14 @@ def test_max_trick_log_add_over_unreachable_cells_names_the_subtraction(tmp_path
     assert "large finite negative number" in rep["hint"], rep["hint"]
 
 
-def test_healthy_transducer_raises_nothing_and_trains_the_same(tmp_path):
+@pytest.mark.parametrize("amp", [False, True])
+def test_healthy_transducer_raises_nothing_and_trains_the_same(tmp_path, amp):
     """CMVN before SpecAugment, the RNN-T by ``torch.logaddexp`` and CTC, with key padding
-    masks (their -inf stays inside the attention) over utterances of 40-64 frames: no event,
-    and bit-identical weights with and without the recorder."""
-    recorded = train("make_transducer", M.hybrid_loss, tmp_path)
-    plain = train("make_transducer", M.hybrid_loss, tmp_path, record=False)
+    masks (their -inf stays inside the attention) over utterances of 40-64 frames, in float32
+    and under bfloat16 autocast: no event, and bit-identical weights with and without the
+    recorder."""
+    recorded = train("make_transducer", M.hybrid_loss, tmp_path, amp=amp)
+    plain = train("make_transducer", M.hybrid_loss, tmp_path, record=False, amp=amp)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
