@@ -363,7 +363,7 @@ class OpFinder:
         ev.of_data = self.lineage is not None and self.lineage.of_data(ins) and bool(rows) \
             and len(rows) < self.samples.size
         ev.data_divisor = not ev.of_data and data_divisor.marked(  # (x_hat / x.norm() of 0)
-            self.lineage, op, ins, rows, self.samples.size if self.samples else 0)
+            self.lineage, op, ins, rows, self.samples.size if self.samples else 0, leaves)
         ev.cut_divisor = clamped_divisor.cut_in_forward(op, ins)  # (a relu diffusion's 0)
         ev.data_factor = data_factor.marked(  # (g * dt.sqrt() of a dt of 0)
             op, ins, rows, self.samples.size if self.samples else 0)

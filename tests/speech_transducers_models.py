@@ -263,6 +263,12 @@ def rnnt_loss_log_add_by_hand(out, ys, y_lens):
     return rnnt_nll(logits, ys, t_lens, y_lens, log_add=log_add_by_hand).sum() / y_lens.sum()
 
 
+def rnnt_loss_per_token(out, ys, y_lens):
+    """Each utterance's RNN-T loss per label token (ESPnet's ``normalize_length``), averaged."""
+    logits, t_lens, _ = out
+    return (rnnt_nll(logits, ys, t_lens, y_lens) / y_lens).mean()  # the bug: an empty transcript
+
+
 def utterance(g: torch.Generator, frames: int, labels: int):
     """Log-mel-like features (an offset per band, speech-like variance) and labels 1..V-1."""
     feats = torch.randn(frames, MELS, generator=g) * 2 + torch.linspace(-4, 2, MELS)

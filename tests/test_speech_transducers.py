@@ -121,6 +121,24 @@ def test_labels_longer_than_the_subsampled_frames_name_the_utterance(tmp_path):
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
+def test_empty_transcript_under_a_per_token_loss_names_the_count_not_an_eps(tmp_path):
+    """A noise clip kept with an empty transcript (0 labels) under ESPnet's per-token
+    normalisation ``nll / y_lens``: +inf at its row. The divisor is an integer length the
+    batch carries, so the hint says so and asks to drop the record or mask it out, not to
+    weight it by 1/eps."""
+    ev, bundle = fire("make_transducer", M.rnnt_loss_per_token, tmp_path, {13: (50, 0)})
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "+inf"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "<loss>", "aten.div", "+inf", [1]), o
+    assert o["source"] == line_of("return (rnnt_nll(logits, ys, t_lens, y_lens) / y_lens)"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    # (was: "add an eps to the denominator" alone, for a count of labels)
+    assert "a length of 0: an empty transcript" in rep["hint"], rep["hint"]
+    assert "an eps would weight their error by 1/eps" in rep["hint"], rep["hint"]
+
+
 def test_log_add_written_out_underflows_on_a_long_utterance(tmp_path):
     """The RNN-T recursion's log-add written as ``log(exp(a) + exp(b))``: alpha falls ~2.5 per
     frame, and past -104 both exp round to 0 in float32, log(0) = -inf. A 400-frame utterance
