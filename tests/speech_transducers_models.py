@@ -12,6 +12,8 @@ written out as ``log(exp(a) + exp(b))``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -55,6 +57,27 @@ class UtteranceCMVN(nn.Module):
         mean = (x * mask).sum(1, keepdim=True) / n
         var = (((x - mean) * mask) ** 2).sum(1, keepdim=True) / n
         return (x - mean) / var.sqrt() * mask  # the bug: no eps, 0/0 on a constant utterance
+
+
+class GlobalCMVN(nn.Module):
+    """WeNet's ``GlobalCMVN``: the training set's per-bin mean and std, loaded from a stats
+    file into buffers, normalise every frame."""
+
+    def __init__(self, mean: torch.Tensor, std: torch.Tensor):
+        super().__init__()
+        self.register_buffer("mean", mean)
+        self.register_buffer("std", std)
+
+    def forward(self, x, lens):
+        mask = (torch.arange(x.shape[1])[None] < lens[:, None])[..., None]
+        return (x - self.mean) / self.std * mask  # the bug: no floor on the stats file's std
+
+
+def global_stats(items, floor: float = 0.0):
+    """The stats file: per-bin mean and std over every frame of ``items`` (WeNet's
+    ``compute_cmvn_stats``), the std floored at ``floor``."""
+    frames = torch.cat([f for f, _ in items])
+    return frames.mean(0), frames.std(0).clamp_min(floor)
 
 
 class Conv2dSubsampling(nn.Module):
@@ -101,12 +124,34 @@ class ConvModule(nn.Module):
         return y.transpose(1, 2)
 
 
-class ConformerBlock(nn.Module):
+class MultiHeadedAttention(nn.Module):
+    """ESPnet's ``MultiHeadedAttention`` as it was written before ``finfo.min``: the padded keys
+    filled with -inf, the softmax's weights at them set back to 0."""
+
     def __init__(self, heads: int = 4):
+        super().__init__()
+        self.h, self.d_k = heads, D // heads
+        self.linear_q, self.linear_k = nn.Linear(D, D), nn.Linear(D, D)
+        self.linear_v, self.linear_out = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, query, key, value, key_padding_mask, need_weights=False):
+        b, t, _ = query.shape
+        q, k, v = (lin(x).view(b, -1, self.h, self.d_k).transpose(1, 2) for lin, x in
+                   ((self.linear_q, query), (self.linear_k, key), (self.linear_v, value)))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_k)
+        mask = key_padding_mask[:, None, None, :]
+        scores = scores.masked_fill(mask, float("-inf"))
+        attn = torch.softmax(scores, dim=-1).masked_fill(mask, 0.0)  # (a row of no key: NaN)
+        return self.linear_out((attn @ v).transpose(1, 2).reshape(b, t, D)), None
+
+
+class ConformerBlock(nn.Module):
+    def __init__(self, heads: int = 4, espnet_attention: bool = False):
         super().__init__()
         self.ff1, self.ff2 = FeedForward(), FeedForward()
         self.attn_norm = nn.LayerNorm(D)
-        self.attn = nn.MultiheadAttention(D, heads, batch_first=True)
+        self.attn = MultiHeadedAttention(heads) if espnet_attention else \
+            nn.MultiheadAttention(D, heads, batch_first=True)
         self.conv = ConvModule()
         self.final = nn.LayerNorm(D)
 
@@ -146,12 +191,14 @@ class ConformerTransducer(nn.Module):
     """Returns the joint's logits (B, T', U+1, V), the encoder lengths T' and the CTC head's
     log-probabilities (B, T', V)."""
 
-    def __init__(self, specaug_first: bool = False, blocks: int = 2, n_freq: int = 1):
+    def __init__(self, specaug_first: bool = False, blocks: int = 2, n_freq: int = 1,
+                 espnet_attention: bool = False):
         super().__init__()
         self.specaug, self.cmvn = SpecAugment(n_freq=n_freq), UtteranceCMVN()
         self.specaug_first = specaug_first
         self.subsample = Conv2dSubsampling()
-        self.blocks = nn.ModuleList(ConformerBlock() for _ in range(blocks))
+        self.blocks = nn.ModuleList(ConformerBlock(espnet_attention=espnet_attention)
+                                    for _ in range(blocks))
         self.predictor, self.joiner = Predictor(), Joiner()
         self.ctc_head = nn.Linear(D, VOCAB)
 
@@ -176,6 +223,26 @@ def make_transducer() -> ConformerTransducer:
 def make_transducer_specaug_first() -> ConformerTransducer:
     torch.manual_seed(0)
     return ConformerTransducer(specaug_first=True)
+
+
+def narrowband(items, top: int = 4):
+    """8 kHz recordings resampled to 16 kHz: the mel bins above 4 kHz hold the log floor."""
+    for f, _ in items:
+        f[:, -top:] = -23.0259  # log(1e-10)
+    return items
+
+
+def make_transducer_global_cmvn() -> ConformerTransducer:
+    """Normalised with stats computed over a narrowband corpus."""
+    torch.manual_seed(0)
+    model = ConformerTransducer()
+    model.cmvn = GlobalCMVN(*global_stats(narrowband(corpus(16, seed=1))))
+    return model
+
+
+def make_transducer_espnet_attention() -> ConformerTransducer:
+    torch.manual_seed(0)
+    return ConformerTransducer(espnet_attention=True)
 
 
 def make_transducer_time_masks_first() -> ConformerTransducer:

@@ -27,14 +27,14 @@ def line_of(text: str) -> str:
 
 
 def train(make: str, loss, out_dir, special=None, steps: int = 4, record: bool = True,
-          amp: bool = False):
+          amp: bool = False, corpus=M.corpus):
     """AdamW with a linear warmup and clip_grad_norm_, 4 utterances a batch; ``special``:
     corpus index -> (frames, labels) of planted utterances; ``amp``: the forward and the loss
     under bfloat16 autocast. Returns the model."""
     model = getattr(M, make)()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
-    loader = DataLoader(M.corpus(4 * steps, special), batch_size=4, collate_fn=M.collate)
+    loader = DataLoader(corpus(4 * steps, special), batch_size=4, collate_fn=M.collate)
     torch.manual_seed(1)  # (SpecAugment's masks)
     rec = FlightRecorder(model, opt, loss_fn=loss, out_dir=out_dir,
                          factory=f"speech_transducers_models:{make}") if record else None
@@ -88,6 +88,28 @@ def test_time_masks_over_a_whole_short_clip_name_its_cmvn_division_and_row(tmp_p
     assert (o["module"], o["op"], o["made"], o["samples"]) == ("cmvn", "aten.div", "nan", [1])
     assert rep["cause"] == "invalid" and "skip the rows where it is 0" in rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_global_cmvn_stats_of_narrowband_audio_name_the_buffer_and_its_bins(tmp_path):
+    """WeNet's global CMVN with stats computed over 8 kHz audio resampled to 16 kHz: the top
+    4 mel bins hold the log floor in every frame, their std in the stats file is 0, and
+    ``(x - mean) / std`` divides by it at the first step. The replay names the buffer, its
+    zero bins, no record to drop, and the floor to put on the stats."""
+    def corpus(n, special=None):
+        return M.narrowband(M.corpus(n, special))
+
+    with pytest.raises(NonFiniteError) as info:
+        train("make_transducer_global_cmvn", M.hybrid_loss_safe, tmp_path, corpus=corpus)
+    ev, bundle = info.value.event, info.value.bundle_path
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "forward", "cmvn"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["all_samples"]) == ("cmvn", "aten.div", True), o
+    assert o["source"] == line_of("return (x - self.mean) / self.std * mask"), o
+    hint = rep["hint"]
+    assert rep["cause"] == "invalid" and "the buffer cmvn.std" in hint, hint
+    assert "0 at entries 12, 13, 14, 15 of its shape (16,)" in hint, hint
+    assert "no record is to blame" in hint and "std.clamp_min(eps)" in hint, hint
 
 
 def test_clip_shorter_than_the_subsampling_names_ctc_and_its_zero_frames(tmp_path):
@@ -176,14 +198,20 @@ def test_max_trick_log_add_over_unreachable_cells_names_the_subtraction(tmp_path
     assert "large finite negative number" in rep["hint"], rep["hint"]
 
 
-@pytest.mark.parametrize("amp", [False, True])
-def test_healthy_transducer_raises_nothing_and_trains_the_same(tmp_path, amp):
+@pytest.mark.parametrize("make,loss,special,amp", [
+    ("make_transducer", M.hybrid_loss, None, False),
+    ("make_transducer", M.hybrid_loss, None, True),
+    ("make_transducer_espnet_attention", M.hybrid_loss_safe, {13: (5, 2)}, False)])
+def test_healthy_transducer_raises_nothing_and_trains_the_same(tmp_path, make, loss, special,
+                                                                amp):
     """CMVN before SpecAugment, the RNN-T by ``torch.logaddexp`` and CTC, with key padding
     masks (their -inf stays inside the attention) over utterances of 40-64 frames, in float32
-    and under bfloat16 autocast: no event, and bit-identical weights with and without the
-    recorder."""
-    recorded = train("make_transducer", M.hybrid_loss, tmp_path, amp=amp)
-    plain = train("make_transducer", M.hybrid_loss, tmp_path, record=False, amp=amp)
+    and under bfloat16 autocast; and ESPnet's older attention over a clip of 0 frames after
+    subsampling, under CTC's zero_infinity: its softmax over no key is NaN in the forward and
+    in its backward, and both are taken back by the masked_fill around it. No event, and
+    bit-identical weights with and without the recorder."""
+    recorded = train(make, loss, tmp_path, special, amp=amp)
+    plain = train(make, loss, tmp_path, special, record=False, amp=amp)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
