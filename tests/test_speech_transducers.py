@@ -27,28 +27,31 @@ def line_of(text: str) -> str:
 
 
 def train(make: str, loss, out_dir, special=None, steps: int = 4, record: bool = True,
-          amp: bool = False, corpus=M.corpus):
-    """AdamW with a linear warmup and clip_grad_norm_, 4 utterances a batch; ``special``:
-    corpus index -> (frames, labels) of planted utterances; ``amp``: the forward and the loss
-    under bfloat16 autocast. Returns the model."""
+          amp: bool = False, corpus=M.corpus, accum: int = 1):
+    """AdamW with a linear warmup and clip_grad_norm_, 4 utterances a batch, ``accum`` batches
+    accumulated per update; ``special``: corpus index -> (frames, labels) of planted
+    utterances; ``amp``: the forward and the loss under bfloat16 autocast. Returns the
+    model."""
     model = getattr(M, make)()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
-    loader = DataLoader(corpus(4 * steps, special), batch_size=4, collate_fn=M.collate)
+    loader = DataLoader(corpus(4 * steps * accum, special), batch_size=4,
+                        collate_fn=M.collate)
     torch.manual_seed(1)  # (SpecAugment's masks)
     rec = FlightRecorder(model, opt, loss_fn=loss, out_dir=out_dir,
                          factory=f"speech_transducers_models:{make}") if record else None
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else loss
-        for feats, feat_lens, ys, y_lens in loader:
+        for i, (feats, feat_lens, ys, y_lens) in enumerate(loader):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
                 out = model(feats, feat_lens, ys)
-                value = loss_fn(out, ys, y_lens)
-            opt.zero_grad()
+                value = loss_fn(out, ys, y_lens) / accum
             value.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
-            opt.step()
-            sched.step()
+            if (i + 1) % accum == 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
     return model
 
 
@@ -159,6 +162,21 @@ def test_empty_transcript_under_a_per_token_loss_names_the_count_not_an_eps(tmp_
     # (was: "add an eps to the denominator" alone, for a count of labels)
     assert "a length of 0: an empty transcript" in rep["hint"], rep["hint"]
     assert "an eps would weight their error by 1/eps" in rep["hint"], rep["hint"]
+
+
+def test_an_unalignable_utterance_in_the_second_accumulated_batch_is_named_there(tmp_path):
+    """Two batches accumulated per update; the 20-frame clip with 6 labels is corpus index 14,
+    row 2 of the second batch of the second update: the event and the replay name that
+    micro-batch and row, and dropping it makes the step finite."""
+    with pytest.raises(NonFiniteError) as info:
+        train("make_transducer", M.hybrid_loss, tmp_path, {14: (20, 6)}, steps=2, accum=2)
+    ev, bundle = info.value.event, info.value.bundle_path
+    assert (ev["step"], ev["phase"], ev["micro_batch"]) == (1, "loss", 1), ev
+    rep = nanreplay_json(bundle, "--try", "drop=2")
+    o = rep["origin"]
+    assert (o["op"], o["micro_batch"], o["samples"]) == ("aten._ctc_loss", 1, [2]), o
+    assert "row 2: target of 6 labels needs " in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
 def test_log_add_written_out_underflows_on_a_long_utterance(tmp_path):
