@@ -182,9 +182,11 @@ def test_an_unalignable_utterance_in_the_second_accumulated_batch_is_named_there
 def test_log_add_written_out_underflows_on_a_long_utterance(tmp_path):
     """The RNN-T recursion's log-add written as ``log(exp(a) + exp(b))``: alpha falls ~2.5 per
     frame, and past -104 both exp round to 0 in float32, log(0) = -inf. A 400-frame utterance
-    (row 1) pads the batch to 99 encoder frames; the recursion runs over all of them, so row 0
-    underflows too in its padded frames (which backward would turn into 0/0). The replay
-    names the log, both rows, underflow, and asks for log space."""
+    (row 1) pads the batch to 99 encoder frames, and the recursion runs over all of them: the
+    first log to make -inf does so in row 1's own frames and in row 0's padded ones (never
+    read by the loss, but log's backward would make 0/0 there; rows 2 and 3 follow a few frames
+    later, so dropping rows is no fix). The replay names the log, the rows of that first call,
+    underflow, and asks for log space."""
     ev, bundle = fire("make_transducer", M.rnnt_loss_log_add_by_hand, tmp_path, {13: (400, 6)})
     assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "+inf"), ev
     rep = nanreplay_json(bundle)
