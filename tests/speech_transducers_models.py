@@ -124,13 +124,22 @@ class ConvModule(nn.Module):
         return y.transpose(1, 2)
 
 
+def outside_chunks(t: int, chunk: int, left_chunks: int) -> torch.Tensor:
+    """WeNet's ``subsequent_chunk_mask`` with limited left context, True where a query frame
+    (row) may not see a key frame (column)."""
+    c = torch.arange(t) // chunk
+    return (c[None, :] > c[:, None]) | (c[None, :] < c[:, None] - left_chunks)
+
+
 class MultiHeadedAttention(nn.Module):
     """ESPnet's ``MultiHeadedAttention`` as it was written before ``finfo.min``: the padded keys
     filled with -inf, the softmax's weights at them set back to 0."""
 
-    def __init__(self, heads: int = 4):
+    def __init__(self, heads: int = 4, chunk: int = 0, left_chunks: int = 0,
+                 refill: bool = True):
         super().__init__()
         self.h, self.d_k = heads, D // heads
+        self.chunk, self.left_chunks, self.refill = chunk, left_chunks, refill
         self.linear_q, self.linear_k = nn.Linear(D, D), nn.Linear(D, D)
         self.linear_v, self.linear_out = nn.Linear(D, D), nn.Linear(D, D)
 
@@ -140,17 +149,21 @@ class MultiHeadedAttention(nn.Module):
                    ((self.linear_q, query), (self.linear_k, key), (self.linear_v, value)))
         scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_k)
         mask = key_padding_mask[:, None, None, :]
+        if self.chunk:  # WeNet's streaming mask: own chunk and left_chunks before it
+            mask = mask | outside_chunks(t, self.chunk, self.left_chunks)
         scores = scores.masked_fill(mask, float("-inf"))
-        attn = torch.softmax(scores, dim=-1).masked_fill(mask, 0.0)  # (a row of no key: NaN)
+        attn = torch.softmax(scores, dim=-1)  # (a row of no key: NaN)
+        if self.refill:
+            attn = attn.masked_fill(mask, 0.0)
         return self.linear_out((attn @ v).transpose(1, 2).reshape(b, t, D)), None
 
 
 class ConformerBlock(nn.Module):
-    def __init__(self, heads: int = 4, espnet_attention: bool = False):
+    def __init__(self, heads: int = 4, espnet_attention: bool = False, **streaming):
         super().__init__()
         self.ff1, self.ff2 = FeedForward(), FeedForward()
         self.attn_norm = nn.LayerNorm(D)
-        self.attn = MultiHeadedAttention(heads) if espnet_attention else \
+        self.attn = MultiHeadedAttention(heads, **streaming) if espnet_attention else \
             nn.MultiheadAttention(D, heads, batch_first=True)
         self.conv = ConvModule()
         self.final = nn.LayerNorm(D)
@@ -192,13 +205,13 @@ class ConformerTransducer(nn.Module):
     log-probabilities (B, T', V)."""
 
     def __init__(self, specaug_first: bool = False, blocks: int = 2, n_freq: int = 1,
-                 espnet_attention: bool = False):
+                 espnet_attention: bool = False, **streaming):
         super().__init__()
         self.specaug, self.cmvn = SpecAugment(n_freq=n_freq), UtteranceCMVN()
         self.specaug_first = specaug_first
         self.subsample = Conv2dSubsampling()
-        self.blocks = nn.ModuleList(ConformerBlock(espnet_attention=espnet_attention)
-                                    for _ in range(blocks))
+        self.blocks = nn.ModuleList(ConformerBlock(espnet_attention=espnet_attention,
+                                                   **streaming) for _ in range(blocks))
         self.predictor, self.joiner = Predictor(), Joiner()
         self.ctc_head = nn.Linear(D, VOCAB)
 
@@ -243,6 +256,20 @@ def make_transducer_global_cmvn() -> ConformerTransducer:
 def make_transducer_espnet_attention() -> ConformerTransducer:
     torch.manual_seed(0)
     return ConformerTransducer(espnet_attention=True)
+
+
+def make_streaming_transducer() -> ConformerTransducer:
+    """Chunks of 4 encoder frames seeing 1 chunk to their left, the softmax's weights at masked
+    keys not set back to 0 (the bug: a padded frame past its utterance by more than the left
+    context sees no key)."""
+    torch.manual_seed(0)
+    return ConformerTransducer(espnet_attention=True, chunk=4, left_chunks=1, refill=False)
+
+
+def make_streaming_transducer_refilled() -> ConformerTransducer:
+    """WeNet's own code: the weights at masked keys set back to 0 after the softmax."""
+    torch.manual_seed(0)
+    return ConformerTransducer(espnet_attention=True, chunk=4, left_chunks=1)
 
 
 def make_transducer_time_masks_first() -> ConformerTransducer:

@@ -115,6 +115,40 @@ def test_global_cmvn_stats_of_narrowband_audio_name_the_buffer_and_its_bins(tmp_
     assert "no record is to blame" in hint and "std.clamp_min(eps)" in hint, hint
 
 
+def rows_with_a_blind_frame(special) -> list[int]:
+    """The utterances of the last batch with a frame (padding) that WeNet's chunk mask and the
+    key padding leave no key to see, computed from the batch's lengths alone."""
+    _, feat_lens, _, _ = M.collate(M.corpus(16, special)[12:])
+    lens = ((feat_lens - 1) // 2 - 1) // 2
+    t = int(lens.max())
+    pad = torch.arange(t)[None] >= lens[:, None]
+    mask = pad[:, None, :] | M.outside_chunks(t, 4, 1)[None]
+    return torch.nonzero(mask.all(-1).any(-1)).flatten().tolist()
+
+
+def test_streaming_chunk_mask_past_a_short_utterance_names_the_softmax_and_rows(tmp_path):
+    """WeNet's streaming conformer (chunks of 4 frames, 1 chunk of left context) without the
+    ``masked_fill(mask, 0)`` after the softmax: a 120-frame utterance pads the batch to 29
+    encoder frames, and a padded frame of a short utterance more than a chunk past its end
+    sees no key (its own and left chunks are all padding). The softmax of that row is NaN,
+    and the conv module carries it into the valid frames. The replay names the first block's
+    softmax, the short utterances (not the long one), and the fully masked row."""
+    special = {13: (120, 5)}
+    rows = rows_with_a_blind_frame(special)
+    assert rows == [0, 2, 3], rows
+    ev, bundle = fire("make_streaming_transducer", M.hybrid_loss_safe, tmp_path, special)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (
+        3, "forward", "blocks.0.attn", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "blocks.0.attn", "aten._softmax", "nan", rows), o
+    assert o["source"] == line_of("attn = torch.softmax(scores, dim=-1)"), o
+    assert [c["op"] for c in o["chain"]] == ["aten.masked_fill", "aten._softmax"], o["chain"]
+    assert rep["cause"] == "invalid" and "every entry is -inf" in rep["hint"], rep["hint"]
+    assert "keep at least one key per row" in rep["hint"], rep["hint"]
+
+
 def test_clip_shorter_than_the_subsampling_names_ctc_and_its_zero_frames(tmp_path):
     """A 5-frame clip (a click the VAD kept) has ``((5 - 1) // 2 - 1) // 2 = 0`` frames after
     the 4x subsampling: the attention's fully masked row is handled by SDPA, but CTC cannot
@@ -221,14 +255,16 @@ def test_max_trick_log_add_over_unreachable_cells_names_the_subtraction(tmp_path
 @pytest.mark.parametrize("make,loss,special,amp", [
     ("make_transducer", M.hybrid_loss, None, False),
     ("make_transducer", M.hybrid_loss, None, True),
-    ("make_transducer_espnet_attention", M.hybrid_loss_safe, {13: (5, 2)}, False)])
+    ("make_transducer_espnet_attention", M.hybrid_loss_safe, {13: (5, 2)}, False),
+    ("make_streaming_transducer_refilled", M.hybrid_loss_safe, {13: (120, 5)}, False)])
 def test_healthy_transducer_raises_nothing_and_trains_the_same(tmp_path, make, loss, special,
                                                                 amp):
     """CMVN before SpecAugment, the RNN-T by ``torch.logaddexp`` and CTC, with key padding
     masks (their -inf stays inside the attention) over utterances of 40-64 frames, in float32
     and under bfloat16 autocast; and ESPnet's older attention over a clip of 0 frames after
-    subsampling, under CTC's zero_infinity: its softmax over no key is NaN in the forward and
-    in its backward, and both are taken back by the masked_fill around it. No event, and
+    subsampling, under CTC's zero_infinity, and WeNet's streaming chunk mask over padding no
+    key is left for: their softmax over no key is NaN in the forward and in its backward, and
+    both are taken back by the masked_fills around it. No event, and
     bit-identical weights with and without the recorder."""
     recorded = train(make, loss, tmp_path, special, amp=amp)
     plain = train(make, loss, tmp_path, special, record=False, amp=amp)
