@@ -61,17 +61,39 @@ def fire(make: str, loss, tmp_path, special=None, steps: int = 4):
     return info.value.event, info.value.bundle_path
 
 
+def nan_rows_of_cmvn(make: str, special=None, steps: int = 4) -> tuple[int, list[int]]:
+    """The rows of the first CMVN output holding NaN in an unrecorded run of the same loop (a
+    forward hook on a copy: the replay's claim, checked independently)."""
+    model = getattr(M, make)
+    seen: list[torch.Tensor] = []
+
+    def hooked():
+        m = model()
+        m.cmvn.register_forward_hook(lambda mod, i, o: seen.append(o.detach().isnan()))
+        return m
+
+    M.make_hooked = hooked
+    try:
+        train("make_hooked", M.hybrid_loss_safe, None, special, steps, record=False)
+    finally:
+        del M.make_hooked
+    step = next(i for i, o in enumerate(seen) if o.any())
+    return step, torch.nonzero(seen[step].flatten(1).any(1)).flatten().tolist()
+
+
 def test_frequency_mask_before_utterance_cmvn_names_its_division_and_asks_for_an_eps(tmp_path):
     """SpecAugment run before the per-utterance mean/var normalisation (ESPnet's order, with
     ``norm_vars=True`` and no eps): a masked frequency band is 0 in every frame of the clip,
     its variance 0, and ``(x - mean) / std`` is 0/0 at the first step, in every utterance
     that drew a band."""
+    step, rows = nan_rows_of_cmvn("make_transducer_specaug_first")
+    assert step == 0, step
     ev, bundle = fire("make_transducer_specaug_first", M.hybrid_loss_safe, tmp_path)
     assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "forward", "cmvn", "nan")
     rep = nanreplay_json(bundle)
     o = rep["origin"]
     assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
-        True, "cmvn", "aten.div", "nan", [0, 1, 2, 3]), o
+        True, "cmvn", "aten.div", "nan", rows), o
     assert o["source"] == line_of("return (x - mean) / var.sqrt() * mask"), o
     assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
     assert "add an eps to the denominator" in rep["hint"], rep["hint"]
@@ -83,8 +105,10 @@ def test_time_masks_over_a_whole_short_clip_name_its_cmvn_division_and_row(tmp_p
     its std 0. The replay names the division on that row alone (BatchNorm in the conv module
     spreads the NaN to the other rows' outputs, which the event names), and dropping the row
     makes the step finite."""
+    special = {17: (11, 1)}
+    assert nan_rows_of_cmvn("make_transducer_time_masks_first", special, 6) == (4, [1])
     ev, bundle = fire("make_transducer_time_masks_first", M.hybrid_loss_safe, tmp_path,
-                      {17: (11, 1)}, steps=6)
+                      special, steps=6)
     assert (ev["step"], ev["phase"], ev["module"]) == (4, "forward", "cmvn"), ev
     rep = nanreplay_json(bundle, "--try", "drop=1")
     o = rep["origin"]
