@@ -27,7 +27,7 @@ def line_of(text: str) -> str:
 
 
 def train(make: str, loss, out_dir, special=None, steps: int = 4, record: bool = True,
-          amp: bool = False, corpus=M.corpus, accum: int = 1):
+          amp: bool = False, corpus=M.corpus, accum: int = 1, collate=M.collate):
     """AdamW with a linear warmup and clip_grad_norm_, 4 utterances a batch, ``accum`` batches
     accumulated per update; ``special``: corpus index -> (frames, labels) of planted
     utterances; ``amp``: the forward and the loss under bfloat16 autocast. Returns the
@@ -35,8 +35,7 @@ def train(make: str, loss, out_dir, special=None, steps: int = 4, record: bool =
     model = getattr(M, make)()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
-    loader = DataLoader(corpus(4 * steps * accum, special), batch_size=4,
-                        collate_fn=M.collate)
+    loader = DataLoader(corpus(4 * steps * accum, special), batch_size=4, collate_fn=collate)
     torch.manual_seed(1)  # (SpecAugment's masks)
     rec = FlightRecorder(model, opt, loss_fn=loss, out_dir=out_dir,
                          factory=f"speech_transducers_models:{make}") if record else None
@@ -171,6 +170,21 @@ def test_streaming_chunk_mask_past_a_short_utterance_names_the_softmax_and_rows(
     assert [c["op"] for c in o["chain"]] == ["aten.masked_fill", "aten._softmax"], o["chain"]
     assert rep["cause"] == "invalid" and "every entry is -inf" in rep["hint"], rep["hint"]
     assert "keep at least one key per row" in rep["hint"], rep["hint"]
+
+
+def test_time_masks_in_the_loader_before_cmvn_are_an_input_event_of_the_clip(tmp_path):
+    """The same masks and CMVN run as the loader's input transforms (Lhotse's order): the
+    NaN reaches the model in the batch. The event and the replay name the input, the clip's
+    row, a normalisation's division in the data pipeline; dropping it makes the step finite."""
+    with pytest.raises(NonFiniteError) as info:
+        train("make_transducer_normalised_input", M.hybrid_loss_safe, tmp_path, {13: (11, 1)},
+              collate=M.AugmentingCollate())
+    ev, bundle = info.value.event, info.value.bundle_path
+    assert (ev["step"], ev["phase"], ev["samples"]) == (3, "input", [1]), ev
+    rep = nanreplay_json(bundle, "--try", "drop=1")
+    assert (rep["cause"], rep["origin"]["samples"]) == ("input", [1]), rep
+    assert "division by zero in normalisation" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
 def test_clip_shorter_than_the_subsampling_names_ctc_and_its_zero_frames(tmp_path):
