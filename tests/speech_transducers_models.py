@@ -7,7 +7,11 @@ module), an embedding+LSTM prediction network over the blank-prefixed labels, th
 joiner ``tanh(enc[:, :, None] + pred[:, None])`` -> ``(B, T, U+1, V)``, and a CTC head beside
 it (icefall's hybrid ``rnnt + 0.3 * ctc``). The RNN-T loss is torchaudio's python reference
 recursion over the (T, U) lattice in log space, with the log-add as ``torch.logaddexp`` or
-written out as ``log(exp(a) + exp(b))``.
+written out as ``log(exp(a) + exp(b))``; the monotonic (one symbol per frame) RNN-T of k2's
+``rnnt_type="modified"`` with the max-trick log-add. Variants: WeNet's ``GlobalCMVN`` from a
+stats file, ESPnet's older hand-written attention (-inf fill, weights refilled with 0) and
+WeNet's streaming chunk mask with limited left context, and Lhotse's loader-side input
+transforms (``AugmentingCollate``).
 """
 
 from __future__ import annotations
