@@ -295,6 +295,14 @@ def log_add_max_trick(a, b):
     return m + torch.log(torch.exp(a - m) + torch.exp(b - m))  # the bug: -inf - -inf is NaN
 
 
+def log_add_guarded(a, b):
+    """The max trick with k2's guard: where both are -inf, the sum is -inf."""
+    m = torch.maximum(a, b)
+    safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    return torch.where(torch.isinf(m), m, safe + torch.log(torch.exp(a - safe)
+                                                           + torch.exp(b - safe)))
+
+
 def monotonic_rnnt_nll(logits, ys, t_lens, y_lens, log_add=log_add_max_trick):
     """The monotonic (one symbol per frame) RNN-T of k2's ``rnnt_type="modified"``: a label
     consumes its frame, so alpha[t, u] = logadd(alpha[t-1, u] + blank[t-1, u],
@@ -317,6 +325,11 @@ def monotonic_rnnt_nll(logits, ys, t_lens, y_lens, log_add=log_add_max_trick):
 def monotonic_loss(out, ys, y_lens):
     logits, t_lens, _ = out
     return monotonic_rnnt_nll(logits, ys, t_lens, y_lens).sum() / y_lens.sum()
+
+
+def monotonic_loss_guarded(out, ys, y_lens):
+    logits, t_lens, _ = out
+    return monotonic_rnnt_nll(logits, ys, t_lens, y_lens, log_add_guarded).sum() / y_lens.sum()
 
 
 def rnnt_nll(logits, ys, t_lens, y_lens, log_add=torch.logaddexp):

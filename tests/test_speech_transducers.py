@@ -290,6 +290,23 @@ def test_max_trick_log_add_over_unreachable_cells_names_the_subtraction(tmp_path
     assert "large finite negative number" in rep["hint"], rep["hint"]
 
 
+def test_where_guard_after_the_log_add_names_the_log_backward_and_the_double_where(tmp_path):
+    """The max-trick log-add guarded as ``torch.where(isinf(m), m, safe + log(...))``: the
+    forward is finite (-inf at the unreachable cells), but the log was still computed at 0
+    there, and its backward multiplies the where's 0 gradient by 1/0. The replay names that
+    backward node, every utterance, and the fix: a safe input before the op."""
+    ev, bundle = fire("make_transducer", M.monotonic_loss_guarded, tmp_path)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "backward", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["all_samples"]) == (
+        "backward", "<loss>", "LogBackward0", True), o
+    assert o["source"] == line_of("return torch.where(torch.isinf(m), m, safe + torch.log("), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "still sends the gradient through both branches" in rep["hint"], rep["hint"]
+    assert "make the op's input safe before the op" in rep["hint"], rep["hint"]
+
+
 @pytest.mark.parametrize("make,loss,special,amp", [
     ("make_transducer", M.hybrid_loss, None, False),
     ("make_transducer", M.hybrid_loss, None, True),
