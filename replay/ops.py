@@ -129,7 +129,7 @@ class _Watch(TorchDispatchMode):
                 and folds(func, outs[0], pairs, ins):
             f.first_reduced = OpHit(op, made, user_source(), lo, hi, occurrence=occurrence,
                                     rows=f.folded_rows(outs, func, args, ins, pairs), seq=seq,
-                                    grid=bad_grid(outs[0]))
+                                    grid=bad_grid(outs[0]), picked=f.picked)
         if made == "nan" and in_nan_free and f.first_nan is None:
             f.first_nan = _nan_hit(f, func, before or (args, kwargs), ins, outs, in_finite,
                                    OpHit(op, "nan", user_source(), lo, hi, filled, occurrence,

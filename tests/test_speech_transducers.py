@@ -307,16 +307,40 @@ def test_where_guard_after_the_log_add_names_the_log_backward_and_the_double_whe
     assert "make the op's input safe before the op" in rep["hint"], rep["hint"]
 
 
+def test_labels_outnumbering_frames_in_a_monotonic_transducer_name_the_unreachable_cell(
+        tmp_path):
+    """The monotonic RNN-T with a correct log-add (the double where: -inf stays -inf, no NaN
+    either way) and the 20-frame clip with 6 labels: 4 encoder frames cannot emit 6 labels,
+    so its final cell alpha[T, U] keeps the -inf it started from, and the loss is +inf. The
+    replay names the sum that folded it in, the utterance alone, the index op that read the
+    unreachable cell, and asks to filter such utterances or zero their loss."""
+    ev, bundle = fire("make_transducer", M.monotonic_loss_safe, tmp_path, {13: (20, 6)})
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "+inf"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=1")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "<loss>", "aten.sum", "+inf", [1]), o
+    assert o["chain"][0]["intentional"] is True, o["chain"]
+    hint = rep["hint"]
+    # (was: "give the masked entries zero weight in the loss (label smoothing ...)")
+    assert f"aten.index ({line_of('return -torch.stack(rows, 1)[torch.arange(b)')})" in hint
+    assert "a lattice's final cell that no path reaches" in hint, hint
+    assert "filter those whose targets outnumber their frames" in hint, hint
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
 @pytest.mark.parametrize("make,loss,special,amp", [
     ("make_transducer", M.hybrid_loss, None, False),
     ("make_transducer", M.hybrid_loss, None, True),
+    ("make_transducer", M.monotonic_loss_safe, None, False),
     ("make_transducer_espnet_attention", M.hybrid_loss_safe, {13: (5, 2)}, False),
     ("make_streaming_transducer_refilled", M.hybrid_loss_safe, {13: (120, 5)}, False)])
 def test_healthy_transducer_raises_nothing_and_trains_the_same(tmp_path, make, loss, special,
                                                                 amp):
     """CMVN before SpecAugment, the RNN-T by ``torch.logaddexp`` and CTC, with key padding
     masks (their -inf stays inside the attention) over utterances of 40-64 frames, in float32
-    and under bfloat16 autocast; and ESPnet's older attention over a clip of 0 frames after
+    and under bfloat16 autocast; the monotonic RNN-T with the double-where log-add, its
+    unreachable cells at -inf in the forward and no NaN in the backward; and ESPnet's older attention over a clip of 0 frames after
     subsampling, under CTC's zero_infinity, and WeNet's streaming chunk mask over padding no
     key is left for: their softmax over no key is NaN in the forward and in its backward, and
     both are taken back by the masked_fills around it. No event, and
