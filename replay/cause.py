@@ -67,6 +67,7 @@ from .literal_range import literal_hint, unheld_literal
 from .operator_power import operator_power_advice
 from .ops import Evidence, OpHit
 from .past_edge import rounded_past_edge
+from .picked_fill import folded_pick_hint
 from .plus_inf_row import row_hint
 from .power_overflow import power_advice
 from .rerun import Runner
@@ -330,7 +331,7 @@ def _from_infinities(hit: OpHit) -> Cause:
                      "element was reduced into (an empty group: a graph without nodes): "
                      + DO["empty_group"])
     if hit.made != "nan":  # OpFinder.first_reduced: an infinity it was given, summed in
-        if forbidden := forbidden_target_hint(name, hit.made):  # (a target the mask forbids)
+        if forbidden := forbidden_target_hint(name, hit.made) or folded_pick_hint(hit):
             return Cause("invalid", forbidden)
         return Cause("invalid", f"{hit.op} folded an infinity it was given into {hit.made} "
                      "(one held on purpose, such as a -inf mask under allow_inf: a "

@@ -15,6 +15,11 @@ from .compat import returns_view
 # nothing (a row of a masked transition matrix, its entries at the gold tags)
 _PICKS = frozenset({"index", "_unsafe_index", "index_select", "gather", "take", "masked_select",
                     "take_along_dim", "embedding"})
+# ops that read only their tensor argument's shape, dtype and device, never its values: a
+# lattice's ``alpha.new_full((b, 1), -inf)`` beside an alpha holding -inf folds nothing in
+_METADATA = frozenset({"new_full", "new_zeros", "new_ones", "new_empty", "new_empty_strided",
+                       "full_like", "zeros_like", "ones_like", "empty_like", "rand_like",
+                       "randn_like", "randint_like"})
 
 
 def folds(func, out: torch.Tensor, pairs, ins) -> bool:
@@ -24,7 +29,7 @@ def folds(func, out: torch.Tensor, pairs, ins) -> bool:
     name = func.overloadpacket.__name__.rstrip("_")
     if name in GROUP_REDUCTIONS:
         return True
-    if name in _PICKS or returns_view(func):
+    if name in _PICKS or name in _METADATA or returns_view(func):
         return False
     return out.numel() < max(t.numel() for (a, b), t in zip(pairs, ins) if not pair_ok(a, b))
 

@@ -40,6 +40,9 @@ class OpHit:
     # a reduction's non-finite places over its output's first two dims (it has no evidence):
     # a MaxSim's (queries, passages) of passages with no token left (replay.other_rows)
     grid: Any = None
+    # a reduction's: the index op that read the intended fill's infinity it folded in, before
+    # it (a lattice's unreachable final cell: replay.picked_fill)
+    picked: OpHit | None = None
 
     def as_json(self) -> dict[str, Any]:
         # (its dtype: the type an overflow of its output beat, which can be another than the

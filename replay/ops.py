@@ -129,7 +129,7 @@ class _Watch(TorchDispatchMode):
                 and folds(func, outs[0], pairs, ins):
             f.first_reduced = OpHit(op, made, user_source(), lo, hi, occurrence=occurrence,
                                     rows=f.folded_rows(outs, func, args, ins, pairs), seq=seq,
-                                    grid=bad_grid(outs[0]))
+                                    grid=bad_grid(outs[0]), picked=f.picked)
         if made == "nan" and in_nan_free and f.first_nan is None:
             f.first_nan = _nan_hit(f, func, before or (args, kwargs), ins, outs, in_finite,
                                    OpHit(op, "nan", user_source(), lo, hi, filled, occurrence,
@@ -366,7 +366,7 @@ class OpFinder:
         ev.of_data = self.lineage is not None and self.lineage.of_data(ins) and bool(rows) \
             and len(rows) < self.samples.size
         ev.data_divisor = not ev.of_data and data_divisor.marked(  # (x_hat / x.norm() of 0)
-            self.lineage, op, ins, rows, self.samples.size if self.samples else 0)
+            self.lineage, op, ins, rows, self.samples.size if self.samples else 0, leaves)
         ev.cut_divisor = clamped_divisor.cut_in_forward(op, ins)  # (a relu diffusion's 0)
         ev.data_factor = data_factor.marked(  # (g * dt.sqrt() of a dt of 0)
             op, ins, rows, self.samples.size if self.samples else 0)

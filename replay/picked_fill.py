@@ -6,7 +6,10 @@ every action, valid or not) picks the fill's ``-inf``, which then reaches the ou
 log-probability. The fill is intended and no op made an infinity of finite values, so the
 finder had only the fill (often another one, of another mask) to name. The op finder keeps
 the first such pick (:func:`note_pick`); the forward report blames it when an infinity and no
-NaN reached the output (:func:`picked_hint` says why).
+NaN reached the output (:func:`picked_hint` says why). A loss that sums such a pick is named
+at its reduction, and :func:`folded_pick_hint` says what was picked: a monotonic transducer's
+or a CTC recursion's final cell ``alphas[b, T_b, U_b]`` still at its -inf start value, for an
+utterance with more labels than frames (no path reaches that cell).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from .earlier_nan import dropped_nan
 from .hits import OpHit
 from .source import user_source
 
-__all__ = ["note_pick", "picked_hint", "picked_origin"]
+__all__ = ["folded_pick_hint", "note_pick", "picked_hint", "picked_origin"]
 
 # ops that copy entries of their input chosen by an index (not a reduction, not arithmetic)
 _PICKS = {"gather", "index", "index_select", "take_along_dim", "take"}
@@ -56,3 +59,20 @@ def picked_hint(hit: OpHit) -> str:
             "its log-probability is -inf; make the index and the mask agree (sample only "
             "allowed entries: mix an exploration's uniform over the allowed ones, renormalised)"
             " or drop those rows")
+
+
+def folded_pick_hint(hit: OpHit) -> str | None:
+    """The hint for a reduction (``hit``) that folded in the infinity an index op picked out
+    of a value holding an intended fill; None when no pick came first."""
+    pick = hit.picked
+    if pick is None:
+        return None
+    return (f"{hit.op} folded in the {pick.made} that {pick.op} ({pick.source}) read out of a "
+            "value holding an infinity put there on purpose (a mask or a recursion's start "
+            "value): at the samples named it read entries no finite value reached, so their "
+            "likelihood is 0: a target or action the mask forbids (a target on a masked class, "
+            "a gold tag path through a masked transition), or a lattice's final cell that no "
+            "path reaches (an alignment of more labels than frames: a monotonic transducer's "
+            "or CTC's target longer than its input). Make the index and the mask agree, or "
+            "drop or fix those samples (filter those whose targets outnumber their frames), or "
+            "give their loss 0 as CTC's zero_infinity=True does")
