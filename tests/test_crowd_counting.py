@@ -111,14 +111,17 @@ def test_duplicated_head_annotation_names_the_kernel_normalisation_as_the_datas(
 
 def test_dead_relu_head_normalised_names_the_density_division_in_every_crop(tmp_path):
     """The density head started from a negative bias: its ReLU gives 0 at every cell of every
-    crop, and ``pred / pred.sum()`` is 0/0 at the first step, in all four crops."""
+    crop, and ``pred / pred.sum()`` is 0/0 at the first step, in all four crops. Beside the
+    eps, the hint names the model's output as the 0, made by the ReLU, dead in those crops."""
     ev, bundle = fire("normalised", tmp_path, make="make_csrnet_dead_head")
     assert ev["step"] == 0, ev
     rep = nanreplay_json(bundle)
     o = rep["origin"]
     assert (o["op"], o["made"], o["samples"]) == ("aten.div", "nan", [0, 1, 2, 3]), o
     assert o["source"] == line_of("pred_normed = pred / pred.sum((1, 2, 3), keepdim=True)"), o
-    assert rep["cause"] == "invalid" and "eps" in rep["hint"], rep["hint"]
+    assert rep["cause"] == "invalid" and "x.sum() + 1e-6" in rep["hint"], rep["hint"]
+    assert "model's output" in rep["hint"] and "made by aten.relu" in rep["hint"], rep["hint"]
+    assert "dead" in rep["hint"] and "softplus" in rep["hint"], rep["hint"]
 
 
 def test_sinkhorn_in_float16_with_a_small_eps_names_the_underflow(tmp_path):
