@@ -153,3 +153,53 @@ def test_guarded_losses_raise_nothing_and_train_the_same(tmp_path, loss, kw, pla
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def train_accumulated(loss: str, out_dir, record: bool = True, amp: bool = False,
+                      loss_kw: dict | None = None, **planted):
+    """Crops of 2, two micro-batches per update (the loss divided by 2), the forward under
+    bfloat16 autocast with ``amp`` and the loss in float32, as DM-Count's AMP forks train."""
+    model = M.make_csrnet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    crit = M.LOSSES[loss](**(loss_kw or {}))
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory="crowd_counting_models:make_csrnet") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for k, (images, points, discrete) in enumerate(
+                M.loader(0, size=12, batch_size=2, **planted)):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                pred = model(images)
+            (loss_fn(pred.float(), points, discrete) / 2).backward()
+            if k % 2 == 1:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+                opt.step()
+                opt.zero_grad()
+    return model
+
+
+def test_empty_crop_in_the_second_micro_batch_names_that_micro_batch_and_its_crop(tmp_path):
+    """Under accumulation the empty image 7 is the second crop of step 1's second
+    micro-batch: the event and the replay name that micro-batch and row 1 of it, and
+    dropping it makes the step finite."""
+    with pytest.raises(NonFiniteError) as info:
+        train_accumulated("relative", tmp_path, empty=[7])
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"]) == (1, "loss", 1), ev
+    rep = nanreplay_json(info.value.bundle_path, "--try", "drop=1")
+    o = rep["origin"]
+    assert (o["micro_batch"], o["op"], o["made"], o["samples"]) == (
+        1, "aten.div", "+inf", [1]), o
+    assert o["source"] == line_of("return ((est - count).abs() / count).mean()"), o
+    assert rep["cause"] == "invalid" and rep["what_if"][0]["finite"] is True, rep
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_accumulated_guarded_dm_count_raises_nothing_and_trains_the_same(tmp_path, amp):
+    """DM-Count with its guards over empty crops, accumulated, in float32 and under bfloat16
+    autocast: no event, bit-identical weights with and without the recorder."""
+    recorded = train_accumulated("dm", tmp_path, amp=amp, empty=[3, 7])
+    plain = train_accumulated("dm", tmp_path, record=False, amp=amp, empty=[3, 7])
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
