@@ -56,7 +56,9 @@ def fire(loss: str, tmp_path, **kw):
 def test_empty_crop_normalised_without_eps_names_the_division_and_the_crop(tmp_path):
     """DM-Count's TV term normalises the discrete map by the crop's count; without its
     ``+ 1e-6`` an image with nobody in it (image 10: the third crop of step 2) is 0/0. The
-    replay names the division, its line, that crop, and the count's floor."""
+    replay names the division, its line, that crop, and the count's floor, not a filter of
+    the crop: the term is weighted by the count, 0 there by design (DM-Count trains on
+    empty crops)."""
     ev, bundle = fire("dm", tmp_path, loss_kw={"guarded": False}, empty=[10])
     assert ev["step"] == 2, ev
     rep = nanreplay_json(bundle, "--try", "drop=2")
@@ -64,6 +66,9 @@ def test_empty_crop_normalised_without_eps_names_the_division_and_the_crop(tmp_p
     assert (o["op"], o["made"], o["samples"]) == ("aten.div", "nan", [2]), o
     assert o["source"] == line_of("gt_normed = gt_discrete / count.view(B, 1, 1, 1)"), o
     assert rep["cause"] == "invalid" and "count.clamp_min(1)" in rep["hint"], rep["hint"]
+    # (the TV term weights the empty crop 0 by design: floor the count, keep the crop)
+    assert "nothing is to drop" in rep["hint"], rep["hint"]
+    assert "filter such records" not in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
