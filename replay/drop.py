@@ -316,11 +316,20 @@ def _records_node(tensors: dict[str, torch.Tensor], items: list) -> bool:
     """A recorded list reads as per-sample entries, as the recorder's ``_records`` decides."""
     if all(isinstance(v, dict) and "$t" in v for v in items):
         ts = [tensors.get(v["$t"]) for v in items]
-        return all(isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 3
-                   for t in ts) and len({t.dim() for t in ts}) == 1 \
-            and any(t.shape[0] != len(ts) for t in ts)
+        if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in ts):
+            return False
+        return all(t.dim() >= 3 for t in ts) and len({t.dim() for t in ts}) == 1 \
+            and any(t.shape[0] != len(ts) for t in ts) or _ragged(ts)
     return all(isinstance(v, dict) and "$dict" in v and any(tree_refs(v, "$t"))
                and not _has_output(v) for v in items)
+
+
+def _ragged(ts: list[torch.Tensor]) -> bool:
+    """Per-sample point or box sets (a crowd image's head points ``(N_i, 2)``, a detection
+    target's boxes ``(N_i, 4)``): rows of one width, as many as each sample has, not all
+    alike (a list of equal shapes may be anything: a forward's own arguments)."""
+    return all(t.dim() == 2 for t in ts) and len({t.shape[1] for t in ts}) == 1 \
+        and len({t.shape[0] for t in ts}) > 1
 
 
 def _has_output(node) -> bool:

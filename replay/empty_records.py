@@ -35,14 +35,19 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
     names = [name for name, t, d in _data(step, mb) if _empty_in(t, d, rows)]
     if names:
         which = ",".join(str(r) for r in rows)
+        # (a loss that weights them 0 by design, DM-Count's TV term times an empty crop's
+        # count: they are data it trains on, not records to filter)
+        fix = "floor the count (count.clamp_min(1)): the loss weights them 0 by design, so " \
+            "they are no bad records" if "nothing is to drop" in report["hint"] else \
+            "filter such records where the data is made (the dataset, the collate_fn) or " \
+            "floor the count (count.clamp_min(1))"
         report["hint"] = (
             f"{report['hint']}. Sample(s) {which} are empty records: {' and '.join(names)} "
             f"(0/1 data) {'has' if len(names) == 1 else 'have'} no entry set in their rows "
             "and one in every other sample's (a "
             "mask with no valid position, a sequence of length 0, a transcription with no "
-            "character), so a count or a sum over them is the 0 divided here; filter such "
-            "records where the data is made (the dataset, the collate_fn) or floor the "
-            f"count (count.clamp_min(1)) (--try drop={which} re-runs the step without them)")
+            f"character), so a count or a sum over them is the 0 divided here; {fix} "
+            f"(--try drop={which} re-runs the step without them)")
         return
     names = [name for name, t, d in _data(step, mb) if _empty_in(t, d, rows, least=2)]
     if names:  # (a sequence of one step: its next-step targets, mask[:, 1:], are none)

@@ -127,9 +127,10 @@ class GroupCounts:
 
 def _zero_one(x) -> bool:
     """``x`` is a 0/1 matrix (an adjacency, a membership or mask matrix): its row sums are
-    counts."""
+    counts. One with no 1 at all is no evidence of one: Gaussian kernels whose exp underflowed
+    to 0 in every entry (a kernel width of 0) are 0 everywhere too."""
     return isinstance(x, torch.Tensor) and x.dim() == 2 and x.is_floating_point() \
-        and x.shape[0] > 1 and bool(((x == 0) | (x == 1)).all())
+        and x.shape[0] > 1 and bool(((x == 0) | (x == 1)).all()) and bool((x == 1).any())
 
 
 def class_counts_hint(watch: GroupCounts | None, cause: str | None, hit) -> str | None:

@@ -318,14 +318,16 @@ def micro_batch_inputs(step: Step, i: int, made: dict[str, torch.Tensor] | None 
 
 
 def loss_inputs(step: Step, i: int, outputs: list[list[torch.Tensor]],
-                inputs: dict[str, torch.Tensor] | None = None, objects: list | None = None
-                ) -> tuple[list, dict] | None:
+                inputs: dict[str, torch.Tensor] | None = None, objects: list | None = None,
+                made: list | None = None) -> tuple[list, dict] | None:
     """The loss's recorded arguments for micro-batch ``i``, with the model outputs swapped for
     the re-computed ones (``outputs[k]``: micro-batch ``k``'s, up to ``i``) and its inputs for
     those the re-run fed the model (``inputs``, by key: see ``micro_batch_inputs``). An earlier micro-
     batch's output (one loss over two forwards) is given detached: the gradient the loss sent
     it reaches it from its own recorded output gradient, when its backward runs. An output
-    the bundle holds as a whole (a distribution) is taken from ``objects``, as returned."""
+    the bundle holds as a whole (a distribution) is taken from ``objects``, as returned.
+    ``made`` gets an ``(output, argument)`` pair for each argument made of an output (a cast,
+    a view): a new tensor, which the op finder's lineage must know as the output's."""
     tree = step.micro_batches[i].get("loss_inputs")
     if tree is None:
         return None
@@ -348,8 +350,12 @@ def loss_inputs(step: Step, i: int, outputs: list[list[torch.Tensor]],
             o = o.detach()  # finder's lineage knows it as the model's output, not as data)
         dt = getattr(torch, str(node.get("dtype")), None)
         if isinstance(dt, torch.dtype) and dt.is_floating_point and o.is_floating_point():
-            return o.to(dt)  # the loss was given a cast of the output (out.float())
-        return same_view(o, *node["view"], of=node.get("of")) if "view" in node else o
+            arg = o.to(dt)  # the loss was given a cast of the output (out.float())
+        else:
+            arg = same_view(o, *node["view"], of=node.get("of")) if "view" in node else o
+        if made is not None and arg is not o:
+            made.append((o, arg))
+        return arg
 
     # (the outputs are on the device already: moving them is a no-op)
     args, kwargs = _to(unflatten_tree(tree, step.tensors, leaf=output), step.device)

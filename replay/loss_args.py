@@ -30,14 +30,21 @@ def loss_args(step: Step, run: Run, mb: int, finder: OpFinder | None = None,
                 finder.mark_made_by(t.grad_fn, d)
                 if moved is not None and (place := moved.place(t)) is not None:
                     finder.moved.follow(d, place)
-    args, kwargs = loss_inputs(step, mb, outputs, objects=run.objects)
+    derived: list = []  # (a cast of an output: out.float() of a bfloat16 autocast forward)
+    args, kwargs = loss_inputs(step, mb, outputs, objects=run.objects, made=derived)
     if finder is not None and finder.lineage is not None:
         trained = [d for made, cut in zip(run.outputs, outputs) for t, d in zip(made, cut)
                    if t.requires_grad]
+        trained += [arg for o, arg in derived if any(o is d for d in trained)]
+        made_from = {id(d): t for made, cut in zip(run.outputs, outputs)
+                     for t, d in zip(made, cut)}
+        for o, arg in derived:  # (a softplus output the loop cast: still softplus's)
+            if id(o) in made_from:
+                finder.mark_made_by(made_from[id(o)].grad_fn, arg)
         finder.lineage.seed_learned([*trained, *step.loss_fn.parameters()]
                                     if isinstance(step.loss_fn, torch.nn.Module) else trained)
-        finder.lineage.seed_samples(args, kwargs, skip=[d for o in outputs for d in o],
-                                    batched=True)
+        finder.lineage.seed_samples(args, kwargs, skip=[d for o in outputs for d in o]
+                                    + [arg for _, arg in derived], batched=True)
     return args, kwargs
 
 

@@ -11,7 +11,9 @@ so it does for a likelihood that underflowed to 0 (``upper - lower`` of two CDF 
 the likelihood's lower bound removed), to bound where it is made. A 0 the model wrote as a
 constant (an extended vocabulary's unfilled slot) is named by :mod:`replay.unfilled`. An
 exact 0 a ReLU-like cut made (deep evidential regression's ``nu = relu(.)`` under
-``log(pi / nu)``) is named too: non-negative is not enough for a divisor or a log.
+``log(pi / nu)``) is named too: non-negative is not enough for a divisor or a log; so is a
+normaliser's 0/0 (DM-Count's ``pred / pred.sum()``) of samples whose whole output such a cut
+made 0 (a dead ReLU density head).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ _DOMAIN = {"aten.log", "aten.log2", "aten.log10", "aten.sqrt", "aten.rsqrt", "at
 # one-input ops with a pole at 0, and the ops that cut their input to exactly 0 there
 _POLES = {"aten.log", "aten.log2", "aten.log10", "aten.rsqrt", "aten.reciprocal"}
 _CUTS = {"aten.relu", "aten.threshold", "aten.clampmin", "aten.clamp", "aten.hardtanh"}
+_DIVIDES = {"aten.div", "aten.div_"}
 
 
 def negative_output_hint(runner: Runner, mb: int, hit, cause: str, hint: str | None
@@ -38,6 +41,9 @@ def negative_output_hint(runner: Runner, mb: int, hit, cause: str, hint: str | N
     whose least value is the op's input's); for an invalid 0, the constant it wrote."""
     if (unfilled := unfilled_hint(runner, mb, hit, cause, hint)) is not hint:
         return unfilled
+    if hit is not None and hint is not None and runner.model is not None \
+            and cause == "invalid" and hit.input_min == 0 and hit.op in _DIVIDES and hit.rows:
+        return _dead_rows_hint(runner, mb, hit, hint)
     if hit is None or hit.op not in _DOMAIN | _POLES or hint is None \
             or hit.input_min is None or runner.model is None:
         return hint
@@ -51,7 +57,7 @@ def negative_output_hint(runner: Runner, mb: int, hit, cause: str, hint: str | N
         return hint
     if found is None:
         return hint
-    path, module, op = found
+    path, module, op, _ = found
     if cause == "underflow" and (op is None or op.removeprefix("aten.") in POSITIVE):
         return hint  # (a softmax or exp output: the hint's log-space advice is the fix)
     who = f"module {module}" if module else "the model's forward"
@@ -73,9 +79,32 @@ def negative_output_hint(runner: Runner, mb: int, hit, cause: str, hint: str | N
             "reparameterize what makes it negative), as a clamp in the loss would hide it")
 
 
-def _made_in(runner: Runner, mb: int, least: float) -> tuple[str, str, str | None] | None:
-    """(the output's path, the innermost module returning it, the op that made it) of the
-    model output of micro-batch ``mb`` whose least value is ``least``."""
+def _dead_rows_hint(runner: Runner, mb: int, hit, hint: str) -> str:
+    """``hint`` with the model output a cut made 0 in every entry of each sample the 0/0
+    division names (its sum, a normaliser, is 0 there: not the data's, a dead head's)."""
+    try:
+        found = _made_in(runner, mb, 0.0)
+    except Exception:  # (a model the extra re-run cannot take: the hint as it was)
+        return hint
+    if found is None or found[2] not in _CUTS:
+        return hint
+    path, module, op, t = found
+    rows = [r for r in hit.rows if 0 <= r < t.shape[0]]
+    if t.dim() < 2 or len(rows) != len(hit.rows) or bool(t.detach()[rows].any()):
+        return hint
+    who = f"module {module}" if module else "the model's forward"
+    return (f"{hint}. The 0s are the model's {path}, which {who} returned, made by {op}: it "
+            f"is 0 in every entry of sample(s) {rows[:8]}, so a sum of it (a normaliser) is 0 "
+            "there; the cut is dead for them (every input below 0: a negative bias, a step "
+            "too large) and passes no gradient to revive it. Keep an eps in the normaliser "
+            "(x.sum() + 1e-6) and bound the output where it is made (softplus, or a head "
+            "initialised to positive outputs)")
+
+
+def _made_in(runner: Runner, mb: int, least: float
+             ) -> tuple[str, str, str | None, torch.Tensor] | None:
+    """(the output's path, the innermost module returning it, the op that made it, the
+    output) of the model output of micro-batch ``mb`` whose least value is ``least``."""
     calls: list[tuple[str, Any]] = []
     names = {m: n for n, m in runner.model.named_modules()}
 
@@ -92,7 +121,7 @@ def _made_in(runner: Runner, mb: int, least: float) -> tuple[str, str, str | Non
         return None
     path, t = hits[0]
     module = next((n for n, out in calls if n and any(u is t for u in _tensors(out))), "")
-    return path, module, _op(t)
+    return path, module, _op(t), t
 
 
 def _op(t: torch.Tensor) -> str | None:
