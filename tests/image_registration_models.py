@@ -238,7 +238,7 @@ class PairDataset(Dataset):
     ``no_inner`` pairs lack the inner structure in both label maps."""
 
     def __init__(self, n: int, blank=(), stripped=(), no_inner=(), raw: bool = False,
-                 blank_fixed=()):
+                 blank_fixed=(), windowed=()):
         self.raw = raw
         g = torch.Generator().manual_seed(0)
         self.items = []
@@ -250,6 +250,8 @@ class PairDataset(Dataset):
                 fv = torch.zeros_like(fv)
             if i in stripped:
                 mv, fv = mv * (ml > 0), fv * (fl > 0)
+            if i in windowed:  # a CT window: intensities clipped at the structure's level
+                mv, fv = mv.clamp(max=250), fv.clamp(max=250)
             if i in no_inner:
                 ml, fl = ml.clamp(max=1), fl.clamp(max=1)
             self.items.append((mv, fv, ml, fl))

@@ -115,7 +115,10 @@ def test_a_blank_fixed_scan_scaled_by_its_max_in_forward_names_the_division(tmp_
     zero, ``fixed / fixed.amax()`` is 0/0, the U-Net's flow is NaN on that pair and
     grid_sample reads its NaN coordinates as outside the volume (the warped image stays
     finite there). The replay names the root's division on the fixed scan's line, row 2 of
-    step 1, 0/0, and the bisection agrees."""
+    step 1, 0/0, and the bisection agrees. The hint said only to add an eps, which would
+    keep the blank scan in training; it now says the pair's fixed scan (args[1]) is all 0
+    while every other pair's holds values, and to drop such records where the data is
+    made."""
     ev, bundle = fire("make_vxm_raw", M.RegistrationLoss(),
                       M.PairDataset(16, blank_fixed=(6,), raw=True), tmp_path)
     assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (1, "forward", "", [2]), ev
@@ -124,6 +127,7 @@ def test_a_blank_fixed_scan_scaled_by_its_max_in_forward_names_the_division(tmp_
     assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.div", "nan", [2]), o
     assert o["source"] == line_of("fixed = fixed / fixed.amax(dim=(1, 2, 3, 4)"), o
     assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+    assert "Sample(s) 2 are blank records: args[1] is all 0" in rep["hint"], rep["hint"]
     assert rep["bisection"]["agrees"] is True, rep["bisection"]
     assert rep["what_if"][0]["try"] == "drop=2" and rep["what_if"][0]["finite"], rep["what_if"]
 
@@ -131,7 +135,9 @@ def test_a_blank_fixed_scan_scaled_by_its_max_in_forward_names_the_division(tmp_
 def test_dice_of_a_structure_absent_from_both_label_maps_names_the_zero_smooth(tmp_path):
     """Pair 9's label maps lack the inner structure in both scans, and the Dice was
     configured with ``smooth=0``: 0/0 in that pair's row. The replay names the division,
-    row 1 of step 2, and says the eps given was exactly 0."""
+    row 1 of step 2, and says the eps given was exactly 0. The hint now also names the
+    structure absent from the pair: channel 2 of the moving labels (the model's keyword
+    input) and of the fixed labels (loss argument 4), empty in row 1 alone."""
     ev, bundle = fire("make_vxm", M.RegistrationLoss(dice_smooth=0),
                       M.PairDataset(16, no_inner=(9,)), tmp_path)
     assert (ev["step"], ev["phase"]) == (2, "loss"), ev
@@ -140,6 +146,8 @@ def test_dice_of_a_structure_absent_from_both_label_maps_names_the_zero_smooth(t
     assert (o["op"], o["samples"], rep["cause"]) == ("aten.div", [1], "invalid"), rep
     assert o["source"] == line_of("return 1 - ((2 * inter + smooth) / (total + smooth))"), o
     assert "exactly 0" in rep["hint"], rep["hint"]
+    assert ('Sample(s) 1 hold no entry of kwargs["moving_seg"] channel 2 and loss_args[4] '
+            "channel 2") in rep["hint"], rep["hint"]
 
 
 def test_log_jacobian_term_of_a_folding_field_names_the_log(tmp_path):
@@ -229,3 +237,37 @@ def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, make, kw):
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_voxelmorphs_list_of_losses_names_the_output_whose_gradient_went_bad(tmp_path):
+    """VoxelMorph's train script sums ``losses[n](y_true[n], y_pred[n]) * weights[n]`` over a
+    list, and only the image loss (NCC) is the recorder's ``loss_fn``; the Dice term (smooth
+    0) of pair 9, whose label maps lack the inner structure, is 0/0 outside it. The loss the
+    recorder watches stays finite, so the step ends at the backward of step 2; the replay
+    names the gradient entering model output 1 (the warped labels) on row 1, and says the
+    loss it was given re-ran finite and to compute the whole loss inside loss_fn."""
+    model = M.make_vxm()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    data = M.PairDataset(16, no_inner=(9,))
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.NCC(), out_dir=tmp_path,
+                            factory="image_registration_models:make_vxm") as rec:
+            losses = [rec.loss_fn, lambda t, p: M.dice_loss(p, t, smooth=0.0),
+                      lambda t, p: M.diffusion(p)]
+            weights = [1, 1, 0.02]
+            for mv, fv, ms, fs in DataLoader(data, batch_size=4):
+                y_pred = model(mv, fv, moving_seg=ms)
+                y_true = [fv, fs, None]
+                loss = 0
+                for n, loss_function in enumerate(losses):
+                    loss = loss + loss_function(y_true[n], y_pred[n]) * weights[n]
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (2, "backward"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["tensor"], o["samples"], rep["cause"]) == (
+        "grad of the model output 1", [1], None), rep
+    assert "compute the whole loss inside loss_fn" in rep["hint"], rep["hint"]
