@@ -9,9 +9,8 @@ entries a mask's 0 then met (``replay.masked_overflow``); an overflow of an op
 that took the loss's data alone (``replay.data_overflow``); the samples a loss argument of a
 value per pair or group reaches (``replay.grouped_arg``); a loss made non-finite by a
 micro-batch of one sample (``replay.single_sample``); a 0/0 over records with nothing in them
-(``replay.empty_records``), or over records of real values all 0 (``replay.blank_records``),
-or over a class one-hot labels hold none of in those records (``replay.absent_channels``),
-or over graphs with no node (``replay.empty_graphs``), or a log's
+(``replay.empty_records``), or over a class one-hot labels hold none of in those records
+(``replay.absent_channels``), or over graphs with no node (``replay.empty_graphs``), or a log's
 pole over records whose counts are all 0 (``replay.empty_counts``); a 0/0 of a feature the batch holds constant
 (``replay.constant_columns``); a number attribute the loop grew past the step's type
 (``replay.grown_number``); an overflow of a batch whose columns are in other units
@@ -25,7 +24,6 @@ from __future__ import annotations
 from typing import Any
 
 from .absent_channels import absent_channels_hint
-from .blank_records import blank_records_hint
 from .chunk_rows import chunk_note
 from .column_scale import column_scale_hint
 from .constant_columns import constant_columns_hint
@@ -62,7 +60,6 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     grouped_arg_hint(report, step)  # (a preference pair's NaN rating gap: the pair's rows)
     single_sample_hint(report, step)  # (InfoLOOB's negatives of a last batch of one)
     empty_records_hint(report, step)  # (a per-line mean over an empty stroke file's mask)
-    blank_records_hint(report, step)  # (a blank scan scaled by its own max in forward)
     absent_channels_hint(report, step)  # (a Dice of a structure absent from a scan's labels)
     empty_graphs_hint(report, step)  # (a per-atom energy of a structure with no atoms)
     empty_counts_hint(report, step)  # (log of a library size of a cell with no counts)

@@ -44,6 +44,7 @@ from .recorded import batch_size
 from .rerun import Runner
 from .source import user_source
 from .transforms import outside_transforms
+from .zero_matrix import zero_everywhere_hint
 
 # ops whose inputs must be symmetric positive-definite: judged by their eigenvalues
 _SPD = ("cholesky", "cholesky_ex", "linalg_cholesky_ex", "cholesky_inverse", "cholesky_solve")
@@ -214,6 +215,10 @@ def report_linalg(report, step: Step, runner: Runner, run) -> dict[str, Any] | N
             "exact arithmetic is not known: " + _REMEDY["invalid"]))
     of_data = not failed.learned and 0 < len(origin["samples"]) < (batch_size(step, mb) or 0)
     cause, hint = judge(failed.op, failed.matrix, exact, of_data, origin["samples"])
+    if "is all zeros, in float64 too" in hint:  # (every sample's too: the model's, no record's)
+        runner.reset()  # (the weights as the step began)
+        hint = zero_everywhere_hint(failed.op, runner.model, origin["samples"],
+                                    batch_size(step, mb)) or hint
     if cause == "precision":
         hint += few_samples_note(failed.matrix, exact.matrix,
                                  batch_size(step, mb), failed.op in _SPD)

@@ -3,10 +3,11 @@ VoxelMorph's and TransMorph's code writes it: a small 3D U-Net over the moving a
 volumes (Conv3d + LeakyReLU(0.2), no norm), a flow head initialised near zero, a stationary
 velocity field integrated by scaling and squaring, a spatial transformer over ``grid_sample``,
 local NCC from box-filter convolutions, a diffusion regulariser on the field's gradients, the
-Jacobian determinant by finite differences (a folding penalty or a log-Jacobian term), and a
-soft Dice of the warped atlas labels (semi-supervised VoxelMorph). Pairs come from a Dataset
-that min-max normalises each scan. Factories live at module level so ``nanreplay`` rebuilds
-them."""
+Jacobian determinant by finite differences (a folding penalty or a log-Jacobian term), a
+soft Dice of the warped atlas labels (semi-supervised VoxelMorph), and an affine
+pre-alignment whose regressed matrix is inverted for an inverse-consistent term. Pairs come
+from a Dataset that min-max normalises each scan. Factories live at module level so
+``nanreplay`` rebuilds them."""
 
 from __future__ import annotations
 
@@ -115,6 +116,39 @@ class VxmRaw(VxmDense):
 def make_vxm_raw() -> nn.Module:
     torch.manual_seed(0)
     return VxmRaw()
+
+
+class AffineVxm(VxmDense):
+    """Affine pre-alignment before the deformable step: a CNN regresses the 3x4 matrix
+    (its head's bias the identity unless ``identity`` is False), the moving image is
+    resampled by ``affine_grid``; the inverse matrix maps the fixed image back for the
+    symmetric (inverse-consistent) term."""
+
+    def __init__(self, identity: bool = True):
+        super().__init__()
+        self.features = nn.Sequential(conv(2, 8, 2), conv(8, 8, 2), nn.AdaptiveAvgPool3d(1),
+                                      nn.Flatten())
+        self.theta = nn.Linear(8, 12)
+        nn.init.zeros_(self.theta.weight)
+        with torch.no_grad():
+            self.theta.bias.copy_(torch.eye(3, 4).flatten() if identity else torch.zeros(12))
+
+    def forward(self, moving, fixed, moving_seg=None):
+        a = self.theta(self.features(torch.cat([moving, fixed], 1))).view(-1, 3, 4)
+        grid = F.affine_grid(a, list(moving.shape), align_corners=True)
+        aligned = F.grid_sample(moving, grid, align_corners=True)
+        inv = torch.linalg.inv(a[:, :, :3])
+        back = torch.cat([inv, -inv @ a[:, :, 3:]], 2)
+        fixed_back = F.grid_sample(fixed, F.affine_grid(back, list(fixed.shape),
+                                                        align_corners=True), align_corners=True)
+        seg = F.grid_sample(moving_seg, grid, align_corners=True)
+        moved, moved_seg, disp = super().forward(aligned, fixed, seg)
+        return moved, moved_seg, disp, fixed_back
+
+
+def make_affine_vxm(identity: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    return AffineVxm(identity)
 
 
 def make_vxm() -> nn.Module:

@@ -115,10 +115,7 @@ def test_a_blank_fixed_scan_scaled_by_its_max_in_forward_names_the_division(tmp_
     zero, ``fixed / fixed.amax()`` is 0/0, the U-Net's flow is NaN on that pair and
     grid_sample reads its NaN coordinates as outside the volume (the warped image stays
     finite there). The replay names the root's division on the fixed scan's line, row 2 of
-    step 1, 0/0, and the bisection agrees. The hint said only to add an eps, which would
-    keep the blank scan in training; it now says the pair's fixed scan (args[1]) is all 0
-    while every other pair's holds values, and to drop such records where the data is
-    made."""
+    step 1, 0/0, and the bisection agrees."""
     ev, bundle = fire("make_vxm_raw", M.RegistrationLoss(),
                       M.PairDataset(16, blank_fixed=(6,), raw=True), tmp_path)
     assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (1, "forward", "", [2]), ev
@@ -127,7 +124,6 @@ def test_a_blank_fixed_scan_scaled_by_its_max_in_forward_names_the_division(tmp_
     assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.div", "nan", [2]), o
     assert o["source"] == line_of("fixed = fixed / fixed.amax(dim=(1, 2, 3, 4)"), o
     assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
-    assert "Sample(s) 2 are blank records: args[1] is all 0" in rep["hint"], rep["hint"]
     assert rep["bisection"]["agrees"] is True, rep["bisection"]
     assert rep["what_if"][0]["try"] == "drop=2" and rep["what_if"][0]["finite"], rep["what_if"]
 
@@ -271,3 +267,33 @@ def test_voxelmorphs_list_of_losses_names_the_output_whose_gradient_went_bad(tmp
     assert (o["tensor"], o["samples"], rep["cause"]) == (
         "grad of the model output 1", [1], None), rep
     assert "compute the whole loss inside loss_fn" in rep["hint"], rep["hint"]
+
+
+def test_affine_head_zero_initialised_without_the_identity_names_its_parameters(tmp_path):
+    """Affine pre-alignment: a CNN regresses each pair's 3x4 matrix, inverted for an
+    inverse-consistent term on the fixed scan. Its head was zero-initialised, bias too (the
+    identity forgotten), so every matrix is 0 and ``torch.linalg.inv`` raises at step 0. The
+    replay names the inversion, every row, and said the samples 'had nothing to sum over (a
+    user with no ratings)'; a matrix of zeros in every sample is the model's, and the hint
+    now names the head's parameters all 0 and starting it at the identity."""
+    model = M.make_affine_vxm(identity=False)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    crit, sim = M.RegistrationLoss(), M.NCC()
+    with pytest.raises(torch.linalg.LinAlgError):
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="image_registration_models:make_affine_vxm",
+                            factory_kwargs={"identity": False}) as rec:
+            for mv, fv, ms, fs in DataLoader(M.PairDataset(8), batch_size=4):
+                moved, moved_seg, disp, fixed_back = model(mv, fv, moving_seg=ms)
+                loss = rec.loss_fn(moved, moved_seg, disp, fv, fs) + 0.1 * sim(mv, fixed_back)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    (bundle,) = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["all_samples"], rep["cause"]) == (
+        "", "aten.linalg_inv_ex", "LinAlgError", True, "invalid"), rep
+    assert o["source"] == line_of("inv = torch.linalg.inv(a[:, :, :3])"), o
+    assert "theta.weight, theta.bias are all 0" in rep["hint"], rep["hint"]
+    assert "at the identity" in rep["hint"] and "no ratings" not in rep["hint"], rep["hint"]
