@@ -4,7 +4,8 @@ volumes (Conv3d + LeakyReLU(0.2), no norm), a flow head initialised near zero, a
 velocity field integrated by scaling and squaring, a spatial transformer over ``grid_sample``,
 local NCC from box-filter convolutions, a diffusion regulariser on the field's gradients, the
 Jacobian determinant by finite differences (a folding penalty or a log-Jacobian term), a
-soft Dice of the warped atlas labels (semi-supervised VoxelMorph), and an affine
+soft Dice of the warped atlas labels (semi-supervised VoxelMorph), Parzen-window mutual
+information for multi-modal pairs, and an affine
 pre-alignment whose regressed matrix is inverted for an inverse-consistent term. Pairs come
 from a Dataset that min-max normalises each scan. Factories live at module level so
 ``nanreplay`` rebuilds them."""
@@ -302,3 +303,27 @@ class PairDataset(Dataset):
         fv = (fv - fv.min()) / (fv.max() - fv.min())
         onehot = [F.one_hot(s, N_LABELS).permute(3, 0, 1, 2).float() for s in (ml, fl)]
         return mv, fv, onehot[0], onehot[1]
+
+
+class MutualInformation(nn.Module):
+    """Parzen-window mutual information (VoxelMorph's ``losses.MutualInformation`` without
+    its eps): Gaussian soft bins over [0, 1], the joint histogram per pair."""
+
+    def __init__(self, bins: int = 16, sigma_ratio: float = 0.5):
+        super().__init__()
+        centres = torch.linspace(0, 1, bins)
+        self.register_buffer("centres", centres)
+        self.preterm = 1 / (2 * (sigma_ratio * (centres[1] - centres[0])) ** 2)
+
+    def forward(self, moved, moved_seg, disp, fixed, fixed_seg):
+        a = fixed.flatten(1)[..., None].clamp(0, 1)
+        b = moved.flatten(1)[..., None].clamp(0, 1)
+        wa = torch.exp(-self.preterm * (a - self.centres) ** 2)
+        wa = wa / wa.sum(-1, keepdim=True)
+        wb = torch.exp(-self.preterm * (b - self.centres) ** 2)
+        wb = wb / wb.sum(-1, keepdim=True)
+        pab = wa.transpose(1, 2) @ wb / a.shape[1]
+        pa, pb = wa.mean(1, keepdim=True), wb.mean(1, keepdim=True)
+        papb = pa.transpose(1, 2) @ pb
+        mi = (pab * torch.log(pab / papb)).sum((1, 2))
+        return -mi.mean() + 0.02 * diffusion(disp)

@@ -297,3 +297,21 @@ def test_affine_head_zero_initialised_without_the_identity_names_its_parameters(
     assert o["source"] == line_of("inv = torch.linalg.inv(a[:, :, :3])"), o
     assert "theta.weight, theta.bias are all 0" in rep["hint"], rep["hint"]
     assert "at the identity" in rep["hint"] and "no ratings" not in rep["hint"], rep["hint"]
+
+
+def test_mutual_information_without_eps_names_the_log_not_a_model_output(tmp_path):
+    """Parzen-window MI with narrow Gaussian bins and no eps: pair 1's joint histogram has
+    bins whose soft weights underflow to 0 in float32 (6e-49 in float64), and
+    ``pab * log(pab / papb)`` is 0 * -inf at step 0. The replay names the log on its line,
+    row 1 (the one pair with empty bins, counted independently), underflow and log-space
+    advice. It also said 'The 0s are the model's output[1] (the warped labels), made by
+    grid_sampler_3d': any output whose least value is 0 matched the log's input; an output
+    is named now only where its largest value is the input's too."""
+    ev, bundle = fire("make_vxm", M.MutualInformation(), M.PairDataset(16), tmp_path)
+    assert (ev["step"], ev["phase"]) == (0, "loss"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "<loss>", "aten.log", "-inf", [1], "underflow"), rep
+    assert o["source"] == line_of("mi = (pab * torch.log(pab / papb)).sum((1, 2))"), o
+    assert "log space" in rep["hint"] and "model's output" not in rep["hint"], rep["hint"]
