@@ -233,7 +233,8 @@ def dice_loss(pred, target, smooth: float = 1e-5):
 class RegistrationLoss(nn.Module):
     """NCC + lam * diffusion, plus (semi-supervised) Dice of the warped labels and a Jacobian
     term: ``jac="fold"`` penalises relu(-det) (the folds only), ``jac="log"`` penalises
-    log(det)^2 (a volume-change prior, which assumes the field never folds)."""
+    log(det)^2 (a volume-change prior, which assumes the field never folds), ``"logdet"`` the
+    same by ``torch.logdet`` of the Jacobian matrices."""
 
     def __init__(self, eps: float | None = 1e-5, lam: float = 0.02, dice_smooth: float = 1e-5,
                  jac: str = "fold", gamma: float = 0.1, split: bool = False,
@@ -247,6 +248,9 @@ class RegistrationLoss(nn.Module):
         mask = fixed_seg[:, 1:].sum(1, keepdim=True) > 0 if self.masked else None
         loss = self.ncc(fixed, moved, mask) + self.lam * diffusion(disp)
         loss = loss + dice_loss(moved_seg, fixed_seg, self.dice_smooth)
+        if self.jac == "logdet":  # (torch's own log-determinant of the Jacobian field)
+            j = torch.stack(gradients(disp), 2) + torch.eye(3).view(1, 3, 3, 1, 1, 1)
+            return loss + self.gamma * torch.logdet(j.permute(0, 3, 4, 5, 1, 2)).pow(2).mean()
         det = jacobian_det(disp)
         if self.jac == "log":
             return loss + self.gamma * torch.log(det).pow(2).mean()

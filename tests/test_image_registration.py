@@ -146,6 +146,23 @@ def test_dice_of_a_structure_absent_from_both_label_maps_names_the_zero_smooth(t
             "channel 2") in rep["hint"], rep["hint"]
 
 
+def test_logdet_of_a_folding_fields_jacobians_says_the_map_folds(tmp_path):
+    """The same prior by ``torch.logdet`` of the per-voxel Jacobian matrices: the replay
+    names logdet, every row, and said to take ``slogdet(W).logabsdet`` (Glow's advice, for a
+    matrix whose sign is arbitrary), which would count the folds as volume change; for a
+    field of 3x3 matrices it now says the map folds and to penalise the folds instead."""
+    ev, bundle = fire("make_vxm", M.RegistrationLoss(jac="logdet", lam=0.0),
+                      M.PairDataset(16), tmp_path, lr=3e-2)
+    assert (ev["step"], ev["phase"]) == (1, "loss"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["all_samples"], rep["cause"]) == (
+        "aten.logdet", "nan", True, "invalid"), rep
+    assert o["source"] == line_of("return loss + self.gamma * torch.logdet("), o
+    assert "the map folds there" in rep["hint"] and "relu(-det)" in rep["hint"], rep["hint"]
+    assert "do not take logabsdet" in rep["hint"], rep["hint"]
+
+
 def test_log_jacobian_term_of_a_folding_field_names_the_log(tmp_path):
     """Adam at 3e-2 (not VoxelMorph's 1e-4) without the diffusion term: after one update
     the field folds in every pair, det(I + grad u) < 0, and the log-Jacobian prior's
