@@ -10,10 +10,11 @@ entries a mask's 0 then met (``replay.masked_overflow``); an overflow of an op
 that took the loss's data alone (``replay.data_overflow``); the samples a loss argument of a
 value per pair or group reaches (``replay.grouped_arg``); a loss made non-finite by a
 micro-batch of one sample (``replay.single_sample``); a 0/0 over records with nothing in them
-(``replay.empty_records``), or over graphs with no node (``replay.empty_graphs``), or a log's
-pole over records whose counts are all 0 (``replay.empty_counts``); a pole or domain edge on
-samples whose model input is all 0 (``replay.zero_records``); a 0/0 of a feature the batch
-holds constant
+(``replay.empty_records``), or over a class one-hot labels hold none of in those records
+(``replay.absent_channels``), or over graphs with no node (``replay.empty_graphs``), or a
+log's pole over records whose counts are all 0 (``replay.empty_counts``); a pole or domain
+edge on samples whose model input is all 0 (``replay.zero_records``); a 0/0 of a feature the
+batch holds constant
 (``replay.constant_columns``); a number attribute the loop grew past the step's type
 (``replay.grown_number``); an overflow of a batch whose columns are in other units
 (``replay.column_scale``); the attribute holding a NaN number an op was given
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .absent_channels import absent_channels_hint
 from .chunk_rows import chunk_note
 from .column_scale import column_scale_hint
 from .constant_columns import constant_columns_hint
@@ -63,6 +65,7 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     grouped_arg_hint(report, step)  # (a preference pair's NaN rating gap: the pair's rows)
     single_sample_hint(report, step)  # (InfoLOOB's negatives of a last batch of one)
     empty_records_hint(report, step)  # (a per-line mean over an empty stroke file's mask)
+    absent_channels_hint(report, step)  # (a Dice of a structure absent from a scan's labels)
     empty_graphs_hint(report, step)  # (a per-atom energy of a structure with no atoms)
     empty_counts_hint(report, step)  # (log of a library size of a cell with no counts)
     zero_records_hint(report, step)  # (a metric depth scaled by a focal length left at 0)

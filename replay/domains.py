@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .equal_rows import equal_rows_text
+from .folded_jacobian import fold_exit, folds
 from .hits import Evidence
 from .m_matrix import m_matrix_exit, z_matrix
 from .scaled_log import BESSEL
@@ -293,6 +294,8 @@ def _log_determinant(op: str, x: torch.Tensor | None) -> tuple[str, str]:
             det = -float(logabs[sign < 0].min().exp())
             if z_matrix(x[sign < 0]):  # (DAGMA's s I - W * W: an M-matrix no longer)
                 return m_matrix_exit(op, g(det))
+            if folds(x):  # (det(I + grad u) per voxel: a deformation that folds)
+                return fold_exit(op, g(det))
             return (f"{op} of a matrix whose determinant is negative ({g(det)}): the log of "
                     "a negative number", "log_det")
     return f"{op} of a singular matrix (determinant 0, whose log is -inf)", "singular"

@@ -32,7 +32,7 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
     if report.get("cause") != "invalid" or o.get("op") not in _DIVIDING or not rows \
             or o.get("all_samples") or "0 by 0" not in (report.get("hint") or ""):
         return
-    names = [name for name, t, d in _data(step, mb) if _empty_in(t, d, rows)]
+    names = [name for name, t, d in batch_data(step, mb) if _empty_in(t, d, rows)]
     if names:
         which = ",".join(str(r) for r in rows)
         # (a loss that weights them 0 by design, DM-Count's TV term times an empty crop's
@@ -49,7 +49,7 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
             f"character), so a count or a sum over them is the 0 divided here; {fix} "
             f"(--try drop={which} re-runs the step without them)")
         return
-    names = [name for name, t, d in _data(step, mb) if _empty_in(t, d, rows, least=2)]
+    names = [name for name, t, d in batch_data(step, mb) if _empty_in(t, d, rows, least=2)]
     if names:  # (a sequence of one step: its next-step targets, mask[:, 1:], are none)
         which = ",".join(str(r) for r in rows)
         report["hint"] = (
@@ -62,7 +62,7 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
             "dataset, the collate_fn) or floor the count (count.clamp_min(1)) "
             f"(--try drop={which} re-runs the step without them)")
         return
-    names = [name for name, t, d in _data(step, mb) if _special_only(t, d, rows)]
+    names = [name for name, t, d in batch_data(step, mb) if _special_only(t, d, rows)]
     if names:  # (token ids: a crop or a cleaning left <cls> <eos> and padding)
         which = ",".join(str(r) for r in rows)
         report["hint"] = (
@@ -76,7 +76,7 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
             f"(count.clamp_min(1)) (--try drop={which} re-runs the step without them)")
 
 
-def _data(step: Step, mb: int):
+def batch_data(step: Step, mb: int):
     """(readable name, tensor, sample dim) of the micro-batch's real-valued model inputs, then
     its loss arguments that are data (not made of the model output)."""
     if mb >= len(step.micro_batches):

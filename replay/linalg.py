@@ -44,6 +44,7 @@ from .recorded import batch_size
 from .rerun import Runner
 from .source import user_source
 from .transforms import outside_transforms
+from .zero_matrix import zero_everywhere_hint
 from .zero_ridge import Ridges, zero_ridge_hint
 
 # ops whose inputs must be symmetric positive-definite: judged by their eigenvalues
@@ -224,6 +225,10 @@ def report_linalg(report, step: Step, runner: Runner, run) -> dict[str, Any] | N
     if cause == "invalid" and (ridge := zero_ridge_hint(failed.ridge, origin["samples"])):
         # (of data alone, the advice that a ridge would only hide the records is wrong here)
         hint = f"{hint.split('); ', 1)[0]}); {ridge}" if of_data else f"{hint}; {ridge}"
+    if "is all zeros, in float64 too" in hint:  # (every sample's too: the model's, no record's)
+        runner.reset()  # (the weights as the step began)
+        hint = zero_everywhere_hint(failed.op, runner.model, origin["samples"],
+                                    batch_size(step, mb)) or hint
     if cause == "precision":
         hint += few_samples_note(failed.matrix, exact.matrix,
                                  batch_size(step, mb), failed.op in _SPD)

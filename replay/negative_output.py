@@ -51,8 +51,11 @@ def negative_output_hint(runner: Runner, mb: int, hit, cause: str, hint: str | N
     if not (cause == "invalid" and hit.input_min < 0 and hit.op in _DOMAIN) and not cut \
             and not (cause == "underflow" and hit.input_min == 0 and hit.op in _DOMAIN):
         return hint
+    # (an underflow's 0 is the least value of many outputs, a warped one-hot label map's: the
+    # op's input is the output as returned only where its largest value is that output's too)
+    most = hit.input_max if cause == "underflow" else None
     try:
-        found = _made_in(runner, mb, hit.input_min)
+        found = _made_in(runner, mb, hit.input_min, most)
     except Exception:  # (a model the extra re-run cannot take: the hint as it was)
         return hint
     if found is None:
@@ -101,10 +104,11 @@ def _dead_rows_hint(runner: Runner, mb: int, hit, hint: str) -> str:
             "initialised to positive outputs)")
 
 
-def _made_in(runner: Runner, mb: int, least: float
+def _made_in(runner: Runner, mb: int, least: float, most: float | None = None
              ) -> tuple[str, str, str | None, torch.Tensor] | None:
     """(the output's path, the innermost module returning it, the op that made it, the
-    output) of the model output of micro-batch ``mb`` whose least value is ``least``."""
+    output) of the model output of micro-batch ``mb`` whose least value is ``least`` (and
+    largest ``most``, unless None)."""
     calls: list[tuple[str, Any]] = []
     names = {m: n for n, m in runner.model.named_modules()}
 
@@ -116,7 +120,8 @@ def _made_in(runner: Runner, mb: int, least: float
                hooks=lambda model: [m.register_forward_hook(post) for m in model.modules()])
     root = next((out for n, out in reversed(calls) if n == ""), None)
     hits = [(path, t) for path, t in _paths(root, "output")
-            if t.is_floating_point() and t.numel() and float(t.detach().min()) == least]
+            if t.is_floating_point() and t.numel() and float(t.detach().min()) == least
+            and (most is None or float(t.detach().max()) == most)]
     if len(hits) != 1:  # (none, or several outputs it could be: say nothing)
         return None
     path, t = hits[0]
