@@ -23,7 +23,9 @@ MASKED_GAPS = (
 def masked_gaps(t: torch.Tensor | None, tensor: str, others: dict[str, Any]) -> str:
     """The hint when ``t``'s NaN (and only NaN) lie within the entries of one of ``others``
     (name: batch tensor) that are 0/False, or within its 1/True entries where those are not
-    the whole tensor (a ``missing`` mask); "" otherwise."""
+    the whole tensor (a ``missing`` mask), and that hold NaN at least half of the time: a mask
+    of gaps stored as NaN marks mostly NaN, a mask of real entries (a bag's patches beside the
+    padding) merely contains a corrupted entry's NaN; "" otherwise."""
     if t is None or not t.is_floating_point() or t.dim() < 2:
         return ""
     bad_all = ~torch.isfinite(t)
@@ -38,6 +40,7 @@ def masked_gaps(t: torch.Tensor | None, tensor: str, others: dict[str, Any]) -> 
         bad = bad_all.reshape(*m.shape, -1).any(-1)
         on = m.bool()
         for off, gaps in (("False/0", ~on), ("True/1", on)):
-            if bool(gaps.any()) and not bool(gaps.all()) and not bool((bad & ~gaps).any()):
+            if bool(gaps.any()) and not bool(gaps.all()) and not bool((bad & ~gaps).any()) \
+                    and 2 * int(bad.sum()) >= int(gaps.sum()):
                 return MASKED_GAPS.format(tensor=tensor, mask=name, off=off)
     return ""

@@ -38,6 +38,7 @@ from .load import Step, micro_batch_inputs
 from .loss_arg_name import with_param_name
 from .masked_gaps import masked_gaps
 from .nan_runs import NAN_RUNS, nan_runs
+from .padded_elements import padded_elements
 from .shared_loss_arg import shared_loss_arg_hint
 from .whole_slices import WHOLE_SLICES, whole_slices
 
@@ -226,7 +227,9 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
     if key and (gaps := masked_gaps(step.tensors.get(key), tensor, _named_batch(step, origin))):
         return gaps
     if key and (where := whole_slices(step.tensors.get(key), _sample_dim(step, origin, key))):
-        return WHOLE_SLICES.format(tensor=tensor, where=where)
+        sets = _sample_dim(step, origin, key) == 0  # (samples, elements, features...)
+        return sets and padded_elements(step.tensors.get(key), where, tensor, _named_batch(
+            step, origin)) or WHOLE_SLICES.format(tensor=tensor, where=where)
     if key and (where := nan_runs(step.tensors.get(key), _sample_dim(step, origin, key))):
         return NAN_RUNS.format(tensor=tensor, where=where)
     if tensor.startswith("loss_") and not batch_non_finite(step, ("batch/",)):

@@ -1,0 +1,39 @@
+"""A batch of padded sets (a slide's patch embeddings, a sequence's token features) whose
+non-finite values fill whole elements, each a real one by the batch's padding mask (a 0/1
+tensor over the same ``(samples, elements)``, some of it padding): a corrupted element of
+precomputed features (a tile the feature extractor wrote as NaN), not a channel's
+standardisation (``replay.whole_slices``) nor missing values stored as NaN
+(``replay.masked_gaps``, whose mask marks mostly NaN)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+PADDED_ELEMENTS = (
+    "the batch itself holds NaN/Inf, and {tensor} holds it in whole elements of its padded "
+    "sets, each a real element by {mask} (its True/1 entries; the others are padding): {where}"
+    ", every feature of each: one element's precomputed features are corrupt (a tile, a frame "
+    "or a token whose embedding the feature extractor wrote non-finite), not a standardisation "
+    "or the padding; find them in the feature files (torch.isfinite per element), re-extract "
+    "or drop those elements (set {mask} False there) rather than add an eps downstream")
+
+
+def padded_elements(t: torch.Tensor | None, where: str, tensor: str,
+                    others: dict[str, Any]) -> str:
+    """The hint when ``t``'s whole non-finite slices (``where``, by ``replay.whole_slices``,
+    over dims 0 and 1) are True in a boolean or 0/1 tensor of ``others`` (name: batch tensor)
+    of shape ``t.shape[:2]`` that has False entries (padding); "" otherwise."""
+    if t is None or not where or t.dim() < 3:
+        return ""
+    bad = ~torch.isfinite(t.detach().reshape(*t.shape[:2], -1)).all(-1)
+    for name, m in others.items():
+        if not isinstance(m, torch.Tensor) or m is t or tuple(m.shape) != tuple(t.shape[:2]):
+            continue
+        if m.dtype != torch.bool and not bool(((m == 0) | (m == 1)).all()):
+            continue
+        on = m.bool()
+        if not bool(on.all()) and not bool((bad & ~on).any()):
+            return PADDED_ELEMENTS.format(tensor=tensor, mask=name, where=where)
+    return ""
