@@ -72,6 +72,7 @@ from .plus_inf_row import row_hint
 from .power_overflow import power_advice
 from .rerun import Runner
 from .scaled_log import log_advice
+from .selected_fill import selected_fill_hint
 from .squared_zero import source as zero_source
 from .step_dtype import autocast as _autocast
 from .step_dtype import step_dtype as _step_dtype
@@ -331,7 +332,8 @@ def _from_infinities(hit: OpHit) -> Cause:
                      "element was reduced into (an empty group: a graph without nodes): "
                      + DO["empty_group"])
     if hit.made != "nan":  # OpFinder.first_reduced: an infinity it was given, summed in
-        if forbidden := forbidden_target_hint(name, hit.made) or folded_pick_hint(hit):
+        if forbidden := forbidden_target_hint(name, hit.made) or folded_pick_hint(hit) \
+                or selected_fill_hint(name, hit):
             return Cause("invalid", forbidden)
         return Cause("invalid", f"{hit.op} folded an infinity it was given into {hit.made} "
                      "(one held on purpose, such as a -inf mask under allow_inf: a "
