@@ -13,6 +13,9 @@ longest one with a boolean ``mask`` (True: a real patch) given to ``forward``.
 - ``TopKMIL``: Campanella et al.'s top-k instance pooling: a score per patch, ``-inf`` at
   the padding, the mean of each bag's ``k`` highest scores as the slide's logit (clamped: of
   at most its own number of patches).
+- ``DSMIL``: Li et al.'s dual stream: the max over instance scores (``-inf`` at the padding),
+  the critical instance's query against every patch's, a softmax over the bag, a Conv1d.
+- ``StandardisedABMIL``: features standardised by the training set's mean and std (buffers).
 - ``TransMIL``: a CLS token before the patches, a transformer encoder layer with
   ``src_key_padding_mask`` (the CLS token is never padding), the CLS output to the classifier.
 - ``cox_loss``: the Cox partial likelihood over a batch of slides (risk sets by sorting on
@@ -22,6 +25,7 @@ longest one with a boolean ``mask`` (True: a real patch) given to ``forward``.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 FEAT = 24  # patch embedding size (a ResNet50 trunc/UNI would be 1024)
@@ -112,6 +116,43 @@ class TransMIL(nn.Module):
         return self.classifier(self.norm(h[:, 0]))
 
 
+class DSMIL(nn.Module):
+    """Li et al.'s dual-stream MIL: an instance classifier whose highest-scoring patch per
+    class is the critical instance, every patch's attention by its query's similarity to the
+    critical one's, and a Conv1d over the classes' attention-pooled bag embeddings."""
+
+    def __init__(self, dim: int = FEAT, n_cls: int = 2, q_dim: int = 16):
+        super().__init__()
+        self.i_classifier = nn.Linear(dim, n_cls)
+        self.q = nn.Sequential(nn.Linear(dim, q_dim), nn.ReLU(), nn.Linear(q_dim, q_dim),
+                               nn.Tanh())
+        self.v = nn.Sequential(nn.Dropout(0.0), nn.Linear(dim, dim))
+        self.fcc = nn.Conv1d(n_cls, n_cls, kernel_size=dim)
+
+    def forward(self, feats, mask):
+        ins = self.i_classifier(feats).masked_fill(~mask[..., None], float("-inf"))
+        max_pred, m_indices = ins.max(1)  # (B, C): the critical instance of each class
+        Q, V = self.q(feats), self.v(feats)
+        q_max = Q.gather(1, m_indices[..., None].expand(-1, -1, Q.shape[-1]))  # (B, C, q)
+        A = Q @ q_max.transpose(1, 2)  # (B, N, C)
+        A = A.masked_fill(~mask[..., None], float("-inf"))
+        A = torch.softmax(A / Q.shape[-1] ** 0.5, dim=1)
+        bag = A.transpose(1, 2) @ V  # (B, C, D)
+        return max_pred, self.fcc(bag).squeeze(-1)
+
+
+def dsmil_loss(max_pred, bag_pred, labels):
+    """DSMIL's loss: the max-instance stream and the bag stream, one-hot BCE each."""
+    y = F.one_hot(labels, max_pred.shape[-1]).float()
+    return 0.5 * F.binary_cross_entropy_with_logits(max_pred, y) \
+        + 0.5 * F.binary_cross_entropy_with_logits(bag_pred, y)
+
+
+def make_dsmil() -> DSMIL:
+    torch.manual_seed(0)
+    return DSMIL()
+
+
 def make_abmil() -> GatedABMIL:
     torch.manual_seed(0)
     return GatedABMIL()
@@ -125,6 +166,30 @@ def make_abmil_norm() -> GatedABMIL:
 def make_abmil_norm_eps() -> GatedABMIL:
     torch.manual_seed(0)
     return GatedABMIL(norm=True, eps=1e-6)
+
+
+class StandardisedABMIL(GatedABMIL):
+    """Patch features standardised by the training set's per-feature mean and std, computed
+    once from the precomputed embeddings file and kept as buffers (saved with the model)."""
+
+    def __init__(self, mean, std):
+        super().__init__()
+        self.register_buffer("feat_mean", mean)
+        self.register_buffer("feat_std", std)
+
+    def forward(self, feats, mask):
+        feats = (feats - self.feat_mean) / self.feat_std  # a feature 0 on every patch: 0/0
+        return super().forward(feats.masked_fill(~mask[..., None], 0.0), mask)
+
+
+def make_standardised() -> StandardisedABMIL:
+    """Statistics of a training set whose feature 11 is 0 on every patch (a ReLU unit of the
+    extractor that never fires on tissue)."""
+    g = torch.Generator().manual_seed(7)
+    train = torch.randn(500, FEAT, generator=g).relu()
+    train[:, 11] = 0.0
+    torch.manual_seed(0)
+    return StandardisedABMIL(train.mean(0), train.std(0))
 
 
 def make_abmil_slide_norm() -> GatedABMIL:

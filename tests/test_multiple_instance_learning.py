@@ -32,7 +32,7 @@ def bce_loss(logit, labels):
     return F.binary_cross_entropy_with_logits(logit, labels.float())
 
 
-LOSSES = {"make_topk": bce_loss, "make_topk_clamped": bce_loss, "make_survival": M.cox_loss}
+LOSSES = {"make_dsmil": M.dsmil_loss, "make_topk": bce_loss, "make_topk_clamped": bce_loss, "make_survival": M.cox_loss}
 
 
 def batch(make: str, g: torch.Generator, plant):
@@ -47,9 +47,11 @@ def batch(make: str, g: torch.Generator, plant):
     return (feats, mask), targets
 
 
-def train(make: str, out_dir, plant=None, steps: int = 4, record: bool = True):
+def train(make: str, out_dir, plant=None, steps: int = 4, record: bool = True,
+          amp: bool = False):
     """AdamW with weight decay 1e-5, a cosine schedule and gradient clipping, as CLAM and
-    TransMIL train; ``plant`` breaks the last step's batch. Returns the model."""
+    TransMIL train, the forward and loss under bfloat16 autocast with ``amp``; ``plant``
+    breaks the last step's batch. Returns the model."""
     model = getattr(M, make)()
     opt = torch.optim.AdamW(model.parameters(), lr=2e-4, weight_decay=1e-5)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
@@ -62,7 +64,9 @@ def train(make: str, out_dir, plant=None, steps: int = 4, record: bool = True):
         loss_fn = rec.loss_fn if rec is not None else crit
         for step in range(steps):
             args, targets = batch(make, g, plant if step == steps - 1 else None)
-            loss = loss_fn(model(*args), *targets)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                out = model(*args)
+                loss = loss_fn(*(out if isinstance(out, tuple) else (out,)), *targets)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -123,6 +127,20 @@ def test_empty_bag_names_the_attention_softmax_over_only_padding(tmp_path):
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
+def test_dsmil_empty_bag_names_the_max_instance_over_only_padding(tmp_path):
+    """DSMIL's max-instance stream meets the empty bag first: the max over instance scores
+    that are all -inf. The replay names that max (before the critical attention's softmax),
+    slide 3, a fully masked row, and the blank record to drop."""
+    ev, bundle = fire("make_dsmil", tmp_path, empty_slide)
+    assert (ev["step"], ev["phase"], ev["kind"], ev["samples"]) == (3, "forward", "nan", [3])
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.max", "-inf", [3]), o
+    assert o["source"] == line_of("max_pred, m_indices = ins.max(1)"), o
+    assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
+    assert "drop=3" in rep["hint"], rep["hint"]
+
+
 def test_unrecorded_empty_bag_turns_the_weights_nan(tmp_path):
     """Without the recorder the same run's update writes NaN into the weights: the event
     above is the bug, not a false alarm."""
@@ -130,16 +148,19 @@ def test_unrecorded_empty_bag_turns_the_weights_nan(tmp_path):
     assert not all(torch.isfinite(p).all() for p in model.parameters())
 
 
-@pytest.mark.parametrize("make", ["make_abmil", "make_transmil", "make_topk_clamped",
-                                  "make_survival"])
-def test_padded_bags_raise_nothing_and_train_the_same(tmp_path, make):
-    """Bags of 5 to 12 patches padded to the longest: the -inf at the padding stays inside
-    the attention softmax (ABMIL), the key padding mask (TransMIL: its CLS token keeps a key
-    in every row) and the top-k (the clamped mean zeroes what it picked of the padding, of a
-    two-patch biopsy too); no event, bit-identical weights with and without the recorder."""
+@pytest.mark.parametrize("amp", [False, True])
+@pytest.mark.parametrize("make", ["make_abmil", "make_transmil", "make_dsmil",
+                                  "make_topk_clamped", "make_survival"])
+def test_padded_bags_raise_nothing_and_train_the_same(tmp_path, make, amp):
+    """Bags of 5 to 12 patches padded to the longest, in float32 and under bfloat16
+    autocast: the -inf at the padding stays inside the attention softmax (ABMIL, DSMIL's
+    max-instance and critical attention), the key padding mask (TransMIL: its CLS token keeps
+    a key in every row) and the top-k (the clamped mean zeroes what it picked of the padding,
+    of a two-patch biopsy too); no event, bit-identical weights with and without the
+    recorder."""
     plant = small_slide if make == "make_topk_clamped" else None
-    recorded = train(make, tmp_path, plant)
-    plain = train(make, tmp_path, plant, record=False)
+    recorded = train(make, tmp_path, plant, amp=amp)
+    plain = train(make, tmp_path, plant, record=False, amp=amp)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
@@ -252,3 +273,20 @@ def test_single_patch_slide_names_the_unbiased_std_and_its_micro_batch(tmp_path)
     assert o["source"] == line_of("feats.std(1, keepdim=True) + eps"), o
     assert rep["cause"] == "invalid" and "n - correction = 0" in rep["hint"], rep["hint"]
     assert "pass correction=0" in rep["hint"], rep["hint"]
+
+
+def test_training_set_std_of_zero_names_the_buffer_and_its_feature(tmp_path):
+    """Features standardised by the training set's statistics, kept as buffers: a ReLU unit of
+    the extractor that never fired on tissue has std 0 there, so the first batch divides by 0
+    in every slide. The replay names the division on its line, every sample, the buffer
+    ``feat_std`` at entry 11, and says to floor the statistic, not to drop records."""
+    ev, bundle = fire("make_standardised", tmp_path, None)
+    assert (ev["step"], ev["phase"], ev["kind"], ev["samples"]) == (
+        0, "forward", "nan", list(range(8))), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["all_samples"]) == ("", "aten.div", True), o
+    assert o["source"] == line_of("feats = (feats - self.feat_mean) / self.feat_std"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "the buffer feat_std as the code keeps it, 0 at entry 11" in rep["hint"], rep["hint"]
+    assert "no record is to blame" in rep["hint"] and "clamp_min(eps)" in rep["hint"], rep
