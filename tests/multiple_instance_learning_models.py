@@ -226,6 +226,24 @@ def cox_loss(risk, time, event):
     return -((risk - log_risk_set) * event).sum() / event.sum()  # no event: 0/0
 
 
+def discrete_nll(logits, y_bin, censored, alpha: float = 0.4):
+    """PORPOISE/MCAT's discrete-time survival NLL over ``n_bins`` hazards per slide, without
+    its ``clamp(min=eps)`` on the probabilities it takes the log of."""
+    hazards = torch.sigmoid(logits)
+    S = torch.cumprod(1 - hazards, dim=1)  # survival past each bin
+    S_padded = torch.cat([torch.ones_like(S[:, :1]), S], 1)
+    y, c = y_bin[:, None], censored[:, None]
+    uncensored = -(1 - c) * (torch.log(S_padded.gather(1, y)) + torch.log(hazards.gather(1, y)))
+    censored_loss = -c * torch.log(S_padded.gather(1, y + 1))
+    neg_l = censored_loss + uncensored
+    return ((1 - alpha) * neg_l + alpha * uncensored).mean()
+
+
+def make_discrete() -> GatedABMIL:
+    torch.manual_seed(0)
+    return GatedABMIL(n_out=4)
+
+
 def slides(g: torch.Generator, n: int = 8, sizes=None, max_len: int = 12):
     """``n`` slides' patch features, padded to the longest, with the mask and a label each;
     a positive slide's patches drift towards a tumour direction."""

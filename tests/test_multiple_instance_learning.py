@@ -32,7 +32,7 @@ def bce_loss(logit, labels):
     return F.binary_cross_entropy_with_logits(logit, labels.float())
 
 
-LOSSES = {"make_dsmil": M.dsmil_loss, "make_topk": bce_loss, "make_topk_clamped": bce_loss, "make_survival": M.cox_loss}
+LOSSES = {"make_discrete": M.discrete_nll, "make_dsmil": M.dsmil_loss, "make_topk": bce_loss, "make_topk_clamped": bce_loss, "make_survival": M.cox_loss}
 
 
 def batch(make: str, g: torch.Generator, plant):
@@ -42,6 +42,9 @@ def batch(make: str, g: torch.Generator, plant):
     targets = [labels]
     if make == "make_survival":
         targets = list(M.survival_targets(g))
+    if make == "make_discrete":
+        time, event = M.survival_targets(g)
+        targets = [(time / 15).long().clamp(max=3), 1 - event]  # (bin, censorship)
     if plant is not None:
         plant(feats, mask, labels, targets)
     return (feats, mask), targets
@@ -290,3 +293,27 @@ def test_training_set_std_of_zero_names_the_buffer_and_its_feature(tmp_path):
     assert rep["cause"] == "invalid", rep["cause"]
     assert "the buffer feat_std as the code keeps it, 0 at entry 11" in rep["hint"], rep["hint"]
     assert "no record is to blame" in rep["hint"] and "clamp_min(eps)" in rep["hint"], rep
+
+
+def unnormalised_slide(feats, mask, labels, targets):
+    """Slide 6's embeddings were saved without the extractor's final normalisation (x40)."""
+    feats[6] *= 40.0
+
+
+def test_discrete_survival_nll_under_bf16_names_the_log_of_a_rounded_survival(tmp_path):
+    """The discrete-time survival NLL without its clamp(min=eps), under bfloat16 autocast: an
+    out-of-scale slide's hazards round to 1, its survival cumprod(1 - h) to 0, and the log of
+    it is -inf (float64 keeps it above 0). The replay names the log in the loss, slide 6, in
+    bfloat16, as precision, and points at logsigmoid for log(1 - sigmoid(z))."""
+    with pytest.raises(NonFiniteError) as info:
+        train("make_discrete", tmp_path, unnormalised_slide, amp=True)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "nan"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["op"], o["made"], o["samples"]) == ("loss", "aten.log", "-inf", [6]), o
+    assert o["source"] == line_of("uncensored = -(1 - c) * (torch.log(S_padded.gather(1, y))"), o
+    assert o["chain"][0]["dtype"] == "bfloat16", o["chain"]
+    assert rep["cause"] == "precision" and "logsigmoid" in rep["hint"], rep["hint"]
+    train("make_discrete", tmp_path / "f32", unnormalised_slide)  # (float32: no event)
+    assert not list((tmp_path / "f32").glob("*.nan"))
