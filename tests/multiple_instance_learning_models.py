@@ -17,7 +17,8 @@ longest one with a boolean ``mask`` (True: a real patch) given to ``forward``.
   the critical instance's query against every patch's, a softmax over the bag, a Conv1d.
 - ``StandardisedABMIL``: features standardised by the training set's mean and std (buffers).
 - ``TransMIL``: a CLS token before the patches, a transformer encoder layer with
-  ``src_key_padding_mask`` (the CLS token is never padding), the CLS output to the classifier.
+  ``src_key_padding_mask`` (the CLS token is never padding), the CLS output to the classifier;
+  or, without the CLS token, the masked mean of the patch tokens.
 - ``cox_loss``: the Cox partial likelihood over a batch of slides (risk sets by sorting on
   time, ``logcumsumexp``), divided by the number of events.
 """
@@ -100,8 +101,9 @@ class TopKMIL(nn.Module):
 class TransMIL(nn.Module):
     """A CLS token and self-attention over the patches, the padding masked as keys."""
 
-    def __init__(self, dim: int = FEAT, hidden: int = 16, n_out: int = 2):
+    def __init__(self, dim: int = FEAT, hidden: int = 16, n_out: int = 2, cls: bool = True):
         super().__init__()
+        self.cls = cls  # without: the mean of the patch tokens (a bag of none: all keys masked)
         self.fc = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU())
         self.cls_token = nn.Parameter(torch.randn(1, 1, hidden) * 0.02)
         self.layer = nn.TransformerEncoderLayer(hidden, 2, 32, dropout=0.0, batch_first=True)
@@ -110,6 +112,10 @@ class TransMIL(nn.Module):
 
     def forward(self, feats, mask):
         h = self.fc(feats)
+        if not self.cls:
+            h = self.layer(h, src_key_padding_mask=~mask)
+            m = mask[..., None].to(h.dtype)
+            return self.classifier(self.norm((h * m).sum(1) / m.sum(1).clamp_min(1)))
         h = torch.cat([self.cls_token.expand(h.shape[0], -1, -1), h], dim=1)
         pad = torch.cat([mask.new_zeros(mask.shape[0], 1), ~mask], dim=1)
         h = self.layer(h, src_key_padding_mask=pad)
@@ -215,6 +221,11 @@ def make_topk_clamped() -> TopKMIL:
 def make_transmil() -> TransMIL:
     torch.manual_seed(0)
     return TransMIL()
+
+
+def make_transmil_mean() -> TransMIL:
+    torch.manual_seed(0)
+    return TransMIL(cls=False)
 
 
 def cox_loss(risk, time, event):
