@@ -280,3 +280,31 @@ def survival_targets(g: torch.Generator, n: int = 8, censored_all: bool = False)
     else:
         event[0] = 1.0
     return time, event
+
+
+class SlideBags(torch.utils.data.Dataset):
+    """Slides as (patch features (N, FEAT), label), N of each its own, as read from an .h5
+    file per slide; ``corrupt``: (slide, patch) whose stored embedding is NaN."""
+
+    def __init__(self, n: int = 32, corrupt: tuple[int, int] | None = None):
+        g = torch.Generator().manual_seed(3)
+        feats, mask, labels = slides(g, n=n)
+        self.items = [(feats[i, :int(mask[i].sum())].clone(), labels[i]) for i in range(n)]
+        if corrupt is not None:
+            self.items[corrupt[0]][0][corrupt[1]] = float("nan")
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def collate_bags(items):
+    """Pads the bags to the longest with zeros and a mask (True: a real patch)."""
+    longest = max(len(f) for f, _ in items)
+    feats = torch.zeros(len(items), longest, FEAT)
+    mask = torch.zeros(len(items), longest, dtype=torch.bool)
+    for i, (f, _) in enumerate(items):
+        feats[i, :len(f)], mask[i, :len(f)] = f, True
+    return {"feats": feats, "mask": mask, "label": torch.stack([y for _, y in items])}

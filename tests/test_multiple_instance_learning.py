@@ -319,3 +319,36 @@ def test_discrete_survival_nll_under_bf16_names_the_log_of_a_rounded_survival(tm
     assert rep["cause"] == "precision" and "logsigmoid" in rep["hint"], rep["hint"]
     train("make_discrete", tmp_path / "f32", unnormalised_slide)  # (float32: no event)
     assert not list((tmp_path / "f32").glob("*.nan"))
+
+
+def slide_loader(ds):
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.DataLoader(ds, batch_size=4, shuffle=True, generator=g,
+                                       collate_fn=M.collate_bags)
+
+
+def test_dataloader_of_slide_files_names_the_corrupted_tile_by_keyword(tmp_path):
+    """A DataLoader over per-slide feature files, shuffled, padded by its collate_fn into a
+    dict given to forward by keyword: slide 13's patch 2 is NaN in its file. The event and the
+    replay name the batch and row it landed at (found here by walking the same loader) and
+    the element, by the keyword names of the features and the mask."""
+    ds = M.SlideBags(corrupt=(13, 2))
+    step, row = next((s, int(torch.isnan(b["feats"]).any(2).any(1).nonzero()[0]))
+                     for s, b in enumerate(slide_loader(ds)) if torch.isnan(b["feats"]).any())
+    model = M.make_abmil()
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-4, weight_decay=1e-5)
+    with pytest.raises(NonFiniteError) as info, FlightRecorder(
+            model, opt, loss_fn=ce_loss, out_dir=tmp_path,
+            factory="multiple_instance_learning_models:make_abmil") as rec:
+        for b in slide_loader(ds):
+            loss = rec.loss_fn(model(feats=b["feats"], mask=b["mask"]), b["label"])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == (
+        step, "input", 'kwargs["feats"]', [row]), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    assert (rep["cause"], rep["origin"]["samples"]) == ("input", [row]), rep["origin"]
+    assert f"sample {row} at index 2 of dim 1" in rep["hint"], rep["hint"]
+    assert 'real element by kwargs["mask"]' in rep["hint"], rep["hint"]
