@@ -352,3 +352,18 @@ def test_dataloader_of_slide_files_names_the_corrupted_tile_by_keyword(tmp_path)
     assert (rep["cause"], rep["origin"]["samples"]) == ("input", [row]), rep["origin"]
     assert f"sample {row} at index 2 of dim 1" in rep["hint"], rep["hint"]
     assert 'real element by kwargs["mask"]' in rep["hint"], rep["hint"]
+
+
+def test_empty_bag_under_per_bag_standardisation_names_the_mean_over_no_patch(tmp_path):
+    """With per-bag standardisation (eps on the std), the empty slide meets the mean first:
+    a sum over no patch divided by its patch count, 0/0. The replay names that division,
+    slide 3, and says the mask has no entry in that row: filter the record or floor the
+    count, not an eps."""
+    ev, bundle = fire("make_abmil_norm_eps", tmp_path, empty_slide)
+    assert (ev["step"], ev["phase"], ev["kind"], ev["samples"]) == (3, "forward", "nan", [3])
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.div", "nan", [3]), o
+    assert o["source"] == line_of("mean = (feats * m).sum(1, keepdim=True) / n"), o
+    assert rep["cause"] == "invalid" and "empty records: args[1]" in rep["hint"], rep["hint"]
+    assert "count.clamp_min(1)" in rep["hint"] and "drop=3" in rep["hint"], rep["hint"]
