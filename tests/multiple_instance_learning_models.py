@@ -67,6 +67,7 @@ class GatedABMIL(nn.Module):
         self.attention_net = AttnNetGated(hidden, hidden)
         self.classifier = nn.Linear(hidden, n_out)
         self.norm, self.eps = norm, eps
+        self.return_attn = False
 
     def forward(self, feats, mask):
         if self.norm == "slide":  # (batch size 1, no padding)
@@ -77,6 +78,8 @@ class GatedABMIL(nn.Module):
         scores = self.attention_net(h).masked_fill(~mask, float("-inf"))
         attn = torch.softmax(scores, dim=1)  # a bag with no patch: a softmax over only -inf
         slide = torch.einsum("bn,bnh->bh", attn, h)
+        if self.return_attn:
+            return self.classifier(slide), attn
         return self.classifier(slide)
 
 
@@ -196,6 +199,19 @@ def make_standardised() -> StandardisedABMIL:
     train[:, 11] = 0.0
     torch.manual_seed(0)
     return StandardisedABMIL(train.mean(0), train.std(0))
+
+
+def make_abmil_entropy() -> GatedABMIL:
+    torch.manual_seed(0)
+    model = GatedABMIL()
+    model.return_attn = True
+    return model
+
+
+def attention_entropy_loss(logits, attn, labels, beta: float = 0.01):
+    """Cross-entropy plus a penalty on the attention's entropy (sharper attention maps)."""
+    entropy = -(attn * torch.log(attn)).sum(1)  # the padding's attention is exactly 0
+    return F.cross_entropy(logits, labels) + beta * entropy.mean()
 
 
 def make_abmil_slide_norm() -> GatedABMIL:

@@ -32,7 +32,7 @@ def bce_loss(logit, labels):
     return F.binary_cross_entropy_with_logits(logit, labels.float())
 
 
-LOSSES = {"make_discrete": M.discrete_nll, "make_dsmil": M.dsmil_loss, "make_topk": bce_loss, "make_topk_clamped": bce_loss, "make_survival": M.cox_loss}
+LOSSES = {"make_abmil_entropy": M.attention_entropy_loss, "make_discrete": M.discrete_nll, "make_dsmil": M.dsmil_loss, "make_topk": bce_loss, "make_topk_clamped": bce_loss, "make_survival": M.cox_loss}
 
 
 def batch(make: str, g: torch.Generator, plant):
@@ -367,3 +367,22 @@ def test_empty_bag_under_per_bag_standardisation_names_the_mean_over_no_patch(tm
     assert o["source"] == line_of("mean = (feats * m).sum(1, keepdim=True) / n"), o
     assert rep["cause"] == "invalid" and "empty records: args[1]" in rep["hint"], rep["hint"]
     assert "count.clamp_min(1)" in rep["hint"] and "drop=3" in rep["hint"], rep["hint"]
+
+
+def test_attention_entropy_over_padding_names_p_log_p_and_the_padded_slides(tmp_path):
+    """An entropy penalty on the attention map, ``-(attn * log(attn)).sum(1)``: the padding's
+    attention is exactly 0, so log gives -inf and 0 * -inf is NaN in every slide shorter than
+    the longest, at the first step. The replay names the log in the loss, those slides (not
+    the longest), and points at xlogy with a clamped argument."""
+    _, mask, _ = M.slides(torch.Generator().manual_seed(0))
+    padded = torch.nonzero(~mask.all(1)).flatten().tolist()
+    ev, bundle = fire("make_abmil_entropy", tmp_path, None)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "loss", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["op"], o["made"], o["samples"]) == (
+        "loss", "aten.log", "-inf", padded), o
+    assert padded == [0, 2, 3, 4, 5, 6], padded
+    assert o["source"] == line_of("entropy = -(attn * torch.log(attn)).sum(1)"), o
+    assert rep["cause"] == "invalid" and "0 * -inf is NaN" in rep["hint"], rep["hint"]
+    assert "torch.special.xlogy(p, p.clamp_min(tiny))" in rep["hint"], rep["hint"]
