@@ -386,3 +386,14 @@ def test_attention_entropy_over_padding_names_p_log_p_and_the_padded_slides(tmp_
     assert o["source"] == line_of("entropy = -(attn * torch.log(attn)).sum(1)"), o
     assert rep["cause"] == "invalid" and "0 * -inf is NaN" in rep["hint"], rep["hint"]
     assert "torch.special.xlogy(p, p.clamp_min(tiny))" in rep["hint"], rep["hint"]
+
+
+def test_slide_by_slide_accumulation_raises_nothing_and_trains_the_same(tmp_path):
+    """CLAM's batch-size-1 loop with four slides' gradients accumulated per step and
+    per-slide standardisation, every slide of 5 patches or more: no event, bit-identical
+    weights with and without the recorder."""
+    recorded = train_slides("make_abmil_slide_norm", tmp_path)
+    plain = train_slides("make_abmil_slide_norm", tmp_path, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
