@@ -13,7 +13,7 @@ import torch
 
 PADDED_ELEMENTS = (
     "the batch itself holds NaN/Inf, and {tensor} holds it in whole elements of its padded "
-    "sets, each a real element by {mask} (its True/1 entries; the others are padding): {where}"
+    "sets, each a real element by {mask} (its True/1 entries; any others are padding): {where}"
     ", every feature of each: one element's precomputed features are corrupt (a tile, a frame "
     "or a token whose embedding the feature extractor wrote non-finite), not a standardisation "
     "or the padding; find them in the feature files (torch.isfinite per element), re-extract "
@@ -23,8 +23,9 @@ PADDED_ELEMENTS = (
 def padded_elements(t: torch.Tensor | None, where: str, tensor: str,
                     others: dict[str, Any]) -> str:
     """The hint when ``t``'s whole non-finite slices (``where``, by ``replay.whole_slices``,
-    over dims 0 and 1) are True in a boolean or 0/1 tensor of ``others`` (name: batch tensor)
-    of shape ``t.shape[:2]`` that has False entries (padding); "" otherwise."""
+    over dims 0 and 1) are True in a boolean tensor of ``others`` (name: batch tensor) of
+    shape ``t.shape[:2]`` (all True at batch size 1: one slide, no padding), or in a 0/1
+    tensor of that shape that has 0 entries (padding); "" otherwise."""
     if t is None or not where or t.dim() < 3:
         return ""
     bad = ~torch.isfinite(t.detach().reshape(*t.shape[:2], -1)).all(-1)
@@ -34,6 +35,6 @@ def padded_elements(t: torch.Tensor | None, where: str, tensor: str,
         if m.dtype != torch.bool and not bool(((m == 0) | (m == 1)).all()):
             continue
         on = m.bool()
-        if not bool(on.all()) and not bool((bad & ~on).any()):
+        if (m.dtype == torch.bool or not bool(on.all())) and not bool((bad & ~on).any()):
             return PADDED_ELEMENTS.format(tensor=tensor, mask=name, where=where)
     return ""

@@ -234,10 +234,11 @@ def test_cox_loss_over_a_batch_without_events_names_the_division_by_the_event_co
 
 
 def train_slides(make: str, out_dir, plant=None, steps: int = 3, accum: int = 4,
-                 record: bool = True):
+                 record: bool = True, tile: tuple[int, int, int] | None = None):
     """CLAM's loop: one slide at a time (batch size 1, no padding), the loss divided by the
     ``accum`` slides whose gradients accumulate before each AdamW step; ``plant(step, i)``
-    gives micro-batch i's patch count (None: its own). Returns the model."""
+    gives micro-batch i's patch count (None: its own); ``tile``: (step, i, patch) of a
+    corrupted tile's NaN embedding. Returns the model."""
     model = getattr(M, make)()
     opt = torch.optim.AdamW(model.parameters(), lr=2e-4, weight_decay=1e-5)
     g = torch.Generator().manual_seed(0)
@@ -251,6 +252,8 @@ def train_slides(make: str, out_dir, plant=None, steps: int = 3, accum: int = 4,
             for i in range(accum):
                 size = plant(step, i) if plant is not None else None
                 feats, mask, label = M.slides(g, n=1, sizes=None if size is None else [size])
+                if tile is not None and tile[:2] == (step, i):
+                    feats[0, tile[2]] = float("nan")
                 loss = loss_fn(model(feats, mask), label) / accum
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -397,3 +400,19 @@ def test_slide_by_slide_accumulation_raises_nothing_and_trains_the_same(tmp_path
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_corrupted_tile_of_an_unpadded_slide_is_named_as_an_element(tmp_path):
+    """Slide by slide (batch size 1, a mask of True only): patch 3 of the third slide of the
+    last step is NaN. The event and the replay name micro-batch 2 and that patch as a real
+    element of the bag by the boolean mask, not a channel's standardisation."""
+    with pytest.raises(NonFiniteError) as info:
+        train_slides("make_abmil", tmp_path, tile=(2, 2, 3))
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"], ev["tensor"]) == (
+        2, "input", 2, "args[0]"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    assert (rep["cause"], rep["origin"]["micro_batch"]) == ("input", 2), rep["origin"]
+    hint = rep["hint"]
+    assert "sample 0 at index 3 of dim 1" in hint and "real element by args[1]" in hint, hint
+    assert "standardisation of each channel" not in hint, hint
