@@ -174,3 +174,50 @@ def bucket_batch(g: torch.Generator, n: int = 8, dry: int | None = None,
     if kelvin is not None:
         temp[kelvin] += 273.15
     return torch.stack([p, temp], 2), x_s, q
+
+
+class AttentionLSTM(nn.Module):
+    """``nn.LSTM`` over the days, then attention pooling over the days with a record (the
+    days before a gauge's record starts padded and masked with -inf), a head of ``H`` daily
+    horizons: multi-horizon forecasts."""
+
+    def __init__(self, hidden: int = 16, horizons: int = 3):
+        super().__init__()
+        self.lstm = nn.LSTM(N_DYN + N_STATIC, hidden, batch_first=True)
+        self.score = nn.Linear(hidden, 1)
+        self.head = nn.Linear(hidden, horizons)
+
+    def forward(self, x_d, x_s, recorded):
+        x = torch.cat([x_d, x_s[:, None].expand(-1, x_d.shape[1], -1)], 2)
+        h, _ = self.lstm(x)
+        scores = self.score(h).squeeze(2).masked_fill(~recorded, float("-inf"))
+        w = torch.softmax(scores, 1)  # NaN for a window with no recorded day
+        return self.head((w[:, :, None] * h).sum(1))
+
+
+def make_attention() -> AttentionLSTM:
+    torch.manual_seed(0)
+    return AttentionLSTM()
+
+
+class BasinWindows(torch.utils.data.Dataset):
+    """Windows of basins whose records start at different days (padding before the start);
+    ``late``: a basin whose record starts after the window ends (no recorded day in it)."""
+
+    def __init__(self, n: int = 32, horizons: int = 3, late: int | None = None, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.x_d = torch.randn(n, SEQ, N_DYN, generator=g)
+        self.x_s = torch.randn(n, N_STATIC, generator=g)
+        start = torch.randint(0, SEQ // 2, (n,), generator=g)
+        if late is not None:
+            start[late] = SEQ
+        self.recorded = torch.arange(SEQ)[None] >= start[:, None]
+        self.x_d[~self.recorded] = 0.0
+        self.q = torch.randn(n, horizons, generator=g)
+        self.q[torch.rand(n, horizons, generator=g) < 0.1] = float("nan")  # gauge gaps
+
+    def __len__(self):
+        return len(self.q)
+
+    def __getitem__(self, i):
+        return self.x_d[i], self.x_s[i], self.recorded[i], self.q[i]

@@ -1,7 +1,9 @@
 """End to end on rainfall-runoff models (``hydrology_models``): Kratzert's EA-LSTM trained
 sequence-to-one under the basin-averaged NSE* loss, MSE of log discharge and a masked MSE over
-gauge gaps, and a differentiable bucket model Euler-stepped day by day with
-``ET = PET (S / Smax)^beta`` and PET ``c exp(a (T - 20))``. Each planted failure of the domain
+gauge gaps, a differentiable bucket model Euler-stepped day by day with
+``ET = PET (S / Smax)^beta`` and PET ``c exp(a (T - 20))``, and an LSTM with attention pooling
+over the recorded days (-inf before a record starts) forecasting several horizons from a
+DataLoader under bf16 autocast with gradient accumulation. Each planted failure of the domain
 fires under the recorder and is replayed with the CLI; the healthy versions raise no event and
 train bit-identically with and without the recorder."""
 
@@ -126,10 +128,14 @@ def test_log_of_zero_flow_with_offset_zero_names_the_log_and_its_basin(tmp_path)
     assert "the eps is the fix" in hint and "would only hide" not in hint, hint
 
 
-def test_log_discharge_with_an_offset_raises_nothing_and_trains_the_same(tmp_path):
-    """``log(q + 0.01)`` on the same zero-flow basin: no event, bit-identical weights."""
-    recorded = train("log", "make_ealstm", M.LogQLoss(), tmp_path, {"zero_flow": 2})
-    plain = train("log", "make_ealstm", M.LogQLoss(), tmp_path, {"zero_flow": 2}, record=False)
+@pytest.mark.parametrize("kind,crit", [("log", M.LogQLoss()), ("nse", M.NSELoss())],
+                         ids=["log", "nse"])
+def test_zero_flow_with_the_default_eps_raises_nothing_and_trains_the_same(tmp_path, kind,
+                                                                           crit):
+    """``log(q + 0.01)`` and NSE* with eps 0.1 on the same zero-flow basin: no event,
+    bit-identical weights."""
+    recorded = train(kind, "make_ealstm", crit, tmp_path, {"zero_flow": 2})
+    plain = train(kind, "make_ealstm", crit, tmp_path, {"zero_flow": 2}, record=False)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
@@ -215,3 +221,56 @@ def test_bucket_floored_above_zero_raises_nothing_on_an_arid_basin_and_trains_th
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def train_loader(out_dir, late: int | None = None, record: bool = True, accumulate: int = 2):
+    """The attention LSTM over a DataLoader of basin windows, gradients accumulated over two
+    batches, under bf16 autocast as on an accelerator; returns the model."""
+    model = M.make_attention()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    data = M.BasinWindows(late=late)
+    loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True,
+                                         generator=torch.Generator().manual_seed(0))
+    rec = FlightRecorder(model, opt, loss_fn=M.masked_mse, out_dir=out_dir,
+                         factory="hydrology_models:make_attention") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else M.masked_mse
+        for i, (x_d, x_s, recorded, q) in enumerate(loader):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y_hat = model(x_d, x_s, recorded)
+            loss = loss_fn(y_hat.float(), q) / accumulate
+            loss.backward()
+            if (i + 1) % accumulate == 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+    return model
+
+
+def test_padded_days_masked_with_minus_inf_raise_nothing_and_train_the_same(tmp_path):
+    """Days before each gauge's record masked with -inf in the attention pooling, gauge gaps
+    masked in the loss, bf16 autocast and accumulation: no event, bit-identical weights."""
+    recorded = train_loader(tmp_path)
+    plain = train_loader(tmp_path, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_window_before_a_gauges_record_starts_names_the_fully_masked_softmax(tmp_path):
+    """Basin 5's record starts after the window ends: every day is masked with -inf, and the
+    attention softmax of that row is NaN (bf16 autocast, the first accumulated batch, the
+    basin at row 7 after the shuffle). The replay names the softmax on its line, row 7, the
+    fully masked row, keeping at least one key or filtering such windows, whose padded
+    forcings are all 0 (a blank record)."""
+    with pytest.raises(NonFiniteError) as info:
+        train_loader(tmp_path, late=5)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (0, "forward", "", [7])
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["op"], o["made"], o["samples"]) == (
+        True, "aten._softmax", "nan", [7]), o
+    assert o["source"] == line_of("w = torch.softmax(scores, 1)"), o
+    assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
+    assert "args[0] is 0 everywhere in sample(s) 7" in rep["hint"], rep["hint"]
