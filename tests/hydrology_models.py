@@ -139,12 +139,14 @@ def make_bucket_floored() -> BucketModel:
 
 
 def basin_batch(g: torch.Generator, n: int = 8, zero_flow: int | None = None,
-                gaps: bool = False, all_gaps: bool = False, nan_static: int | None = None):
+                gaps: bool = False, all_gaps: bool = False, nan_static: int | None = None,
+                glacier_free: bool = False):
     """EA-LSTM windows: standardised forcings, static attributes, the last day's discharge
     (mm/day) and each basin's discharge std over the training period. ``zero_flow``: an
     ephemeral stream recorded as 0 every day (its std 0); ``gaps``: two missing gauge
     readings; ``all_gaps``: a window where no basin's gauge reported; ``nan_static``: a basin
-    with a missing soil property."""
+    with a missing soil property; ``glacier_free``: the last attribute, a glacier fraction 0 in
+    every basin, standardised by its std of 0."""
     x_d = torch.randn(n, SEQ, N_DYN, generator=g)
     x_s = torch.randn(n, N_STATIC, generator=g)
     q = 0.5 + torch.rand(n, 1, generator=g) * 3
@@ -157,6 +159,9 @@ def basin_batch(g: torch.Generator, n: int = 8, zero_flow: int | None = None,
         q[:] = float("nan")
     if nan_static is not None:
         x_s[nan_static, 2] = float("nan")
+    if glacier_free:  # a glacier fraction 0 in every training basin, standardised by its std
+        frac = torch.zeros(n, 1)
+        x_s = torch.cat([x_s[:, :-1], (frac - frac.mean(0)) / frac.std(0)], 1)
     return x_d, x_s, q, q_std
 
 

@@ -169,6 +169,17 @@ def test_missing_soil_property_in_static_attributes_names_the_basin(tmp_path):
     assert "data pipeline" in rep["hint"], rep["hint"]
 
 
+def test_glacier_fraction_standardised_by_a_zero_std_names_the_column_not_a_basin(tmp_path):
+    """A glacier fraction 0 in every training basin, standardised by its std of 0: NaN in
+    column 3 of every basin's static attributes. The replay names that column and a
+    standardisation by a constant column's zero std, not a bad record."""
+    ev, bundle = fire("mse", "make_ealstm", M.masked_mse, tmp_path, glacier_free=True)
+    assert (ev["step"], ev["phase"], ev["tensor"]) == (3, "input", "args[1]"), ev
+    rep = nanreplay_json(bundle)
+    assert rep["cause"] == "input" and "column(s) 3" in rep["hint"], rep["hint"]
+    assert "constant column's zero std" in rep["hint"], rep["hint"]
+
+
 def test_arid_basin_drains_its_bucket_below_zero_under_a_fractional_power(tmp_path):
     """An arid basin (no rain, hot days): with a fractional beta, ``PET (S / Smax)^beta``
     exceeds a nearly empty store, the explicit Euler step leaves S below 0, and the next day's
