@@ -184,15 +184,18 @@ def test_arid_basin_drains_its_bucket_below_zero_under_a_fractional_power(tmp_pa
     """An arid basin (no rain, hot days): with a fractional beta, ``PET (S / Smax)^beta``
     exceeds a nearly empty store, the explicit Euler step leaves S below 0, and the next day's
     power is NaN. The replay names the power on its line, the day (a later run of the line),
-    basin 3, and keeping the base at or above 0."""
+    basin 3, and keeping the base at or above 0, by an eps for this fractional beta (it said
+    ``clamp_min(0)`` alone, which leads to the backward pole of the next test)."""
     ev, bundle = fire("bucket", "make_bucket", torch.nn.MSELoss(), tmp_path, dry=3)
     assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (3, "forward", "", "nan"), ev
     rep = nanreplay_json(bundle)
     o = rep["origin"]
     assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.pow", "nan", [3]), o
     assert o["source"] == line_of("et = pet * (s / smax) ** beta"), o
-    assert o["line_run"] > 0, o
+    assert o["line_run"] == 5, o  # day 4 of the window (counted from 0): S < 0 after day 3
     assert rep["cause"] == "invalid" and "clamp_min(0)" in rep["hint"], rep["hint"]
+    # (clamped at 0, the store's power has an infinite slope there: the test below)
+    assert "an eps for a p below 1 trained through" in rep["hint"], rep["hint"]
 
 
 def test_temperatures_in_kelvin_overflow_the_pet_exponential_and_name_the_basin(tmp_path):
