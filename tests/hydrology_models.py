@@ -93,13 +93,13 @@ class BucketModel(nn.Module):
     """One soil bucket per basin, Euler-stepped over ``x_d (B, T, [P, T_air])``:
     ``S += P - PET (S / Smax)^beta - k S``; discharge ``k S`` on the last day."""
 
-    def __init__(self, floor: float | None = None, hidden: int = 16):
+    def __init__(self, floor: float | None = None, limit_et: bool = False, hidden: int = 16):
         super().__init__()
         self.params = nn.Sequential(nn.Linear(N_STATIC, hidden), nn.Tanh(),
                                     nn.Linear(hidden, 3))
         self.pet_a = nn.Parameter(torch.tensor(0.35))  # PET growth per degree above 20 C
         self.pet_c = nn.Parameter(torch.tensor(2.0))  # PET at 20 C, mm/day
-        self.floor = floor
+        self.floor, self.limit_et = floor, limit_et
 
     def forward(self, x_d, x_s):
         raw = torch.sigmoid(self.params(x_s))
@@ -111,6 +111,8 @@ class BucketModel(nn.Module):
             p, temp = x_d[:, t, 0], x_d[:, t, 1]
             pet = self.pet_c * torch.exp(self.pet_a * (temp - 20))
             et = pet * (s / smax) ** beta
+            if self.limit_et:  # no more evaporation than the store holds
+                et = torch.minimum(et, s)
             s = s + p - et - k * s
             if self.floor is not None:  # keep the store inside [floor, Smax]
                 s = torch.minimum(s.clamp_min(self.floor), smax)
@@ -132,6 +134,12 @@ def make_bucket_clamped() -> BucketModel:
 def make_bucket_floored() -> BucketModel:
     torch.manual_seed(0)
     return BucketModel(floor=1e-6)
+
+
+def make_bucket_limited() -> BucketModel:
+    """ET limited to the store (``min(ET, S)``) and the store floored: finite in forward."""
+    torch.manual_seed(0)
+    return BucketModel(floor=1e-6, limit_et=True)
 
 
 # ---------------------------------------------------------------------------------------------

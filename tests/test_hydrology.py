@@ -212,6 +212,20 @@ def test_temperatures_in_kelvin_overflow_the_pet_exponential_and_name_the_basin(
     assert "a wrong unit" in rep["hint"], rep["hint"]
 
 
+def test_kelvin_overflow_taken_back_by_the_et_limit_names_the_exp_at_the_backward(tmp_path):
+    """The same Kelvin file where ET is limited to the store, ``min(ET, S)``: the forward
+    stays finite, and the product's backward multiplies the saved +inf PET by 0. The replay
+    names that node, traces it to the exp on the PET line, basin 6, and the unit."""
+    ev, bundle = fire("bucket", "make_bucket_limited", torch.nn.MSELoss(), tmp_path, kelvin=6)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "backward", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["op"], o["samples"]) == (True, "MulBackward0", [6]), o
+    assert o["source"] == line_of("et = pet * (s / smax) ** beta"), o
+    assert "made by aten.exp at " + line_of("torch.exp(self.pet_a") in rep["hint"], rep["hint"]
+    assert rep["cause"] == "overflow" and "a wrong unit" in rep["hint"], rep["hint"]
+
+
 def test_bucket_clamped_at_zero_names_the_powers_infinite_derivative(tmp_path):
     """The usual first fix, the store clamped at 0: the forward stays finite, and on the arid
     basin's empty store the power's derivative ``beta S^(beta - 1)`` is infinite (beta < 1).
