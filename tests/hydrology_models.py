@@ -82,6 +82,11 @@ def masked_mse(y_hat, y):
     return ((y_hat[mask] - y[mask]) ** 2).sum() / mask.sum()
 
 
+def nanmean_mse(y_hat, y):
+    """The masked MSE written with ``torch.nanmean``: the gaps' NaN errors are skipped."""
+    return torch.nanmean((y_hat - y) ** 2)
+
+
 def where_masked_mse(y_hat, y):
     """The same masked MSE that zeroes the gaps by ``torch.where`` and floors the count."""
     mask = ~torch.isnan(y)

@@ -101,7 +101,8 @@ def test_ephemeral_stream_under_nse_with_eps_zero_names_the_weight_and_the_eps(t
     (it named only the target, the first such tensor, and called an eps a way to hide it)."""
     ev, bundle = fire("nse", "make_ealstm", M.NSELoss(eps=0.0), tmp_path, zero_flow=5)
     assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (3, "loss", "<loss>", "+inf")
-    rep = nanreplay_json(bundle)
+    rep = nanreplay_json(bundle, "--try", "drop=5")
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
     o = rep["origin"]
     assert (rep["reproduced"], o["op"], o["made"], o["samples"]) == (
         True, "aten.reciprocal", "+inf", [5]), o
@@ -126,6 +127,30 @@ def test_log_of_zero_flow_with_offset_zero_names_the_log_and_its_basin(tmp_path)
     assert rep["cause"] == "invalid" and "exactly 0" in hint, hint
     assert "loss_args[1] is 0 everywhere in sample(s) 2" in hint, hint
     assert "the eps is the fix" in hint and "would only hide" not in hint, hint
+
+
+def test_nanmean_over_gauge_gaps_names_the_backward_that_multiplies_the_gaps(tmp_path):
+    """``nanmean((y_hat - y) ** 2)`` skips the gaps in its value, and its backward multiplies
+    the NaN the square saved: the replay names that node on the loss line, the gap rows 1
+    and 4, and selecting the valid rows (or filling the targets) before the op."""
+    ev, bundle = fire("mse", "make_ealstm", M.nanmean_mse, tmp_path, gaps=True)
+    assert (ev["step"], ev["phase"]) == (3, "backward"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"]) == ("<loss>", "PowBackward0", [1, 4]), o
+    assert o["source"] == line_of("return torch.nanmean((y_hat - y) ** 2)"), o
+    assert rep["cause"] == "input" and "pred[mask], y[mask]" in rep["hint"], rep["hint"]
+
+
+def test_nanmean_over_a_window_with_no_gauge_reading_names_its_division(tmp_path):
+    """``nanmean`` over a window with no reading is 0/0 (its count of non-NaN values)."""
+    ev, bundle = fire("mse", "make_ealstm", M.nanmean_mse, tmp_path, all_gaps=True)
+    assert (ev["phase"], ev["tensor"]) == ("input", "loss_args[1]"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["op"]) == (True, "loss", "aten.div"), o
+    assert o["source"] == line_of("return torch.nanmean((y_hat - y) ** 2)"), o
+    assert rep["cause"] == "invalid" and "every element masked" in rep["hint"], rep["hint"]
 
 
 @pytest.mark.parametrize("kind,crit", [("log", M.LogQLoss()), ("nse", M.NSELoss())],
