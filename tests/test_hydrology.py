@@ -142,6 +142,13 @@ def test_nanmean_over_gauge_gaps_names_the_backward_that_multiplies_the_gaps(tmp
     assert rep["cause"] == "input" and "pred[mask], y[mask]" in rep["hint"], rep["hint"]
 
 
+def test_unrecorded_nanmean_over_gauge_gaps_goes_nan_silently(tmp_path):
+    """Without the recorder the same run's weights turn NaN while every loss it printed was
+    finite: the event above is the bug, not a false alarm."""
+    model = train("mse", "make_ealstm", M.nanmean_mse, tmp_path, {"gaps": True}, record=False)
+    assert not all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_nanmean_over_a_window_with_no_gauge_reading_names_its_division(tmp_path):
     """``nanmean`` over a window with no reading is 0/0 (its count of non-NaN values)."""
     ev, bundle = fire("mse", "make_ealstm", M.nanmean_mse, tmp_path, all_gaps=True)
