@@ -82,6 +82,11 @@ def masked_mse(y_hat, y):
     return ((y_hat[mask] - y[mask]) ** 2).sum() / mask.sum()
 
 
+def standardised_mse(y_hat, y, q_mean, q_std):
+    """MSE on discharge standardised per basin by the training period's mean and std."""
+    return ((y_hat - (y - q_mean) / q_std) ** 2).mean()
+
+
 def nanmean_mse(y_hat, y):
     """The masked MSE written with ``torch.nanmean``: the gaps' NaN errors are skipped."""
     return torch.nanmean((y_hat - y) ** 2)

@@ -31,6 +31,8 @@ def batch(kind: str, g: torch.Generator, bad: dict):
         x_d, x_s, q = M.bucket_batch(g, **bad)
         return (x_d, x_s), (q,)
     x_d, x_s, q, q_std = M.basin_batch(g, **bad)
+    if kind == "std":  # (each basin's mean discharge: 0 for the zero-flow basin too)
+        return (x_d, x_s), (q, 2 * q_std, q_std)
     return (x_d, x_s), ((q, q_std) if kind == "nse" else (q,))
 
 
@@ -112,6 +114,20 @@ def test_ephemeral_stream_under_nse_with_eps_zero_names_the_weight_and_the_eps(t
     assert "loss_args[1] and loss_args[2] are 0 everywhere in sample(s) 5" in hint, hint
     assert "a stream with no flow" in hint and "the eps is the fix" in hint, hint
     assert "would only hide" not in hint, hint
+
+
+def test_zero_flow_standardised_by_its_zero_std_names_the_division_and_the_basin(tmp_path):
+    """MSE on discharge standardised per basin, ``(q - mean) / std``: the ephemeral stream's
+    0 / 0. The replay names the division, basin 5, and the record (its discharge, mean and std
+    all 0) to drop or repair, not an eps toward a made-up target."""
+    ev, bundle = fire("std", "make_ealstm", M.standardised_mse, tmp_path, zero_flow=5)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"]) == ("aten.div", "nan", [5]), o
+    assert o["source"] == line_of("return ((y_hat - (y - q_mean) / q_std) ** 2).mean()"), o
+    assert rep["cause"] == "invalid" and "drop or repair such records" in rep["hint"]
+    assert "loss_args[1] and loss_args[2] and loss_args[3] are 0 everywhere" in rep["hint"]
 
 
 def test_log_of_zero_flow_with_offset_zero_names_the_log_and_its_basin(tmp_path):
