@@ -223,10 +223,10 @@ DO = {
     "log_domain": LOG_DOMAIN,
     # (not domain's "x.clamp_min(eps) before log or sqrt": a power's base may be 0, and a
     # negative one is often a normalised value the power was meant to see before)
-    "power_domain": "keep the base at or above 0 where it must be (x.clamp_min(0) ** p; a "
-                    "gamma or power-law curve of intensities belongs before a normalisation "
-                    "by mean and std makes them negative), or write a signed power as "
-                    "torch.sign(x) * x.abs() ** p",
+    "power_domain": "keep the base at or above 0 where it must be (x.clamp_min(0) ** p, an "
+                    "eps for a p below 1 trained through: its slope is infinite at 0; a gamma "
+                    "curve of intensities belongs before a normalisation by mean and std), or "
+                    "write a signed power as torch.sign(x) * x.abs() ** p",
     "running_var": "a variance is never negative, so the module's running_var buffer was "
                    "written so (a checkpoint converted with other statistics, an edit of the "
                    "state_dict): reload or fix it, or estimate it again "

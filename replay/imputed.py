@@ -15,6 +15,7 @@ from recorder.missing import root_input_name
 
 from .cause import classify
 from .cause_text import ALLOWED_NAN_GOT_PAST
+from .empty_mask import made_by_the_loss
 from .findings import finish, origin_fields
 from .forward import find_op_in_call
 from .leaked_input import leaking_input
@@ -45,6 +46,8 @@ def _nan_left(runner: Runner, mb: int) -> bool:
 def made_from_imputed(report, step: Step, origin: dict[str, Any]) -> dict[str, Any] | None:
     """The report of the op that made the NaN of an ``allow_nan`` input event from NaN-free
     values, when the re-run finds one; None otherwise (the NaN got past the handling)."""
+    if made_by_the_loss(report, step, origin):  # (a masked loss's 0/0 over missing targets alone)
+        return RERUN
     _, raw = origin_key(step, origin)
     if step.model is None or step.event.get("nan_handled") or not raw \
             or not nan_allowed(step, root_input_name(raw)):

@@ -22,6 +22,7 @@ from .copied_rows import recause
 from .coupled import coupled_rows
 from .derived_args import derived_arg_report
 from .dropped_grads import finite_params_note
+from .empty_mask import loss_reproduced
 from .exp_factor import exp_factor_hint
 from .findings import finish, origin_fields
 from .forward import find_op_in_call, with_param_advice
@@ -204,7 +205,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     hint = held_divisor_hint(hint, cause.name, finder, hit, bufs) or hint
     hint = (cause.name == "invalid" and looked_up_hint(hint, bufs, finder, hit)) or hint
     hint = self_pair_hint(zero_head_hint(runner, mb, hit, cause.name, hint), cause.name, hit)
-    return finish(report, origin, cause.name, reproduced=step.event.get("phase") == "loss",
+    return finish(report, origin, cause.name, reproduced=loss_reproduced(step),
                   hint=with_node(origin, with_param_advice(hint, cause.name, hit),
                                  cause.name, node))
 

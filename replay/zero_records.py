@@ -10,7 +10,10 @@ tensor and the samples, so the user fixes or filters the record where the data i
 entries a sample (counts) is :mod:`replay.empty_counts`', 0/1 masks
 :mod:`replay.empty_records`'; a hint that names the data already gains nothing here. At a
 0/0 only the loss's data is looked at: a model input's blank row divided by its own spread
-(``(x - mean) / std``) is a normaliser's, which an eps fixes."""
+(``(x - mean) / std``) is a normaliser's, which an eps fixes. Where the op's own eps was set to
+0 (``log(q + c)`` with ``c = 0``, NSE*'s ``1 / (std + eps)^2`` with ``eps = 0``), the code meant
+that eps for such zeros, which may be true values (an ephemeral stream's zero flow): the hint
+gives the eps and the record's fix side by side."""
 
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from .recorded import samples
 _SAID = ("Sample(s) ", "sample(s) ", "nothing is to drop", "--try drop=",
          "exactly 0 at the samples named", "exactly 0 in the samples named")  # (a ridge's)
 _ZERO_BY_ZERO = "of 0 by 0 (0/0)"  # (a division's, replay.cause_text)
+_GUARD_OFF = "so it guarded nothing"  # (replay.lost_eps: the op's eps is 0, or lost in its type)
 
 
 def zero_records_hint(report: dict[str, Any], step: Step) -> None:
@@ -42,16 +46,25 @@ def zero_records_hint(report: dict[str, Any], step: Step) -> None:
     # (a 0/0 of a blank model input is a normaliser's, ``(x - mean) / std`` of a constant
     # row, which an eps fixes; of a blank target, a mean over none of its valid entries)
     zero_div = _ZERO_BY_ZERO in hint
-    name = next((name for name, t, d in _records(step, mb, inputs=not zero_div)
-                 if _zero_in(t, d, rows)), None)
-    if name is None:
+    # (every such tensor: a record's discharge and its std over the training period both 0)
+    names = [name for name, t, d in _records(step, mb, inputs=not zero_div)
+             if _zero_in(t, d, rows)]
+    if not names:
         return
     which = ",".join(str(r) for r in rows)
     how = (f" (--try drop={which} re-runs the step without them)"
            if undroppable(step, mb) is None else "")
+    is_are = f"{' and '.join(names)} {'is' if len(names) == 1 else 'are'}"
+    if _GUARD_OFF in hint:  # the code's own eps was meant for this 0: it may be a true value
+        report["hint"] = (
+            f"{hint}. {is_are} 0 everywhere in sample(s) {which} and not in any other "
+            "sample, which drove the op there: where 0 is a true value of that data (a stream "
+            "with no flow, a count of none), the eps is the fix; where it is a blank record "
+            f"(a value never filled), fix or filter such records where the data is made{how}")
+        return
     hidden = "" if zero_div else ", which an eps would only hide as a wrong value"
     report["hint"] = (
-        f"{hint}. But {name} is 0 everywhere in sample(s) {which} and not in any other "
+        f"{hint}. But {is_are} 0 everywhere in sample(s) {which} and not in any other "
         "sample: a blank record (a camera intrinsic never filled, a frame with no ground "
         f"truth) drove the op there{hidden}; fix or filter such records where the data is "
         f"made{how}")
