@@ -25,6 +25,7 @@ from .drop import undroppable
 from .empty_counts import root_inputs
 from .load import Step
 from .recorded import samples
+from .unlabelled_rows import label_flag, unlabelled_hint
 
 # (the data is named already, or said to be none of a record's)
 _SAID = ("Sample(s) ", "sample(s) ", "nothing is to drop", "--try drop=",
@@ -47,6 +48,10 @@ def zero_records_hint(report: dict[str, Any], step: Step) -> None:
     if name is None:
         return
     which = ",".join(str(r) for r in rows)
+    flag = label_flag(step, mb, rows, name)
+    if flag is not None:  # (unlabelled samples of a mixed batch, masked after the op)
+        report["hint"] = unlabelled_hint(hint, name, flag, which)
+        return
     how = (f" (--try drop={which} re-runs the step without them)"
            if undroppable(step, mb) is None else "")
     hidden = "" if zero_div else ", which an eps would only hide as a wrong value"
