@@ -202,8 +202,10 @@ class HMRLoss(nn.Module):
     by their count (0/0 in a batch without one); ``"clamped"``: the count floored at 1."""
 
     def __init__(self, kp_norm: str = "mean", masked: str = "clamped", w_pa: float = 0.0,
-                 pa_rows: str = "all", w_beta: float = 1e-3):
+                 pa_rows: str = "all", w_beta: float = 1e-3, w_pose: float = 0.0,
+                 rodrigues_eps: float = 1e-8):
         super().__init__()
+        self.w_pose, self.rodrigues_eps = w_pose, rodrigues_eps
         self.kp_norm, self.masked, self.w_pa, self.w_beta = kp_norm, masked, w_pa, w_beta
         self.pa_rows = pa_rows
 
@@ -221,7 +223,7 @@ class HMRLoss(nn.Module):
         return (per_sample * has).sum() / n  # the bug with "ratio": 0/0 with no 3D sample
 
     def forward(self, verts, joints, kp2d, betas, rotmat, gt_kp2d, gt_joints, has_3d,
-                gt_verts, has_smpl):
+                gt_verts, has_smpl, gt_pose):
         loss = 5.0 * self.keypoints(kp2d, gt_kp2d)
         j3d = (pelvis_align(joints) - pelvis_align(gt_joints)).pow(2).sum(-1).mean(1)
         loss = loss + 5.0 * self.labelled(j3d, has_3d)
@@ -235,6 +237,10 @@ class HMRLoss(nn.Module):
         elif self.w_pa:  # the bug: the SVD runs on the 2D-only samples' zero joints too
             pa = (procrustes_align(joints, gt_joints) - gt_joints).norm(dim=-1).mean(1)
             loss = loss + self.w_pa * self.labelled(pa, has_3d)
+        if self.w_pose:  # SPIN's smpl_losses: rotation matrices against the fits'
+            gt_rotmat = batch_rodrigues(gt_pose.reshape(-1, 3), self.rodrigues_eps)
+            err = (rotmat - gt_rotmat.view_as(rotmat)).pow(2).mean((1, 2, 3))
+            loss = loss + self.w_pose * self.labelled(err, has_smpl)
         return loss + self.w_beta * betas.pow(2).mean()
 
 

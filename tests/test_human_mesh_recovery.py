@@ -57,7 +57,8 @@ def train(make: str, out_dir, plant=None, steps: int = 4, record: bool = True, *
             with torch.no_grad():
                 gt_verts, _ = model.smpl(b["betas"], pose=b["pose"])
             out = model(b["img"], b["bbox"])
-            loss = loss_fn(*out, b["kp2d"], b["joints"], b["has_3d"], gt_verts, b["has_smpl"])
+            loss = loss_fn(*out, b["kp2d"], b["joints"], b["has_3d"], gt_verts, b["has_smpl"],
+                           b["pose"])
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -131,7 +132,8 @@ def test_cliff_camera_with_its_eps_takes_the_zero_box_without_an_event(tmp_path)
 def test_six_d_identity_written_as_columns_names_gram_schmidt_on_every_sample(tmp_path):
     """The mean pose's 6D written ``[1, 0, 0, 0, 1, 0]`` (two columns) where ``view(-1, 3, 2)``
     reads rows: its second column is 0, a zero-initialised head predicts exactly that, and the
-    hand-written Gram-Schmidt divides 0 by 0 at step 0 in every sample."""
+    hand-written Gram-Schmidt divides 0 by 0 at step 0 in every sample. The replay names the
+    division, its line, every sample, and the zero-initialised head whose 0 it normalised."""
     ev, bundle = fire("make_hmr_6d_columns", tmp_path)
     assert (ev["step"], ev["phase"], ev["module"]) == (0, "forward", ""), ev
     rep = nanreplay_json(bundle)
@@ -139,8 +141,29 @@ def test_six_d_identity_written_as_columns_names_gram_schmidt_on_every_sample(tm
     assert (o["module"], o["op"], o["made"], o["all_samples"]) == ("", "aten.div", "nan",
                                                                    True), o
     assert o["source"] == line_of("b2 = b2 / b2.norm("), o
-    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
-    assert "clamped to is exactly 0" in rep["hint"], rep["hint"]
+    assert rep["cause"] == "invalid", rep["cause"]
+    # (the head's zeros, not an eps: a unit vector needs the identity's nonzero part)
+    assert "parameter decpose.weight, all 0 as the step began" in rep["hint"], rep["hint"]
+    assert "give the vector a fixed nonzero part before normalising" in rep["hint"]
+
+
+def test_pose_loss_rodrigues_of_the_unfitted_samples_names_its_rows_and_the_mask(tmp_path):
+    """SPIN's pose loss turns the fits' axis-angle into matrices inside the loss, here with a
+    Rodrigues without its eps: the 2D-only samples' zero poses are 0/0 at ``aa / angle``, on
+    ``(B * J, 3)`` rows, and ``* has_smpl`` keeps the NaN. The replay names the division, its
+    line, those samples (the rows of the flattened poses read back as samples), and the mask's
+    product, not Rodrigues' own ``sin(angle) * K`` at that angle of 0."""
+    ev, bundle = fire("make_hmr", tmp_path, w_pose=1.0, rodrigues_eps=0.0)
+    assert (ev["step"], ev["phase"]) == (0, "loss"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("<loss>", "aten.div", "nan",
+                                                               [1, 3, 5, 7]), o
+    assert o["source"] == line_of("axis = aa / angle"), o
+    mask = line_of("return (per_sample * has).sum() / n")
+    assert rep["cause"] == "invalid" and f"aten.mul ({mask}) multiplied that NaN by a mask's 0" \
+        in rep["hint"], rep["hint"]
+    assert "select the weighted entries before the op" in rep["hint"], rep["hint"]
 
 
 def test_image_with_every_joint_invisible_under_a_confidence_normalised_loss(tmp_path):
@@ -177,14 +200,14 @@ def test_unrecorded_batch_without_a_3d_sample_poisons_the_weights(tmp_path):
 
 
 def test_healthy_losses_take_the_hard_batches_without_an_event(tmp_path):
-    """SPIN's mean 2D loss and the floored 3D count on a batch with no 3D sample and an image
-    with no visible joint: no event, bit-identical weights recorded or not."""
+    """SPIN's mean 2D loss, the floored 3D count and its pose loss (Rodrigues with its eps) on
+    a batch with no 3D sample and an image with no visible joint: no event, bit-identical weights recorded or not."""
     def both(b):
         no_3d_sample(b)
         all_invisible(b)
 
-    recorded = train("make_hmr", tmp_path, both)
-    plain = train("make_hmr", tmp_path, both, record=False)
+    recorded = train("make_hmr", tmp_path, both, w_pose=1.0)
+    plain = train("make_hmr", tmp_path, both, record=False, w_pose=1.0)
     assert not list(tmp_path.glob("*.nan"))
     same_weights(recorded, plain)
 
