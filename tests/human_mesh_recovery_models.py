@@ -183,16 +183,19 @@ def pelvis_align(j):
 
 
 def procrustes_align(pred, gt):
-    """Pred's similarity transform onto gt (Umeyama): the SVD of the centred joint covariance."""
-    mu_p, mu_g = pred.mean(1, keepdim=True), gt.mean(1, keepdim=True)
-    x, y = pred - mu_p, gt - mu_g
-    u, s, vh = torch.linalg.svd(x.transpose(1, 2) @ y)
-    d = torch.sign(torch.det(u @ vh))
-    fix = torch.ones_like(s)
-    fix[:, -1] = d
-    r = (u * fix[:, None]) @ vh
-    scale = (s * fix).sum(1) / x.pow(2).sum((1, 2))
-    return scale[:, None, None] * x @ r + mu_g
+    """Pred's similarity transform onto gt (Umeyama): the SVD of the centred joint covariance,
+    in float32 under autocast (svd and det have no bf16 kernels)."""
+    with torch.autocast(pred.device.type, enabled=False):
+        pred, gt = pred.float(), gt.float()
+        mu_p, mu_g = pred.mean(1, keepdim=True), gt.mean(1, keepdim=True)
+        x, y = pred - mu_p, gt - mu_g
+        u, s, vh = torch.linalg.svd(x.transpose(1, 2) @ y)
+        d = torch.sign(torch.det(u @ vh))
+        fix = torch.ones_like(s)
+        fix[:, -1] = d
+        r = (u * fix[:, None]) @ vh
+        scale = (s * fix).sum(1) / x.pow(2).sum((1, 2))
+        return scale[:, None, None] * x @ r + mu_g
 
 
 class HMRLoss(nn.Module):

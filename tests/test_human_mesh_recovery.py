@@ -37,9 +37,11 @@ def no_3d_sample(b):  # a batch drawn from the 2D datasets alone
         b[k].zero_()
 
 
-def train(make: str, out_dir, plant=None, steps: int = 4, record: bool = True, **loss_kw):
+def train(make: str, out_dir, plant=None, steps: int = 4, record: bool = True, accum: int = 1,
+          amp: bool = False, **loss_kw):
     """SPIN's loop: Adam, a step schedule, gradient clipping; the body model run on the SMPL
-    fits (under no_grad) for the vertex targets; ``plant`` edits the last step's batch."""
+    fits (under no_grad) for the vertex targets; ``plant`` edits the last step's batch;
+    ``accum`` micro-batches a step, ``amp`` the forward and loss under bf16 autocast."""
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=5e-5)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
@@ -54,22 +56,25 @@ def train(make: str, out_dir, plant=None, steps: int = 4, record: bool = True, *
                 break
             if plant is not None and step == steps - 1:
                 plant(b)
-            with torch.no_grad():
-                gt_verts, _ = model.smpl(b["betas"], pose=b["pose"])
-            out = model(b["img"], b["bbox"])
-            loss = loss_fn(*out, b["kp2d"], b["joints"], b["has_3d"], gt_verts, b["has_smpl"],
-                           b["pose"])
             opt.zero_grad()
-            loss.backward()
+            for i in range(accum):
+                mb = {k: v.chunk(accum)[i] for k, v in b.items()}
+                with torch.no_grad():
+                    gt_verts, _ = model.smpl(mb["betas"], pose=mb["pose"])
+                with torch.autocast("cpu", torch.bfloat16, enabled=amp):
+                    out = model(mb["img"], mb["bbox"])
+                    loss = loss_fn(*out, mb["kp2d"], mb["joints"], mb["has_3d"], gt_verts,
+                                   mb["has_smpl"], mb["pose"])
+                (loss / accum).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
     return model
 
 
-def fire(make: str, tmp_path, plant=None, **loss_kw):
+def fire(make: str, tmp_path, plant=None, **kw):
     with pytest.raises(NonFiniteError) as info:
-        train(make, tmp_path, plant, **loss_kw)
+        train(make, tmp_path, plant, **kw)
     return info.value.event, info.value.bundle_path
 
 
@@ -103,6 +108,26 @@ def test_procrustes_on_the_labelled_samples_alone_trains_the_same_recorded_or_no
     plain = train("make_hmr", tmp_path, record=False, w_pa=1.0, pa_rows="labelled")
     assert not list(tmp_path.glob("*.nan"))
     same_weights(recorded, plain)
+
+
+def collinear_joints(b):  # a labelled sample whose 3D joints were annotated on one line
+    t = torch.linspace(-0.5, 0.5, M.N_J)[:, None]
+    b["joints"][4] = t * torch.tensor([0.0, 1.0, 0.0])
+
+
+def test_procrustes_of_a_collinear_labelled_pose_names_its_sample_through_the_selection(
+        tmp_path):
+    """SPIN's selection of the 3D samples before the alignment, and a labelled sample (4) whose
+    joints lie on one line: its covariance has rank 1, two singular values tied at 0. The
+    replay names svd's node and sample 4 of the batch, though the SVD saw it as row 2 of
+    ``joints[has_3d.bool()]``, and says the tie is the cause."""
+    ev, bundle = fire("make_hmr", tmp_path, collinear_joints, w_pa=1.0, pa_rows="labelled")
+    assert (ev["step"], ev["phase"]) == (3, "backward"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"]) == ("<loss>", "LinalgSvdBackward0", [4]), o
+    assert o["source"] == line_of("u, s, vh = torch.linalg.svd("), o
+    assert rep["cause"] == "invalid" and "repeated singular values" in rep["hint"], rep["hint"]
 
 
 def test_cliff_camera_of_a_zero_size_box_names_the_depth_and_its_eps(tmp_path):
@@ -180,6 +205,21 @@ def test_image_with_every_joint_invisible_under_a_confidence_normalised_loss(tmp
     assert "clamp(min=1)" in rep["hint"] and "row(s) [2]" in rep["hint"], rep["hint"]
 
 
+def test_invisible_image_in_the_second_bf16_micro_batch_names_its_micro_batch_row(tmp_path):
+    """The same loss under bf16 autocast with two micro-batches of 4 a step: image 6 of the
+    loader's batch, none of whose joints is visible, is row 2 of micro-batch 1."""
+    def invisible_6(b):
+        b["kp2d"][6, :, 2] = 0.0
+
+    ev, bundle = fire("make_hmr", tmp_path, invisible_6, kp_norm="conf", accum=2, amp=True)
+    assert (ev["step"], ev["phase"], ev["micro_batch"]) == (3, "loss", 1), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], o["micro_batch"]) == (
+        "<loss>", "aten.div", [2], 1), o
+    assert rep["cause"] == "invalid" and "clamp(min=1)" in rep["hint"], rep["hint"]
+
+
 def test_batch_without_a_3d_sample_names_the_masked_mean_over_none(tmp_path):
     """The 3D terms summed over the labelled samples and divided by their count: a batch drawn
     from the 2D datasets alone is 0/0. No sample is to blame; the hint floors the count."""
@@ -199,15 +239,18 @@ def test_unrecorded_batch_without_a_3d_sample_poisons_the_weights(tmp_path):
     assert not all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_healthy_losses_take_the_hard_batches_without_an_event(tmp_path):
+@pytest.mark.parametrize("accum, amp", [(1, False), (2, True)])
+def test_healthy_losses_take_the_hard_batches_without_an_event(tmp_path, accum, amp):
     """SPIN's mean 2D loss, the floored 3D count and its pose loss (Rodrigues with its eps) on
-    a batch with no 3D sample and an image with no visible joint: no event, bit-identical weights recorded or not."""
+    a batch with no 3D sample and an image with no visible joint, also in bf16 micro-batches:
+    no event, bit-identical weights recorded or not."""
     def both(b):
         no_3d_sample(b)
         all_invisible(b)
 
-    recorded = train("make_hmr", tmp_path, both, w_pose=1.0)
-    plain = train("make_hmr", tmp_path, both, record=False, w_pose=1.0)
+    kw = {"accum": accum, "amp": amp, "w_pose": 1.0, "w_pa": 1.0, "pa_rows": "labelled"}
+    recorded = train("make_hmr", tmp_path, both, **kw)
+    plain = train("make_hmr", tmp_path, both, record=False, **kw)
     assert not list(tmp_path.glob("*.nan"))
     same_weights(recorded, plain)
 
