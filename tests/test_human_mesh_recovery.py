@@ -193,8 +193,9 @@ def test_pose_loss_rodrigues_of_the_unfitted_samples_names_its_rows_and_the_mask
 
 def test_image_with_every_joint_invisible_under_a_confidence_normalised_loss(tmp_path):
     """Each image's 2D error divided by the sum of its confidences: 0/0 for image 2, none of
-    whose joints is annotated. The replay names the division in the loss and that image, and
-    says to leave such rows out or floor the count."""
+    whose joints is annotated. The replay names the division in the loss and that image, as a
+    sample with no valid entry (not a graph's isolated row), and says to leave it out or floor
+    the count."""
     ev, bundle = fire("make_hmr", tmp_path, all_invisible, kp_norm="conf")
     assert (ev["step"], ev["phase"]) == (3, "loss"), ev
     rep = nanreplay_json(bundle)
@@ -202,7 +203,8 @@ def test_image_with_every_joint_invisible_under_a_confidence_normalised_loss(tmp
     assert (o["module"], o["op"], o["samples"]) == ("<loss>", "aten.div", [2]), o
     assert o["source"] == line_of("return ((conf * err).sum(1) / conf.sum(1)).mean()"), o
     assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
-    assert "clamp(min=1)" in rep["hint"] and "row(s) [2]" in rep["hint"], rep["hint"]
+    assert "each sample's sum of its 0/1 weights" in rep["hint"], rep["hint"]
+    assert "clamp(min=1)" in rep["hint"] and "0 in sample(s) [2]" in rep["hint"], rep["hint"]
 
 
 def test_invisible_image_in_the_second_bf16_micro_batch_names_its_micro_batch_row(tmp_path):
@@ -217,7 +219,7 @@ def test_invisible_image_in_the_second_bf16_micro_batch_names_its_micro_batch_ro
     o = rep["origin"]
     assert (o["module"], o["op"], o["samples"], o["micro_batch"]) == (
         "<loss>", "aten.div", [2], 1), o
-    assert rep["cause"] == "invalid" and "clamp(min=1)" in rep["hint"], rep["hint"]
+    assert rep["cause"] == "invalid" and "0 in sample(s) [2]" in rep["hint"], rep["hint"]
 
 
 def test_batch_without_a_3d_sample_names_the_masked_mean_over_none(tmp_path):
