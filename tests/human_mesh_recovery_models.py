@@ -9,7 +9,8 @@ skinning) with SPIN's ``batch_rodrigues`` for axis-angle poses, a weak-perspecti
 the box given to ``forward``), and SPIN's losses: the confidence-weighted 2D keypoint loss,
 the pelvis-aligned 3D joint loss and the vertex loss over the samples with 3D/SMPL labels of a
 mixed batch, a shape prior on betas, and a Procrustes-aligned joint error (SVD of the joint
-covariance) as a training term. The factories live at module level so that ``nanreplay``
+covariance) as a training term, PARE-style attention pooling over the person's segmentation
+(background logits filled with -inf). The factories live at module level so that ``nanreplay``
 rebuilds them."""
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class HMR(nn.Module):
 
     def __init__(self, camera: str = "weak", rot_eps: float = 1e-12, tz_eps: float = 1e-9,
                  feat: int = 32, hidden: int = 64, identity6d=(1.0, 0.0, 0.0, 1.0, 0.0, 0.0),
-                 zero_init: bool = False):
+                 zero_init: bool = False, pool: str = "avg"):
         super().__init__()
         self.backbone = nn.Sequential(
             nn.Conv2d(3, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.ReLU(),
@@ -118,7 +119,17 @@ class HMR(nn.Module):
         self.register_buffer("init_shape", torch.zeros(1, N_BETAS))
         self.register_buffer("init_cam", torch.tensor([[0.9, 0.0, 0.0]]))
         self.smpl = BodyModel()
-        self.camera, self.rot_eps, self.tz_eps = camera, rot_eps, tz_eps
+        self.camera, self.rot_eps, self.tz_eps, self.pool = camera, rot_eps, tz_eps, pool
+        if pool == "attention":  # PARE-style attention over the person's feature locations
+            self.attention = nn.Conv2d(16, 1, 1)
+
+    def features(self, img, fg):
+        if self.pool == "avg":
+            return self.backbone(img)
+        f = self.backbone[:6](img)
+        logits = self.attention(f).flatten(1).masked_fill(~fg.flatten(1), float("-inf"))
+        att = torch.softmax(logits, dim=1)  # the bug: no foreground location left, 0/0
+        return self.backbone[8]((f.flatten(2) * att[:, None]).sum(-1))
 
     def project(self, joints, cam, bbox):
         if self.camera == "weak":
@@ -132,9 +143,10 @@ class HMR(nn.Module):
         p = joints + torch.stack([tx, ty, tz], 1)[:, None]
         return FOCAL * p[..., :2] / p[..., 2:] / (IMG / 2)
 
-    def forward(self, img, bbox=None, n_iter: int = 3):
+    def forward(self, img, bbox=None, fg=None, n_iter: int = 3):
+        """``fg``: (B, 8, 8) the person's segmentation at the feature map's size."""
         b = img.shape[0]
-        xf = self.backbone(img)
+        xf = self.features(img, fg)
         pose, shape, cam = (t.expand(b, -1) for t in (self.init_pose, self.init_shape,
                                                       self.init_cam))
         for _ in range(n_iter):  # iterative error feedback
@@ -158,6 +170,11 @@ def make_hmr_6d_columns() -> HMR:
     head predicts exactly that, and the hand-written Gram-Schmidt has no eps."""
     torch.manual_seed(0)
     return HMR(rot_eps=0.0, identity6d=(1.0, 0.0, 0.0, 0.0, 1.0, 0.0), zero_init=True)
+
+
+def make_hmr_attention() -> HMR:
+    torch.manual_seed(0)
+    return HMR(pool="attention")
 
 
 def make_cliff() -> HMR:
@@ -273,13 +290,15 @@ class MixedDataset(Dataset):
         self.bbox = torch.cat([16 + 4 * torch.rand(n, 2, generator=g),
                                20 + 8 * torch.rand(n, 1, generator=g)], 1)
         self.pose = self.pose * self.has_smpl[:, None]  # no fit: SPIN's zero pose
+        self.fg = torch.rand(n, IMG // 4, IMG // 4, generator=g) > 0.3  # the person's mask
 
     def __len__(self):
         return self.img.shape[0]
 
     def __getitem__(self, i):
         return {k: getattr(self, k)[i] for k in
-                ("img", "kp2d", "joints", "has_3d", "pose", "betas", "has_smpl", "bbox")}
+                ("img", "kp2d", "joints", "has_3d", "pose", "betas", "has_smpl", "bbox",
+                 "fg")}
 
 
 def loader(n: int = 64, batch_size: int = 8) -> DataLoader:

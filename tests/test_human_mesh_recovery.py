@@ -62,7 +62,7 @@ def train(make: str, out_dir, plant=None, steps: int = 4, record: bool = True, a
                 with torch.no_grad():
                     gt_verts, _ = model.smpl(mb["betas"], pose=mb["pose"])
                 with torch.autocast("cpu", torch.bfloat16, enabled=amp):
-                    out = model(mb["img"], mb["bbox"])
+                    out = model(mb["img"], mb["bbox"], fg=mb["fg"])
                     loss = loss_fn(*out, mb["kp2d"], mb["joints"], mb["has_3d"], gt_verts,
                                    mb["has_smpl"], mb["pose"])
                 (loss / accum).backward()
@@ -268,3 +268,30 @@ def test_rodrigues_of_the_zero_poses_in_the_loop_is_named_as_the_vertex_target(t
     rep = nanreplay_json(bundle)
     assert (rep["cause"], rep["origin"]["samples"]) == ("input", [1, 3, 5, 7]), rep["origin"]
     assert "NaN * 0 is NaN" in rep["hint"], rep["hint"]
+
+
+def no_foreground(b):  # a person the segmenter missed: an empty mask
+    b["fg"][3] = False
+
+
+def test_part_attention_of_an_empty_person_mask_names_the_softmax_and_the_image(tmp_path):
+    """PARE-style attention pooling, the background's logits filled with -inf: image 3's
+    segmentation is empty, its softmax over only -inf is 0/0. The replay names the softmax, its
+    line, the image and the fully masked row, the -inf fill as intended."""
+    ev, bundle = fire("make_hmr_attention", tmp_path, no_foreground)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", [3]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten._softmax", "nan", [3]), o
+    assert o["source"] == line_of("att = torch.softmax(logits, dim=1)"), o
+    assert rep["cause"] == "invalid" and "every entry is -inf" in rep["hint"], rep["hint"]
+    assert "keep at least one key per row" in rep["hint"], rep["hint"]
+
+
+def test_part_attention_with_background_masked_trains_the_same_recorded_or_not(tmp_path):
+    """The same -inf fills of every image's background, each image keeping some foreground:
+    infinities that stay inside the softmax raise nothing, and nothing of training changes."""
+    recorded = train("make_hmr_attention", tmp_path, amp=True)
+    plain = train("make_hmr_attention", tmp_path, amp=True, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    same_weights(recorded, plain)
