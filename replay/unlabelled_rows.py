@@ -20,17 +20,18 @@ from .recorded import samples
 
 
 def label_flag(step: Step, mb: int, rows: list[int], blank: str) -> str | None:
-    """The loss data argument other than ``blank`` holding only 0s and 1s, 0 in every one of
-    ``rows`` and nonzero somewhere in every other sample (a ``has_3d``, ``has_smpl`` flag)."""
+    """The loss data argument other than ``blank`` holding one 0 or 1 per sample, 0 at every
+    one of ``rows`` and 1 at every other sample (a ``has_3d``, ``has_smpl`` flag; not a dense
+    validity mask, which is 0 all over an empty frame whose own mean over it is the op)."""
     entry, where = step.micro_batches[mb], samples(step, mb)
     made = set(entry.get("loss_grad_args") or ())
     for key, raw in (entry.get("loss_paths") or {}).items():
         t, name = step.tensors.get(key), loss_path(raw)
         if key in made or name == blank or not isinstance(t, torch.Tensor) or t.is_complex() \
-                or not t.numel() or (d := where.dim(t)) is None:
+                or not t.numel() or (d := where.dim(t)) is None or t.numel() != t.shape[d]:
             continue
         if max(rows) < t.shape[d] > len(rows) and bool(((t == 0) | (t == 1)).all()):
-            some = t.detach().movedim(d, 0).reshape(t.shape[d], -1).ne(0).any(1)
+            some = t.detach().reshape(-1).ne(0)
             named = torch.zeros_like(some)
             named[rows] = True
             if not bool(some[named].any()) and bool(some[~named].all()):
