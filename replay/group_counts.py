@@ -156,6 +156,13 @@ def with_empty_groups(hint: str | None, cause: str | None, hit,
             or found.count.op not in _ACCUMULATE and found.count != Count("sum", False):
         return hint
     op, groups = found.count.op, found.groups
+    if op == "sum" and hit.rows and hit.rows == groups:  # (its rows the batch's samples)
+        return (f"{hint}; but here the divisor is each sample's sum of its 0/1 weights (a "
+                f"count of its valid entries), 0 in sample(s) {groups[:8]}: they have no valid "
+                "entry (an image none of whose keypoints is annotated, a sequence with every "
+                "position masked), and an eps would drop their terms in silence: leave them "
+                "out (count > 0) or filter them where the data is made, or divide by "
+                "count.clamp(min=1) where 0 is the right mean of nothing")
     if op == "sum":
         return (f"{hint}; but here the divisor is the row sums of a 0/1 matrix (an adjacency's "
                 f"degrees, a membership count), 0 at row(s) {groups[:8]}: those rows have no "

@@ -38,7 +38,10 @@ class FirstThenMasked(TorchDispatchMode):
     inputs that held none, then the first product that ``masks(name, args)`` says multiplied
     what it met by a mask's 0, each as (op, source). A product whose factor is one of the
     first op's own all-zero inputs is not a mask: a 0/0 by a batch statistic that is 0
-    (``width * tanh((x - m) / width)``, every value equal) multiplied back by that same 0."""
+    (``width * tanh((x - m) / width)``, every value equal) multiplied back by that same 0;
+    nor is one whose every tensor operand was computed from the first op's inputs: the
+    formula's own 0 there (Rodrigues' ``sin(angle) * K`` at the angle 0 that ``axis / angle``
+    divided by), not a weight the loss was given."""
 
     def __init__(self, bad, masks):
         super().__init__()
@@ -47,6 +50,7 @@ class FirstThenMasked(TorchDispatchMode):
         self.masked: tuple[str, str | None] | None = None
         self.zeros: list[torch.Tensor] = []  # the first op's all-zero inputs
         self.factors: tuple = ()  # the masking product's operands
+        self.derived: dict[int, torch.Tensor] = {}  # made of the first op's inputs, by id
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -58,11 +62,23 @@ class FirstThenMasked(TorchDispatchMode):
                 self.first = (f"aten.{name}", user_source())
                 self.zeros = [t for t in tree_leaves((args, kwargs))
                               if isinstance(t, torch.Tensor) and not bool(t.any())]
+                self._derive((args, kwargs, out), every=True)
             elif self.first is not None and self.masks(name, args) \
-                    and not any(_same(a, z) for a in args[:2] for z in self.zeros):
+                    and not any(_same(a, z) for a in args[:2] for z in self.zeros) \
+                    and not all(id(a) in self.derived for a in args[:2]):
                 self.masked = (f"aten.{name}", user_source())
                 self.factors = tuple(a for a in args[:2] if isinstance(a, torch.Tensor))
+            elif self.first is not None:
+                self._derive(out, every=any(id(t) in self.derived
+                                            for t in tree_leaves((args, kwargs))))
         return out
+
+    def _derive(self, tree, every: bool) -> None:
+        """Mark the floating tensors of ``tree`` as made of the first op's inputs (a
+        comparison's bool, ``valid = gt > 0``, stays a mask)."""
+        for t in tree_leaves(tree) if every else ():
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                self.derived[id(t)] = t  # (held, so that no id is reused)
 
 
 def _same(a, b: torch.Tensor) -> bool:

@@ -6,8 +6,9 @@ descendants stack the flow of every iteration, ``(iters, B, 2, H, W)``, and aver
 image's error into ``(iters, B)``. Read by shape alone, a dim 0 of the batch's size holds the
 samples: with as many scales or iterations as samples the op finder named those as the
 samples, and with a multiple of the batch's size it named none. A pose loss flattens the
-joints with the batch (dsntnn's ``gt.reshape(-1, 2)``, ``(B * K, 2)``): row ``r`` is sample
-``r // K``, which the shape does not say either.
+joints with the batch (dsntnn's ``gt.reshape(-1, 2)``, ``(B * K, 2)``; SPIN's axis-angle
+poses ``(B, J * 3)`` as ``(B * J, 3)`` for Rodrigues): row ``r`` is sample ``r // K``, which
+the shape does not say either.
 
 :class:`Moved` follows the samples' dimension through the ops that move it — ``stack`` of
 values that all hold it in one dimension, ``cat`` along it (the batch again for each part: an
@@ -206,6 +207,10 @@ def _flattened(x: torch.Tensor, out: torch.Tensor, group: int) -> Place | None:
             g = out.shape[0] // n
             return (0, g, 1) if g * n == out.shape[0] \
                 and math.prod(x.shape[1:j + 1]) * group == g else None
+    per_sample, per_row = x.numel() // max(n, 1), out[0].numel()
+    if n and per_row and out.shape[0] > n and per_sample % per_row == 0 \
+            and out.shape[0] == n * (per_sample // per_row):
+        return (0, per_sample // per_row, 1)  # (a dim split: (B, J * 3) as (B * J, 3))
     if out.dim() > 1 and out.shape[0] == n and x.shape[0] == math.prod(out.shape[:1]) * group:
         return (0, 1, 1) if out.shape[1:].numel() * n == x.numel() else None
     return None

@@ -28,6 +28,7 @@ from .drop import undroppable
 from .empty_counts import root_inputs
 from .load import Step
 from .recorded import samples
+from .unlabelled_rows import label_flag, unlabelled_hint
 
 # (the data is named already, or said to be none of a record's)
 _SAID = ("Sample(s) ", "sample(s) ", "nothing is to drop", "--try drop=",
@@ -52,9 +53,13 @@ def zero_records_hint(report: dict[str, Any], step: Step) -> None:
     if not names:
         return
     which = ",".join(str(r) for r in rows)
+    is_are = f"{' and '.join(names)} {'is' if len(names) == 1 else 'are'}"
+    flag = label_flag(step, mb, rows, names[0])
+    if flag is not None:  # (unlabelled samples of a mixed batch, masked after the op)
+        report["hint"] = unlabelled_hint(hint, is_are, flag, which)
+        return
     how = (f" (--try drop={which} re-runs the step without them)"
            if undroppable(step, mb) is None else "")
-    is_are = f"{' and '.join(names)} {'is' if len(names) == 1 else 'are'}"
     if _GUARD_OFF in hint:  # the code's own eps was meant for this 0: it may be a true value
         report["hint"] = (
             f"{hint}. {is_are} 0 everywhere in sample(s) {which} and not in any other "
