@@ -1,0 +1,132 @@
+"""End to end on a PointPillars/CenterPoint LiDAR detector (``lidar_detection_models``): a
+dense pillar voxelisation with padded pillars, the pillar feature net's point mean and scan
+intensity normalisation, the BEV scatter, CenterPoint's heatmap focal loss and log-encoded
+box regression, trained with AdamW, OpenPCDet's one-cycle schedule and gradient clipping.
+Each planted bug of the domain fires under the recorder and is replayed with the CLI; the
+healthy version raises no event and trains bit-identically with and without the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import lidar_detection_models as M
+import pytest
+import torch
+from bundles import nanreplay_json, source_line
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+
+def line_of(text: str) -> str:
+    return source_line("lidar_detection_models.py", text)
+
+
+def train(make: str, out_dir, bad: int | None = None, plant: str = "", steps: int = 4,
+          record: bool = True, per_scene: bool = False, every_step: bool = False):
+    """OpenPCDet's recipe: AdamW, a one-cycle schedule, clip_grad_norm_(10); the planted
+    scene ``bad`` is in the last step's batch (in every step's with ``every_step``)."""
+    model = getattr(M, make)()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps)
+    crit = M.CenterPointLoss(per_scene=per_scene)
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory=f"lidar_detection_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for step in range(steps):
+            planted = every_step or step == steps - 1
+            points, num, coords, hm, boxes, ind, reg_mask = M.batch(
+                g, bad=bad if planted else None, plant=plant)
+            hm_pred, reg = model(points, num, coords)
+            loss = loss_fn(hm_pred, reg, hm, boxes, ind, reg_mask)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+            opt.step()
+            sched.step()
+    return model
+
+
+def fire(make: str, tmp_path, bad: int, plant: str, **kw):
+    with pytest.raises(NonFiniteError) as info:
+        train(make, tmp_path, bad, plant, **kw)
+    return info.value.event, info.value.bundle_path
+
+
+def test_padded_pillar_point_mean_names_the_division_and_the_sparse_scene(tmp_path):
+    """A rain-blinded sweep fills 6 of the 24 pillar slots; the padded pillars have 0 points,
+    and the PFN's cluster mean ``sum / num_points`` is 0/0 there. Multiplying by the point
+    mask keeps the NaN (NaN * 0), BatchNorm's batch statistics spread it to every scene. The
+    replay names the division, its line, the sparse scene only, and says 0/0."""
+    ev, bundle = fire("make_centerpoint_unmasked_mean", tmp_path, bad=2, plant="sparse")
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (3, "forward", "pfn", "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=2")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "pfn", "aten.div", "nan", [2]), o
+    assert o["source"] == line_of("mean = points[..., :3].sum(dim=2, keepdim=True) / count"), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_scan_without_intensity_names_the_normalisation_by_its_max_of_zero(tmp_path):
+    """A sweep from a sensor that reports no intensity (every return 0): the PFN divides the
+    intensity channel by the scan's maximum, 0/0 in every point of that scene. The replay
+    names that division, its line, the dark scene, and says 0/0 with an eps for advice."""
+    ev, bundle = fire("make_centerpoint_scan_max", tmp_path, bad=1, plant="dark")
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (3, "forward", "pfn", "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=1")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("pfn", "aten.div", "nan", [1]), o
+    assert o["source"] == line_of("intensity = points[..., 3:] / scan_max"), o
+    assert rep["cause"] == "invalid" and "eps" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_label_of_width_zero_names_the_log_size_encoding_and_the_scene(tmp_path):
+    """An annotator's degenerate box (w = 0) in scene 3: the regression target
+    ``log(w / anchor_w)`` is -inf and the L1 loss +inf. A loss event; the replay names the log
+    in the loss on the box's scene and points at the data (a degenerate label to drop or
+    repair in the dataset), not at an eps."""
+    ev, bundle = fire("make_centerpoint", tmp_path, bad=3, plant="flat")
+    assert (ev["step"], ev["phase"], ev["module"]) == (3, "loss", "<loss>"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("<loss>", "aten.log", "-inf", [3]), o
+    assert o["source"] == line_of("target = torch.cat([boxes[:, :3], torch.log("), o
+    assert rep["cause"] == "invalid" and "box of zero width" in rep["hint"], rep["hint"]
+    assert "drop or repair such records" in rep["hint"], rep["hint"]
+
+
+def test_scene_without_objects_names_the_per_scene_focal_normaliser(tmp_path):
+    """A parking lot at night with no labelled object: the focal loss normalised per scene by
+    its own number of objects divides that scene's (positive) negative-cell loss by 0, +inf.
+    The replay names the division in the loss and the empty scene; the scene is valid (its
+    negatives should train), so the hint says to floor the count (CenterPoint's
+    max(num_pos, 1)), not to drop or filter the record as it does for a degenerate one."""
+    ev, bundle = fire("make_centerpoint", tmp_path, bad=0, plant="empty", per_scene=True)
+    assert (ev["step"], ev["phase"], ev["module"]) == (3, "loss", "<loss>"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("<loss>", "aten.div", "+inf", [0]), o
+    assert o["source"] == line_of("hm_loss = (cells.sum((1, 2, 3)) / pos.sum((1, 2, 3))).mean()"), o
+    assert rep["cause"] == "invalid" and "count per sample of a 0/1 mask" in rep["hint"], rep
+    assert "do not drop them" in rep["hint"] and "max(num_pos, 1)" in rep["hint"], rep["hint"]
+    assert "filter such records" not in rep["hint"], rep["hint"]
+
+
+@pytest.mark.parametrize("plant", ["sparse", "dark", "empty"])
+def test_guarded_runs_raise_nothing_and_train_the_same(tmp_path, plant):
+    """The fixed code (the mean over max(num_points, 1), the scan max floored, the focal loss
+    over max(num_pos, 1)) on batches that hold the planted scene at every step: padded pillars
+    that the scatter drops, a dark scan, a scene without objects. No event, bit-identical
+    weights with and without the recorder."""
+    recorded = train("make_centerpoint", tmp_path, bad=1, plant=plant, steps=3, every_step=True)
+    plain = train("make_centerpoint", tmp_path, bad=1, plant=plant, steps=3, every_step=True,
+                  record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
