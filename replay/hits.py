@@ -81,6 +81,7 @@ class Evidence:
     data_divisor: str = ""  # its advice: a learned value over a data divisor (replay.data_divisor)
     data_factor: bool = False  # over a learned value times data 0 there (replay.data_factor)
     cut_divisor: bool = False  # over a divisor a ReLU cut to 0 (replay.clamped_divisor)
+    unlearned: bool = False  # no input requires grad, in some samples (replay.batch_overflow)
     of_weights: bool = False  # every input a parameter or buffer, or made of them alone
     squared: list[bool] = field(default_factory=list)  # exp_made[i] by a square (re² + im²)
     of_exp: list[bool] = field(default_factory=list)  # inputs[i] is exp's own result

@@ -71,10 +71,36 @@ class PointPillarsScatter(nn.Module):
         return canvas.view(b, c, GRID, GRID)
 
 
+def square_distance(src, dst):
+    """PointNet++'s pairwise squared distances, |s|² + |d|² - 2 s·d (one matmul)."""
+    dist = -2 * torch.matmul(src, dst.transpose(1, 2))  # the bug: s·d past 65504 in float16
+    dist = dist + (src ** 2).sum(-1)[:, :, None]
+    return dist + (dst ** 2).sum(-1)[:, None, :]
+
+
+class PillarContext(nn.Module):
+    """Each pillar gathers its k nearest pillars' features (by their centres of mass),
+    weighted by a softmax of minus the squared distance, as PointNet++'s feature
+    propagation and Point Transformer's local attention do."""
+
+    def __init__(self, ch: int = 16, k: int = 4):
+        super().__init__()
+        self.k, self.proj = k, nn.Linear(ch, ch)
+
+    def forward(self, feats, centres):
+        d = square_distance(centres, centres)
+        d_knn, idx = d.topk(self.k, dim=-1, largest=False)
+        w = torch.softmax(-d_knn, dim=-1)
+        b, p, c = feats.shape
+        nb = feats.gather(1, idx.reshape(b, -1, 1).expand(b, p * self.k, c)).view(b, p, self.k, c)
+        return feats + self.proj((w[..., None].type_as(nb) * nb).sum(2))
+
+
 class CenterPoint(nn.Module):
-    def __init__(self, ch: int = 16, classes: int = 1, **pfn):
+    def __init__(self, ch: int = 16, classes: int = 1, context: bool = False, **pfn):
         super().__init__()
         self.pfn = PillarFeatureNet(ch, **pfn)
+        self.context = PillarContext(ch) if context else None
         self.scatter = PointPillarsScatter()
         self.backbone = nn.Sequential(
             nn.Conv2d(ch, ch, 3, padding=1, bias=False), nn.BatchNorm2d(ch), nn.ReLU(),
@@ -84,7 +110,11 @@ class CenterPoint(nn.Module):
         nn.init.constant_(self.heatmap.bias, -2.19)  # CenterPoint's prior of 0.1
 
     def forward(self, points, num_points, coords):
-        bev = self.backbone(self.scatter(self.pfn(points, num_points, coords), coords, num_points))
+        feats = self.pfn(points, num_points, coords)
+        if self.context is not None:
+            count = num_points[..., None].clamp_min(1).type_as(points)
+            feats = self.context(feats, points[..., :3].sum(2) / count)
+        bev = self.backbone(self.scatter(feats, coords, num_points))
         return self.heatmap(bev), self.reg(bev)
 
 
@@ -101,6 +131,11 @@ def make_centerpoint_unmasked_mean() -> CenterPoint:
 def make_centerpoint_scan_max() -> CenterPoint:
     torch.manual_seed(0)
     return CenterPoint(scan_max_eps=False)
+
+
+def make_centerpoint_context() -> CenterPoint:
+    torch.manual_seed(0)
+    return CenterPoint(context=True)
 
 
 def focal_heatmap(pred, gt):
@@ -170,7 +205,8 @@ def scene(g: torch.Generator, objects: int, pillars: int = PILLARS, intensity: b
 def batch(g: torch.Generator, size: int = 4, bad: int | None = None, plant: str = ""):
     """A batch of scenes; ``bad`` gets the planted condition: ``sparse`` (a rain-blinded sweep
     with 6 occupied pillars, the rest padding), ``dark`` (a sensor reporting no intensity),
-    ``empty`` (a scene with no objects), ``flat`` (a label of width 0)."""
+    ``empty`` (a scene with no objects), ``flat`` (a label of width 0), ``far`` (a pillar of
+    ghost returns 300 m out, the point cloud range filter missing)."""
     scenes = []
     for i in range(size):
         hit = i == bad
@@ -178,6 +214,8 @@ def batch(g: torch.Generator, size: int = 4, bad: int | None = None, plant: str 
                             pillars=6 if hit and plant == "sparse" else PILLARS,
                             intensity=not (hit and plant == "dark")))
     cols = [torch.stack(c) for c in zip(*scenes)]
+    if bad is not None and plant == "far":
+        cols[0][bad, 0, :cols[1][bad, 0]] += torch.tensor([300.0, 0.0, 0.0, 0.0])
     if bad is not None and plant == "flat":
         cols[4][bad, 0, 3] = 0.0  # an annotator's degenerate box: w = 0
     return cols

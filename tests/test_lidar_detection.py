@@ -24,15 +24,18 @@ def line_of(text: str) -> str:
 
 
 def train(make: str, out_dir, bad: int | None = None, plant: str = "", steps: int = 4,
-          record: bool = True, per_scene: bool = False, every_step: bool = False):
-    """OpenPCDet's recipe: AdamW, a one-cycle schedule, clip_grad_norm_(10); the planted
-    scene ``bad`` is in the last step's batch (in every step's with ``every_step``)."""
+          record: bool = True, per_scene: bool = False, every_step: bool = False,
+          amp: bool = False):
+    """OpenPCDet's recipe: AdamW, a one-cycle schedule, clip_grad_norm_(10) (of the unscaled
+    gradients under float16 autocast with a GradScaler, ``amp``); the planted scene ``bad``
+    is in the last step's batch (in every step's with ``every_step``)."""
     model = getattr(M, make)()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps)
     crit = M.CenterPointLoss(per_scene=per_scene)
     g = torch.Generator().manual_seed(0)
-    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+    scaler = torch.amp.GradScaler("cpu", enabled=amp)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, scaler=scaler if amp else None,
                          factory=f"lidar_detection_models:{make}") if record else None
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else crit
@@ -40,13 +43,18 @@ def train(make: str, out_dir, bad: int | None = None, plant: str = "", steps: in
             planted = every_step or step == steps - 1
             points, num, coords, hm, boxes, ind, reg_mask = M.batch(
                 g, bad=bad if planted else None, plant=plant)
-            hm_pred, reg = model(points, num, coords)
-            loss = loss_fn(hm_pred, reg, hm, boxes, ind, reg_mask)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+                hm_pred, reg = model(points, num, coords)
+            loss = loss_fn(hm_pred.float(), reg.float(), hm, boxes, ind, reg_mask)
             opt.zero_grad()
-            loss.backward()
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
-            opt.step()
-            sched.step()
+            scale = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            if scaler.get_scale() >= scale:  # (not after a step the scaler skipped)
+                sched.step()
     return model
 
 
@@ -127,6 +135,39 @@ def test_guarded_runs_raise_nothing_and_train_the_same(tmp_path, plant):
     recorded = train("make_centerpoint", tmp_path, bad=1, plant=plant, steps=3, every_step=True)
     plain = train("make_centerpoint", tmp_path, bad=1, plant=plant, steps=3, every_step=True,
                   record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_far_ghost_points_overflow_the_float16_squared_distance_matmul(tmp_path):
+    """A pillar of ghost returns 300 m out (no point cloud range filter) in scene 2, under
+    float16 autocast: PointNet++'s ``square_distance`` computes ``-2 s·d`` by a matmul that
+    autocast runs in float16, and 300² is past its 65504. The replay names the matmul in the
+    context module, the far scene, overflow, that the distances were made of the data alone
+    (a range filter to add, or float32), not that the run was diverging after the one-cycle
+    warmup's learning-rate jump (it said so)."""
+    ev, bundle = fire("make_centerpoint_context", tmp_path, bad=2, plant="far", amp=True)
+    assert (ev["step"], ev["phase"], ev["module"]) == (3, "forward", "context"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=2")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"], o["dtype"]) == (
+        "context", "aten.bmm", "+inf", [2], "float16"), o
+    assert o["source"] == line_of("dist = -2 * torch.matmul(src, dst.transpose(1, 2))"), o
+    assert rep["cause"] == "overflow" and "float32" in rep["hint"], rep["hint"]
+    assert "range filter" in rep["hint"] and "made of the batch's data alone" in rep["hint"]
+    # (the one-cycle warmup's learning-rate jump at step 2 is no divergence: nothing learned
+    # reaches the distances)
+    assert any(p["kind"] == "lr_jump" for p in rep["precursors"]), rep["precursors"]
+    assert "the run was diverging" not in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_context_model_under_float16_autocast_raises_nothing_and_trains_the_same(tmp_path):
+    """The point-context model under float16 autocast and a GradScaler on in-range sweeps:
+    no event, bit-identical weights with and without the recorder."""
+    recorded = train("make_centerpoint_context", tmp_path, steps=3, amp=True)
+    plain = train("make_centerpoint_context", tmp_path, steps=3, amp=True, record=False)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
