@@ -34,11 +34,13 @@ ANCHOR = torch.tensor([1.9, 4.5, 1.6])  # car w, l, h in metres (KITTI's mean si
 class PillarFeatureNet(nn.Module):
     """PointPillars' PFN layer: 4 point channels + 3 cluster offsets + 2 centre offsets."""
 
-    def __init__(self, out: int = 16, masked_mean: bool = True, scan_max_eps: bool = True):
+    def __init__(self, out: int = 16, masked_mean: bool = True, scan_max_eps: bool = True,
+                 masked_max: bool = False):
         super().__init__()
         self.linear = nn.Linear(9, out, bias=False)
         self.norm = nn.BatchNorm1d(out, eps=1e-3, momentum=0.01)
         self.masked_mean, self.scan_max_eps = masked_mean, scan_max_eps
+        self.masked_max = masked_max
 
     def forward(self, points, num_points, coords):
         mask = torch.arange(points.shape[2]) < num_points[..., None]  # (B, P, N)
@@ -58,6 +60,8 @@ class PillarFeatureNet(nn.Module):
         x = self.linear(feats)
         b, p, n, c = x.shape
         x = F.relu(self.norm(x.reshape(-1, c)).reshape(b, p, n, c))
+        if self.masked_max:  # (a padded pillar's max is -inf: the scatter drops it)
+            x = x.masked_fill(~mask[..., None], float("-inf"))
         return x.max(dim=2).values  # (B, P, C)
 
 
@@ -131,6 +135,11 @@ def make_centerpoint_unmasked_mean() -> CenterPoint:
 def make_centerpoint_scan_max() -> CenterPoint:
     torch.manual_seed(0)
     return CenterPoint(scan_max_eps=False)
+
+
+def make_centerpoint_masked_max() -> CenterPoint:
+    torch.manual_seed(0)
+    return CenterPoint(masked_max=True)
 
 
 def make_centerpoint_context() -> CenterPoint:

@@ -171,3 +171,19 @@ def test_context_model_under_float16_autocast_raises_nothing_and_trains_the_same
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_masked_max_over_padded_pillars_is_no_false_alarm(tmp_path):
+    """The PFN's max over each pillar's points with the padding filled with -inf (as
+    masked max-pooling is written): a padded pillar's feature is -inf in every channel, the
+    PFN's output holds it, and the scatter drops those pillars before anything else reads
+    them. No event, bit-identical weights with and without the recorder."""
+    kw = dict(bad=1, plant="sparse", steps=3, every_step=True)
+    recorded = train("make_centerpoint_masked_max", tmp_path, **kw)
+    plain = train("make_centerpoint_masked_max", tmp_path, record=False, **kw)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+    points, num, coords, *_ = M.batch(torch.Generator().manual_seed(0), bad=1, plant="sparse")
+    with torch.no_grad():  # (the -inf pillars are there: 18 padded slots of the sparse scene)
+        assert int(torch.isneginf(recorded.eval().pfn(points, num, coords)[1]).all(1).sum()) == 18
