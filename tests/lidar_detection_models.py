@@ -158,15 +158,18 @@ def focal_heatmap(pred, gt):
 
 
 class CenterPointLoss(nn.Module):
-    """Heatmap focal loss + 0.25 * L1 of the box regression at the objects' cells."""
+    """Heatmap focal loss + 0.25 * L1 of the box regression at the objects' cells;
+    ``per_scene``: the focal loss normalised by each scene's own number of objects."""
 
-    def __init__(self, per_scene: bool = False, reg_weight: float = 0.25):
+    def __init__(self, per_scene: str = "", reg_weight: float = 0.25):
         super().__init__()
         self.per_scene, self.reg_weight = per_scene, reg_weight
 
     def forward(self, hm, reg, hm_gt, boxes, ind, reg_mask):
         cells, pos = focal_heatmap(hm, hm_gt)
-        if self.per_scene:  # the bug: a scene with no objects divides by 0
+        if self.per_scene == "flat":  # (the same count, of the flattened heatmap)
+            hm_loss = (cells.flatten(1).sum(1) / pos.flatten(1).sum(1)).mean()
+        elif self.per_scene:  # the bug: a scene with no objects divides by 0
             hm_loss = (cells.sum((1, 2, 3)) / pos.sum((1, 2, 3))).mean()
         else:
             hm_loss = cells.sum() / pos.sum().clamp_min(1)

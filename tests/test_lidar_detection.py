@@ -24,7 +24,7 @@ def line_of(text: str) -> str:
 
 
 def train(make: str, out_dir, bad: int | None = None, plant: str = "", steps: int = 4,
-          record: bool = True, per_scene: bool = False, every_step: bool = False,
+          record: bool = True, per_scene: str = "", every_step: bool = False,
           amp: bool = False):
     """OpenPCDet's recipe: AdamW, a one-cycle schedule, clip_grad_norm_(10) (of the unscaled
     gradients under float16 autocast with a GradScaler, ``amp``); the planted scene ``bad``
@@ -109,21 +109,25 @@ def test_label_of_width_zero_names_the_log_size_encoding_and_the_scene(tmp_path)
     assert "drop or repair such records" in rep["hint"], rep["hint"]
 
 
-def test_scene_without_objects_names_the_per_scene_focal_normaliser(tmp_path):
+@pytest.mark.parametrize("per_scene,line", [
+    ("dims", "hm_loss = (cells.sum((1, 2, 3)) / pos.sum((1, 2, 3))).mean()"),
+    ("flat", "hm_loss = (cells.flatten(1).sum(1) / pos.flatten(1).sum(1)).mean()")])
+def test_scene_without_objects_names_the_per_scene_focal_normaliser(tmp_path, per_scene, line):
     """A parking lot at night with no labelled object: the focal loss normalised per scene by
     its own number of objects divides that scene's (positive) negative-cell loss by 0, +inf.
     The replay names the division in the loss and the empty scene; the scene is valid (its
     negatives should train), so the hint says to floor the count (CenterPoint's
-    max(num_pos, 1)), not to drop or filter the record as it does for a degenerate one."""
-    ev, bundle = fire("make_centerpoint", tmp_path, bad=0, plant="empty", per_scene=True)
+    max(num_pos, 1)), not to drop or filter the record as it does for a degenerate one, nor
+    (of the flattened heatmap's 2-D count) that a graph's row has no neighbour."""
+    ev, bundle = fire("make_centerpoint", tmp_path, bad=0, plant="empty", per_scene=per_scene)
     assert (ev["step"], ev["phase"], ev["module"]) == (3, "loss", "<loss>"), ev
     rep = nanreplay_json(bundle)
     o = rep["origin"]
     assert (o["module"], o["op"], o["made"], o["samples"]) == ("<loss>", "aten.div", "+inf", [0]), o
-    assert o["source"] == line_of("hm_loss = (cells.sum((1, 2, 3)) / pos.sum((1, 2, 3))).mean()"), o
+    assert o["source"] == line_of(line), o
     assert rep["cause"] == "invalid" and "count per sample of a 0/1 mask" in rep["hint"], rep
     assert "do not drop them" in rep["hint"] and "max(num_pos, 1)" in rep["hint"], rep["hint"]
-    assert "filter such records" not in rep["hint"], rep["hint"]
+    assert "filter such records" not in rep["hint"] and "neighbour" not in rep["hint"], rep["hint"]
 
 
 @pytest.mark.parametrize("plant", ["sparse", "dark", "empty"])
