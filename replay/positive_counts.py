@@ -7,7 +7,9 @@ parking lot at night) makes its negatives' loss / 0 = +inf. :mod:`replay.data_di
 the records at a data divisor's 0 degenerate and says to drop them; but a record without
 positives is a valid one (its negatives teach the model not to fire on background), so the fix
 is the count's floor, or the batch's total. :class:`PositiveCounts` marks such counts (fed by
-:class:`~replay.lineage.Lineage`); :func:`advice` picks the wording.
+:class:`~replay.lineage.Lineage`): sums per sample of a comparison of real-valued targets; a
+padding mask, or integer ids compared with the pad id, counts a record's length instead, whose
+0 is an empty record. :func:`marked` picks the wording.
 """
 
 from __future__ import annotations
@@ -26,27 +28,33 @@ ADVICE = (
     "eps; floor the count as detectors do (num_pos.clamp_min(1), max(num_pos, 1)) or "
     "normalise by the batch's total count")
 # ops that keep a count as it is (a dtype conversion, a view, a copy)
+_COMPARE = {"eq", "ne", "gt", "ge", "lt", "le"}
 _SAME = {"_to_copy", "to", "float", "clone", "alias", "view", "reshape", "_unsafe_view",
          "contiguous", "detach", "squeeze", "unsqueeze", "expand"}
 
 
 class PositiveCounts:
     def __init__(self, learned):
-        self._made = TensorMarks()  # True per count of a data mask's 1s per sample
+        # "mask": a comparison of real-valued targets (gt.eq(1), iou > 0.5); "count": its 1s
+        # per sample. (A padding mask given as data, or ids.ne(pad), counts a record's length:
+        # a record with none is empty, data_divisor's degenerate one.)
+        self._made = TensorMarks()
         self._learned = learned  # whether a tensor is on the model's graph
 
     def track(self, name: str, args, out) -> None:
         if not args or not isinstance(out, torch.Tensor) \
                 or not isinstance(first := args[0], torch.Tensor):
             return
-        if name in _SAME and self._made.get(first):
-            self._made.put(out, True)
-        elif name in ("sum", "count_nonzero") and self._per_sample(args, out) \
-                and _zero_one(first) and not self._learned(first):
-            self._made.put(out, True)
+        if name in _SAME and (mark := self._made.get(first)):
+            self._made.put(out, mark)
+        elif name in _COMPARE and first.is_floating_point() and not self._learned(first):
+            self._made.put(out, "mask")
+        elif name in ("sum", "count_nonzero") and self._made.get(first) == "mask" \
+                and self._per_sample(args, out) and _zero_one(first):
+            self._made.put(out, "count")
 
     def made(self, t) -> bool:
-        return bool(isinstance(t, torch.Tensor) and self._made.get(t))
+        return isinstance(t, torch.Tensor) and self._made.get(t) == "count"
 
     @staticmethod
     def _per_sample(args, out: torch.Tensor) -> bool:
