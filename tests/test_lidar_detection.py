@@ -25,10 +25,11 @@ def line_of(text: str) -> str:
 
 def train(make: str, out_dir, bad: int | None = None, plant: str = "", steps: int = 4,
           record: bool = True, per_scene: str = "", every_step: bool = False,
-          amp: bool = False):
+          amp: bool = False, accum: int = 1):
     """OpenPCDet's recipe: AdamW, a one-cycle schedule, clip_grad_norm_(10) (of the unscaled
     gradients under float16 autocast with a GradScaler, ``amp``); the planted scene ``bad``
-    is in the last step's batch (in every step's with ``every_step``)."""
+    is in the last step's batch (in every step's with ``every_step``); ``accum``: the batch
+    split into as many micro-batches, their gradients accumulated."""
     model = getattr(M, make)()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps)
@@ -43,11 +44,13 @@ def train(make: str, out_dir, bad: int | None = None, plant: str = "", steps: in
             planted = every_step or step == steps - 1
             points, num, coords, hm, boxes, ind, reg_mask = M.batch(
                 g, bad=bad if planted else None, plant=plant)
-            with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
-                hm_pred, reg = model(points, num, coords)
-            loss = loss_fn(hm_pred.float(), reg.float(), hm, boxes, ind, reg_mask)
             opt.zero_grad()
-            scaler.scale(loss).backward()
+            for mb in zip(*(t.chunk(accum) for t in (points, num, coords, hm, boxes, ind,
+                                                     reg_mask))):
+                with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+                    hm_pred, reg = model(*mb[:3])
+                loss = loss_fn(hm_pred.float(), reg.float(), *mb[3:]) / accum
+                scaler.scale(loss).backward()
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
             scale = scaler.get_scale()
@@ -191,3 +194,16 @@ def test_masked_max_over_padded_pillars_is_no_false_alarm(tmp_path):
     points, num, coords, *_ = M.batch(torch.Generator().manual_seed(0), bad=1, plant="sparse")
     with torch.no_grad():  # (the -inf pillars are there: 18 padded slots of the sparse scene)
         assert int(torch.isneginf(recorded.eval().pfn(points, num, coords)[1]).all(1).sum()) == 18
+
+
+def test_sparse_scene_in_the_second_accumulated_micro_batch_is_named_there(tmp_path):
+    """The padded-pillar 0/0 with the batch split into two accumulated micro-batches of two
+    scenes: the sparse scene 3 is row 1 of micro-batch 1, where the event and the replay
+    name it."""
+    ev, bundle = fire("make_centerpoint_unmasked_mean", tmp_path, bad=3, plant="sparse",
+                      accum=2)
+    assert (ev["step"], ev["phase"], ev["module"], ev["micro_batch"]) == (3, "forward", "pfn", 1), ev
+    rep = nanreplay_json(bundle, "--try", "drop=1")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["micro_batch"], o["samples"]) == ("pfn", "aten.div", 1, [1]), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
