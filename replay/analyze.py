@@ -24,6 +24,7 @@ from recorder.scalers import NOT_GIVEN as SCALER_NOT_GIVEN
 
 from . import fidelity
 from .ascent import ascent_hint
+from .batch_overflow import said_of_data
 from .before_update import nan_before_update
 from .cast_overflow import data_hint
 from .data_hints import data_hints
@@ -126,13 +127,12 @@ _GROWTH = {"loss_jump": "loss", "grad_norm_jump": "gradient norm", "weight_jump"
 
 
 def _diverging(report, step: Step) -> None:
-    """An overflow (or an underflow: a sigmoid driven to 0) after the loss, gradient norm or
-    weights jumped in earlier steps: the run was diverging (a learning rate too high for
-    unscaled features, a bootstrap target fed back), and a wider type or rescaling the op only
-    postpones it; the hint says so (and, for a bundle recorded without a rewind window, how to
-    record the steps that grew)."""
+    """An overflow (or an underflow: a sigmoid driven to 0) after the loss, gradient norm, rate
+    or weights jumped: the run was diverging (a rate too high for unscaled features), and a
+    wider type only postpones it; the hint says so (and, without a rewind window, how to record
+    the steps that grew). Not of an op on the batch's data alone: nothing learned reaches it."""
     at, cause = report["event"].get("step"), report.get("cause")
-    if cause not in ("overflow", "underflow") or at is None:
+    if cause not in ("overflow", "underflow") or at is None or said_of_data(report):
         return
     # (a weight jump at the event step is the update before it: the weights the step began with)
     jump = next((p for p in report.get("precursors") or [] if p.get("kind") in _GROWTH

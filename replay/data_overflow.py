@@ -19,6 +19,7 @@ import torch
 
 from recorder.capture import loss_path
 
+from .batch_overflow import ADVICE as BATCH_SCALE
 from .cause_text import DO
 from .compat import TorchDispatchMode, tree_leaves
 from .dispatch import run_op
@@ -67,7 +68,8 @@ def _finite(ts) -> bool:
 
 def data_overflow_hint(report: dict[str, Any], step: Step) -> None:
     """Replace an overflow's advice in the loss when its op took the loss's data alone."""
-    o, hint = report["origin"], report.get("hint") or ""
+    # (its wording, which names the loss's arguments, replaces batch_overflow's general one)
+    o, hint = report["origin"], (report.get("hint") or "").removesuffix(BATCH_SCALE)
     if report.get("cause") != "overflow" or o.get("phase") != "loss" \
             or o.get("module") != "<loss>" or o.get("made") not in ("+inf", "-inf") \
             or not hint.endswith(_GENERIC) or step.model is None or step.loss_fn is None:

@@ -20,6 +20,7 @@ from recorder.capture import batch_path
 
 from .data_divisor import ADVICE
 from .load import Step
+from .positive_counts import ADVICE as POSITIVES
 from .recorded import n_args, samples
 
 _POLES = ("of 0 (log", "by 0 (x/0", "of 0 by 0")  # (a log's pole, a division's)
@@ -46,7 +47,7 @@ def empty_counts_hint(report: dict[str, Any], step: Step) -> None:
     rows, hint = o.get("samples") or [], report.get("hint") or ""
     if report.get("cause") != "invalid" or not rows or o.get("all_samples") \
             or not any(p in hint for p in _POLES) or "empty records" in hint \
-            or ADVICE in hint:  # (a loss's divisor of its own data: no model input reaches it)
+            or ADVICE in hint or POSITIVES in hint:  # (a loss's divisor of its own data)
         return
     names = [name for name, t, d in root_inputs(step, o.get("micro_batch") or 0)
              if _empty_in(t, d, rows)]

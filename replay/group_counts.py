@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from .memo import TensorMarks
+from .positive_counts import ADVICE as POSITIVES  # (a scene's objects: not a graph's rows)
 
 # what the hint says the pole op took (a weight 1/count of a class absent from the batch
 # multiplies that class's labels, 0 everywhere: no mask to blame after it)
@@ -151,7 +152,7 @@ def with_empty_groups(hint: str | None, cause: str | None, hit,
                       watch: GroupCounts | None) -> str | None:
     """``hint``, for a division by a per-group accumulation that is 0 at some groups."""
     found = watch and watch.found
-    if hint is None or not found or cause != "invalid" or hit is None \
+    if hint is None or not found or cause != "invalid" or hit is None or POSITIVES in hint \
             or hit.op.removeprefix("aten.").rstrip("_") not in _DIVISIONS \
             or found.count.op not in _ACCUMULATE and found.count != Count("sum", False):
         return hint

@@ -78,9 +78,10 @@ class Evidence:
     zero_dim: list[bool] = field(default_factory=list)  # inputs[i] was 0-d (events.sum())
     of_data: bool = False  # no input was learned (replay.lineage): made of the data alone
     compared: bool = False  # and the loss compared it with the op's result on a learned value
-    data_divisor: bool = False  # a learned value over a divisor of data (replay.data_divisor)
+    data_divisor: str = ""  # its advice: a learned value over a data divisor (replay.data_divisor)
     data_factor: bool = False  # over a learned value times data 0 there (replay.data_factor)
     cut_divisor: bool = False  # over a divisor a ReLU cut to 0 (replay.clamped_divisor)
+    unlearned: bool = False  # no input requires grad, in some samples (replay.batch_overflow)
     of_weights: bool = False  # every input a parameter or buffer, or made of them alone
     squared: list[bool] = field(default_factory=list)  # exp_made[i] by a square (re² + im²)
     of_exp: list[bool] = field(default_factory=list)  # inputs[i] is exp's own result

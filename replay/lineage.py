@@ -33,6 +33,7 @@ from .crossed_cut_points import CrossedCutPoints
 from .group_counts import GroupCounts
 from .log_sum_exp import LogSumExp
 from .memo import TensorSet
+from .positive_counts import PositiveCounts
 from .product_underflow import ProductUnderflow
 from .raw_pole import RawPole
 from .wrapped_index import WrappedIndex
@@ -67,6 +68,7 @@ class Lineage:
         self.log_sum_exp = LogSumExp()  # a log of a sum of exps, written out
         # a pole op on a count per class or group (1 / bincount(target), total / count)
         self.counts = GroupCounts(self._learned)
+        self.positives = PositiveCounts(self._learned)  # a count of a data mask's 1s per sample
         self.product = ProductUnderflow()  # a log of a product that underflowed
         self.crossed = CrossedCutPoints()  # sigmoid(a) - sigmoid(b) < 0 (crossed thresholds)
         self.wrapped = WrappedIndex()  # an index op given a negative index (a label of -1)
@@ -130,6 +132,7 @@ class Lineage:
             self.raw.track(name, args, out)
         self.log_sum_exp.track(name, args, out)
         self.counts.track(name, args, out)
+        self.positives.track(name, args, out)
         self.product.track(name, args, out)
         self.crossed.track(name, args, out)
         ins = [t for t in leaves if isinstance(t, torch.Tensor)]

@@ -25,7 +25,7 @@ import torch
 from recorder.finite import ends, finite, kind_of, pair_kind, pair_ok
 from recorder.samples import Samples
 
-from . import clamped_divisor, data_divisor, data_factor, empty_rows
+from . import batch_overflow, clamped_divisor, data_factor, empty_rows, positive_counts
 from .cancellation import Cancellation
 from .compared_after import after_origin
 from .compat import TorchDispatchMode, running_node, tree_leaves, writes_arguments
@@ -365,9 +365,10 @@ class OpFinder:
         its arguments, whose complex tensors ``ins`` holds as real views)."""
         ev.of_data = self.lineage is not None and self.lineage.of_data(ins) and bool(rows) \
             and len(rows) < self.samples.size
-        ev.data_divisor = not ev.of_data and data_divisor.marked(  # (x_hat / x.norm() of 0)
+        ev.data_divisor = "" if ev.of_data else positive_counts.marked(  # (x_hat / x.norm() 0)
             self.lineage, op, ins, rows, self.samples.size if self.samples else 0, leaves)
         ev.cut_divisor = clamped_divisor.cut_in_forward(op, ins)  # (a relu diffusion's 0)
+        ev.unlearned = batch_overflow.unlearned(self.lineage, ins, rows, self.samples)
         ev.data_factor = data_factor.marked(  # (g * dt.sqrt() of a dt of 0)
             op, ins, rows, self.samples.size if self.samples else 0)
         ev.of_weights = bool(self.state) and self._of_weights_only(

@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from . import clamped_divisor, data_divisor, data_factor, lost_eps, xlogx
+from . import batch_overflow, clamped_divisor, data_factor, lost_eps, xlogx
 from .cause_text import DO, MASK_AFTER_POLE
 from .hits import Evidence
 
@@ -45,7 +45,7 @@ def context(cause: str | None, ev: Evidence | None, cast: torch.dtype | None) ->
     if masked:
         return masked
     if cause == "invalid" and ev.data_divisor:
-        return data_divisor.ADVICE
+        return ev.data_divisor  # (data_divisor's, or positive_counts' for a count of 1s)
     if cause == "invalid" and ev.data_factor:
         return data_factor.ADVICE
     if cause == "invalid" and ev.cut_divisor:
@@ -58,7 +58,7 @@ def context(cause: str | None, ev: Evidence | None, cast: torch.dtype | None) ->
         return _narrower(ev, cast)
     if cause == "overflow":
         return MASK_AFTER_OVERFLOW.format(op=ev.masked_after) if ev.masked_after \
-            else _diverging(ev)
+            else _diverging(ev) or (batch_overflow.ADVICE if ev.of_data or ev.unlearned else "")
     return ""
 
 
