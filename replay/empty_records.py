@@ -32,7 +32,13 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
     if report.get("cause") != "invalid" or o.get("op") not in _DIVIDING or not rows \
             or o.get("all_samples") or "0 by 0" not in (report.get("hint") or ""):
         return
-    names = [name for name, t, d in batch_data(step, mb) if _empty_in(t, d, rows)]
+    # (a forward op took no loss data: where a model input is 0 everywhere in just these
+    # rows, a silent clip, the loss's 0s there are that blank record's labels, no species
+    # set, not a mask that emptied it; a fragment's frame mask still says why)
+    loss = o.get("phase") != "forward" or not any(
+        _zero_rows(t, d, rows) for _, t, d in batch_data(step, mb, loss=False))
+    data = list(batch_data(step, mb, loss=loss))
+    names = [name for name, t, d in data if _empty_in(t, d, rows)]
     if names:
         which = ",".join(str(r) for r in rows)
         # (a loss that weights them 0 by design, DM-Count's TV term times an empty crop's
@@ -49,7 +55,7 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
             f"character), so a count or a sum over them is the 0 divided here; {fix} "
             f"(--try drop={which} re-runs the step without them)")
         return
-    names = [name for name, t, d in batch_data(step, mb) if _empty_in(t, d, rows, least=2)]
+    names = [name for name, t, d in data if _empty_in(t, d, rows, least=2)]
     if names:  # (a sequence of one step: its next-step targets, mask[:, 1:], are none)
         which = ",".join(str(r) for r in rows)
         report["hint"] = (
@@ -62,7 +68,7 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
             "dataset, the collate_fn) or floor the count (count.clamp_min(1)) "
             f"(--try drop={which} re-runs the step without them)")
         return
-    names = [name for name, t, d in batch_data(step, mb) if _special_only(t, d, rows)]
+    names = [name for name, t, d in data if _special_only(t, d, rows)]
     if names:  # (token ids: a crop or a cleaning left <cls> <eos> and padding)
         which = ",".join(str(r) for r in rows)
         report["hint"] = (
@@ -76,16 +82,16 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
             f"(count.clamp_min(1)) (--try drop={which} re-runs the step without them)")
 
 
-def batch_data(step: Step, mb: int):
+def batch_data(step: Step, mb: int, loss: bool = True):
     """(readable name, tensor, sample dim) of the micro-batch's real-valued model inputs, then
-    its loss arguments that are data (not made of the model output)."""
+    (``loss``) its loss arguments that are data (not made of the model output)."""
     if mb >= len(step.micro_batches):
         return
     entry, where = step.micro_batches[mb], samples(step, mb)
     count, made = n_args(entry.get("inputs")), set(entry.get("loss_grad_args") or ())
     named = [(k, batch_path(raw, count)) for k, raw in (entry.get("paths") or {}).items()]
     named += [(k, loss_path(raw)) for k, raw in (entry.get("loss_paths") or {}).items()
-              if k not in made]
+              if loss and k not in made]
     for key, name in named:
         t = step.tensors.get(key)
         # a bool or integer mask too (to_dense_batch's, a tokenizer's attention_mask)
@@ -103,6 +109,16 @@ def _empty_in(t: torch.Tensor, d: int, rows: list[int], least: int = 1) -> bool:
     named = torch.zeros_like(kept)
     named[rows] = True
     return not bool(kept[named].any()) and bool(kept[~named].all())
+
+
+def _zero_rows(t: torch.Tensor, d: int, rows: list[int]) -> bool:
+    """``t`` is 0 everywhere in each of ``rows`` and nowhere else all 0."""
+    if max(rows) >= t.shape[d] or len(rows) >= t.shape[d]:
+        return False
+    blank = t.detach().movedim(d, 0).reshape(t.shape[d], -1).eq(0).all(1)
+    named = torch.zeros_like(blank)
+    named[rows] = True
+    return bool(blank[named].all()) and not bool(blank[~named].any())
 
 
 def _special_only(t: torch.Tensor, d: int, rows: list[int]) -> bool:
