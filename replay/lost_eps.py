@@ -61,7 +61,7 @@ class LostEps:
             return
         if name in _KEEP_ZERO and isinstance(args[0], torch.Tensor) and \
                 (kept := self.of(args[0])) is not None and (name == "sqrt" or len(args) > 1 and (
-                    isinstance(args[1], (int, float)) and args[1] > 0)):
+                    _positive(args[1]))):
             self._of[id(out)] = (weakref.ref(out), kept)
             return
         if (carried := self._carried(name, args)) is not None:
@@ -95,6 +95,14 @@ class LostEps:
 
 
 _ADDS = {"add", "add_"}
+
+
+def _positive(p: Any) -> bool:
+    """An exponent above 0, a number or a tensor (PCEN's learned ``alpha`` in
+    ``(eps + M) ** alpha``): the power keeps the unguarded 0 at 0."""
+    if isinstance(p, torch.Tensor):
+        return p.is_floating_point() and bool((p > 0).all())
+    return not isinstance(p, bool) and isinstance(p, (int, float)) and p > 0
 
 
 class Floor(float):
