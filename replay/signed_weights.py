@@ -9,7 +9,9 @@ the negative weights, not fix them: :func:`signed_weights_hint` names them and s
 them non-negative. Read on the autograd graph of the origin's module call, re-run once.
 A learned filterbank ``fb @ spec.abs() ** 2`` is the same sum with the weight on the left and
 the data off the graph (a spectrum of audio that needs no gradient): ``matmul``'s mm and the
-views after it are read both ways.
+views after it are read both ways. An offset added to non-negative values is the same
+(PCEN's ``(E / M ** alpha + delta) ** r`` with ``delta`` learned as is, initialised below 0):
+the other addend is read back from the op's input less the parameter.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def signed_weights_hint(runner: Runner, origin, hit) -> str | None:
         return None  # (no re-run: the call's own weights are all non-negative)
     out = _call_output(runner, origin, module)
     try:
-        found = _weights_under(out, node_name(op)) if out is not None else None
+        found, offset = _weights_under(out, node_name(op)) if out is not None else ([], False)
     except Exception:  # (a node that cannot say: a freed buffer, a custom Function's)
         return None
     if not found:
@@ -60,10 +62,13 @@ def signed_weights_hint(runner: Runner, origin, hit) -> str | None:
         return None
     said = ", ".join(f"{n} (min {lo:.3g})" for n, lo in named)
     verb = "hold" if len(named) > 1 else "holds"
-    return (f"{hit.op}'s input went negative (as low as {hit.input_min:.3g}) as a weighted sum "
-            "of non-negative values (a conv or matrix product of x ** 2, |x|, exp) whose "
-            f"weights the model learns, and {said} {verb} negative entries an update stepped "
-            "below 0: keep them non-negative by construction (a reparameterization, GDN's "
+    how = "a weighted sum of non-negative values (a conv or matrix product of x ** 2, |x|, " \
+        "exp) whose weights the model learns"
+    if offset:
+        how = "non-negative values plus an offset the model learns as it is (PCEN's delta)"
+    return (f"{hit.op}'s input went negative (as low as {hit.input_min:.3g}) as {how}, and "
+            f"{said} {verb} negative entries (as initialised, or stepped below 0 by an "
+            "update): keep them non-negative by construction (a reparameterization, GDN's "
             "NonNegativeParametrizer: a lower bound then w ** 2, or softplus(w), exp(w)) "
             "rather than clamp the op's input, which would hide the sign")
 
@@ -86,9 +91,10 @@ def _call_output(runner: Runner, origin, module):
     return out if isinstance(out, torch.Tensor) else None
 
 
-def _weights_under(out: torch.Tensor, domain: str, limit: int = 64) -> list[torch.Tensor]:
+def _weights_under(out: torch.Tensor, domain: str, limit: int = 64):
     """The parameters with negative entries that weighted a non-negative input into the
-    input of the first ``domain`` node on ``out``'s graph (breadth first, ``limit`` nodes)."""
+    input of the first ``domain`` node on ``out``'s graph (breadth first, ``limit`` nodes),
+    and whether it is one added to that input rather than weights."""
     todo, seen = [out.grad_fn], set()
     while todo and len(seen) < limit:
         fn = todo.pop(0)
@@ -96,9 +102,30 @@ def _weights_under(out: torch.Tensor, domain: str, limit: int = 64) -> list[torc
             continue
         seen.add(fn)
         if node_op(fn) == domain:  # (past the views matmul's 2-D @ 3-D leaves after its mm)
-            return _negative_weights(_through_views(fn.next_functions[0][0]))
+            made = _through_views(fn.next_functions[0][0])
+            if offset := _negative_offset(fn, made):
+                return offset, True
+            return _negative_weights(made), False
         todo.extend(f for f, _ in fn.next_functions)
-    return []
+    return [], False
+
+
+def _negative_offset(fn, made) -> list[torch.Tensor]:
+    """The parameter with negative entries that ``made``, an add, put onto values >= 0 to make
+    the input ``fn`` saved (PCEN's ``(E / M ** alpha + delta) ** r`` with ``delta`` learned as
+    is): the other addend, the input less the parameter, is read back from that input."""
+    if made is None or node_op(made) != "Add":
+        return []
+    base = getattr(fn, "_saved_self", None)
+    found = [p for f, _ in made.next_functions if (p := _param(f)) is not None
+             and bool((p < 0).any())]
+    if len(found) != 1 or not isinstance(base, torch.Tensor):
+        return []
+    try:
+        rest = base.detach() - found[0].detach()
+    except RuntimeError:  # (a parameter that does not broadcast to the input: viewed first)
+        return []
+    return found if bool((rest >= -1e-6 * rest.abs().max()).all()) else []
 
 
 def _negative_weights(fn) -> list[torch.Tensor]:
