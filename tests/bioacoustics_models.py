@@ -12,7 +12,9 @@
   log-mel image, frame-level sigmoid probabilities, energy-based voice activity gating of the
   frames, and clip-level pooling: linear-softmax ``sum(y^2) / sum(y)`` over frames or
   attention pooling whose scores are ``-inf`` at gated frames.
-- ``focal_loss`` on clip labels; ``weighted_bce`` with per-class positive weights from the
+- ``make_linear_softmax_prior``: the frame head initialised by RetinaNet's prior rule with a
+  prior so small that every frame probability underflows to 0.
+- ``focal_loss`` on clip labels; ``WeightedBCE`` with per-class positive weights from the
   training set's label frequencies.
 """
 
@@ -217,3 +219,13 @@ def clip_batch(g: torch.Generator, n: int = 8, silent: int | None = None,
     if pcm is not None:
         wav[pcm] = (wav[pcm] * 32768).round().clamp(-32768, 32767)
     return wav, labels
+
+
+def make_linear_softmax_prior(prior: float = 1e-60):
+    """RetinaNet's prior init of the frame head, ``bias = -log((1 - pi) / pi)``, with the
+    prior set from a rare species' frame rate written in float64 (pi ~ 1e-60): every frame
+    probability starts as sigmoid(-138), 0 in float32."""
+    model = make_linear_softmax()
+    with torch.no_grad():
+        model.frame_head.bias.fill_(-math.log((1 - prior) / prior))
+    return model

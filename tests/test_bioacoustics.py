@@ -161,6 +161,22 @@ def test_linear_softmax_pooling_over_frames_all_gated_names_the_pooling_division
     assert "empty records" not in rep["hint"], rep["hint"]
 
 
+def test_linear_softmax_pooling_of_an_underflowed_prior_init_names_underflow(tmp_path):
+    """The frame head's bias from RetinaNet's prior init with a prior of 1e-60: every frame
+    probability is sigmoid(-138), 0 in float32, so ``sum(y^2) / sum(y)`` is 0/0 in every clip
+    at step 0. The replay names the pooling's division, every sample, and underflow (the sum
+    is 2e-119 in float64), with the log-space advice, not an empty-record hint."""
+    ev, bundle = fire("make_linear_softmax_prior", tmp_path, silent=None)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "forward", "", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "", "aten.div", "nan", list(range(8))), o
+    assert o["source"] == line_of("clip = (y ** 2).sum(1) / y.sum(1)"), o
+    assert rep["cause"] == "underflow" and "log space" in rep["hint"], rep["hint"]
+    assert "empty records" not in rep["hint"], rep["hint"]
+
+
 def test_attention_pooling_over_frames_all_gated_names_the_masked_softmax(tmp_path):
     """Attention pooling whose scores are -inf at the frames the VAD gates: a silent clip has
     every frame gated, the softmax row is all -inf and NaN. The replay names the softmax,
