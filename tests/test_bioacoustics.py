@@ -238,3 +238,50 @@ def test_healthy_detectors_raise_nothing_and_train_the_same(tmp_path, make, mixu
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def train_accumulated(make: str, out_dir, silent: int, steps: int = 3):
+    """A DataLoader of 4-clip batches, two micro-batches accumulated per AdamW step (the loss
+    halved), as BirdNET-Analyzer's fine-tuning fits a large batch on a small GPU; the clip
+    ``silent`` (of the 8 the last step draws) is digital silence."""
+    model = getattr(M, make)()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    clips = [M.clip_batch(g, silent=silent if s == steps - 1 else None) for s in range(steps)]
+    data = torch.utils.data.TensorDataset(torch.cat([w for w, _ in clips]),
+                                          torch.cat([y for _, y in clips]))
+    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=False)
+    torch.manual_seed(1)
+    with FlightRecorder(model, opt, loss_fn=M.focal_loss, out_dir=out_dir,
+                        factory=f"bioacoustics_models:{make}") as rec:
+        for i, (wav, labels) in enumerate(loader):
+            clip, _ = model(wav)
+            (rec.loss_fn(clip, labels) / 2).backward()
+            if i % 2 == 1:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+                opt.step()
+                opt.zero_grad()
+
+
+def test_silent_clip_in_the_second_accumulated_micro_batch_is_named_there(tmp_path):
+    """The silent clip is row 1 of the last step's second micro-batch: under PCEN with eps 0
+    the event and the replay name micro-batch 1, the AGC division, that row, and the eps of
+    0."""
+    with pytest.raises(NonFiniteError) as info:
+        train_accumulated("make_pcen_eps0", tmp_path, silent=5)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"], ev["module"]) == (
+        2, "forward", 1, "frontend"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["micro_batch"], o["module"], o["op"], o["samples"]) == (
+        1, "frontend", "aten.div", [1]), o
+    assert o["source"] == line_of("agc = e / (self.eps + smooth) ** alpha"), o
+    assert "the eps added to that input is exactly 0" in rep["hint"], rep["hint"]
+
+
+def test_unrecorded_silent_clip_under_pcen_eps_0_goes_nan_silently(tmp_path):
+    """Without the recorder the same run finishes with NaN weights (clip_grad_norm_ of a NaN
+    norm scales every gradient to NaN): the events above are the bug, not false alarms."""
+    model = train("make_pcen_eps0", tmp_path, silent=5, record=False)
+    assert not all(torch.isfinite(p).all() for p in model.parameters())
