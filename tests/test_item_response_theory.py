@@ -95,6 +95,28 @@ def test_perfect_score_student_names_log_of_one_minus_p_and_the_logits_form(tmp_
     assert "logsigmoid(−z)" in rep["hint"], rep["hint"]
 
 
+def test_3pl_guessing_saturated_names_the_mix_and_its_product_form(tmp_path):
+    """A 3PL whose guessing logit for item 3 was warm-started at 20 (a calibration that let
+    ``c`` run to 1): ``c = sigmoid(20)`` is 1.0 in float32, so ``p = c + (1 - c) * sigmoid(.)``
+    is 1 for every student and the BCE's ``log(1 - p)`` is -inf, at the first step. The replay
+    names the log in the loss, every sample, precision (float64 keeps 1 - p above 0), and that
+    p is the 3PL's mix: log(1 - p) as logsigmoid(-l) + logsigmoid(-z), c bounded below 1."""
+    def saturated(model, y, m):
+        with torch.no_grad():
+            model.logit_c[3] = 20.0
+    ev, bundle = fire("make_3pl", M.irt_loss, tmp_path, saturated)
+    assert (ev["step"], ev["phase"]) == (0, "loss"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["all_samples"]) == (
+        True, "<loss>", "aten.log", "-inf", True), o
+    assert o["source"] == line_of(BCE_LINE), o
+    assert rep["cause"] == "precision" and "rounded to 1 in float32" in rep["hint"], rep["hint"]
+    assert "here y is a mix c + (d − c)·s" in rep["hint"], rep["hint"]
+    assert "log(1 − p) = logsigmoid(−l) + logsigmoid(−z)" in rep["hint"], rep["hint"]
+    assert "bound c below 1" in rep["hint"], rep["hint"]
+
+
 def test_discrimination_loaded_unlogged_names_the_exp_and_its_initial_value(tmp_path):
     """An item bank's discrimination copied into ``log_a`` without its log (100): exp
     overflows at the first forward, every student's logit of that item is inf - inf. The
@@ -181,3 +203,24 @@ def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, make, loss):
     assert losses == plain_losses and len(losses) == 6, losses
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_vibo_fed_missing_responses_coded_minus_999_names_the_code_in_the_encoder_input(
+        tmp_path):
+    """VIBO's encoder given the raw response rows, the missing ones coded -999 as the data
+    file has them (the mask beside them, but not applied): each student with a missing
+    response gets an ability mean in the thousands, the 2PL's sigmoid rounds to 1 and the
+    BCE's ``log(p)`` is -inf, at the first step. The replay names the log on the BCE line for
+    those students, the sigmoid's underflow; beyond the log-space advice, the hint names the encoder input holding -999
+    exactly where the mask is 0, to be zeroed before the model sees it."""
+    ev, bundle = fire("make_vibo", M.vibo_loss, tmp_path, sentinel=True)
+    assert (ev["step"], ev["phase"]) == (0, "loss"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "<loss>", "aten.log", "-inf", [0, 1, 2, 3, 4, 6]), o
+    assert o["source"] == line_of(BCE_LINE), o
+    assert rep["cause"] == "underflow" and "logsigmoid" in rep["hint"], rep["hint"]
+    assert ("But the model input args[0] holds -999 at every entry where args[1] (0/1) is 0"
+            in rep["hint"]), rep["hint"]
+    assert "zero them before the model sees them (x * mask" in rep["hint"], rep["hint"]
