@@ -27,7 +27,7 @@ def line_of(text: str) -> str:
 
 
 def train(make: str, loss, out_dir, plant=None, sentinel: bool = False, steps: int = 6,
-          record: bool = True):
+          record: bool = True, accum: int = 1):
     """Adam with weight decay, a step schedule and clipping at 5, over a DataLoader of 8
     students a batch (one epoch); ``plant(model, y, m)`` sets the bad condition up (a
     calibration's warm start, a student's responses). ``sentinel``: VIBO's encoder is fed the
@@ -46,21 +46,24 @@ def train(make: str, loss, out_dir, plant=None, sentinel: bool = False, steps: i
     losses = []
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else loss
-        for step, (ids, yb, mb) in enumerate(loader):
-            if step == steps:
+        for k, (ids, yb, mb) in enumerate(loader):
+            if k == steps * accum:
                 break
-            opt.zero_grad()
+            if k % accum == 0:
+                opt.zero_grad()
             if make == "make_vibo":
                 raw = torch.where(mb.bool(), yb, torch.full_like(yb, -999.0))
                 out = model(raw if sentinel else yb, mb)
             else:
                 out = model(ids)
             value = loss_fn(out, yb, mb)
-            value.backward()
+            (value / accum).backward()
+            losses.append(value.item())
+            if k % accum != accum - 1:
+                continue
             torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
             opt.step()
             sched.step()
-            losses.append(value.item())
     return model, losses
 
 
@@ -157,6 +160,41 @@ def test_student_with_every_response_missing_names_the_per_student_mean(tmp_path
     assert "Sample(s) 5 are empty records" in rep["hint"], rep["hint"]
     assert "count.clamp_min(1)" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_empty_student_in_an_accumulated_batch_names_the_micro_batch_and_row(tmp_path):
+    """The same student with no observed response under two accumulated batches a step: it
+    is row 5 of the second micro-batch of step 1, which the event and the replay name."""
+    def no_responses(model, y, m):
+        m[21] = 0
+        y[21] = 0
+    ev, bundle = fire("make_2pl", M.irt_loss, tmp_path, no_responses, steps=3, accum=2)
+    assert (ev["step"], ev["phase"], ev["micro_batch"]) == (1, "loss", 0), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["op"], o["samples"], o["micro_batch"]) == (
+        True, "aten.div", [5], 0), o
+    assert "Sample(s) 5 are empty records" in rep["hint"], rep["hint"]
+
+
+def test_vibo_posterior_std_underflowed_names_the_log_of_the_exp_and_the_log_var(tmp_path):
+    """VIBO's logvar head warm-started at -240 (point-estimate abilities to start from): the
+    posterior std ``exp(0.5 * logvar)`` is e^-120, 0 in float32, and the KL's
+    ``-log(std)`` is +inf for every student at the first step. The replay names the log on the
+    KL line, every sample, underflow, and to take the exponent itself (``0.5 * logvar``)."""
+    def point_estimates(model, y, m):
+        with torch.no_grad():
+            model.logvar.bias.fill_(-240.0)
+    ev, bundle = fire("make_vibo", M.vibo_loss, tmp_path, point_estimates)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "loss", "+inf"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["all_samples"]) == (
+        True, "<loss>", "aten.log", "-inf", True), o
+    assert o["source"] == line_of("kl = -torch.log(std) + 0.5 * (std ** 2 + mu ** 2) - 0.5"), o
+    assert rep["cause"] == "underflow" and "its input is an exp's result" in rep["hint"], \
+        rep["hint"]
+    assert "take the exponent itself instead of the log of its exp" in rep["hint"], rep["hint"]
 
 
 def test_grm_crossed_thresholds_name_the_log_of_a_negative_category_probability(tmp_path):
