@@ -329,8 +329,8 @@ def in_type_hint(name: str, what: str, dt: str, ev) -> str | None:
 
 # what a rounded 1 - p of a 3PL's p = c + (1 - c) * sigmoid(z) needs
 MIX = ("here y is a mix c + (d − c)·s of such values (a 3PL's guessing floor c = sigmoid(l), "
-       "c + (1 − c)·sigmoid(z)), and 1 − y is 0 once c or s rounds to 1: write its complement "
-       "as a product, 1 − (c + (1 − c)·sigmoid(z)) = sigmoid(−l)·sigmoid(−z), so "
+       "c + (1 − c)·sigmoid(z)), and 1 − y is 0 once c, or both d and s, round to 1: write its "
+       "complement as a product, 1 − (c + (1 − c)·sigmoid(z)) = sigmoid(−l)·sigmoid(−z), so "
        "log(1 − p) = logsigmoid(−l) + logsigmoid(−z), and bound c below 1 (c = c_max · "
        "sigmoid(l), a guessing parameter no chance rate reaches 1); ")
 

@@ -98,16 +98,19 @@ def test_perfect_score_student_names_log_of_one_minus_p_and_the_logits_form(tmp_
     assert "logsigmoid(−z)" in rep["hint"], rep["hint"]
 
 
-def test_3pl_guessing_saturated_names_the_mix_and_its_product_form(tmp_path):
+@pytest.mark.parametrize("make,also", [("make_3pl", ()), ("make_4pl", ("logit_d",))])
+def test_3pl_guessing_saturated_names_the_mix_and_its_product_form(tmp_path, make, also):
     """A 3PL whose guessing logit for item 3 was warm-started at 20 (a calibration that let
     ``c`` run to 1): ``c = sigmoid(20)`` is 1.0 in float32, so ``p = c + (1 - c) * sigmoid(.)``
     is 1 for every student and the BCE's ``log(1 - p)`` is -inf, at the first step. The replay
     names the log in the loss, every sample, precision (float64 keeps 1 - p above 0), and that
-    p is the 3PL's mix: log(1 - p) as logsigmoid(-l) + logsigmoid(-z), c bounded below 1."""
+    p is the 3PL's mix: log(1 - p) as logsigmoid(-l) + logsigmoid(-z), c bounded below 1.
+    The same for a 4PL whose slipping logit is 20 too (``d = 1``, ``p = c + (d - c) * s``)."""
     def saturated(model, y, m):
         with torch.no_grad():
-            model.logit_c[3] = 20.0
-    ev, bundle = fire("make_3pl", M.irt_loss, tmp_path, saturated)
+            for name in ("logit_c", *also):
+                getattr(model, name)[3] = 20.0
+    ev, bundle = fire(make, M.irt_loss, tmp_path, saturated)
     assert (ev["step"], ev["phase"]) == (0, "loss"), ev
     rep = nanreplay_json(bundle)
     o = rep["origin"]
