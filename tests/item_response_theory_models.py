@@ -11,6 +11,8 @@ students (their ids and their rows of ``y`` and ``m``), drawn by a ``DataLoader`
   multidimensional IRT ``a . theta - b``.
 - ``GRM``: Samejima's graded response model, the category probabilities the differences of
   the cumulative ``P(Y >= k) = sigmoid(a (theta - b_k))`` over the ordered thresholds.
+- ``PCM``: Masters' partial credit model, items scored on different numbers of categories,
+  the missing ones masked with ``-inf`` before the softmax.
 - ``VIBO``: variational IRT: an encoder of a student's response row gives a Gaussian posterior
   over the ability (``mu``, ``logvar``), the reparameterised sample feeds the 2PL decoder and
   the loss adds the KL to the N(0, 1) prior.
@@ -106,6 +108,40 @@ def make_grm_ordered() -> GRM:
     return GRM(ordered=True)
 
 
+class PCM(nn.Module):
+    """Masters' partial credit model: category k's logit is the sum of ``a (theta - b_j)``
+    over the steps j <= k; items scored on fewer categories have their missing ones at -inf
+    before the softmax (a (ITEMS, K) mask of each item's valid categories)."""
+
+    def __init__(self):
+        super().__init__()
+        self.theta = nn.Embedding(STUDENTS, 1)
+        nn.init.normal_(self.theta.weight, 0.0, 0.5)
+        self.log_a = nn.Parameter(torch.zeros(ITEMS))
+        self.steps = nn.Parameter(torch.linspace(-1.0, 1.0, CATEGORIES - 1).repeat(ITEMS, 1))
+        valid = torch.ones(ITEMS, CATEGORIES, dtype=torch.bool)
+        valid[ITEMS // 2:, -1] = False  # the second half of the items is scored 0..2
+        self.register_buffer("valid", valid)
+
+    def forward(self, students):
+        theta = self.theta(students)[:, :, None]  # (B, 1, 1)
+        step_logits = torch.exp(self.log_a)[None, :, None] * (theta - self.steps[None])
+        zero = torch.zeros_like(step_logits[..., :1])
+        logits = torch.cat([zero, step_logits], -1).cumsum(-1)  # (B, I, K)
+        return logits.masked_fill(~self.valid, float("-inf"))
+
+
+def make_pcm() -> PCM:
+    torch.manual_seed(0)
+    return PCM()
+
+
+def pcm_loss(logits, y, m):
+    """The observed categories' NLL over the observed responses."""
+    logp = torch.log_softmax(logits, -1).gather(-1, y.long().unsqueeze(-1)).squeeze(-1)
+    return -(logp * m).sum() / m.sum()
+
+
 class VIBO(nn.Module):
     """Wu et al.'s variational IRT: amortised Gaussian posteriors over the abilities."""
 
@@ -177,4 +213,6 @@ def responses(seed: int = 0, categories: int = 2):
         y = (logits[..., None] + torch.randn(STUDENTS, ITEMS, 1, generator=g) > cuts).sum(-1)
         y = y.float()
     m = (torch.rand(STUDENTS, ITEMS, generator=g) > 0.2).float()
+    if categories > 2:  # the second half of the items is scored 0..2
+        y[:, ITEMS // 2:] = y[:, ITEMS // 2:].clamp(max=categories - 2)
     return y * m, m

@@ -33,7 +33,7 @@ def train(make: str, loss, out_dir, plant=None, sentinel: bool = False, steps: i
     calibration's warm start, a student's responses). ``sentinel``: VIBO's encoder is fed the
     responses with the missing ones coded -999, as the raw data file has them."""
     model = getattr(M, make)()
-    y, m = M.responses(0, M.CATEGORIES if "grm" in make else 2)
+    y, m = M.responses(0, 2 if make.endswith("pl") or "vibo" in make else M.CATEGORIES)
     if plant is not None:
         plant(model, y, m)
     opt = torch.optim.Adam(model.parameters(), lr=0.05, weight_decay=1e-4)
@@ -41,8 +41,11 @@ def train(make: str, loss, out_dir, plant=None, sentinel: bool = False, steps: i
     data = torch.utils.data.TensorDataset(torch.arange(M.STUDENTS), y, m)
     loader = torch.utils.data.DataLoader(data, batch_size=8)
     torch.manual_seed(1)  # VIBO's reparameterised samples
+    # (the partial credit model's -inf category mask reaches its output on purpose)
+    allowed = {"allow_inf": [""]} if make == "make_pcm" else {}
     rec = FlightRecorder(model, opt, loss_fn=loss, out_dir=out_dir,
-                         factory=f"item_response_theory_models:{make}") if record else None
+                         factory=f"item_response_theory_models:{make}", **allowed) \
+        if record else None
     losses = []
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else loss
@@ -200,6 +203,25 @@ def test_vibo_posterior_std_underflowed_names_the_log_of_the_exp_and_the_log_var
     assert "take the exponent itself instead of the log of its exp" in rep["hint"], rep["hint"]
 
 
+def test_pcm_response_on_a_category_the_item_lacks_names_the_student_and_the_mask(tmp_path):
+    """A partial credit model whose items 6..11 are scored 0..2 (category 3 masked to -inf
+    before the softmax, under ``allow_inf``); student 21's response to item 9 was entered
+    as 3 (a rescored item's old key): the loss's ``gather`` picks that category's -inf, and the
+    sum is -inf. The replay names the loss's reduction on its line, the student (row 5 of the
+    third batch), invalid, and a target on a masked class as the fault."""
+    def rescored(model, y, m):
+        y[21, 9] = 3.0
+        m[21, 9] = 1.0
+    ev, bundle = fire("make_pcm", M.pcm_loss, tmp_path, rescored)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (2, "loss", "+inf"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "<loss>", "aten.sum", "-inf", [5]), o
+    assert o["source"] == line_of("return -(logp * m).sum() / m.sum()"), o
+    assert rep["cause"] == "invalid" and "a target on a masked class" in rep["hint"], rep["hint"]
+
+
 def test_grm_crossed_thresholds_name_the_log_of_a_negative_category_probability(tmp_path):
     """The graded response model's thresholds as free parameters, one item's initialised in
     reverse (``b_1 > b_2 > b_3``): P(Y >= 1) < P(Y >= 2), so category 1's probability, a
@@ -225,16 +247,18 @@ def test_grm_crossed_thresholds_name_the_log_of_a_negative_category_probability(
 
 @pytest.mark.parametrize("make,loss", [
     ("make_2pl", M.irt_loss_eps), ("make_3pl", M.irt_loss_eps), ("make_4pl", M.irt_loss_eps),
-    ("make_mirt", M.irt_loss_eps), ("make_grm_ordered", M.grm_loss),
+    ("make_mirt", M.irt_loss_eps), ("make_grm_ordered", M.grm_loss), ("make_pcm", M.pcm_loss),
     ("make_vibo", M.vibo_loss)])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, make, loss):
     """The clamped BCE with the count floored at 1, over a student with every response
     missing and a perfect-score student at ability 20 (the 2PL to 4PL and the multidimensional
-    2PL); the graded model with ordered thresholds (softplus gaps, cumsum); VIBO on the
+    2PL); the graded model with ordered thresholds (softplus gaps, cumsum); the partial credit
+    model's ``-inf`` mask of the categories an item does not have, under ``allow_inf``, read by
+    ``log_softmax(...).gather`` at observed categories only; VIBO on the
     masked responses: no event, bit-identical weights and losses with and without the
     recorder."""
     def plant(model, y, m):
-        if make != "make_grm_ordered" and make != "make_vibo":
+        if make.endswith("pl") or make == "make_mirt":
             perfect_score_warm_start(model, y, m)
             m[13] = 0
             y[13] = 0
