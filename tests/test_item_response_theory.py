@@ -27,7 +27,7 @@ def line_of(text: str) -> str:
 
 
 def train(make: str, loss, out_dir, plant=None, sentinel: bool = False, steps: int = 6,
-          record: bool = True, accum: int = 1):
+          record: bool = True, accum: int = 1, bf16: bool = False):
     """Adam with weight decay, a step schedule and clipping at 5, over a DataLoader of 8
     students a batch (one epoch); ``plant(model, y, m)`` sets the bad condition up (a
     calibration's warm start, a student's responses). ``sentinel``: VIBO's encoder is fed the
@@ -58,7 +58,9 @@ def train(make: str, loss, out_dir, plant=None, sentinel: bool = False, steps: i
                 raw = torch.where(mb.bool(), yb, torch.full_like(yb, -999.0))
                 out = model(raw if sentinel else yb, mb)
             else:
-                out = model(ids)
+                with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+                    out = model(ids)
+                out = out.float()
             value = loss_fn(out, yb, mb)
             (value / accum).backward()
             losses.append(value.item())
@@ -245,25 +247,26 @@ def test_grm_crossed_thresholds_name_the_log_of_a_negative_category_probability(
     assert "bound or reparameterize what makes it negative" in rep["hint"], rep["hint"]
 
 
-@pytest.mark.parametrize("make,loss", [
-    ("make_2pl", M.irt_loss_eps), ("make_3pl", M.irt_loss_eps), ("make_4pl", M.irt_loss_eps),
-    ("make_mirt", M.irt_loss_eps), ("make_grm_ordered", M.grm_loss), ("make_pcm", M.pcm_loss),
-    ("make_vibo", M.vibo_loss)])
-def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, make, loss):
+@pytest.mark.parametrize("make,loss,bf16", [
+    ("make_2pl", M.irt_loss_eps, False), ("make_3pl", M.irt_loss_eps, False),
+    ("make_4pl", M.irt_loss_eps, False), ("make_mirt", M.irt_loss_eps, False),
+    ("make_mirt", M.irt_loss_eps, True), ("make_grm_ordered", M.grm_loss, False),
+    ("make_pcm", M.pcm_loss, False), ("make_vibo", M.vibo_loss, False)])
+def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, make, loss, bf16):
     """The clamped BCE with the count floored at 1, over a student with every response
     missing and a perfect-score student at ability 20 (the 2PL to 4PL and the multidimensional
     2PL); the graded model with ordered thresholds (softplus gaps, cumsum); the partial credit
     model's ``-inf`` mask of the categories an item does not have, under ``allow_inf``, read by
     ``log_softmax(...).gather`` at observed categories only; VIBO on the
-    masked responses: no event, bit-identical weights and losses with and without the
+    masked responses; the multidimensional 2PL under bfloat16 autocast: no event, bit-identical weights and losses with and without the
     recorder."""
     def plant(model, y, m):
         if make.endswith("pl") or make == "make_mirt":
             perfect_score_warm_start(model, y, m)
             m[13] = 0
             y[13] = 0
-    recorded, losses = train(make, loss, tmp_path, plant)
-    plain, plain_losses = train(make, loss, tmp_path, plant, record=False)
+    recorded, losses = train(make, loss, tmp_path, plant, bf16=bf16)
+    plain, plain_losses = train(make, loss, tmp_path, plant, record=False, bf16=bf16)
     assert not list(tmp_path.glob("*.nan"))
     assert losses == plain_losses and len(losses) == 6, losses
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
