@@ -20,7 +20,8 @@ batch holds constant
 (``replay.column_scale``); the attribute holding a NaN number an op was given
 (``replay.nan_attribute``); a log's
 argument outside its domain that the batch holds as given (``replay.data_pole``); other
-tensors of an input event's micro-batch bad in other rows (``replay.other_inputs``)."""
+tensors of an input event's micro-batch bad in other rows (``replay.other_inputs``); a model
+input coded -999 where its mask is 0 (``replay.sentinel_inputs``)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ from .massless_rows import massless_rows_hint
 from .nan_attribute import nan_attribute_hint
 from .negative_rows import negative_hint
 from .other_inputs import other_inputs_note
+from .sentinel_inputs import sentinel_inputs_hint
 from .single_sample import single_sample_hint
 from .zero_records import zero_records_hint
 
@@ -75,4 +77,5 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     data_pole_hint(report, step)  # (log1p of a count filled with -1 for missing)
     negative_hint(report, step)  # (exp(-k t) of a time since dose of -150 h)
     nan_attribute_hint(report, step)  # (a KL warm-up weight of 0/0 the loop set on the loss)
+    sentinel_inputs_hint(report, step)  # (VIBO's encoder given responses coded -999 unmasked)
     other_inputs_note(report, step)  # (a bad reading in some windows' inputs, others' targets)

@@ -75,6 +75,7 @@ class Evidence:
     read: frozenset = frozenset()  # those of its numbers .item() read (replay.read_numbers)
     complement: list[bool] = field(default_factory=list)  # 1 - tanh(u)² (replay.saturation)
     power: list[bool] = field(default_factory=list)  # and of those, sigmoid(z)^-b - 1
+    mixed: list[bool] = field(default_factory=list)  # or 1 - (c + (1 - c) s): a 3PL's
     zero_dim: list[bool] = field(default_factory=list)  # inputs[i] was 0-d (events.sum())
     of_data: bool = False  # no input was learned (replay.lineage): made of the data alone
     compared: bool = False  # and the loss compared it with the op's result on a learned value

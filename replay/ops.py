@@ -54,7 +54,7 @@ from .read_numbers import ReadNumbers
 from .recurring import widen_rows
 from .reordered import Reordered
 from .saturated import taken_back_exactly, took_back
-from .saturation import Saturation, made_unit
+from .saturation import Saturation, made_mix, made_unit
 from .shifted_positive import shifted_maker
 from .source import user_source
 from .storages import storage_of
@@ -252,7 +252,7 @@ class OpFinder:
             self.shifted.put(t, op)
         self.exp_param.mark(fn, t, self.names)
         if made_unit(fn):
-            self.saturation.mark_unit(t)
+            self.saturation.mark_unit(t, mixed=made_mix(fn))
 
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
               in_finite: bool, leaves: list, given: tuple = ((), {}), func=None, out=None

@@ -16,14 +16,18 @@ A softmax is strictly below 1 too wherever its slice holds two or more entries a
 (its -inf entries are exactly 0, and a slice of one entry is exactly 1), even when some are
 -inf: relaxed top-k's successive ``softmax(w + log(1 - onehot))`` rounds a clear winner to
 1.0, and the next ``log(1 - onehot)`` is log(0).
+
+A mix ``c + (d - c) * s`` of three such values in (0, 1) (``d`` may be 1) lies between ``c`` and
+``d``, so inside (0, 1) too: a 3PL's ``c + (1 - c) * sigmoid(a (theta - b))`` with its guessing
+``c = sigmoid(logit_c)``, whose ``log(1 - p)`` is log(0) once ``c`` or the sigmoid rounds to 1.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .memo import TensorSet
-from .positive import first_inputs, node_name
+from .memo import TensorMarks, TensorSet
+from .positive import first_inputs, node_name, node_op
 
 # strictly inside (-1, 1) for every finite argument
 UNIT_OPEN = {"tanh", "sigmoid", "special_expit", "erf"}
@@ -63,11 +67,15 @@ class Saturation:
         self._positive = TensorSet()  # sigmoid's: strictly inside (0, 1)
         self._above_one = TensorSet()  # a negative power of those
         self._power = TensorSet()  # y^-b - 1: complements (above 0) of those
+        self._gap = TensorMarks()  # d - c, 1 - c of a c in (0, 1): marked with c
+        self._mix = TensorMarks()  # (d - c) * s, s in (0, 1): marked with c
+        self._mixed = TensorSet()  # c + (d - c) * s, and its complements
 
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
               leaves: list) -> None:
         """After an op with finite inputs ran: mark its outputs (see the class)."""
         unit = [t in self._unit for t in ins]
+        self._track_mix(name, ins, outs)  # (marks beside the others: a gap is a complement)
         if self._track_power(name, ins, outs, leaves):
             return
         if name in UNIT_OPEN or (ins and all(unit) and (
@@ -79,6 +87,10 @@ class Saturation:
                 and (unit[0] or made_unit(ins[0].grad_fn)):
             for t in outs:  # 1 - y, 1 + y (a scalar of at least 1)
                 self._complement.add(t)
+                if ins[0] in self._mixed or made_mix(ins[0].grad_fn):
+                    self._mixed.add(t)
+                elif name == "rsub" and ins[0] in self._positive and _scalars(leaves)[0] == 1:
+                    self._gap.put(t, ins[0])  # 1 - c, a 3PL's
                 if _scalars(leaves)[0] == 1:  # (inside (0, 2))
                     self._twice_unit.add(t)
         elif name in ("mul", "div") and len(ins) == 1 and ins[0] in self._twice_unit \
@@ -112,6 +124,32 @@ class Saturation:
                 m.add(t)
         return True
 
+    def _track_mix(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        """d - c (d in (0, 1] too), (d - c) * s and c + (d - c) * s of c, s in (0, 1): the
+        mix (see the module) is inside (0, 1)."""
+        if len(ins) != 2:
+            return
+        a, b = ins
+        if name == "sub" and b in self._positive and (a in self._positive or (
+                a.is_floating_point() and bool((a == 1).all()))):
+            mark, store = self._gap, b
+        elif name == "mul" and (c := self._gap.get(a) if b in self._positive
+                                else self._gap.get(b) if a in self._positive else None) \
+                is not None:
+            mark, store = self._mix, c
+        elif name == "add" and (self._mix.get(b) is a or self._mix.get(a) is b):
+            for t in outs:
+                for m in (self._unit, self._positive, self._mixed):
+                    m.add(t)
+            return
+        else:
+            return
+        for t in outs:
+            mark.put(t, store)
+
+    def mixed(self, t: torch.Tensor) -> bool:
+        return t in self._mixed and t in self._complement
+
     def power(self, t: torch.Tensor) -> bool:
         return t in self._power
 
@@ -137,10 +175,12 @@ class Saturation:
         if bool(((x > float("-inf")).sum(dim) >= 2).all()):
             self._unit.add(outs[0])
 
-    def mark_unit(self, t: torch.Tensor) -> None:
+    def mark_unit(self, t: torch.Tensor, mixed: bool = False) -> None:
         """``t`` stands for a value tanh/sigmoid/erf made where no graph says so (a detached
-        copy of the model's output)."""
+        copy of the model's output); ``mixed``: a mix of such values (:func:`made_mix`)."""
         self._unit.add(t)
+        if mixed:
+            self._mixed.add(t)
 
     def complement(self, t: torch.Tensor) -> bool:
         return t in self._complement
@@ -151,6 +191,8 @@ def made_unit(fn, depth: int = 8) -> bool:
     viewed, selected, gathered, negated, or stacked or concatenated from such values alone: a
     rollout's actions, one tanh per step): strictly inside (-1, 1) in exact arithmetic."""
     try:
+        if made_mix(fn):
+            return True
         for op, node in first_inputs(fn, depth):
             if op in _UNIT_NODES:
                 return True
@@ -163,6 +205,45 @@ def made_unit(fn, depth: int = 8) -> bool:
     except Exception:  # not an autograd node, or one that cannot say
         return False
     return False
+
+
+def made_mix(fn) -> bool:
+    """Whether autograd node ``fn`` is the add of ``c + (d - c) * s`` (``1 - c`` for
+    ``d - c``) of sigmoids ``c``, ``s`` and ``d`` (or a ``d`` that needs no grad: ones), the
+    mix the module describes, made before the watched code ran (a 3PL's output)."""
+    try:
+        if fn is None or node_op(fn) != "Add":
+            return False
+        ins = [f for f, _ in fn.next_functions]
+        for c, mul in (ins, ins[::-1]):
+            if c is None or mul is None or node_op(mul) != "Mul" or not _sigmoid(c):
+                continue
+            for gap, s in ([f for f, _ in mul.next_functions],
+                           [f for f, _ in mul.next_functions][::-1]):
+                if _sigmoid(s) and gap is not None and _gap_of(gap, c):
+                    return True
+    except Exception:  # not an autograd node, or one that cannot say
+        return False
+    return False
+
+
+def _sigmoid(fn) -> bool:
+    """Node ``fn`` made a sigmoid (viewed, selected): inside (0, 1)."""
+    for op, _ in first_inputs(fn, 4):
+        if op == "Sigmoid":
+            return True
+        if op not in _KEEP_NODES:
+            return False
+    return False
+
+
+def _gap_of(gap, c) -> bool:
+    """Node ``gap`` is ``1 - c`` or ``d - c`` (d a sigmoid, or needing no grad) of node c."""
+    nxt = [f for f, _ in gap.next_functions]
+    if node_op(gap) == "Rsub":
+        return len(nxt) >= 1 and nxt[0] is c
+    return node_op(gap) == "Sub" and len(nxt) == 2 and nxt[1] is c and (
+        nxt[0] is None or _sigmoid(nxt[0]))
 
 
 def _positive_power(name: str, leaves: list) -> bool:
@@ -213,12 +294,13 @@ def _power_hint(what: str, ev, dt: str) -> str | None:
     return f"{what}: " + POWER.format(dt=dt)
 
 
-def hint(what: str, divides: bool = False) -> str:
+def hint(what: str, divides: bool = False, mix: str = "") -> str:
     """The ``precision`` hint of an op at its pole whose 0 input is such a complement
-    (``divides``: the op divides by it, where a probability is trimmed)."""
+    (``divides``: the op divides by it, where a probability is trimmed; ``mix``: what a
+    3PL's mix needs)."""
     return (f"{what}: that 0 is 1 − y of a y (tanh, sigmoid, a normal cdf, a softmax over "
             "two or more entries) that exact arithmetic keeps below 1 for every finite argument, "
-            "rounded to 1 in float64 too: " + (TRIM if divides else "") + STABLE)
+            "rounded to 1 in float64 too: " + mix + (TRIM if divides else "") + STABLE)
 
 
 # what a probability some value is divided by needs
@@ -241,8 +323,21 @@ def in_type_hint(name: str, what: str, dt: str, ev) -> str | None:
         return said
     return (f"{what}: that 0 is 1 − y of a y (tanh, sigmoid, a normal cdf, a softmax over two "
             f"or more entries) that exact arithmetic keeps below 1 for every finite argument, "
-            f"rounded to 1 in {_complement_type(ev) or dt}: "
+            f"rounded to 1 in {_complement_type(ev) or dt}: " + _mix_said(ev)
             + (TRIM if _divides(name, ev) else LOGITS) + STABLE)
+
+
+# what a rounded 1 - p of a 3PL's p = c + (1 - c) * sigmoid(z) needs
+MIX = ("here y is a mix c + (d − c)·s of such values (a 3PL's guessing floor c = sigmoid(l), "
+       "c + (1 − c)·sigmoid(z)), and 1 − y is 0 once c, or both d and s, round to 1: write its "
+       "complement as a product, 1 − (c + (1 − c)·sigmoid(z)) = sigmoid(−l)·sigmoid(−z), so "
+       "log(1 − p) = logsigmoid(−l) + logsigmoid(−z), and bound c below 1 (c = c_max · "
+       "sigmoid(l), a guessing parameter no chance rate reaches 1); ")
+
+
+def _mix_said(ev) -> str:
+    mixed = getattr(ev, "mixed", None) or []
+    return MIX if any(m and bool((v == 0).any()) for v, m in zip(ev.inputs, mixed)) else ""
 
 
 def _complement_type(ev) -> str | None:
@@ -259,7 +354,8 @@ def rounded_hint(name: str, what: str, ev) -> str | None:
     is a complement that rounding made 0 (:func:`rounded_zero`), else None."""
     if not rounded_zero(ev.inputs, ev.complement):
         return None
-    return _power_hint(what, ev, "float64 too") or hint(what, _divides(name, ev))
+    return _power_hint(what, ev, "float64 too") or hint(what, _divides(name, ev),
+                                                         _mix_said(ev))
 
 
 def _divides(name: str, ev) -> bool:
