@@ -264,3 +264,19 @@ def test_zero_coverage_region_in_the_second_micro_batch_is_named_there(tmp_path)
     assert (o["micro_batch"], o["op"], o["samples"], o["batch_size"]) == (
         1, "aten.div", [1, 5], 8), o
     assert "total.clamp_min(1)" in rep["hint"], rep["hint"]
+
+
+def test_counts_advice_is_only_for_whole_counts_over_their_own_total():
+    """The count advice needs whole numbers >= 0 with some above 1 (not a 0/1 mask, not
+    fractions) and, for a quotient, a divisor that is the dividend's own sum over a dim."""
+    from replay import data_counts
+
+    counts = torch.tensor([[0.0, 0.0, 0.0], [2.0, 0.0, 3.0]])
+    total = counts.sum(-1, keepdim=True)
+    assert data_counts.marked("aten.log", [total]) == data_counts.LOG
+    assert data_counts.marked("aten.div.Tensor", [counts, total]) == data_counts.NORMALISED
+    assert data_counts.marked("aten.log", [total / 7]) == ""  # (fractions)
+    assert data_counts.marked("aten.log", [(counts > 0).float()]) == ""  # (a 0/1 mask)
+    other = torch.tensor([[0.0], [4.0]])  # (a box's area over another's: not its own total)
+    assert data_counts.marked("aten.div.Tensor", [counts, other]) == ""
+    assert data_counts.marked("aten.sqrt", [total]) == ""
