@@ -241,3 +241,8 @@ def unmappable_mask(n: int, width: int = 6) -> torch.Tensor:
     mask = torch.zeros(n, TRACKS, OUT, dtype=torch.bool)
     mask[..., 30:30 + width] = True
     return mask
+
+
+def poisson_nll_no_eps(rate, target):
+    """``F.poisson_nll_loss`` on rates with its eps set to 0 (meant as 'off')."""
+    return F.poisson_nll_loss(rate, target, log_input=False, eps=0.0)

@@ -280,3 +280,17 @@ def test_counts_advice_is_only_for_whole_counts_over_their_own_total():
     other = torch.tensor([[0.0], [4.0]])  # (a box's area over another's: not its own total)
     assert data_counts.marked("aten.div.Tensor", [counts, other]) == ""
     assert data_counts.marked("aten.sqrt", [total]) == ""
+
+
+def test_poisson_nll_loss_with_its_eps_set_to_zero_names_the_eps(tmp_path):
+    """The same underflowed rate through ``F.poisson_nll_loss(..., log_input=False, eps=0)``:
+    the replay names the log inside it and says the eps added is exactly 0."""
+    with pytest.raises(NonFiniteError) as info:
+        train_basenji("make_basenji_drifted", M.poisson_nll_no_eps, tmp_path)
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], len(o["samples"])) == (
+        "<loss>", "aten.log", "-inf", 8), o
+    assert o["source"] == line_of("log_input=False, eps=0.0)"), o
+    assert rep["cause"] == "underflow", rep
+    assert "the eps added to that input is exactly 0" in rep["hint"], rep["hint"]
