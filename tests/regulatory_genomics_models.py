@@ -246,3 +246,8 @@ def unmappable_mask(n: int, width: int = 6) -> torch.Tensor:
 def poisson_nll_no_eps(rate, target):
     """``F.poisson_nll_loss`` on rates with its eps set to 0 (meant as 'off')."""
     return F.poisson_nll_loss(rate, target, log_input=False, eps=0.0)
+
+
+def make_chrombpnet_fp32() -> ChromBPNet:
+    torch.manual_seed(0)
+    return ChromBPNet(offset=12.0)

@@ -294,3 +294,12 @@ def test_poisson_nll_loss_with_its_eps_set_to_zero_names_the_eps(tmp_path):
     assert o["source"] == line_of("log_input=False, eps=0.0)"), o
     assert rep["cause"] == "underflow", rep
     assert "the eps added to that input is exactly 0" in rep["hint"], rep["hint"]
+
+
+def test_healthy_float32_chrombpnet_with_a_frozen_bias_model_trains_bit_identically(tmp_path):
+    """The bias model frozen (its logits' offset of 12 harmless under log_softmax), the main
+    model trained with reverse-complement augmentation: no event, nothing changed."""
+    recorded = train_bpnet("make_chrombpnet_fp32", M.BPNetLoss(), tmp_path, steps=3)
+    plain = train_bpnet("make_chrombpnet_fp32", M.BPNetLoss(), tmp_path, steps=3, record=False)
+    assert same_weights(recorded, plain)
+    assert not list(tmp_path.glob("*.nan"))
