@@ -228,6 +228,8 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
                      "margin shrank with the type's precision, so rounding put the input "
                      "there, which exact arithmetic does not: " + _advice(situation))
     if (ev.of_data or ev.of_weights) and situation in _OF_RECORDS and not lost_eps.zero(ev):
+        if ev.counts:  # (a count of 0 is a record, not a degenerate one)
+            return Cause("invalid", f"{what}, which exact arithmetic makes too: " + ev.counts)
         situation = ("compared" if ev.compared else "of_data") if ev.of_data else "of_weights"
     return Cause("invalid", f"{what}, which exact arithmetic makes too: " + DO[situation])
 

@@ -79,6 +79,7 @@ class Evidence:
     zero_dim: list[bool] = field(default_factory=list)  # inputs[i] was 0-d (events.sum())
     of_data: bool = False  # no input was learned (replay.lineage): made of the data alone
     compared: bool = False  # and the loss compared it with the op's result on a learned value
+    counts: str = ""  # and its advice where it took counts, 0 in some rows (replay.data_counts)
     data_divisor: str = ""  # its advice: a learned value over a data divisor (replay.data_divisor)
     data_factor: bool = False  # over a learned value times data 0 there (replay.data_factor)
     cut_divisor: bool = False  # over a divisor a ReLU cut to 0 (replay.clamped_divisor)

@@ -25,7 +25,7 @@ import torch
 from recorder.finite import ends, finite, kind_of, pair_kind, pair_ok
 from recorder.samples import Samples
 
-from . import batch_overflow, clamped_divisor, data_factor, empty_rows, positive_counts
+from . import batch_overflow, clamped_divisor, data_counts, data_factor, empty_rows, positive_counts
 from .cancellation import Cancellation
 from .compared_after import after_origin
 from .compat import TorchDispatchMode, running_node, tree_leaves, writes_arguments
@@ -365,6 +365,7 @@ class OpFinder:
         its arguments, whose complex tensors ``ins`` holds as real views)."""
         ev.of_data = self.lineage is not None and self.lineage.of_data(ins) and bool(rows) \
             and len(rows) < self.samples.size
+        ev.counts = data_counts.marked(op, ins) if ev.of_data else ""  # (log(total) of no read)
         ev.data_divisor = "" if ev.of_data else positive_counts.marked(  # (x_hat / x.norm() 0)
             self.lineage, op, ins, rows, self.samples.size if self.samples else 0, leaves)
         ev.cut_divisor = clamped_divisor.cut_in_forward(op, ins)  # (a relu diffusion's 0)

@@ -4,7 +4,11 @@ modified Bessel function (``torch.special.i0``, ``torch.i0``, ``torch.special.i1
 learned concentration), sinh or cosh (the log-cosh loss, the normaliser kappa / sinh(kappa) on
 S^2). Past float32's range from x ≈ 90 and float64's from x ≈ 710, so neither a clamp of x
 (which caps the concentration) nor float64 is the fix: the log written without the overflowing
-value (the exponentially scaled variant, a log-space identity) is finite for any x."""
+value (the exponentially scaled variant, a log-space identity) is finite for any x.
+
+So is a softmax written out, ``exp(x) / exp(x).sum(-1)`` (a profile's probabilities, then their
+log): where a narrow type's exp overflowed and the advice said only to widen it, it adds that
+``softmax``/``log_softmax`` subtract the row max first (:data:`SOFTMAX`)."""
 
 from __future__ import annotations
 
@@ -15,6 +19,10 @@ _SCALED = {"i0": "i0e", "special_i0": "i0e", "special_modified_bessel_i0": "i0e"
 BESSEL = frozenset(_SCALED)  # no pole, no domain edge: a non-finite value is an overflow
 _HYPERBOLIC = ("log(cosh(x)) = x.abs() + log1p(exp(-2 * x.abs())) - log(2), log(sinh(x)) = "
                "x + log1p(-exp(-2 * x)) - log(2) for x > 0")
+
+SOFTMAX = ("; where the exp is normalised by its sum (a softmax or its log written out, "
+           "exp(x) / exp(x).sum(-1)), use torch.softmax or log_softmax on x: they subtract the "
+           "row max first, so no term exceeds 1 in any type")
 
 
 def log_advice(op: str, advice: str) -> str:
@@ -31,4 +39,6 @@ def log_advice(op: str, advice: str) -> str:
         return (f"where its log is taken (a log-cosh loss, a von Mises-Fisher normaliser "
                 f"kappa / sinh(kappa)), write the log without the overflowing value ({op} "
                 f"grows like e^|x| / 2): {_HYPERBOLIC}, finite for any x; else " + advice)
+    if name in ("exp", "exp2") and "row max" not in advice:
+        return advice + SOFTMAX
     return advice

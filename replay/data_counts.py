@@ -1,0 +1,60 @@
+"""Counts the batch carries (reads per base, region or bin; events), 0 in some samples' rows,
+at a log's or a normalisation's pole.
+
+BPNet trains its count head on ``log(1 + total)`` of a region's reads and its profile head on
+the reads over their total; written as ``log(total)`` or ``counts / counts.sum(-1)``, a region
+with no read in a track (a background region, a track with no coverage there) makes -inf or
+0/0. The op took the data alone, so the hint said the record is degenerate and an eps would
+make up a target; but a count of 0 is an ordinary record of a count model, and a pseudo-count
+(a floored total, whose quotient is then 0: its terms drop out) is the fix. :func:`marked`
+tells the op finder's evidence so where every input of the op is whole numbers >= 0 with some
+above 1 (not a 0/1 mask, nor a normalised value), a divisor being its dividend's sum over a
+dim, and gives the advice the hint ends with.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_LOGS = {"log", "log2", "log10"}
+_DIVIDES = {"div", "true_divide", "divide"}
+
+LOG = ("what it took there was computed from the batch's data alone and holds whole numbers "
+       ">= 0 (counts: reads per region or bin, events), 0 at the samples named: a count of 0 "
+       "is an ordinary record (a region with no read in that track), not a degenerate one, so "
+       "don't drop it: take the log with a pseudo-count, torch.log1p(count) (log(1 + count), "
+       "as a count head's target is) or log(count + c) on both sides of the loss")
+NORMALISED = ("it divided counts the batch carries (whole numbers >= 0: reads per position, "
+              "events) by their total, which is 0 at the samples named: a row with no count "
+              "(a region with no read in that track) is an ordinary record, not a degenerate "
+              "one: divide by total.clamp_min(1), which leaves its normalised counts all 0 so "
+              "that its terms drop out of the loss, or mask such rows out of that term")
+
+
+def marked(op: str, ins: list[torch.Tensor]) -> str:
+    """The advice for ``op``, a log of counts or a quotient of counts by counts (see the
+    module), else ""."""
+    name = op.removeprefix("aten.").split(".")[0].rstrip("_")
+    if name in _LOGS and len(ins) == 1 and _counts(ins[0]):
+        return LOG
+    if name in _DIVIDES and len(ins) == 2 and all(_counts(t) for t in ins) \
+            and _own_total(*ins):
+        return NORMALISED
+    return ""
+
+
+def _own_total(counts: torch.Tensor, total: torch.Tensor) -> bool:
+    """``total`` is ``counts`` summed over a dim it keeps as 1 (a profile's reads over their
+    total, not a box's area over another's)."""
+    if total.dim() != counts.dim():
+        return False
+    return any(t == 1 < c and torch.equal(counts.sum(d, keepdim=True), total.to(counts.dtype))
+               for d, (c, t) in enumerate(zip(counts.shape, total.shape)))
+
+
+def _counts(t) -> bool:
+    if not isinstance(t, torch.Tensor) or t.is_complex() or t.dtype == torch.bool:
+        return False
+    x = t.detach()
+    x = x[torch.isfinite(x)] if x.is_floating_point() else x
+    return bool(x.numel()) and bool((x >= 0).all() and (x == x.round()).all() and (x > 1).any())
