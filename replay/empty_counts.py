@@ -19,6 +19,7 @@ import torch
 from recorder.capture import batch_path
 
 from .data_divisor import ADVICE
+from .empty_records import zero_rows
 from .load import Step
 from .positive_counts import ADVICE as POSITIVES
 from .recorded import n_args, samples
@@ -70,10 +71,5 @@ def _empty_in(t: torch.Tensor, d: int, rows: list[int]) -> bool:
         return False
     x = t.detach().movedim(d, 0).reshape(t.shape[d], -1)
     # (a crystal's cell beside a molecule's zeros is no count: its volume, not a total, is 0)
-    if not bool((x >= 0).all()) or bool(((x == 0) | (x == 1)).all()) \
-            or not bool((x == x.round()).all()):
-        return False
-    some = x.ne(0).any(1)
-    named = torch.zeros_like(some)
-    named[rows] = True
-    return not bool(some[named].any()) and bool(some[~named].all())
+    return bool((x >= 0).all()) and not bool(((x == 0) | (x == 1)).all()) \
+        and bool((x == x.round()).all()) and zero_rows(x, 0, rows)

@@ -36,7 +36,7 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
     # rows, a silent clip, the loss's 0s there are that blank record's labels, no species
     # set, not a mask that emptied it; a fragment's frame mask still says why)
     loss = o.get("phase") != "forward" or not any(
-        _zero_rows(t, d, rows) for _, t, d in batch_data(step, mb, loss=False))
+        zero_rows(t, d, rows) for _, t, d in batch_data(step, mb, loss=False))
     data = list(batch_data(step, mb, loss=loss))
     names = [name for name, t, d in data if _empty_in(t, d, rows)]
     if names:
@@ -111,8 +111,9 @@ def _empty_in(t: torch.Tensor, d: int, rows: list[int], least: int = 1) -> bool:
     return not bool(kept[named].any()) and bool(kept[~named].all())
 
 
-def _zero_rows(t: torch.Tensor, d: int, rows: list[int]) -> bool:
-    """``t`` is 0 everywhere in each of ``rows`` and nowhere else all 0."""
+def zero_rows(t: torch.Tensor, d: int, rows: list[int]) -> bool:
+    """``t`` is 0 everywhere in each of ``rows`` (its samples along ``d``) and no other row is
+    all 0."""
     if max(rows) >= t.shape[d] or len(rows) >= t.shape[d]:
         return False
     blank = t.detach().movedim(d, 0).reshape(t.shape[d], -1).eq(0).all(1)

@@ -21,6 +21,7 @@ from .cause_text import DO, MASKED_AFTER_NAN
 from .compat import TorchDispatchMode, tree_leaves
 from .dispatch import run_op
 from .drop import undroppable
+from .empty_records import zero_rows
 from .load import Step, autocast_as_recorded
 from .loss_args import loss_args
 from .masked_product import nan_times_zero
@@ -152,7 +153,4 @@ def _empty_rows(t: torch.Tensor, rows: list[int], size: int) -> bool:
     if not rows or not size or len(rows) >= size or t.dim() < 2 or t.shape[0] != size \
             or max(rows) >= size:
         return False
-    some = t.detach().reshape(size, -1).ne(0).any(1).cpu()
-    named = torch.zeros(size, dtype=torch.bool)
-    named[rows] = True
-    return not bool(some[named].any()) and bool(some[~named].all())
+    return zero_rows(t, 0, rows)

@@ -15,6 +15,7 @@ import torch
 
 from recorder.capture import loss_path
 
+from .empty_records import zero_rows
 from .load import Step
 from .recorded import samples
 
@@ -30,12 +31,8 @@ def label_flag(step: Step, mb: int, rows: list[int], blank: str) -> str | None:
         if key in made or name == blank or not isinstance(t, torch.Tensor) or t.is_complex() \
                 or not t.numel() or (d := where.dim(t)) is None or t.numel() != t.shape[d]:
             continue
-        if max(rows) < t.shape[d] > len(rows) and bool(((t == 0) | (t == 1)).all()):
-            some = t.detach().reshape(-1).ne(0)
-            named = torch.zeros_like(some)
-            named[rows] = True
-            if not bool(some[named].any()) and bool(some[~named].all()):
-                return name
+        if bool(((t == 0) | (t == 1)).all()) and zero_rows(t, d, rows):
+            return name
     return None
 
 

@@ -26,6 +26,7 @@ from recorder.capture import loss_path
 
 from .drop import undroppable
 from .empty_counts import root_inputs
+from .empty_records import zero_rows
 from .load import Step
 from .recorded import samples
 from .unlabelled_rows import label_flag, unlabelled_hint
@@ -92,12 +93,4 @@ def _records(step: Step, mb: int, inputs: bool = True
 
 def _zero_in(t: torch.Tensor, d: int, rows: list[int]) -> bool:
     """``t`` is not 0/1 data, all 0 in ``rows``, nonzero somewhere in every other row."""
-    if max(rows) >= t.shape[d] or len(rows) >= t.shape[d]:
-        return False
-    x = t.detach().movedim(d, 0).reshape(t.shape[d], -1)
-    if bool(((x == 0) | (x == 1)).all()):
-        return False
-    some = x.ne(0).any(1)
-    named = torch.zeros_like(some)
-    named[rows] = True
-    return not bool(some[named].any()) and bool(some[~named].all())
+    return not bool(((t == 0) | (t == 1)).all()) and zero_rows(t, d, rows)
