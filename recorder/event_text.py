@@ -35,8 +35,8 @@ def summary(event: dict[str, Any], path: Path | None) -> str:
                     if event.get("compiled") else ""))
     if event.get("tensor"):
         rows = event.get("samples")  # none: a tensor every sample uses (a mask passed in)
-        where += (f" Tensor {event['tensor']}, samples {rows[:8]}." if rows
-                  else f" Tensor {event['tensor']} (not per sample).")
+        where += (f" Tensor {event['tensor']}, {_samples(rows, event.get('batch_size'))}."
+                  if rows else f" Tensor {event['tensor']} (not per sample).")
     if event.get("nan_handled"):
         advice = allow_nan_advice(event["nan_handled"])
         where += f" {advice[0].upper()}{advice[1:]}."
@@ -53,3 +53,12 @@ def summary(event: dict[str, Any], path: Path | None) -> str:
     if path is None:
         return head
     return f"{head} Bundle: {path}; run `nanreplay {path}` to find the op and the cause."
+
+
+def _samples(rows: list[int], size: int | None) -> str:
+    """The rows an event names: "all 32 samples" when they are the whole batch (a column of
+    the data, not a record, is bad), else the first 8 and how many more."""
+    if size and len(rows) == size > 1:
+        return f"all {size} samples"
+    more = f" (+{len(rows) - 8} more)" if len(rows) > 8 else ""
+    return f"samples {rows[:8]}{more}"

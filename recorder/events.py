@@ -43,7 +43,8 @@ __all__ = ["Event", "StepEvidence", "find_event", "optimizer_event", "output_gra
 
 # keys a bundle's event holds only when they are set
 _OPTIONAL = ("after_update", "first_seen_step", "last_update_step", "evaluation", "compiled",
-             "ranks", "written_after_forward", "before_update", "nan_handled", "loss_given")
+             "ranks", "written_after_forward", "before_update", "nan_handled", "loss_given",
+             "batch_size")
 
 
 @dataclass
@@ -78,6 +79,7 @@ class Event:
     nan_handled: str | None = None
     # the loss given to record_loss is non-finite, loss_fn's of the micro-batch was finite
     loss_given: bool | None = None
+    batch_size: int | None = None  # the micro-batch's samples, when ``samples`` names some
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items()
@@ -184,6 +186,8 @@ def find_event(ev: StepEvidence, reason: str) -> Event | None:
     found = [e for e in (_input_event(ev), _forward_event(ev), _loss_event(ev)) if e is not None]
     event = min(found, key=lambda e: e.micro_batch or 0) if found else _backward_event(ev)
     if event is not None:  # (stable: input, forward, loss)
+        if event.samples and event.micro_batch is not None:  # ("all 32 samples": see summary)
+            event.batch_size = ev.samples(event.micro_batch).size or None
         if ev.late:
             event.written_after_forward = [ev.param_names[i] for i in ev.late]
         return event

@@ -123,6 +123,32 @@ def test_nan_in_one_input_sample(out_dir):
     assert "Tensor batch," in str(err) and "samples [5]" in str(err)
 
 
+def nan_rows_batch(rows, n: int = M.BATCH) -> callable:
+    def make(step):
+        x, y = M.batch(step, n=n)
+        if step == K:
+            x[rows, 1] = float("nan")
+        return x, y
+
+    return make
+
+
+def test_message_says_all_samples_when_the_whole_batch_is_bad(out_dir):
+    """A column NaN in every record (a standardisation by a constant feature's zero std) is
+    told as "all N samples", not as the first 8 rows, which read like 8 bad records."""
+    n = M.BATCH
+    err = run_until_event(M.mlp(), make_batch=nan_rows_batch(slice(None)), out_dir=out_dir)
+    check_event(err.event, step=K, phase="input", samples=list(range(n)), batch_size=n)
+    assert f"Tensor batch, all {n} samples." in str(err), err
+
+
+def test_message_counts_the_samples_past_the_first_eight(out_dir):
+    err = run_until_event(M.mlp(), make_batch=nan_rows_batch(list(range(10)), n=16),
+                          out_dir=out_dir)
+    check_event(err.event, step=K, phase="input", samples=list(range(10)))
+    assert "Tensor batch, samples [0, 1, 2, 3, 4, 5, 6, 7] (+2 more)." in str(err), err
+
+
 @pytest.mark.parametrize("value, kind", [(float("inf"), "+inf"), (-float("inf"), "-inf")])
 def test_inf_in_input_sample_kind(out_dir, value, kind):
     err = run_until_event(M.mlp(), make_batch=nan_row_batch(2, value=value), out_dir=out_dir)
