@@ -212,3 +212,7 @@ def _emit(text: str) -> None:
     except OSError as e:
         _fail(f"cannot write the report to stdout ({e.strerror or e}); redirect it to a "
               "file or device with room")
+
+
+if __name__ == "__main__":  # (python -m replay.cli: as the nanreplay script)
+    main()

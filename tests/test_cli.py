@@ -193,8 +193,11 @@ def test_strip_to_a_path_that_cannot_be_written_is_one_line(toy, tmp_path):
         "-o path")
 
 
-def test_python_dash_m_replay_runs_the_same_command(toy):
-    proc = subprocess.run([sys.executable, "-m", "replay", "--json", str(toy)], cwd=EXAMPLES,
+@pytest.mark.parametrize("module", ["replay", "replay.cli"])
+def test_python_dash_m_replay_runs_the_same_command(toy, module):
+    """``python -m replay`` and ``python -m replay.cli`` (which printed nothing and exited 0,
+    a report silently lost) run the nanreplay command."""
+    proc = subprocess.run([sys.executable, "-m", module, "--json", str(toy)], cwd=EXAMPLES,
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
