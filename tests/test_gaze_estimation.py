@@ -122,7 +122,8 @@ def test_adam_with_eps_0_makes_the_calibration_of_an_absent_person_0_over_0(tmp_
     row of some subjects, their embedding rows get a gradient of exactly 0, and Adam's
     ``m / sqrt(v)`` is 0/0 there. An optimizer event at step 0 (the bundle holds the
     weights after the update: not re-run), the embedding named, eps, and the rows it broke:
-    exactly the subjects the batch lacks (the hint said no row before)."""
+    exactly the subjects the batch lacks, told by the second moment the update left 0 there
+    (the hint said no row before; the bundle's gradients are the next backward's NaN)."""
     ev, rep = fire("make_gaze", M.angular_loss, tmp_path, code=1, eps=0.0)
     assert (ev["step"], ev["phase"]) == (0, "optimizer"), ev
     assert (rep["event"]["step"], rep["cause"]) == (0, "optimizer"), rep
@@ -132,7 +133,8 @@ def test_adam_with_eps_0_makes_the_calibration_of_an_absent_person_0_over_0(tmp_
     seen = set(next(iter(M.gaze_batches(STEPS)))[1].tolist())
     absent = [p for p in range(M.N_PEOPLE) if p not in seen]
     assert absent == [0, 4]
-    assert f"only row(s) 0, 4 of {M.N_PEOPLE} of calib.weight non-finite" in hint, hint
+    assert f"only row(s) 0, 4 of {M.N_PEOPLE} of calib.weight non-finite, every one a row " \
+        "whose gradient was all 0 (absent from the batch)" in hint, hint
 
 
 def test_a_euclidean_error_masked_before_its_sqrt_names_the_flag_not_a_blank_record(
