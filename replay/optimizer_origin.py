@@ -22,7 +22,13 @@ from .ops import OpFinder
 from .optim import eps_lost_text, per_parameter, stale_state
 from .quantised_state import zero_scale_why
 from .rerun import Runner
-from .update_domain import domain_why, negative_input, update_domain, updated_rows
+from .update_domain import (
+    domain_why,
+    negative_input,
+    rows_of_weights,
+    update_domain,
+    updated_rows,
+)
 from .zero_grad import zero_gradient_text
 
 
@@ -92,9 +98,25 @@ def after_update_hint(step: Step, params: list[str]) -> str | None:
     groups = [g for g in opt.get("param_groups", []) if set(g.get("params") or ()) & set(params)]
     bad = non_finite_hyper(step, step.event.get("step"), groups)
     why = _hyper_why(bad) if bad else _eps_why(step, groups, params, None)
+    if why and not bad and (w := step.tensors.get(f"weights/{params[0]}")) is not None:
+        # (the rows it broke, from the bundle's weights after it: an embedding's entities
+        # absent from the batch, told by the second moment the update left, 0 where every
+        # gradient was; the bundle's gradients may be a later backward's, through the NaN)
+        why += rows_of_weights(params[0], w, _second_moment(step, params[0]))[1]
     return why and (f"{opt.get('class', '').rpartition('.')[2]}'s update at step "
                     f"{step.event.get('step')} made {params[0]} non-finite (not re-run: the "
                     f"bundle holds the weights after it); {why}")
+
+
+def _second_moment(step: Step, name: str) -> torch.Tensor | None:
+    """The square-gradient average the update left for parameter ``name`` (Adam's
+    ``exp_avg_sq``, RMSprop's ``square_avg``, Adagrad's ``sum``), shaped as it; else None."""
+    w = step.tensors.get(f"weights/{name}")
+    for key in ("exp_avg_sq", "square_avg", "sum"):
+        v = step.tensors.get(f"optim/{name}/{key}")
+        if v is not None and w is not None and v.shape == w.shape:
+            return v
+    return None
 
 
 def _hyper_why(bad: tuple[str, str]) -> str:

@@ -17,7 +17,7 @@ from . import domains
 from .cause_text import DO
 from .ops import OpHit
 
-__all__ = ["update_domain", "domain_why", "updated_rows"]
+__all__ = ["update_domain", "domain_why", "updated_rows", "rows_of_weights"]
 
 
 def update_domain(hit: OpHit | None) -> str | None:
@@ -58,16 +58,21 @@ def updated_rows(name: str, p: torch.Tensor) -> tuple[dict, str]:
     some are (an embedding table's entities), as the origin's ``rows``/``rows_of`` and the
     hint's words, which say when their gradient was all 0 there (rows absent from the batch:
     the 0 a Riemannian expmap's u / ||u|| or a g / ||g|| divides by); ({}, "") otherwise."""
-    if p.dim() < 2:
+    return rows_of_weights(name, p.detach(), p.grad)
+
+
+def rows_of_weights(name: str, w: torch.Tensor, g: torch.Tensor | None) -> tuple[dict, str]:
+    """:func:`updated_rows` of weights ``w`` after the update and the gradient ``g`` it was
+    given (a bundle that holds the weights after the update: its recorded gradient)."""
+    if w.dim() < 2:
         return {}, ""
-    rows = bad_rows(p.detach(), 0)
-    if not 0 < len(rows) < p.shape[0]:
+    rows = bad_rows(w, 0)
+    if not 0 < len(rows) < w.shape[0]:
         return {}, ""
     shown = ", ".join(map(str, rows[:8])) + (f" (+{len(rows) - 8})" if len(rows) > 8 else "")
-    g = p.grad
     g = g.to_dense() if g is not None and g.layout != torch.strided else g
     zero = g is not None and bool((g[rows] == 0).all())
-    return ({"rows": rows, "rows_of": p.shape[0]},
-            f"; it made only row(s) {shown} of {p.shape[0]} of {name} non-finite"
+    return ({"rows": rows, "rows_of": w.shape[0]},
+            f"; it made only row(s) {shown} of {w.shape[0]} of {name} non-finite"
             + (", every one a row whose gradient was all 0 (absent from the batch)"
                if zero else ""))
