@@ -215,8 +215,11 @@ class LearningLossObjective(nn.Module):
 # core-set
 
 
-def pairwise_dist(a: torch.Tensor, b: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
+def pairwise_dist(a: torch.Tensor, b: torch.Tensor, eps: float = 0.0,
+                  clamp: bool = True) -> torch.Tensor:
     sq = (a * a).sum(1, keepdim=True) + (b * b).sum(1) - 2 * a @ b.T
+    if not clamp:  # the bug: |a|^2 + |b|^2 - 2ab cancels below 0 in low precision
+        return torch.sqrt(sq + eps)
     return torch.sqrt(sq.clamp_min(0) + eps)  # the bug (eps 0): d sqrt / d x at 0 on the diagonal
 
 
@@ -251,13 +254,13 @@ class KCenterRegularizer(nn.Module):
     """Cross-entropy minus ``lam`` times the mean nearest-neighbour distance in the batch
     (spread the labelled features, as a k-center cover wants)."""
 
-    def __init__(self, lam: float = 0.05, eps: float = 0.0):
+    def __init__(self, lam: float = 0.05, eps: float = 0.0, clamp: bool = True):
         super().__init__()
-        self.lam, self.eps = lam, eps
+        self.lam, self.eps, self.clamp = lam, eps, clamp
 
     def forward(self, out, y):
         logits, f = out
-        d = pairwise_dist(f, f, self.eps)
+        d = pairwise_dist(f, f, self.eps, self.clamp)
         eye = torch.eye(len(f), dtype=torch.bool)
         nn_d = d.masked_fill(eye, float("inf")).min(1).values
         return F.cross_entropy(logits, y) - self.lam * nn_d.mean()
@@ -287,3 +290,32 @@ def ensemble_nll(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Each member trained on its own NLL (summed over members)."""
     m = logits.shape[0]
     return F.cross_entropy(logits.reshape(-1, K), y.repeat(m), reduction="sum") / len(y)
+
+
+# ---------------------------------------------------------------------------------------------
+# VAAL (Sinha et al. 2019): a discriminator tells labelled from unlabelled latents
+
+
+class VAALDiscriminator(nn.Module):
+    """The encoder's latent (``mu``) of each record, then an MLP whose sigmoid is the
+    probability that the record is labelled; the pool's least-likely records are acquired."""
+
+    def __init__(self, z: int = 8, hidden: int = 32):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(D_IN, hidden), nn.ReLU(), nn.Linear(hidden, z))
+        self.disc = nn.Sequential(nn.Linear(z, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, x):
+        return torch.sigmoid(self.disc(self.encoder(x))).squeeze(1)
+
+
+def make_vaal():
+    torch.manual_seed(0)
+    return VAALDiscriminator()
+
+
+def vaal_bce(p_lab: torch.Tensor, p_unlab: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
+    """The discriminator's BCE written out: labelled records are 1, pool records 0."""
+    lab = -torch.log(p_lab + eps).mean()
+    unlab = -torch.log(1 - p_unlab + eps).mean()  # the bug (eps 0): 1 - p is 0 once p rounds to 1
+    return lab + unlab

@@ -27,10 +27,11 @@ def line_of(text: str) -> str:
 
 
 def train(make: str, crit, out_dir, batches, record: bool = True, opt=None, steps: int = 12,
-          two_calls: bool = False):
+          two_calls: bool = False, autocast: bool = False):
     """Adam (or ``opt``) over ``batches`` (a callable giving one epoch's batches), as the
     active-learning repositories retrain each round; ``two_calls``: a labelled and a pool
-    batch, the loss given both outputs. Returns the model."""
+    batch, the loss given both outputs; ``autocast``: the forward and loss under bfloat16
+    autocast. Returns the model."""
     model = getattr(M, make)()
     optimizer = (opt or (lambda p: torch.optim.Adam(p, lr=1e-3)))(model.parameters())
     torch.manual_seed(1)  # (dropout)
@@ -41,11 +42,9 @@ def train(make: str, crit, out_dir, batches, record: bool = True, opt=None, step
         loss_fn = rec.loss_fn if rec is not None else crit
         while n < steps:
             for b in batches():
-                if two_calls:
-                    (x, y), (xu, _) = b
-                    loss = loss_fn(model(x), y, model(xu))
-                else:
-                    loss = loss_fn(model(b[0]), b[1])
+                amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+                with amp:
+                    loss = step_loss(model, loss_fn, b, two_calls)
                 optimizer.zero_grad()
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
@@ -54,6 +53,13 @@ def train(make: str, crit, out_dir, batches, record: bool = True, opt=None, step
                 if n >= steps:
                     break
     return model
+
+
+def step_loss(model, loss_fn, b, two_calls: bool):
+    if two_calls:
+        (x, y), (xu, _) = b
+        return loss_fn(model(x), y, model(xu))
+    return loss_fn(model(b[0]), b[1])
 
 
 def fire(*args, **kw):
@@ -183,21 +189,50 @@ def test_k_center_distance_without_eps_names_the_sqrt_backward_on_the_diagonal(t
     assert rep["cause"] == "invalid" and "exactly 0" in rep["hint"], rep["hint"]
 
 
-HEALTHY = [
-    ("make_mc_net", lambda w: M.class_balanced_ce(w), False),
-    ("make_ll_net", lambda w: M.LearningLossObjective(M.LossPredLoss()), False),
-    ("make_ll_net", lambda w: M.LearningLossObjective(M.SoftRankLoss(0.01, stable=True)), False),
-    ("make_coreset_net", lambda w: M.KCenterRegularizer(eps=1e-8), False),
-    ("make_mc_net", lambda w: M.SemiSupervisedLoss(eps=1e-8), True),
-    ("make_ensemble", lambda w: M.ensemble_nll, False),
+def test_bf16_k_center_distance_without_the_clamp_names_the_rounding_not_the_domain(tmp_path):
+    """The same distances with ``eps = 1e-8`` (the fix for the gradient at 0) but no
+    ``clamp_min(0)``, under bfloat16 autocast: ``|f|^2 + |f|^2 - 2 f.f`` cancels below 0 on
+    the diagonal in bfloat16, sqrt makes NaN there, ``masked_fill`` drops it and sqrt's
+    backward takes it. In float64 the diagonal is 0 + eps: the replay says precision (not an
+    op outside its domain in exact arithmetic), names the rows whose diagonal went negative,
+    and says to clamp or use cdist."""
+    ds = M.pool_dataset()
+    _, data = labelled_loader(ds)
+    with pytest.raises(NonFiniteError) as info:
+        train("make_coreset_net", M.KCenterRegularizer(eps=1e-8, clamp=False), tmp_path,
+              lambda: data, autocast=True)
+    ev, bundle = info.value.event, info.value.bundle_path
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "backward", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"]) == ("backward", "<loss>", "SqrtBackward0"), o
+    assert o["source"] == line_of("return torch.sqrt(sq + eps)"), o
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        f = M.make_coreset_net().embed(next(iter(data))[0])
+        sq = (f * f).sum(1, keepdim=True) + (f * f).sum(1) - 2 * f @ f.T
+    assert o["samples"] == (sq.diagonal() + 1e-8 < 0).nonzero()[:, 0].tolist(), o
+    assert rep["cause"] == "precision", rep["cause"]
+    assert "clamp_min(0)" in rep["hint"] and "cdist" in rep["hint"], rep["hint"]
+
+
+HEALTHY = [  # (factory, loss from the class weights, two model calls, bfloat16 autocast)
+    ("make_mc_net", lambda w: M.class_balanced_ce(w), False, False),
+    ("make_ll_net", lambda w: M.LearningLossObjective(M.LossPredLoss()), False, False),
+    ("make_ll_net", lambda w: M.LearningLossObjective(M.SoftRankLoss(0.01, stable=True)),
+     False, False),
+    ("make_coreset_net", lambda w: M.KCenterRegularizer(eps=1e-8), False, False),
+    ("make_coreset_net", lambda w: M.KCenterRegularizer(eps=1e-8), False, True),
+    ("make_mc_net", lambda w: M.SemiSupervisedLoss(eps=1e-8), True, False),
+    ("make_ensemble", lambda w: M.ensemble_nll, False, False),
 ]
 
 
-@pytest.mark.parametrize("make,crit,two_calls", HEALTHY)
-def test_healthy_rounds_raise_nothing_and_train_the_same(tmp_path, make, crit, two_calls):
+@pytest.mark.parametrize("make,crit,two_calls,amp", HEALTHY)
+def test_healthy_rounds_raise_nothing_and_train_the_same(tmp_path, make, crit, two_calls, amp):
     """Two acquisition rounds: train, score the pool by BALD (and a BatchBALD joint entropy,
     a core-set pick), move the top 16 into the labelled Subset, retrain with floored class
-    weights; no event and bit-identical weights with and without the recorder."""
+    weights (the core-set regulariser also under bfloat16 autocast); no event and
+    bit-identical weights with and without the recorder."""
     results = []
     for record in (True, False):
         ds = M.pool_dataset()
@@ -211,7 +246,7 @@ def test_healthy_rounds_raise_nothing_and_train_the_same(tmp_path, make, crit, t
             batches = (lambda a=labelled, b=unlabelled: zip(a, b)) if two_calls \
                 else (lambda a=labelled: a)
             model = train(make, crit(w), tmp_path, batches, record=record, steps=6,
-                          two_calls=two_calls)
+                          two_calls=two_calls, autocast=amp)
             if make == "make_mc_net":
                 picked = M.acquire(model, pool)
                 probs = M.mc_probs(model, torch.stack([pool[i][0] for i in range(4)]))
