@@ -186,9 +186,9 @@ class LossPredLoss(nn.Module):
 class SoftRankLoss(nn.Module):
     """A smooth margin ranking: ``log(1 + exp(-sign * (p_i - p_j) / tau))``, written out."""
 
-    def __init__(self, tau: float = 0.01, stable: bool = False):
+    def __init__(self, tau: float = 0.01, stable: bool = False, log1p: bool = True):
         super().__init__()
-        self.tau, self.stable = tau, stable
+        self.tau, self.stable, self.log1p = tau, stable, log1p
 
     def forward(self, pred, target):
         target = target.detach()
@@ -197,6 +197,8 @@ class SoftRankLoss(nn.Module):
         z = -torch.sign(dt) * dp / self.tau
         if self.stable:
             return F.softplus(z).mean()
+        if not self.log1p:
+            return torch.log(1 + torch.exp(z)).mean()  # (the same bug, the textbook form)
         return torch.log1p(torch.exp(z)).mean()  # the bug: exp overflows past z = 88
 
 
@@ -290,32 +292,3 @@ def ensemble_nll(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Each member trained on its own NLL (summed over members)."""
     m = logits.shape[0]
     return F.cross_entropy(logits.reshape(-1, K), y.repeat(m), reduction="sum") / len(y)
-
-
-# ---------------------------------------------------------------------------------------------
-# VAAL (Sinha et al. 2019): a discriminator tells labelled from unlabelled latents
-
-
-class VAALDiscriminator(nn.Module):
-    """The encoder's latent (``mu``) of each record, then an MLP whose sigmoid is the
-    probability that the record is labelled; the pool's least-likely records are acquired."""
-
-    def __init__(self, z: int = 8, hidden: int = 32):
-        super().__init__()
-        self.encoder = nn.Sequential(nn.Linear(D_IN, hidden), nn.ReLU(), nn.Linear(hidden, z))
-        self.disc = nn.Sequential(nn.Linear(z, hidden), nn.ReLU(), nn.Linear(hidden, 1))
-
-    def forward(self, x):
-        return torch.sigmoid(self.disc(self.encoder(x))).squeeze(1)
-
-
-def make_vaal():
-    torch.manual_seed(0)
-    return VAALDiscriminator()
-
-
-def vaal_bce(p_lab: torch.Tensor, p_unlab: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
-    """The discriminator's BCE written out: labelled records are 1, pool records 0."""
-    lab = -torch.log(p_lab + eps).mean()
-    unlab = -torch.log(1 - p_unlab + eps).mean()  # the bug (eps 0): 1 - p is 0 once p rounds to 1
-    return lab + unlab

@@ -126,19 +126,25 @@ def soft_rank_pairs(at: int):
         opt.step()
 
 
-def test_learning_loss_soft_ranking_overflow_names_the_exp_its_pairs_and_softplus(tmp_path):
+@pytest.mark.parametrize("log1p,line", [
+    (True, "return torch.log1p(torch.exp(z)).mean()"),
+    (False, "return torch.log(1 + torch.exp(z)).mean()")])
+def test_learning_loss_soft_ranking_overflow_names_the_exp_its_pairs_and_softplus(
+        tmp_path, log1p, line):
     """The learning-loss module's ranking loss written as ``log1p(exp(z / tau))`` with
-    ``tau = 0.01``: a predicted-loss gap above 0.88 overflows exp at step 4. The replay names
+    ``tau = 0.01`` (or ``log(1 + exp(...))``): a predicted-loss gap above 0.88 overflows exp at
+    step 4. The replay names
     the exp on the ranking line, both samples of each overflowing pair (row ``r`` of
     ``pred - pred.flip(0)`` is samples ``r`` and ``B - 1 - r``), overflow, and softplus."""
-    ev, bundle = fire("make_ll_net", M.LearningLossObjective(M.SoftRankLoss(0.01)), tmp_path,
+    rank = M.SoftRankLoss(0.01, log1p=log1p)
+    ev, bundle = fire("make_ll_net", M.LearningLossObjective(rank), tmp_path,
                       lambda: labelled_loader(M.pool_dataset())[1],
                       opt=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
     assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (4, "loss", "<loss>", "+inf")
     rep = nanreplay_json(bundle)
     o = rep["origin"]
     assert (o["module"], o["op"], o["made"]) == ("<loss>", "aten.exp", "+inf"), o
-    assert o["source"] == line_of("return torch.log1p(torch.exp(z)).mean()"), o
+    assert o["source"] == line_of(line), o
     pairs = soft_rank_pairs(ev["step"])
     assert pairs and o["samples"] == pairs, (o["samples"], pairs)
     assert rep["cause"] == "overflow", rep["cause"]
