@@ -18,7 +18,10 @@ for ``test_active_learning``.
 - ``coreset_greedy``: Sener & Savarese's k-center greedy over ``cdist``; ``KCenterRegularizer``
   the batch's nearest-neighbour distance term (sqrt of squared distances) some core-set
   variants train with.
-- ``Ensemble``: a deep ensemble of small members, the mean of their softmaxes.
+- ``Ensemble``: a deep ensemble of small members, the mean of their softmaxes;
+  ``RegressionEnsemble`` Lakshminarayanan et al.'s regression members (a mean and a
+  log-variance each, stacked members first) under a hand-written Gaussian NLL, trained on the
+  targets an oracle gives the acquired records (``oracle_targets``).
 """
 
 from __future__ import annotations
@@ -292,3 +295,33 @@ def ensemble_nll(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Each member trained on its own NLL (summed over members)."""
     m = logits.shape[0]
     return F.cross_entropy(logits.reshape(-1, K), y.repeat(m), reduction="sum") / len(y)
+
+
+class RegressionEnsemble(nn.Module):
+    """Lakshminarayanan et al.'s regression ensemble: each member a mean and a log-variance."""
+
+    def __init__(self, members: int = 3, hidden: int = 32):
+        super().__init__()
+        self.members = nn.ModuleList(
+            nn.Sequential(nn.Linear(D_IN, hidden), nn.ReLU(), nn.Linear(hidden, 2))
+            for _ in range(members))
+
+    def forward(self, x):
+        out = torch.stack([m(x) for m in self.members])  # (M, N, 2)
+        return out[..., 0], out[..., 1]
+
+
+def make_regression_ensemble():
+    torch.manual_seed(0)
+    return RegressionEnsemble()
+
+
+def gaussian_nll(out, y: torch.Tensor) -> torch.Tensor:
+    mu, logvar = out
+    return (0.5 * (logvar + (y - mu) ** 2 / logvar.exp())).mean()
+
+
+def oracle_targets(ds: TensorDataset) -> torch.Tensor:
+    """A regression target the oracle labels each acquired record with."""
+    x = ds.tensors[0]
+    return x[:, :4].sum(1) + 0.1 * x[:, 4]

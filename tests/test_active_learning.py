@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from bundles import nanreplay_json, source_line
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from recorder import FlightRecorder, NonFiniteError
 
@@ -219,6 +219,28 @@ def test_bf16_k_center_distance_without_the_clamp_names_the_rounding_not_the_dom
     assert o["samples"] == (sq.diagonal() + 1e-8 < 0).nonzero()[:, 0].tolist(), o
     assert rep["cause"] == "precision", rep["cause"]
     assert "clamp_min(0)" in rep["hint"] and "cdist" in rep["hint"], rep["hint"]
+
+
+def test_an_oracle_label_typo_in_an_ensemble_names_its_sample_not_the_members(tmp_path):
+    """A regression ensemble (members first: ``(M, B)`` means and log-variances) trained on
+    the oracle's labels, one of which was typed in the wrong unit (3.2e21, place 21 of the
+    labelled Subset: batch 1, row 5). ``(y - mu) ** 2`` overflows at step 1. With 16 records
+    of 16 features the recorder read the batch size off the members (3) and the replay named
+    "all 3 rows"; now it names sample 5, and the target's out-of-scale value."""
+    ds = M.pool_dataset()
+    y = M.oracle_targets(ds)
+    lab, _ = M.initial_split(ds)
+    y[lab.indices[21]] = 3.2e21
+    data = DataLoader(Subset(TensorDataset(ds.tensors[0], y), lab.indices), batch_size=16)
+    ev, bundle = fire("make_regression_ensemble", M.gaussian_nll, tmp_path, lambda: data)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (1, "loss", "<loss>", "+inf")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"], o["batch_size"]) == (
+        "<loss>", "aten.pow", "+inf", [5], 16), o
+    assert o["source"] == line_of("return (0.5 * (logvar + (y - mu) ** 2 / logvar.exp()))"), o
+    assert rep["cause"] == "overflow", rep["cause"]
+    assert "sample(s) 5 of loss_args[1]" in rep["hint"] and "out of scale" in rep["hint"]
 
 
 HEALTHY = [  # (factory, loss from the class weights, two model calls, bfloat16 autocast)
