@@ -8,7 +8,8 @@ for ``test_active_learning``.
   BALD's mutual information over ``T`` stochastic passes (entropy of the mean prediction minus
   the mean entropy, ``p * log p``), ``batchbald_joint_entropy`` BatchBALD's joint entropy of two
   candidates, ``acquire`` the top-k of the pool. Semi-supervised rounds add entropy
-  minimisation on an unlabelled batch (``entropy_min``).
+  minimisation on an unlabelled batch (``entropy_min``); ``imprint_head`` sets the head's
+  rows to the classes' mean normalised features between rounds (weight imprinting).
 - ``class_balanced_ce``: cross-entropy weighted by inverse class counts of the labelled pool,
   normalised to sum to the number of classes (``class_weights``).
 - ``LearningLossNet``: Yoo & Kweon's learning-loss module: a backbone whose intermediate
@@ -325,3 +326,14 @@ def oracle_targets(ds: TensorDataset) -> torch.Tensor:
     """A regression target the oracle labels each acquired record with."""
     x = ds.tensors[0]
     return x[:, :4].sum(1) + 0.1 * x[:, 4]
+
+
+@torch.no_grad()
+def imprint_head(model: MCDropoutNet, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Weight imprinting between rounds (Qi et al.): each class's row of the head is the
+    normalised mean feature of its labelled records."""
+    model.eval()
+    f = F.normalize(model.body(x), dim=1)
+    for c in range(K):
+        model.head.weight[c] = F.normalize(f[y == c].mean(0), dim=0)  # NaN for a class with none
+    model.train()

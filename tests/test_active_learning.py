@@ -243,6 +243,41 @@ def test_an_oracle_label_typo_in_an_ensemble_names_its_sample_not_the_members(tm
     assert "sample(s) 5 of loss_args[1]" in rep["hint"] and "out of scale" in rep["hint"]
 
 
+def test_weight_imprinting_of_an_unlabelled_class_names_the_head_row_written_between_steps(
+        tmp_path):
+    """Between rounds the head is imprinted with each class's mean normalised feature; class
+    3 has no labelled record yet, its mean is over nothing (NaN). The next step's check of the
+    weights fires (step 4, after a round of 4 batches); the replay says weights, names
+    head.weight, row 3 only, written by the loop outside the optimizer's update, and the
+    empty group's mean (clamp the count, keep the old row)."""
+    ds = M.pool_dataset()
+    lab, data = labelled_loader(ds, without=3)
+    x = torch.stack([lab[i][0] for i in range(len(lab))])
+    y = torch.stack([lab[i][1] for i in range(len(lab))])
+    model = M.make_mc_net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = torch.nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="active_learning_models:make_mc_net") as rec:
+            for _ in range(2):
+                for xb, yb in data:
+                    loss = rec.loss_fn(model(xb), yb)
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                M.imprint_head(model, x, y)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["params"]) == (4, "weights", ["head.weight"]), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"]) == ("weights", "head", "aten.addmm"), o
+    assert rep["cause"] == "weights", rep["cause"]
+    assert "only row(s) 3 of 4 of head.weight" in rep["hint"], rep["hint"]
+    assert "the loop wrote it between that update and step 4" in rep["hint"], rep["hint"]
+    assert "clamp the count to at least 1" in rep["hint"], rep["hint"]
+
+
 HEALTHY = [  # (factory, loss from the class weights, two model calls, bfloat16 autocast)
     ("make_mc_net", lambda w: M.class_balanced_ce(w), False, False),
     ("make_ll_net", lambda w: M.LearningLossObjective(M.LossPredLoss()), False, False),
