@@ -433,13 +433,19 @@ def compared(targets: list[torch.Tensor], outputs: list[torch.Tensor],
              sequence_first: bool) -> set[int]:
     """The sizes where the first batched root output and a loss target both may hold the
     batch: the rows the loss compares, so the samples (a graph batch's graphs, which its
-    concatenated nodes outnumber)."""
+    concatenated nodes outnumber); or the dim 1 of an output stacking copies of the batch,
+    ``(K, B, ...)`` with ``K`` no multiple of ``B`` (a deep ensemble's members, IWAE's K
+    samples), whose target is ``(B,)``."""
     at = 2 if sequence_first else 1
     out = next((t for t in outputs if _batched(t)), None)
     if out is None:
         return set()
-    return set(shape_of(out)[:at]) & {n for t in targets if _batched(t)
-                                      for n in shape_of(t)[:at]}
+    sizes = {n for t in targets if _batched(t) for n in shape_of(t)[:at]}
+    found = set(shape_of(out)[:at]) & sizes
+    if found or sequence_first or out.dim() < 2:
+        return found
+    k, n = shape_of(out)[:2]
+    return {n} if n in sizes and k % n else set()
 
 
 def infer(inputs: Iterable[torch.Tensor], others: Iterable[torch.Tensor] = (),

@@ -394,6 +394,10 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
     fn = f"the derivative of {name}" if name else "the derivative"
     if saved in ("+inf", "-inf"):
         return _saved_inf(op, name, saved, inner, still, dtype)
+    if saved == "nan" and not still:  # (outside the domain by rounding: a cancellation)
+        return Cause("precision", f"{op} used a NaN it saved in the forward, in a branch "
+                     f"masked before the output, made in {_type(dtype)} only (the step is "
+                     f"finite in float64): {DO['masked_rounding']}")
     if saved == "nan":
         # the forward ran the op outside its domain in a branch it then masked out
         return Cause("invalid", f"{op} used a NaN it saved in the forward, where the op ran "

@@ -336,6 +336,14 @@ DO = {
                      "mask on its output) still multiplies them in its backward (0 * NaN is "
                      "NaN): select the valid rows before the op (pred[mask], y[mask]) or fill "
                      "the targets first (torch.nan_to_num(y)), then mask",
+    "masked_rounding": "rounding took the op's input outside its domain where exact "
+                       "arithmetic keeps it inside (a squared distance written "
+                       "|a|^2 + |b|^2 - 2 a.b cancels below 0 for a point and itself, most "
+                       "in bfloat16/float16 under autocast): clamp the input to the domain "
+                       "before the op (sq.clamp_min(0)), compute the cancelling term outside "
+                       "autocast in float32, or use torch.cdist; masking after the op "
+                       "does not stop its gradient (torch.where, masked_fill send it through "
+                       "both branches)",
     "masked": "torch.where and masked_fill still send the gradient through both branches, "
               "so make the op's input safe before the op (torch.where(mask, x, 1)), not its "
               "output",

@@ -6,9 +6,12 @@ values holds sample ``order[r]``, not sample ``r``. The op finder named an overf
 ``exp(risk[order])`` by its row in the sorted order, a healthy sample. :class:`Reordered`
 follows such reorderings: an integer index of the batch's length along dim 0 (``x[order]``,
 ``index_select``), ``sort`` of a 1-d value of the batch's length (its values in the order of
-its indices), ``flip`` along the samples (a reverse cumulative sum), and, from them, every
-op whose inputs with the batch's rows were all reordered the same way (``exp``, ``cumsum``, ``risk - log_risk``); :meth:`Reordered.samples` turns rows
-back into samples.
+its indices), ``flip`` along the samples (a reverse cumulative sum), a slice of the samples
+(``x[:B // 2]``), and, from them, every op whose inputs with the batch's rows were all
+reordered the same way (``exp``, ``cumsum``, ``risk - log_risk``); :meth:`Reordered.samples`
+turns rows back into samples. An op over the rows in two orders pairs them: the learning-loss
+ranking's ``(pred - pred.flip(0))[:B // 2]`` holds samples ``r`` and ``B - 1 - r`` in row
+``r``, both named (one column of samples per order).
 
 A boolean mask over the samples' leading dimensions picks values out of them the same way
 (a depth loss's ``log(pred[valid])``, a segmentation loss's ``loss[labels != 255]``): row
@@ -49,7 +52,7 @@ class Reordered:
         order = self.order(t)
         if order is None or not rows:
             return rows
-        return sorted(set(order[[r for r in rows if r < len(order)]].tolist()))
+        return sorted(set(order[[r for r in rows if r < len(order)]].flatten().tolist()))
 
     def picked_rows(self, outs: list[torch.Tensor]) -> list[int] | None:
         """The samples of the non-finite rows of the first output a mask picked out of the
@@ -75,7 +78,10 @@ class Reordered:
             o = self.order(t) if isinstance(t, torch.Tensor) else None
             if (o is not None or self._rowed(t)) and not any(_same(o, f) for f in found):
                 found.append(o)
-        if len(found) != 1 or (order := found[0]) is None:
+        if len(found) > 1:  # (rows of the batch against their reordering: pairs of samples)
+            if (order := _paired(found, self._identity)) is None:
+                return
+        elif not found or (order := found[0]) is None:
             return
         for t in outs:
             if isinstance(t, torch.Tensor) and not t.is_nested and t.dim() \
@@ -94,7 +100,9 @@ class Reordered:
         if (picked := self._picked(name, args, x, n)) is not None:
             return [(outs[0], before[picked])]
         if (g := _merged_rows(name, x, outs[0], n)) is not None:
-            return [(outs[0], before.repeat_interleave(g))]
+            return [(outs[0], before.repeat_interleave(g, dim=0))]
+        if (kept := _sliced_rows(name, args, x, n)) is not None:
+            return [(outs[0], before[kept])]
         if x.dim() == 0 or x.shape[0] != n or not isinstance(outs[0], torch.Tensor) \
                 or outs[0].is_nested or outs[0].dim() == 0 or outs[0].shape[0] != n:
             return None
@@ -171,6 +179,25 @@ def _merged_rows(name: str, x: torch.Tensor, out: Any, n: int) -> int | None:
         if g > 1 and out.shape[0] == n * g:
             return g
     return None
+
+
+def _sliced_rows(name: str, args: Sequence[Any], x: torch.Tensor, n: int
+                 ) -> torch.Tensor | None:
+    """The rows of ``x`` a slice along dim 0 kept (``pairs[:B // 2]``), else None."""
+    if name != "slice" or x.dim() == 0 or x.shape[0] != n or len(args) < 2 or args[1] != 0:
+        return None
+    start, end, step = (list(args[2:5]) + [None, None, None])[:3]
+    return torch.arange(n)[slice(start, end, step)]
+
+
+def _paired(found: list[torch.Tensor | None], identity: torch.Tensor) -> torch.Tensor | None:
+    """The samples in each row of an op over several orders of the same rows (the learning
+    loss's ``pred - pred.flip(0)``: row ``r`` holds samples ``r`` and ``B - 1 - r``), one
+    column per order; None where they differ in length (a pick beside the batch)."""
+    if any(o is not None and len(o) != len(identity) for o in found):
+        return None
+    cols = [(identity if o is None else o).reshape(len(identity), -1) for o in found]
+    return torch.cat(cols, 1)
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
