@@ -110,6 +110,24 @@ def test_no_import_cycle(package):
         visit(mod, [])
 
 
+def _layout_table() -> str:
+    """The README's layout table (the rows from its header to the next heading)."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("## Layout")
+    end = text.find("\n## ", start + 1)
+    return text[start: end if end != -1 else len(text)]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_module_has_a_layout_row(package):
+    """A newcomer finds each concept from the README's layout table: every module of the
+    package is named there (as `package/module.py`), so a module added without its row fails."""
+    table = _layout_table()
+    missing = [f"{package}/{name}" for name in _modules(package)
+               if not name.startswith("__") and f"`{package}/{name}`" not in table]
+    assert not missing, f"modules with no row in README.md's layout table: {missing}"
+
+
 def test_the_checks_catch_what_they_look_for(tmp_path, monkeypatch):
     """Control: a package breaking every limit is caught by each check."""
     bad = tmp_path / "badpkg"
