@@ -8,7 +8,11 @@ and NLP: a mask of the other convention (1 = keep: Hugging Face's ``attention_ma
 ``pixel_mask``) passed as a padding mask, which masks every sample without padding whole.
 :func:`masked_whole_hint` names the argument (read on one forward of the origin's call); or
 the padding mask and the attention mask that leave some query positions no key together
-(a causal mask over left-padded sequences: the padded positions before a sample's first item).
+(a causal mask over left-padded sequences: the padded positions before a sample's first item);
+or, in a module called once per decoding step, a mask that left those samples positions open
+at the module's first call and grew to cover them (a pointer network's positions already
+chosen, beside the padding of a sample shorter than the batch's longest, decoded past its
+length): not a convention, no empty sample.
 """
 
 from __future__ import annotations
@@ -33,19 +37,42 @@ def masked_whole_hint(runner: Runner, origin, hint: str | None, rows) -> str | N
         module = runner.model.get_submodule(origin.module or "")
     except AttributeError:
         return None
-    named = _call_arguments(runner, origin, module)
+    named, first = _call_arguments(runner, origin, module)
     for name, t in named.items():
         if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.is_floating_point() \
                 or max(rows) >= t.shape[0] or bool(((t != 0) & (t != 1)).any()):
             continue
         whole = t[rows].flatten(1).all(1)
         if bool(whole.all()) and not bool(t.flatten(1).all(1).all()):
+            if grown := _grown(hint, name, t, first.get(name), rows, origin.call):
+                return grown
             return (f"{hint}; {name} is True (masked) at every position of samples {rows}, "
                     "and not of the others: if those samples hold no padding, the mask has "
                     "the other convention (1 = keep: Hugging Face's attention_mask and "
                     "pixel_mask) and must be inverted (~mask.bool()); if they are padding "
                     "only (an empty image or sequence), leave them out of the batch")
     return _masked_together(hint, named, rows)
+
+
+def _grown(hint: str, name: str, t: torch.Tensor, first, rows, call: int) -> str | None:
+    """``hint`` with the mask ``name`` of a later call of the module (``call``) that covers
+    every position of ``rows`` where its value at the module's first call (``first``) left
+    each of them some positions open and masked nothing it no longer masks: a decoding loop's
+    mask of the positions already chosen, grown past a shorter sample's length; else None."""
+    if not call or not isinstance(first, torch.Tensor) or first.shape != t.shape:
+        return None
+    was, now = first.bool()[rows].flatten(1), t.bool()[rows].flatten(1)
+    if bool(was.all(1).any()) or bool((was & ~now).any()):
+        return None
+    open_ = sorted({int(n) for n in (~was).sum(1)})
+    return (f"{hint}; {name} grew over the calls of this module in one forward: at its first "
+            f"call it left samples {rows} {' or '.join(map(str, open_))} position(s) open, by "
+            f"call {call} none (a decoding loop masking the positions already chosen, beside "
+            "the padding of samples shorter than the batch's longest: decoded past their "
+            "length, not a mask of the other convention nor an empty sample): stop decoding "
+            "each sample at its own length (leave a position open, or an end-of-sequence "
+            "position, at its later steps, whose outputs the loss ignores), or mask with "
+            "torch.finfo(dtype).min instead of -inf")
 
 
 def _masked_together(hint: str, named: dict, rows) -> str | None:
@@ -77,19 +104,24 @@ def _masked_together(hint: str, named: dict, rows) -> str | None:
     return None
 
 
-def _call_arguments(runner: Runner, origin, module) -> dict:
-    """The origin call's arguments by parameter name (one forward, stopped there)."""
-    state: dict = {"calls": 0, "named": {}}
+def _call_arguments(runner: Runner, origin, module) -> tuple[dict, dict]:
+    """The origin call's arguments by parameter name, and the module's first call's (in the
+    origin's micro-batch; tensors copied: the loop may write a mask in place), from one
+    forward, stopped at the origin's call."""
+    state: dict = {"calls": 0, "named": {}, "first": {}}
 
     def pre(m, args, kwargs):
         if runner.micro_batch != origin.micro_batch:
             return
+        try:
+            named = dict(inspect.signature(m.forward).bind(*args, **kwargs).arguments)
+        except TypeError:
+            named = dict(kwargs)
+        if state["calls"] == 0:
+            state["first"] = {n: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                              for n, v in named.items()}
         if state["calls"] == origin.call:
-            try:
-                state["named"] = dict(inspect.signature(m.forward).bind(*args, **kwargs)
-                                      .arguments)
-            except TypeError:
-                state["named"] = dict(kwargs)
+            state["named"] = named
             raise StopRun
         state["calls"] += 1
 
@@ -97,5 +129,5 @@ def _call_arguments(runner: Runner, origin, module) -> dict:
         runner.run(backward=False, instrument=False, hooks=lambda model: [
             module.register_forward_pre_hook(pre, with_kwargs=True)])
     except Exception:  # (the arguments help the hint; the hint stands without them)
-        return {}
-    return state["named"]
+        return {}, {}
+    return state["named"], state["first"]

@@ -131,7 +131,7 @@ def _eps_why(step: Step, own: list[dict], params: list[str], made: str | None) -
     +inf, which its m = 0 then made NaN), or an eps that the weights' dtype rounds to 0
     (Adafactor's eps1 squared)."""
     if "nan" in (made, step.event.get("kind")) and any(g.get("eps") == 0 for g in own):
-        return eps0_text((step.meta.get("optimizer") or {}).get("class", ""))
+        return eps0_text((step.meta.get("optimizer") or {}).get("class", ""), own)
     return eps_lost_text(step, own, params)
 
 

@@ -18,10 +18,13 @@ WHOLE_SLICES = (
 def whole_slices(t: torch.Tensor | None, d: int | None) -> str:
     """``t``'s non-finite (sample, index of the dim after ``d``) slices as text when they are
     non-finite throughout and no sample is non-finite as a whole ("" otherwise: a record bad
-    throughout, a few scattered values, a tensor of fewer than 3 dims)."""
+    throughout, a few scattered values, a tensor of fewer than 3 dims, slices of one value
+    each: a sorting instance's ``(B, N, 1)`` numbers, where one missing number is no slice)."""
     if t is None or d is None or t.dim() < 3 or not t.is_floating_point():
         return ""
     x = t.detach().movedim(d, 0)
+    if x[0, 0].numel() < 2:
+        return ""
     bad = ~torch.isfinite(x.reshape(x.shape[0], x.shape[1], -1))
     full, some = bad.all(-1), bad.any(-1)
     rows = some.any(1)
