@@ -94,7 +94,9 @@ def test_float32_points_near_the_origin_round_the_distance_argument_to_1(out_dir
 def test_a_lorentz_distance_of_a_point_to_itself_rounds_below_1(out_dir):
     """The Lorentz model in float32: -<x, x>_L = (1 + |v|^2) - |v|^2 rounds below 1 for the
     anchor sampled as its own negative, acosh NaN in the forward (float64 has 1). The hint
-    was the generic 'numerically stable formula ... or clamp to the domain'."""
+    was the generic 'numerically stable formula ... or clamp to the domain'. Where it rounds
+    to exactly 1 instead (the CPU's rounding decides: the test computes it as the model does),
+    the forward is finite and acosh's infinite derivative there is the backward origin."""
     model = G.make_lorentz()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(0)
@@ -110,9 +112,16 @@ def test_a_lorentz_distance_of_a_point_to_itself_rounds_below_1(out_dir):
     x0 = torch.sqrt(1 + (v * v).sum(-1))
     arg = x0[:, :1] * x0[:, 1:] - (v[:, :1] * v[:, 1:]).sum(-1)
     rows = (arg < 1).any(1).nonzero().flatten().tolist()
-    assert rows and info.value.event["step"] == 0
+    assert info.value.event["step"] == 0
     rep = nanreplay_json(info.value.bundle_path)
-    assert _origin(rep) == (0, "forward", "", "aten.acosh", rows, "precision"), rep["origin"]
+    if rows:  # (MKL on the AMD EPYC: the point's distance to itself rounds below 1)
+        assert _origin(rep) == (0, "forward", "", "aten.acosh", rows, "precision"), \
+            rep["origin"]
+    else:  # (on this Intel Xeon it rounds to exactly 1: acosh is 0, its derivative infinite)
+        at_one = (arg == 1).any(1).nonzero().flatten().tolist()
+        assert at_one, arg.min()
+        assert _origin(rep) == (0, "backward", "", "AcoshBackward0", at_one, "invalid"), \
+            rep["origin"]
     assert ACOSH_ADVICE in rep["hint"] and "Lorentz" in rep["hint"], rep["hint"]
 
 
