@@ -188,8 +188,9 @@ def with_empty_groups(hint: str | None, cause: str | None, hit,
         return (f"{hint}; but here it divides a total per group by the group's count, both "
                 "sums over the batch of a 0/1 membership matrix (one-hot groups or classes: a "
                 "mean per group written by hand, a group's positive rate), and the count is 0 "
-                f"at group(s) {groups[:8]}: no record of the batch is in them. No sample is to "
-                "blame, and a floor (count.clamp_min(1)) or an eps would make those groups' "
+                f"at group(s) {groups[:8]}: no record of the batch has a 1 there (a group absent "
+                "from the batch; under equalised odds, a group with no positive label). No "
+                "sample is to blame, and a floor (count.clamp_min(1)) or an eps would make those groups' "
                 "means 0 in silence (a penalty comparing the groups' means then pulls the "
                 "others toward 0): leave the empty groups out of the term (count > 0), or make "
                 "the sampler put members of every group in each batch")

@@ -116,6 +116,21 @@ def test_positive_rate_of_a_group_absent_from_the_batch_says_leave_it_out(tmp_pa
     assert "fixed class weights" not in hint, hint
 
 
+def test_true_positive_rate_of_a_group_with_no_positive_under_a_zero_multiplier(tmp_path):
+    """Equalised odds' true-positive rate per group, positives of a group over their count:
+    group 0 of the first batch has no positive label, 0/0. The Lagrange multipliers start at
+    0, and their product with the violations keeps the NaN: the hint names that 0 as a
+    coefficient, not a mask whose entries the loss meant to leave out."""
+    (step, phase), rep = fire("make_logreg", M.LagrangianLoss(floor=False), tmp_path)
+    assert (step, phase) == (0, "loss")
+    assert origin_of(rep) == (True, "<loss>", "aten.div", "nan", []), rep["origin"]
+    assert rep["origin"]["source"] == line_of("tpr = (p[:, None] * positives).sum(0)")
+    assert rep["cause"] == "invalid", rep
+    hint = rep["hint"]
+    assert "group(s) [0]" in hint and "no positive label" in hint, hint
+    assert "coefficient of 0" in hint and "mask's 0" not in hint, hint
+
+
 def test_root_of_squared_parity_gaps_at_zero_init_is_a_backward_pole(tmp_path):
     """Logistic regression started at zero weights: every group's rate is 0.5, the gaps are
     exactly 0, and ``sqrt`` of their sum of squares has an infinite derivative there: the
