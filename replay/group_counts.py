@@ -14,6 +14,12 @@ Code counts over the batch and divides by the count in two ways, told apart by w
   0). A group the batch holds no element of has a count of 0 and a mean of 0/0; an eps would
   make that group's term 0 in silence (a region's integral of 0 lets its intensity grow
   without bound): leave the empty groups out, or give every group members.
+- a mean per group or class written with a one-hot membership matrix, whatever it encodes
+  (the labels or a sensitive attribute): ``(p[:, None] * onehot).sum(0) / onehot.sum(0)``, a
+  group's positive rate under a demographic-parity penalty. The numerator is a total over the
+  same membership, so the quotient is 0/0 at a group absent from the batch: no fixed weight
+  from the training set applies, and a floor makes that group's mean 0 in silence: leave the
+  empty groups out.
 
 :class:`GroupCounts` watches the ops (fed by :class:`~replay.lineage.Lineage`) for such counts,
 as they are, converted, viewed or multiplied by a positive number, and for the first pole op
@@ -58,6 +64,7 @@ class Found(NamedTuple):
     pole: str  # aten.NAME: the pole op that went non-finite at a count of 0
     count: Count
     groups: list[int]  # the entries along the count's first dim that are 0
+    mean: bool = False  # its numerator a total over a 0/1 membership matrix: a mean per group
 
 
 class GroupCounts:
@@ -65,6 +72,9 @@ class GroupCounts:
         self._made = TensorMarks()  # a Count per value the step counted
         self.found: Found | None = None
         self._learned = learned  # whether a tensor is on the model's graph (no label)
+        # 0/1 membership matrices a count summed; values masked by one ("masked"), their
+        # sums over the batch ("total")
+        self._members = TensorMarks()
 
     def track(self, name: str, args, out) -> None:
         if self.found is not None or not args or not isinstance(out, torch.Tensor):
@@ -72,7 +82,10 @@ class GroupCounts:
         count = self._counted(name, args, out)
         if count is not None:
             self._made.put(out, count)
+            if name == "sum" and count.op == "sum" and _over_batch(args):
+                self._members.put(args[0], "member")
             return
+        self._masked(name, args, out)
         at = _POLES.get(name.rstrip("_"))
         if at is None or len(args) <= at or not isinstance(x := args[at], torch.Tensor) \
                 or (count := self._made.get(x)) is None:
@@ -85,7 +98,17 @@ class GroupCounts:
             # (the groups along the first dim: ``count[:, None]`` broadcast over features)
             groups = torch.nonzero((x == 0).reshape(x.shape[0], -1).any(1)).flatten().tolist() \
                 if x.dim() else []
-            self.found = Found(f"aten.{name}", count, groups)
+            mean = at == 1 and self._members.get(args[0]) == "total"
+            self.found = Found(f"aten.{name}", count, groups, mean)
+
+    def _masked(self, name: str, args, out) -> None:
+        """Mark ``out`` when it multiplies by a membership matrix (``p[:, None] * onehot``) or
+        sums such a product over the batch (dim 0: a total per group)."""
+        marks = [self._members.get(a) for a in args[:2] if isinstance(a, torch.Tensor)]
+        if name == "mul" and "member" in marks:
+            self._members.put(out, "masked")
+        elif name == "sum" and marks[:1] == ["masked"] and _over_batch(args):
+            self._members.put(out, "total")
 
     def _counted(self, name: str, args, out) -> Count | None:
         """The count ``out`` is, if the op counted or carried one."""
@@ -126,6 +149,11 @@ class GroupCounts:
         return t[0] if len(t) == 1 and len(k) == 1 and bool(torch.as_tensor(k[0]) > 0) else None
 
 
+def _over_batch(args) -> bool:
+    """A ``sum`` op's ``args`` sum over dim 0 (the batch), keeping another dim."""
+    return len(args) > 1 and 0 in ([args[1]] if isinstance(args[1], int) else args[1] or ())
+
+
 def _zero_one(x) -> bool:
     """``x`` is a 0/1 matrix (an adjacency, a membership or mask matrix): its row sums are
     counts. One with no 1 at all is no evidence of one: Gaussian kernels whose exp underflowed
@@ -138,7 +166,7 @@ def class_counts_hint(watch: GroupCounts | None, cause: str | None, hit) -> str 
     """The hint for ``hit`` when ``watch`` saw it take a count per class of 0; else None."""
     found = watch and watch.found
     if not found or not found.count.labels or cause != "invalid" or hit is None \
-            or found.pole != hit.op or hit.rows:
+            or found.pole != hit.op or hit.rows or found.mean:
         return None  # (a count per sample, a graph's nodes under mean pooling: its record)
     return (f"{hit.op} {PER_CLASS} (bincount, histc, one-hot or soft labels summed over the "
             "batch), 0 for a class absent from the batch (no pixel, token or record of it in "
@@ -153,10 +181,21 @@ def with_empty_groups(hint: str | None, cause: str | None, hit,
     """``hint``, for a division by a per-group accumulation that is 0 at some groups."""
     found = watch and watch.found
     if hint is None or not found or cause != "invalid" or hit is None or POSITIVES in hint \
-            or hit.op.removeprefix("aten.").rstrip("_") not in _DIVISIONS \
-            or found.count.op not in _ACCUMULATE and found.count != Count("sum", False):
+            or hit.op.removeprefix("aten.").rstrip("_") not in _DIVISIONS:
         return hint
     op, groups = found.count.op, found.groups
+    if found.mean and not hit.rows:
+        return (f"{hint}; but here it divides a total per group by the group's count, both "
+                "sums over the batch of a 0/1 membership matrix (one-hot groups or classes: a "
+                "mean per group written by hand, a group's positive rate), and the count is 0 "
+                f"at group(s) {groups[:8]}: no record of the batch has a 1 there (a group absent "
+                "from the batch; under equalised odds, a group with no positive label). No "
+                "sample is to blame, and a floor (count.clamp_min(1)) or an eps would make those groups' "
+                "means 0 in silence (a penalty comparing the groups' means then pulls the "
+                "others toward 0): leave the empty groups out of the term (count > 0), or make "
+                "the sampler put members of every group in each batch")
+    if op not in _ACCUMULATE and found.count != Count("sum", False):
+        return hint
     if op == "sum" and hit.rows and hit.rows == groups:  # (its rows the batch's samples)
         return (f"{hint}; but here the divisor is each sample's sum of its 0/1 weights (a "
                 f"count of its valid entries), 0 in sample(s) {groups[:8]}: they have no valid "

@@ -27,6 +27,7 @@ from .loss_args import loss_args
 from .masked_product import nan_times_zero
 from .rerun import Runner
 from .source import user_source
+from .zero_coefficient import ZERO_COEFFICIENT, zero_coefficient
 
 # the degenerate-record advice of an op on data alone, replaced here as written (not once
 # replay.edge_probability has made it a propensity's)
@@ -127,6 +128,9 @@ def masked_after_hint(report: dict[str, Any], step: Step) -> None:
         else hint.rstrip(".")
     op, source = watch.masked
     at = f" ({source})" if source else ""
+    if zero_coefficient(watch.factors, step.loss_fn):  # (a multiplier at 0: no mask)
+        report["hint"] = hint.rstrip(".") + ZERO_COEFFICIENT.format(op=op, at=at)
+        return
     rows, size = o.get("samples") or [], o.get("batch_size") or 0
     if any(_empty_rows(t, rows, size) for t in watch.factors):
         which = ",".join(str(r) for r in rows)

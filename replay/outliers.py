@@ -88,9 +88,12 @@ def outlier_rows(step: Step, mb: int, factor: float = FACTOR,
 def _row_magnitudes(step: Step, mb: int, skip: frozenset[str] = frozenset()):
     """(bundle key, readable name, each sample's largest magnitude, NaN as +Inf) of the
     floating tensors of micro-batch ``mb`` that have a sample dimension, but those in
-    ``skip``: model inputs, then loss arguments."""
+    ``skip`` and those of 0/1 values only (a row of 1 above rows of 0 is a class, not a
+    record out of scale): model inputs, then loss arguments."""
     where = samples(step, mb) if mb < len(step.micro_batches) else None
     for key, name, missing, a in row_values(step, mb, skip):
+        if bool(((a == 0) | (a == 1)).all()):
+            continue  # (binary labels, a mask, one-hot groups: categories, no magnitude)
         a = a.abs()
         per = torch.nan_to_num((torch.nan_to_num(a, nan=0.0) if missing else a).amax(1),
                                nan=math.inf)
