@@ -318,3 +318,33 @@ def make_seft_scaled(scale: float = 1.0):
     with torch.no_grad():
         model.time.linear.weight.fill_(scale)
     return model
+
+
+class Standardise(nn.Module):
+    """The training set's per-variable mean and std as buffers, applied to the charted
+    values inside the model (the uncharted ones set to 0, the mean after standardising)."""
+
+    def __init__(self, n_vars: int = N_VARS):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(n_vars))
+        self.register_buffer("std", torch.ones(n_vars))
+
+    def forward(self, raw, m):
+        return torch.where(m.bool(), (raw - self.mean) / self.std, 0.0)
+
+
+class StandardisedGRUD(nn.Module):
+    """GRU-D fed the raw charted values through :class:`Standardise`."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = Standardise()
+        self.grud = GRUD()
+
+    def forward(self, raw, m, delta, x_last, length):
+        return self.grud(self.norm(raw, m), m, delta, x_last, length)
+
+
+def make_grud_standardised():
+    torch.manual_seed(0)
+    return StandardisedGRUD()

@@ -223,6 +223,40 @@ def test_training_mean_of_a_never_charted_variable_is_named_as_the_buffer(tmp_pa
     assert "buffer x_mean" in rep["hint"] and "0/0" in rep["hint"], rep["hint"]
 
 
+def test_zero_training_std_inside_the_model_names_the_buffer_not_a_masked_branch(tmp_path):
+    """The training set's std kept in the model, 0 for creatinine (charted once there): the
+    charted creatinine of samples 0, 2, 4, 5 and 7 divided by it is +-inf, selected by the
+    ``torch.where`` of the charted entries, and saturates the GRU cell's gates; the cell's
+    weight gradient is NaN. The replay names that node, then the division and the buffer's
+    zero entry; it used to give the generic eps and 'torch.where and masked_fill still send
+    the gradient through both branches', though no mask dropped the infinity."""
+    def train(out_dir):
+        model = M.make_grud_standardised()
+        g = torch.Generator().manual_seed(0)
+        x, m, _, _ = M.simulate_stays(g, 16)
+        mean, std = M.training_stats(x, m)
+        model.norm.mean.copy_(mean)
+        model.norm.std.copy_(std.index_fill(0, torch.tensor([5]), 0.0))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        with FlightRecorder(model, opt, loss_fn=M.ClinicalLoss(), out_dir=out_dir,
+                            factory=f"{FACTORY}:make_grud_standardised") as rec:
+            for b in stays():
+                out = model(b["raw"], b["mask"], b["delta"], b["last"], b["length"])
+                loss = rec.loss_fn(out, b["died"], b["los"])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+
+    ev, rep = fire(train, tmp_path)
+    assert (ev["step"], ev["phase"]) == (0, "backward"), ev
+    assert origin_of(rep)[:5] == (True, "backward", "grud.cell", "AddmmBackward0", "nan"), rep
+    assert rep["cause"] == "invalid", rep
+    hint = rep["hint"]
+    assert line_of("(raw - self.mean) / self.std") in hint, hint
+    assert "the divisor is the buffer norm.std" in hint and "0 at entry 5" in hint, hint
+    assert "both branches" not in hint, hint
+
+
 def test_healthy_grud_raises_nothing_and_trains_bit_identically(tmp_path):
     """The healthy GRU-D run: no event, and the same weights with and without the
     recorder."""
