@@ -19,14 +19,17 @@ import torch
 _LOGS = {"log", "log2", "log10"}
 _DIVIDES = {"div", "true_divide", "divide"}
 
+# (said by both texts: the data's 0 is a true value, no record to filter: replay.zero_records)
+ORDINARY = "is an ordinary record"
 LOG = ("what it took there was computed from the batch's data alone and holds whole numbers "
-       ">= 0 (counts: reads per region or bin, events), 0 at the samples named: a count of 0 "
-       "is an ordinary record (a region with no read in that track), not a degenerate one, so "
+       ">= 0 (counts: reads per region or bin, events, a stay's whole days), 0 at the samples "
+       f"named: a count of 0 {ORDINARY} (a region with no read in that track, a discharge on "
+       "the day of admission), not a degenerate one, so "
        "don't drop it: take the log with a pseudo-count, torch.log1p(count) (log(1 + count), "
        "as a count head's target is) or log(count + c) on both sides of the loss")
 NORMALISED = ("it divided counts the batch carries (whole numbers >= 0: reads per position, "
               "events) by their total, which is 0 at the samples named: a row with no count "
-              "(a region with no read in that track) is an ordinary record, not a degenerate "
+              "(a region with no read in that track) " + ORDINARY + ", not a degenerate "
               "one: divide by total.clamp_min(1), which leaves its normalised counts all 0 so "
               "that its terms drop out of the loss, or mask such rows out of that term")
 

@@ -114,7 +114,8 @@ def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
 
 def _saved_value_maker(runner: Runner, mb: int, node: str | None, saved: str,
                        in_loss: bool = False):
-    """(op, cause) of the forward op that made the first non-finite value of micro-batch
+    """(op, cause, whether its divisor is a buffer held at 0: :mod:`replay.held_divisor`) of
+    the forward op that made the first non-finite value of micro-batch
     ``mb`` from finite inputs (a log of 0 whose -inf a tanh then saturated; a rotary cache's
     NaN that CPU attention dropped from its output), which backward ``node`` saved as
     ``saved``: that op, not the node, is where the value started. None when no op made one
@@ -132,14 +133,19 @@ def _saved_value_maker(runner: Runner, mb: int, node: str | None, saved: str,
         if found is None or (saved == "nan" and _own(node, found[0])):
             return None
         found[1].hint = self_pair_hint(found[1].hint, found[1].name, found[0])
-        return found
+        return found[0], found[1], False
     if hit is None or hit.intentional or not (hit.inputs_finite or hit.from_mask) \
             or (hit.made == "nan" and saved != "nan") or _own(node, hit):
         return None
     cause = classify(runner, "forward", ("", 0, mb), hit=hit)
     cause.hint = raw_pole_hint(finder.lineage and finder.lineage.raw, cause.name, hit) or \
         self_pair_hint(cause.hint, cause.name, hit)
-    return hit, cause
+    # (a training set's std kept as a buffer, 0 for a variable constant there: its infinity
+    # went on into a gate that saturated; every sample divides by it, no mask is the fix)
+    bufs = [*runner.model.named_buffers(), *loss_buffers(runner.step.loss_fn)]
+    held = held_divisor_hint(cause.hint, cause.name, finder, hit, bufs)
+    cause.hint = held or cause.hint
+    return hit, cause, held is not None
 
 
 def _own(node: str | None, hit) -> bool:
@@ -415,13 +421,14 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
     maker = None if b.saved is None else \
         _saved_value_maker(runner, b.micro_batch or 0, b.node, b.saved, b.module == "<loss>")
     if maker is not None:
-        hit, cause = maker
+        hit, cause, held = maker
         origin["samples"] = origin["samples"] or hit.rows or []
         origin["chain"] = [hit.as_json(), *origin["chain"]]
         hint = (f"{b.node} multiplied a {label(b.saved)} it saved in the forward, made by "
                 f"{hit.op} at {hit.source} and carried without a non-finite output "
                 f"(saturated, masked or dropped); there: {cause.hint}")
-        hint = with_masked_pole(hint, hit.op, hit.made, cause.name, b.node or "")
+        hint = hint if held else with_masked_pole(hint, hit.op, hit.made, cause.name,
+                                                  b.node or "")
         return finish(report, origin, cause.name, reproduced=reproduced, hint=hint)
     if b.saved == "nan" and allowed_nan_held(runner.step):
         # no op made it: a missing value of an allow_nan input, masked after it was used

@@ -88,12 +88,12 @@ def outlier_rows(step: Step, mb: int, factor: float = FACTOR,
 def _row_magnitudes(step: Step, mb: int, skip: frozenset[str] = frozenset()):
     """(bundle key, readable name, each sample's largest magnitude, NaN as +Inf) of the
     floating tensors of micro-batch ``mb`` that have a sample dimension, but those in
-    ``skip`` and those of 0/1 values only (a row of 1 above rows of 0 is a class, not a
-    record out of scale): model inputs, then loss arguments."""
+    ``skip`` and those of 0/1 values alone (:func:`_binary`): model inputs, then loss
+    arguments."""
     where = samples(step, mb) if mb < len(step.micro_batches) else None
     for key, name, missing, a in row_values(step, mb, skip):
-        if bool(((a == 0) | (a == 1)).all()):
-            continue  # (binary labels, a mask, one-hot groups: categories, no magnitude)
+        if _binary(a):
+            continue
         a = a.abs()
         per = torch.nan_to_num((torch.nan_to_num(a, nan=0.0) if missing else a).amax(1),
                                nan=math.inf)
@@ -102,6 +102,14 @@ def _row_magnitudes(step: Step, mb: int, skip: frozenset[str] = frozenset()):
             ids = where.segments.ids.to(per.device)
             per = per.new_zeros(where.size).scatter_reduce(0, ids, per, "amax")
         yield key, name, per
+
+
+def _binary(a: torch.Tensor) -> bool:
+    """Whether every value of ``a`` is 0 or 1 (NaN aside): a label, a mask, an indicator (a
+    stay's mortality, the one death of the batch): its values are classes, not magnitudes, so
+    a row of 1 among rows of 0 is no record out of scale."""
+    a = a[~a.isnan()]
+    return bool(((a == 0) | (a == 1)).all())
 
 
 def row_values(step: Step, mb: int, skip: frozenset[str] = frozenset()):

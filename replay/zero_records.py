@@ -8,7 +8,8 @@ between the bins and a LiDAR frame with no point averages over none (0/0). The o
 (clamp its input, an eps) would train on a record holding nothing; the hint names the
 tensor and the samples, so the user fixes or filters the record where the data is made. Non-negative data of several
 entries a sample (counts) is :mod:`replay.empty_counts`', 0/1 masks
-:mod:`replay.empty_records`'; a hint that names the data already gains nothing here. At a
+:mod:`replay.empty_records`'; a hint that names the data already, or says its 0 is a true value (a count of 0:
+:mod:`replay.data_counts`, a stay's whole days), gains nothing here. At a
 0/0 only the loss's data is looked at: a model input's blank row divided by its own spread
 (``(x - mean) / std``) is a normaliser's, which an eps fixes. Where the op's own eps was set to
 0 (``log(q + c)`` with ``c = 0``, NSE*'s ``1 / (std + eps)^2`` with ``eps = 0``), the code meant
@@ -24,6 +25,7 @@ import torch
 
 from recorder.capture import loss_path
 
+from .data_counts import ORDINARY
 from .drop import undroppable
 from .empty_counts import root_inputs
 from .empty_records import zero_rows
@@ -32,8 +34,10 @@ from .recorded import samples
 from .unlabelled_rows import label_flag, unlabelled_hint
 
 # (the data is named already, or said to be none of a record's)
+# (or its 0 said to be a true value: a count of 0, replay.data_counts)
 _SAID = ("Sample(s) ", "sample(s) ", "nothing is to drop", "--try drop=",
-         "exactly 0 at the samples named", "exactly 0 in the samples named")  # (a ridge's)
+         "exactly 0 at the samples named", "exactly 0 in the samples named",  # (a ridge's)
+         ORDINARY)
 _ZERO_BY_ZERO = "of 0 by 0 (0/0)"  # (a division's, replay.cause_text)
 _GUARD_OFF = "so it guarded nothing"  # (replay.lost_eps: the op's eps is 0, or lost in its type)
 
