@@ -1,5 +1,5 @@
 """End to end on neural topic models (``topic_models_models``): ProdLDA (AVITM's logistic-normal
-VAE with batch-normed decoder), NVDM with a KL-annealing weight passed to ``forward``, the
+VAE with batch-normed decoder), a Dirichlet VAE (``Dirichlet.rsample``), NVDM with a KL-annealing weight passed to ``forward``, the
 embedded topic model given the normalised bags of words, trained with Adam and gradient
 clipping over a DataLoader of documents. Each planted failure of the domain fires under the
 recorder and is replayed with the CLI; the healthy versions raise no event and train
@@ -55,6 +55,8 @@ def train(make: str, out_dir, data, plant=None, loss=None, lr: float = 2e-3, ste
                 value = loss_fn(model(bow, 1.0), bow)
             elif make == "make_nvdm":
                 value = loss_fn(model(bow, min(1.0, step / 4)))
+            elif make.startswith("make_dvae"):
+                value = loss_fn(*model(bow), bow)
             else:
                 nb = normalise(step) if normalise else bow / bow.sum(1, keepdim=True)
                 value = model(bow, nb)
@@ -171,6 +173,28 @@ def test_prodlda_in_float16_with_adams_eps_names_the_optimizer(tmp_path):
     assert (ev["step"], ev["phase"]) == (0, "optimizer"), ev
     assert rep["cause"] == "optimizer", rep
     assert "eps=1e-08 is 0 in float16" in rep["hint"] and "en1.weight" in rep["hint"], rep
+
+
+def test_dirichlet_vae_learned_prior_stepped_below_0_names_the_parameter(tmp_path):
+    """A Dirichlet VAE whose prior concentration is learned as is (``nn.Parameter``, used
+    in ``Dirichlet(self.prior_alpha)``), Adam at lr=0.5 over three epochs: the update before
+    step 6 moves entry 0 to -0.19 and the distribution's check raises. The report said
+    "4 value(s) refused, from -0.19 to ..." (the whole vector the independent constraint
+    checks, its positive entries too) and named no parameter; now it names entry 0 alone
+    and the parameter ``prior_alpha`` as the optimizer left it, with its parametrization."""
+    with pytest.raises(ValueError) as info:
+        train("make_dvae_learned_prior", tmp_path, M.corpus().repeat(3, 1), loss=M.dvae_loss,
+              lr=0.5, steps=18)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    rep = nanreplay_json(notes.split("Bundle: ")[1].split(";")[0])
+    assert rep["event"]["step"] == 6, rep["event"]
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["param"], o["made"]) == (
+        True, "invalid", "", "prior_alpha", "-0.19"), rep
+    assert o["source"] == line_of("kl = q.log_prob(theta) - Dirichlet(self.prior_alpha)")
+    hint = rep["hint"]
+    assert "value(s) refused" not in hint and "(prior_alpha[0] = -0.19)" in hint, hint
+    assert "parameter 'prior_alpha' itself" in hint and "F.softplus(raw_alpha)" in hint, hint
 
 
 @pytest.mark.parametrize("make,loss", [("make_nvdm", M.nvdm_loss),

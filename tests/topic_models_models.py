@@ -101,12 +101,16 @@ def make_nvdm():
 
 
 class DirichletVAE(nn.Module):
-    def __init__(self, prior_alpha: float = 0.1):
+    def __init__(self, prior_alpha: float = 0.1, learn_prior: bool = False):
         super().__init__()
         self.encoder = nn.Sequential(nn.Linear(VOCAB, HIDDEN), nn.Softplus())
         self.alpha_fc = nn.Linear(HIDDEN, TOPICS)
         self.beta = nn.Linear(TOPICS, VOCAB, bias=False)
-        self.register_buffer("prior_alpha", torch.full((TOPICS,), prior_alpha))
+        alpha = torch.full((TOPICS,), prior_alpha)
+        if learn_prior:  # (the prior's concentration learned with the rest, as is)
+            self.prior_alpha = nn.Parameter(alpha)
+        else:
+            self.register_buffer("prior_alpha", alpha)
 
     def forward(self, bow):
         alpha = F.softplus(self.alpha_fc(self.encoder(bow))) + 1e-3
@@ -124,6 +128,11 @@ def dvae_loss(log_recon, kl, bow):
 def make_dvae():
     torch.manual_seed(0)
     return DirichletVAE()
+
+
+def make_dvae_learned_prior():
+    torch.manual_seed(0)
+    return DirichletVAE(prior_alpha=1.0, learn_prior=True)
 
 
 class ETM(nn.Module):
