@@ -27,6 +27,7 @@ from recorder.samples import Samples
 from .below_one import BelowOneNodes
 from .copied_rows import CopiedRow, copied_row
 from .exp_factor import huge_exp_factor
+from .exp_forms import exp_form
 from .factors import at_tie
 from .folded_grads import FoldedGrads
 from .fractional_power import fractional_power_at_zero
@@ -75,6 +76,7 @@ class BackwardOrigin:
     # underflowed (see :func:`from_positive`)
     positive_input: bool = False
     exp_of: torch.Tensor | None = None  # the parameter whose exp that input is (log_std)
+    exp_form: str | None = None  # sqrt(exp(x)) as exp(0.5 * x) (replay.exp_forms)
     exp_factor: float | None = None  # a product's huge saved factor from exp (exp_factor)
     fractional_power: tuple[float, int, bool] | None = None  # |w| ** 0.5 at w = 0
     steep_power: float | None = None  # x ** 40's exponent (replay.power_grad)
@@ -343,6 +345,7 @@ def _record(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
     found.scalar_pole = scalar_at_pole(node, saved_tensors(node))
     found.positive_input = from_positive(node)
     found.exp_of = _exp_of(node)
+    found.exp_form = exp_form(node)
     found.exp_factor = huge_exp_factor(node)
     found.fractional_power = fractional_power_at_zero(node)
     found.steep_power = steep_power(node)

@@ -24,6 +24,7 @@ from .derived_args import derived_arg_report
 from .dropped_grads import finite_params_note
 from .empty_mask import loss_reproduced
 from .exp_factor import exp_factor_hint
+from .exp_forms import exp_form_hint
 from .findings import finish, origin_fields
 from .forward import find_op_in_call, with_param_advice
 from .forward_grad import derivative_words, with_node
@@ -154,6 +155,14 @@ def _own(node: str | None, hit) -> bool:
     return bool(own) and own.group(1).lower() == hit.op.rpartition(".")[2].strip("_").lower()
 
 
+def node_hints(b, cause) -> str:
+    """``cause``'s hint for backward origin ``b``, worded by what its node saved (a pole, an
+    exp's huge factor, a fractional power at 0, an exp's 0 with an exponent form)."""
+    for worded in (pole_hint, exp_factor_hint, fractional_power_hint, exp_form_hint):
+        cause.hint = worded(b, cause)
+    return cause.hint
+
+
 def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     mb = run.loss_micro_batches[run.loss_finite.index(False)]
     if (found := node_in_loss(step, runner, mb)) is not None:  # the model's backward, there
@@ -164,9 +173,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
                          underflowed=b.positive_input, dtype=b.dtype)
         cause = recause(cause, b.node, b.copied, dict(runner.model.named_parameters()))
         cause = below_one.recause(cause, b.node, b.complement, b.saved_zero)
-        cause.hint = pole_hint(b, cause)
-        cause.hint = exp_factor_hint(b, cause)
-        cause.hint = fractional_power_hint(b, cause)
+        cause.hint = node_hints(b, cause)
         return finish(report, {**_backward_fields(b), "phase": "loss"}, cause.name,
                       reproduced=step.event.get("phase") == "loss", hint=cause.hint)
     # (a graph kept for the loss's autograd.grad; the samples where the forward moved them)
@@ -441,9 +448,7 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
                      hit=b.hook.op if b.hook is not None else None)
     cause = recause(cause, b.node, b.copied, dict(runner.model.named_parameters()))
     cause = below_one.recause(cause, b.node, b.complement, b.saved_zero)
-    cause.hint = pole_hint(b, cause)
-    cause.hint = exp_factor_hint(b, cause)
-    cause.hint = fractional_power_hint(b, cause)
+    cause.hint = node_hints(b, cause)
     cause = steep_power_cause(b, cause)
     cause.hint = twice_hint(b, cause.hint)
     cause.hint = hook_hint(b, cause.hint) if b.hook is not None else cause.hint

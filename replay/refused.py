@@ -35,6 +35,7 @@ from .looked_up_refusal import looked_up_refusal_hint
 from .passed_zeros import zeros_maker
 from .recorded import batch_size
 from .refused_matrix import cholesky_diagonal, is_matrix_refusal, matrix_judge
+from .refused_param import entry_valid, param_hint, refused_param
 from .refused_rounding import capture, float64_zeros, rounded_hint
 from .refused_underflow import positive_underflow
 from .refused_value import data_value_hint, of_data
@@ -88,8 +89,11 @@ def report_refused(report, step: Step, runner: Runner, run) -> dict[str, Any] | 
                            made="a matrix not positive-definite" if matrix is not None else made,
                            samples=_rows(value, valid, batch_size(step, mb)))
     report["problems"].append(f"{refused} at {source}")
+    name = refused_param(runner.model, value)  # (before the float64 re-run casts it)
     cause, hint = _judge(runner, refused, bad, data, matrix,
                          zeros_at=(capture(maker, value), value, valid, constraint), op=op)
+    if cause == "invalid" and name is not None:
+        origin["param"], hint = name, param_hint(hint, name, refused, value, valid)
     return finish(report, origin, cause, reproduced=True, hint=hint)
 
 
@@ -147,7 +151,7 @@ def _checked(error: BaseException) -> tuple[torch.Tensor | None, torch.Tensor | 
             if isinstance(value, torch.Tensor) and isinstance(valid, torch.Tensor) \
                     and valid.shape == value.shape[:valid.dim()]:  # (a simplex: per vector)
                 valid = valid.reshape(*valid.shape, *[1] * (value.dim() - valid.dim()))
-                found = value, valid.expand_as(value)  # (not detached: whether it is learned)
+                found = value, entry_valid(frame.f_locals, value, valid.expand_as(value))
         tb = tb.tb_next
     return found
 
