@@ -151,6 +151,14 @@ class _Failing(TorchDispatchMode):
             elif self.failed is not None and self.target is not None:
                 self.failed.raised = True
                 raise StopRun from e
+            elif self.target is not None and self.failed is None and linalg_reason(e):
+                last = self.last if name == _CHECK and self.last is not None else (name, k, ins)
+                if last[0] == self.target[0] and last[1] < self.target[1]:
+                    # float64 refused an earlier call of the op: singular in float64 already
+                    # there (float32's rounding had let that call through)
+                    self.failed = Failed(last[0], last[1], last[2][0].detach().clone()
+                                         if last[2] else None, None, None, raised=True)
+                    raise StopRun from e
             raise
         if self.learned is not None:
             self.learned.track((args, kwargs), out)
@@ -222,6 +230,10 @@ def report_linalg(report, step: Step, runner: Runner, run) -> dict[str, Any] | N
             "exact arithmetic is not known: " + _REMEDY["invalid"]))
     of_data = not failed.learned and 0 < len(origin["samples"]) < (batch_size(step, mb) or 0)
     cause, hint = judge(failed.op, failed.matrix, exact, of_data, origin["samples"])
+    if exact.occurrence < failed.occurrence:  # (the float64 run stopped at an earlier call)
+        hint = hint.replace("(float64 re-run: ", f"(the float64 re-run refused call "
+                            f"{exact.occurrence} of it already, {failed.occurrence - exact.occurrence}"
+                            " before this one: ", 1)
     if cause == "invalid" and (ridge := zero_ridge_hint(failed.ridge, origin["samples"])):
         # (of data alone, the advice that a ridge would only hide the records is wrong here)
         hint = f"{hint.split('); ', 1)[0]}); {ridge}" if of_data else f"{hint}; {ridge}"
