@@ -6,7 +6,8 @@ attention normalised by its sum over the record's kept positions (``phi * char_m
 stroke file left empty by filtering, a transcription none of whose characters is in the
 alphabet. The op's advice (an eps) is one fix; the hint adds which data the named samples
 lack, a 0/1 tensor of the batch (a mask, a one-hot sequence) with no entry set in their rows
-while every other sample has one, or token ids holding in their rows nothing but the ids every
+while every other sample has one (not a right-padded batch's padding mask, True at the
+padding: its rows with none set are the longest records), or token ids holding in their rows nothing but the ids every
 sample holds (``<cls>``, ``<eos>``) and their padding, so the user can filter such records
 where they are made.
 """
@@ -103,12 +104,31 @@ def batch_data(step: Step, mb: int, loss: bool = True):
 def _empty_in(t: torch.Tensor, d: int, rows: list[int], least: int = 1) -> bool:
     """``t`` holds only 0s and 1s, fewer than ``least`` set in each of ``rows``, at least
     ``least`` in every other row."""
-    if max(rows) >= t.shape[d] or len(rows) >= t.shape[d] or not bool(((t == 0) | (t == 1)).all()):
+    if max(rows) >= t.shape[d] or len(rows) >= t.shape[d] \
+            or not bool(((t == 0) | (t == 1)).all()) or _padding_mask(t, d, rows):
         return False
     kept = t.detach().movedim(d, 0).reshape(t.shape[d], -1).ne(0).sum(1) >= least
     named = torch.zeros_like(kept)
     named[rows] = True
     return not bool(kept[named].any()) and bool(kept[~named].all())
+
+
+def _padding_mask(t: torch.Tensor, d: int, rows: list[int]) -> bool:
+    """``t`` (samples along ``d``, then positions) is a right-padded batch's padding mask,
+    True at the padding (``key_padding_mask``, ``pad_sequence``'s lengths compared with
+    ``arange``): every other row's set entries are one run ending at the last position, and
+    no row is set everywhere (a keep mask sets its longest record's every position). Its rows
+    with nothing set are the longest records, not empty ones."""
+    if t.dim() != 2:
+        return False
+    m = t.detach().movedim(d, 0).ne(0)
+    if bool(m.all(1).any()):
+        return False
+    for r in range(m.shape[0]):
+        n = int(m[r].sum())
+        if r not in rows and (n == 0 or not bool(m[r, m.shape[1] - n:].all())):
+            return False
+    return True
 
 
 def zero_rows(t: torch.Tensor, d: int, rows: list[int]) -> bool:
