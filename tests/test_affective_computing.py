@@ -101,6 +101,28 @@ def test_utterance_with_no_face_track_names_the_cross_modal_softmax_and_the_utte
     assert "args[1] is 0 everywhere in sample(s) 2" in rep["hint"], rep["hint"]
 
 
+def test_utterance_with_no_audio_frame_names_the_pooling_division_and_its_padding_mask(
+        tmp_path):
+    """Utterance 5's audio was cut to nothing by voice activity detection: its
+    key_padding_mask row is True everywhere, so the masked mean pooling over its audio frames
+    divides 0 by 0 at step 1. The replay names the division in the root module, that
+    utterance (row 1) and now the padding mask set at its every position (before: only the
+    op's eps advice)."""
+    def no_audio(data):
+        data[5]["audio"] = torch.zeros(0, M.AUDIO)
+    ev, bundle = fire(M.MultiTaskLoss(), tmp_path, no_audio)
+    assert (ev["step"], ev["phase"], ev["module"]) == (1, "forward", ""), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "", "aten.div", "nan", [1]), o
+    assert o["source"] == line_of("pooled = (h * keep).sum(1) / keep.sum(1)"), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+    assert "Sample(s) 1 are empty records: args[3] (a padding mask, True at the padding) is " \
+        "set at every position of their rows" in rep["hint"], rep["hint"]
+    assert "--try drop=1" in rep["hint"], rep["hint"]
+
+
 def test_utterance_no_annotator_labelled_names_the_soft_label_division_not_the_padding(
         tmp_path):
     """Utterance 9 has no annotator vote (every rater skipped it): label-distribution
