@@ -123,6 +123,27 @@ def test_utterance_with_no_audio_frame_names_the_pooling_division_and_its_paddin
     assert "--try drop=1" in rep["hint"], rep["hint"]
 
 
+def test_nan_word_vector_of_an_oov_word_names_the_token_by_the_text_padding_mask(tmp_path):
+    """Utterance 7's third word is out of the word-embedding table's vocabulary and its
+    lookup gave a NaN vector: the batch holds NaN at step 1 in one token of sample 3. The
+    replay names the input, that utterance, and now the token as one corrupt element of the
+    padded sequence by the text's padding mask (True at the padding), not a channel's
+    standardisation by its own std (the face mask, of the same shape, is not named)."""
+    def oov_word(data):
+        data[7]["text"][2] = float("nan")
+    ev, bundle = fire(M.MultiTaskLoss(), tmp_path, oov_word)
+    assert (ev["step"], ev["phase"]) == (1, "input"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["made"], o["samples"]) == (
+        True, "input", "nan", [3]), o
+    assert rep["cause"] == "input", rep["cause"]
+    assert "holds it in whole elements of its padded sets, each a real element by args[5] " \
+        "(its False/0 entries; it is True at the padding" in rep["hint"], rep["hint"]
+    assert "sample 3 at index 2 of dim 1" in rep["hint"], rep["hint"]
+    assert "standardisation of each channel" not in rep["hint"], rep["hint"]
+
+
 def test_utterance_no_annotator_labelled_names_the_soft_label_division_not_the_padding(
         tmp_path):
     """Utterance 9 has no annotator vote (every rater skipped it): label-distribution
