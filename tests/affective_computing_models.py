@@ -77,6 +77,15 @@ def make_low_evidence_model():
     return model
 
 
+def make_from_broken_checkpoint():
+    """Fine-tuning from a text encoder checkpoint saved after its own run had diverged: one
+    row of proj_t's weight is NaN."""
+    model = make_model()
+    with torch.no_grad():
+        model.proj_t.weight[3] = float("nan")
+    return model
+
+
 def make_speaker_model():
     torch.manual_seed(0)
     return MultimodalEmotion(speakers=8)
@@ -151,6 +160,25 @@ def pearson_loss_std(out, va, votes):
     cov = ((x - x.mean(0)) * (y - y.mean(0))).mean(0)
     r = cov / (x.std(0, unbiased=False) * y.std(0, unbiased=False))
     return (1 - r).mean()
+
+
+def pearson_loss_moments(out, va, votes):
+    """1 - Pearson's r per column from the raw moments, E[x^2] - E[x]^2 (one pass)."""
+    x, y = out[0].float(), va
+    sx = torch.sqrt((x ** 2).mean(0) - x.mean(0) ** 2)
+    sy = torch.sqrt((y ** 2).mean(0) - y.mean(0) ** 2)
+    r = ((x * y).mean(0) - x.mean(0) * y.mean(0)) / (sx * sy + 1e-8)
+    return (1 - r).mean()
+
+
+def make_collapsed_model():
+    """A model whose valence/arousal head has collapsed to its bias (its weights shrunk to
+    1e-6 by weight decay): nearly the same prediction for every utterance."""
+    model = make_model()
+    with torch.no_grad():
+        model.va.weight.mul_(1e-5)
+        model.va.bias.fill_(0.7)
+    return model
 
 
 def soft_labels(votes):

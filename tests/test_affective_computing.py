@@ -247,6 +247,39 @@ def test_evidential_nu_underflowed_in_fp16_names_the_reciprocal_and_float32(tmp_
     assert rep["cause"] == "underflow" and "float32" in rep["hint"], rep["hint"]
 
 
+def test_pearson_from_raw_moments_of_collapsed_predictions_names_the_sqrt_and_precision(
+        tmp_path):
+    """A collapsed valence/arousal head (weights 1e-6 of their start, bias 0.7) predicts
+    nearly the same value for every utterance; the one-pass Pearson's ``E[x^2] - E[x]^2``
+    cancels to a small negative number in float32 and its sqrt is NaN at the first step. The
+    replay names the sqrt on that line, precision, and the stable variance."""
+    ev, bundle = fire(M.pearson_loss_moments, tmp_path, make="make_collapsed_model")
+    assert (ev["step"], ev["phase"]) == (0, "loss"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"]) == (
+        True, "<loss>", "aten.sqrt", "nan"), o
+    assert o["source"] == line_of("sx = torch.sqrt((x ** 2).mean(0) - x.mean(0) ** 2)"), o
+    assert rep["cause"] == "precision" and "catastrophic cancellation" in rep["hint"], rep["hint"]
+
+
+def test_nan_row_of_a_loaded_checkpoint_names_the_weights_and_the_checkpoint(tmp_path):
+    """Fine-tuning from a text encoder checkpoint whose run had diverged: a row of proj_t's
+    weight is NaN from the start. The replay names the weights in proj_t, every utterance,
+    the row, and now the loaded values (before: an intended -inf mask's advice, which a NaN
+    never is)."""
+    ev, bundle = fire(M.MultiTaskLoss(), tmp_path, make="make_from_broken_checkpoint")
+    assert (ev["step"], ev["phase"]) == (0, "weights"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["samples"]) == (
+        True, "proj_t", "aten.addmm", [0, 1, 2, 3]), o
+    assert rep["cause"] == "weights", rep["cause"]
+    assert "the factory builds proj_t.weight NaN" in rep["hint"], rep["hint"]
+    assert "checkpoint" in rep["hint"] and "intended -inf" not in rep["hint"], rep["hint"]
+    assert "only row(s) 3 of 16 of proj_t.weight" in rep["hint"], rep["hint"]
+
+
 def test_half_model_with_adam_names_the_optimizer_and_its_eps(tmp_path):
     """The speaker-adaptive model cast to float16 whole (``model.half()``) under Adam's
     default eps: 1e-8 is 0 in float16, so an entry whose gradient is 0 (a speaker embedding
