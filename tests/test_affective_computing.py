@@ -290,3 +290,38 @@ def test_half_model_with_adam_names_the_optimizer_and_its_eps(tmp_path):
     rep = nanreplay_json(bundle, code=None)
     assert rep["cause"] == "optimizer", rep["cause"]
     assert "eps=1e-08 is 0 in float16" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.parametrize("momentum", [0.9, 0.0])
+def test_opt_step_on_scaled_gradients_names_the_missing_scaler_step(tmp_path, momentum):
+    """fp16 autocast with a GradScaler, but the loop calls ``opt.step()`` where it should call
+    ``scaler.step(opt)``: SGD applies gradients 65536x too large, the weights jump from 11 to
+    3478 in the first update and the attention's fp16 softmax overflows at step 1. The replay
+    names the softmax in a2f.attn, every utterance, overflow and the weight jump; and now that
+    the update took the scaled gradients (the momentum buffer, or without momentum the jump
+    itself, is the scale times the norm the recorder read), not a learning rate too high."""
+    model, loss = M.make_model(), M.MultiTaskLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
+    scaler = torch.amp.GradScaler("cpu")
+    loader = torch.utils.data.DataLoader(M.utterances(16), batch_size=4, collate_fn=M.collate)
+    with pytest.raises(NonFiniteError) as info, \
+            FlightRecorder(model, opt, loss_fn=loss, out_dir=tmp_path, scaler=scaler,
+                           factory="affective_computing_models:make_model") as rec:
+        for b in loader:
+            opt.zero_grad()
+            with torch.autocast("cpu", torch.float16):
+                out = model(b["audio"], b["face"], b["text"], b["a_pad"], b["f_pad"],
+                            b["t_pad"])
+                value = rec.loss_fn(out, b["va"], b["votes"])
+            scaler.scale(value).backward()
+            opt.step()  # the bug: scaler.step(opt); scaler.update()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (1, "forward", "a2f.attn"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["samples"]) == (
+        True, "a2f.attn", "aten._softmax", [0, 1, 2, 3]), o
+    assert rep["cause"] == "overflow", rep["cause"]
+    assert "the GradScaler's scale 65536: opt.step() was called on the scaled gradients" \
+        in rep["hint"], rep["hint"]
+    assert "lower the learning rate" not in rep["hint"], rep["hint"]
