@@ -6,7 +6,8 @@ attention normalised by its sum over the record's kept positions (``phi * char_m
 stroke file left empty by filtering, a transcription none of whose characters is in the
 alphabet. The op's advice (an eps) is one fix; the hint adds which data the named samples
 lack, a 0/1 tensor of the batch (a mask, a one-hot sequence) with no entry set in their rows
-while every other sample has one, or token ids holding in their rows nothing but the ids every
+while every other sample has one (not a right-padded batch's padding mask, True at the
+padding: its rows with none set are the longest records), or token ids holding in their rows nothing but the ids every
 sample holds (``<cls>``, ``<eos>``) and their padding, so the user can filter such records
 where they are made.
 """
@@ -55,6 +56,8 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
             f"character), so a count or a sum over them is the 0 divided here; {fix} "
             f"(--try drop={which} re-runs the step without them)")
         return
+    if _length_zero(report, data, rows):
+        return
     names = [name for name, t, d in data if _empty_in(t, d, rows, least=2)]
     if names:  # (a sequence of one step: its next-step targets, mask[:, 1:], are none)
         which = ",".join(str(r) for r in rows)
@@ -82,6 +85,24 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
             f"(count.clamp_min(1)) (--try drop={which} re-runs the step without them)")
 
 
+def _length_zero(report: dict[str, Any], data: list, rows: list[int]) -> bool:
+    """Append the padding masks set at every position of exactly ``rows`` (an utterance with
+    no audio frame: its ``key_padding_mask`` row all True); whether any was."""
+    names = [name for name, t, d in data if _padding_mask(t, d, rows, whole=True)]
+    if not names:
+        return False
+    which = ",".join(str(r) for r in rows)
+    report["hint"] = (
+        f"{report['hint']}. Sample(s) {which} are empty records: {' and '.join(names)} "
+        f"(a padding mask, True at the padding) {'is' if len(names) == 1 else 'are'} set "
+        "at every position of their rows, and in every other sample's only at its padded "
+        "end (a sequence of length 0: an utterance with no frame, a text with no token), so "
+        "a count or a sum over their kept positions is the 0 divided here; filter such "
+        "records where the data is made (the dataset, the collate_fn) or floor the count "
+        f"(count.clamp_min(1)) (--try drop={which} re-runs the step without them)")
+    return True
+
+
 def batch_data(step: Step, mb: int, loss: bool = True):
     """(readable name, tensor, sample dim) of the micro-batch's real-valued model inputs, then
     (``loss``) its loss arguments that are data (not made of the model output)."""
@@ -103,12 +124,37 @@ def batch_data(step: Step, mb: int, loss: bool = True):
 def _empty_in(t: torch.Tensor, d: int, rows: list[int], least: int = 1) -> bool:
     """``t`` holds only 0s and 1s, fewer than ``least`` set in each of ``rows``, at least
     ``least`` in every other row."""
-    if max(rows) >= t.shape[d] or len(rows) >= t.shape[d] or not bool(((t == 0) | (t == 1)).all()):
+    if max(rows) >= t.shape[d] or len(rows) >= t.shape[d] \
+            or not bool(((t == 0) | (t == 1)).all()) or _padding_mask(t, d, rows):
         return False
     kept = t.detach().movedim(d, 0).reshape(t.shape[d], -1).ne(0).sum(1) >= least
     named = torch.zeros_like(kept)
     named[rows] = True
     return not bool(kept[named].any()) and bool(kept[~named].all())
+
+
+def _padding_mask(t: torch.Tensor, d: int, rows: list[int], whole: bool = False) -> bool:
+    """``t`` (samples along ``d``, then positions) is a right-padded batch's padding mask,
+    True at the padding (``key_padding_mask``, ``pad_sequence``'s lengths compared with
+    ``arange``): every other row's set entries are one run ending at the last position, and
+    no other row is set everywhere (a keep mask sets its longest record's every position).
+    Its rows with nothing set are the longest records, not empty ones; ``whole``: ``rows``
+    are set everywhere, records of length 0 (while some other row has padding)."""
+    if t.dim() != 2 or max(rows) >= t.shape[d] or len(rows) >= t.shape[d] \
+            or not bool(((t == 0) | (t == 1)).all()):
+        return False
+    m = t.detach().movedim(d, 0).ne(0)
+    named = torch.zeros(m.shape[0], dtype=torch.bool)
+    named[rows] = True
+    full = m.all(1)
+    if bool(full[~named].any()) or (whole and not bool(full[named].all())):
+        return False
+    counts = m.sum(1)
+    for r in (~named).nonzero().flatten().tolist():
+        n = int(counts[r])
+        if not bool(m[r, m.shape[1] - n:].all()) or n == 0 and not whole:
+            return False
+    return not whole or bool(counts[~named].any())
 
 
 def zero_rows(t: torch.Tensor, d: int, rows: list[int]) -> bool:

@@ -3,7 +3,9 @@ non-finite values fill whole elements, each a real one by the batch's padding ma
 tensor over the same ``(samples, elements)``, some of it padding): a corrupted element of
 precomputed features (a tile the feature extractor wrote as NaN), not a channel's
 standardisation (``replay.whole_slices``) nor missing values stored as NaN
-(``replay.masked_gaps``, whose mask marks mostly NaN)."""
+(``replay.masked_gaps``, whose mask marks mostly NaN). The mask may be a padding mask too,
+True at the padding (a ``key_padding_mask``: an utterance's word vectors, one NaN for a word
+out of the embedding's vocabulary), known by the tensor's 0s at every padded position."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 
 PADDED_ELEMENTS = (
     "the batch itself holds NaN/Inf, and {tensor} holds it in whole elements of its padded "
-    "sets, each a real element by {mask} (its True/1 entries; any others are padding): {where}"
+    "sets, each a real element by {mask} ({real}): {where}"
     ", every feature of each: one element's precomputed features are corrupt (a tile, a frame "
     "or a token whose embedding the feature extractor wrote non-finite), not a standardisation "
     "or the padding; find them in the feature files (torch.isfinite per element), re-extract "
@@ -36,5 +38,20 @@ def padded_elements(t: torch.Tensor | None, where: str, tensor: str,
             continue
         on = m.bool()
         if (m.dtype == torch.bool or not bool(on.all())) and not bool((bad & ~on).any()):
-            return PADDED_ELEMENTS.format(tensor=tensor, mask=name, where=where)
+            return PADDED_ELEMENTS.format(tensor=tensor, mask=name, where=where, real=_KEEP)
+        if _pads(t, on, bad):
+            return PADDED_ELEMENTS.format(tensor=tensor, mask=name, where=where, real=_PADS)
     return ""
+
+
+_KEEP = "its True/1 entries; any others are padding"
+_PADS = "its False/0 entries; it is True at the padding, where the features are 0"
+
+
+def _pads(t: torch.Tensor, pad: torch.Tensor, bad: torch.Tensor) -> bool:
+    """``pad`` (samples, elements) is ``t``'s padding mask, True at the padding: set somewhere,
+    ``t`` 0 at every set element, and no non-finite element set (a mask of another modality
+    of the same shape is set where ``t`` holds features)."""
+    if not bool(pad.any()) or bool((bad & pad).any()):
+        return False
+    return not bool(t.detach().reshape(*t.shape[:2], -1)[pad].ne(0).any())

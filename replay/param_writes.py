@@ -315,6 +315,13 @@ def built_non_finite_hint(step: Step, bad: list[str]) -> str | None:
             "channel, a NaN record among those it averages)")
     if (text := built_by_text(made.found, names, kinds)) is not None:
         return text
+    if kinds == {"nan"}:  # (no -inf: nothing a mask would write)
+        return (f"the factory builds {names} NaN: the model starts so, no update or write of "
+                "the loop made them, and NaN is no mask value: the values it starts from "
+                "hold it (a checkpoint or pretrained state_dict the factory loads, saved "
+                "after its own run had diverged; an initialisation given data holding NaN, "
+                "or written by hand). Check torch.isfinite over what it loads, and load an "
+                "earlier checkpoint or re-initialise those entries")
     return (f"the factory builds {names} non-finite: the model starts so, no update or write "
             "of the loop made them. An intended -inf (forbidden transitions, a mask) does not "
             "belong in a trained parameter, whose updates and norms it spoils: keep a boolean "

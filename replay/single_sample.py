@@ -7,7 +7,10 @@ count of the same kind. A ``DataLoader``'s last batch (``drop_last=False``) of o
 leaves that sum or count empty, 0, and the division's advice (an eps in the denominator)
 would hide a loss with nothing to compare. The loss is re-run on the re-computed outputs and
 the recorded loss arguments with every tensor of one row given twice: finite there, the
-batch of one is why.
+batch of one is why. A statistic over the batch (a Pearson or concordance correlation's
+variance, a std over the samples) is 0 over copies of one sample too: where the loss (of a
+backward event, its gradient: Pearson's ``sqrt(vx)`` with the eps after the root) is finite
+only beside a second, different sample (the copy's float values halved), that is the reason.
 """
 
 from __future__ import annotations
@@ -21,29 +24,59 @@ from .load import Step, autocast_as_recorded, loss_inputs
 from .rerun import Runner
 
 
-def _twice(v):
-    return torch.cat([v, v]) if isinstance(v, torch.Tensor) and v.dim() and len(v) == 1 else v
+def _twice(v, scale: float = 1.0):
+    if not (isinstance(v, torch.Tensor) and v.dim() and len(v) == 1):
+        return v
+    return torch.cat([v, v * scale if v.is_floating_point() else v])
+
+
+def _finite_on_two(step: Step, mb: int, run, scale: float, grads: bool) -> bool:
+    """The loss (and, with ``grads``, its gradient w.r.t. the model outputs) is finite on the
+    micro-batch's one sample given twice, the second copy's float values times ``scale``."""
+    outs = [[t.detach().requires_grad_(grads and t.is_floating_point()) for t in out]
+            for out in run.outputs]
+    args, kwargs = tree_map(lambda v: _twice(v, scale),
+                            loss_inputs(step, mb, outs, objects=run.objects))
+    with torch.set_grad_enabled(grads), \
+            autocast_as_recorded(step.micro_batches[mb], step.device, loss=True):
+        loss = step.loss_fn(*args, **kwargs)
+    if not isinstance(loss, torch.Tensor) or not bool(torch.isfinite(loss).all()):
+        return False
+    leaves = [t for out in outs for t in out if t.requires_grad]
+    if not grads or not leaves or not loss.requires_grad:
+        return True
+    got = torch.autograd.grad(loss.float().sum(), leaves, allow_unused=True)
+    return all(g is None or bool(torch.isfinite(g).all()) for g in got)
 
 
 def single_sample_hint(report: dict[str, Any], step: Step) -> None:
-    """Add to an invalid loss origin's hint, in a micro-batch of one sample, that the loss is
-    finite when that sample is given twice (the sample alone is no fault of its data)."""
+    """Add to an invalid loss origin's hint (a loss op's, or a backward node's of the loss), in
+    a micro-batch of one sample, that the loss is finite when that sample is given twice (the
+    sample alone is no fault of its data), or else beside a second, different sample (a
+    statistic over the batch, 0 over one sample and over copies of it)."""
     o = report["origin"]
-    if report.get("cause") != "invalid" or o.get("phase") != "loss" \
+    backward = o.get("phase") == "backward"
+    if report.get("cause") != "invalid" or o.get("phase") not in ("loss", "backward") \
             or o.get("module") != "<loss>" or o.get("batch_size") != 1 \
             or step.model is None or step.loss_fn is None:
         return
     mb = o.get("micro_batch") or 0
     try:
         run = Runner(step).run(backward=False, instrument=False)
-        outs = [[t.detach() for t in out] for out in run.outputs]
-        args, kwargs = tree_map(_twice, loss_inputs(step, mb, outs, objects=run.objects))
-        with torch.no_grad(), autocast_as_recorded(step.micro_batches[mb], step.device,
-                                                   loss=True):
-            loss = step.loss_fn(*args, **kwargs)
+        same = _finite_on_two(step, mb, run, 1.0, backward)
+        varied = not same and _finite_on_two(step, mb, run, 0.5, backward)
     except Exception:  # (the op's own advice stands)
         return
-    if not isinstance(loss, torch.Tensor) or not bool(torch.isfinite(loss).all()):
+    if varied:
+        what = "loss's gradient" if backward else "loss"
+        report["hint"] = (report.get("hint") or "") + (
+            f"; but the micro-batch holds 1 sample, and the {what} is finite beside a second, different sample (its values halved), not on "
+            "that sample given twice: a statistic over the batch's samples (a variance or "
+            "std over the batch, a Pearson or concordance correlation's spread, a batch "
+            "normalisation) is 0 over one sample, which no eps makes a statistic: drop the "
+            "last incomplete batch (DataLoader(..., drop_last=True)) or skip batches of fewer "
+            "than 2 samples")
+    if not same:
         return
     report["hint"] = (report.get("hint") or "") + (
         "; but the micro-batch holds 1 sample, and the loss is finite on that sample given "

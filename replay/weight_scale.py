@@ -23,6 +23,7 @@ from .compat import FOREACH_MUL_, TorchDispatchMode
 from .grown_state import grown_state_advice
 from .line_search import no_line_search_advice
 from .source import user_source
+from .unscaled_update import unscaled_update_advice
 
 aten = torch.ops.aten
 _MUL = {aten.mul_.Tensor, aten.mul_.Scalar, FOREACH_MUL_}
@@ -122,7 +123,10 @@ def probed_scale(step) -> dict[str, Any] | None:
 def diverging_advice(step, windowed: bool) -> str:
     """The growth hint's remedy: a weight-multiplying update's (probed without a window), a
     buffer's the model carries across steps that grew (``replay.grown_state``), else the
-    learning rate's and clipping's."""
+    learning rate's and clipping's; before them, an update that took the GradScaler's scaled
+    gradients (``opt.step()`` without ``scaler.step``)."""
+    if unscaled := unscaled_update_advice(step):
+        return unscaled
     found = None if windowed else probed_scale(step)
     if found:
         return scale_text(found, probed=True)
