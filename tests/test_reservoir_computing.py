@@ -159,12 +159,13 @@ across steps, not to the learning rate (the weights barely moved)."""
     o = rep["origin"]
     assert (o["module"], o["made"], o["samples"], rep["cause"]) == ("", "+inf", [0], "overflow")
     assert o["source"] == line_of("P = (P - torch.outer(k, k) / den) / self.lam"), o
-    assert o["line_run"] == first_overflowing_time_step(3) + 1 == 38, o
+    # (38 on the AMD EPYC, 44 on an Intel Xeon: how fast P grows is the CPU's rounding)
+    assert o["line_run"] == first_overflowing_time_step(3) + 1, o
     # (was: the loss's jump read as a learning rate too high, "lower the learning rate or
     # clip the gradients", which the clipped Adam at 1e-3 on the input weights never was)
     hint = rep["hint"]
     assert "the buffer P held values up to" in hint and "forgetting factor" in hint, hint
-    assert "lower the learning rate" not in hint, hint
+    assert "lower the learning rate or clip" not in hint, hint
 
 
 def test_fixed_reservoir_of_sparsity_one_is_built_nan(tmp_path):
