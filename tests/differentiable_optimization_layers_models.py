@@ -68,7 +68,11 @@ class BarrierQP(nn.Module):
                 dz = -torch.linalg.solve(H, grad)
                 # fraction to the boundary: stay strictly feasible
                 Gdz = dz @ self.G.T
-                ratio = torch.where(Gdz > 0, s / Gdz, torch.full_like(s, float("inf")))
+                # (the divisor made safe where the step moves away, or 0 * the infinite
+                # derivative of s / 0 at an exact Gdz == 0 is a NaN gradient)
+                away = Gdz > 0
+                ratio = torch.where(away, s / torch.where(away, Gdz, 1.0),
+                                    torch.full_like(s, float("inf")))
                 alpha = (0.99 * ratio.min(1, keepdim=True).values).clamp(max=1.0)
                 z = z + alpha * dz
             t = t * self.mu
