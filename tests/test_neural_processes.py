@@ -278,8 +278,11 @@ def test_anp_under_bf16_accumulation_names_the_micro_batch_of_the_empty_task(tmp
     with pytest.raises(NonFiniteError) as info:
         train_accumulated(tmp_path, "make_anp", empty=BAD_TASK)
     ev = info.value.event
-    assert (ev["step"], ev["micro_batch"], ev["module"], ev["samples"]) == (
-        2, 0, "cross", [3]), ev
+    # (the event's rows are the model output's: [3] on the AMD EPYC; on an Intel Xeon the
+    # decoder's bf16 matmuls carry row 3's NaN into row 2 of the output too, [2, 3]; the
+    # replay's origin, the cross-attention's softmax, is row 3 on both)
+    assert (ev["step"], ev["micro_batch"], ev["module"]) == (2, 0, "cross"), ev
+    assert ev["samples"] in ([3], [2, 3]), ev
     rep = nanreplay_json(info.value.bundle_path)
     o = rep["origin"]
     assert (o["micro_batch"], o["module"], o["op"], o["samples"]) == (
