@@ -283,6 +283,8 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
             if found.node is not None and not found.samples and watch.hit is None:
                 found.samples = _later_samples(found, node, name, grad_inputs, grad_outputs,
                                                where or Samples())
+            elif found.node is not None and watch.hit is None and not found.summed:
+                _with_sibling(found, node, grad_inputs, grad_outputs, where or Samples())
             if found.node is not None or watch.hit is not None:
                 return
             incoming = [g for g in grad_outputs if isinstance(g, torch.Tensor)]
@@ -348,6 +350,18 @@ def _record(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
     found.steep_power = steep_power(node)
     found.zero_divisor = zero_divisor(node)
     found.masked = zero_where_nan(grad_inputs, grad_outputs)
+
+
+def _with_sibling(found: BackwardOrigin, node, grad_inputs, grad_outputs,
+                  where: Samples) -> None:
+    """Another node of the origin's kind on its source line that made a non-finite gradient
+    of finite ones too (the other branch of ``where(m2 >= 0, sqrt(m2), -sqrt(-m2))``, NaN in
+    the rows the first one kept): its samples join the origin's."""
+    if node.name() != found.node or node_source(node) != found.source or not found.samples \
+            or not all(finite(g) for g in grad_outputs if isinstance(g, torch.Tensor)) \
+            or all(finite(g) for g in grad_inputs if isinstance(g, torch.Tensor)):
+        return
+    found.samples = sorted(set(found.samples) | set(batch_rows(node, list(grad_inputs), where)))
 
 
 def _record_sum(found: BackwardOrigin, node, name: str, uses: int, grad_outputs,
