@@ -280,11 +280,8 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
 
     def on_node(node, name):
         def hook(grad_inputs, grad_outputs):
-            if found.node is not None and not found.samples and watch.hit is None:
-                found.samples = _later_samples(found, node, name, grad_inputs, grad_outputs,
-                                               where or Samples())
-            elif found.node is not None and watch.hit is None and not found.summed:
-                _with_sibling(found, node, grad_inputs, grad_outputs, where or Samples())
+            if found.node is not None and watch.hit is None:
+                _after_origin(found, node, name, grad_inputs, grad_outputs, where or Samples())
             if found.node is not None or watch.hit is not None:
                 return
             incoming = [g for g in grad_outputs if isinstance(g, torch.Tensor)]
@@ -350,6 +347,16 @@ def _record(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
     found.steep_power = steep_power(node)
     found.zero_divisor = zero_divisor(node)
     found.masked = zero_where_nan(grad_inputs, grad_outputs)
+
+
+def _after_origin(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
+                  where: Samples) -> None:
+    """A node run after the origin's: the samples it names when the origin named none, or
+    those it adds as the origin's sibling."""
+    if not found.samples:
+        found.samples = _later_samples(found, node, name, grad_inputs, grad_outputs, where)
+    elif not found.summed:
+        _with_sibling(found, node, grad_inputs, grad_outputs, where)
 
 
 def _with_sibling(found: BackwardOrigin, node, grad_inputs, grad_outputs,
