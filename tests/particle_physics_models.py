@@ -35,11 +35,14 @@ P, FEATS = 12, 4  # particles per padded jet, input features per particle
 def make_jets(g: torch.Generator, n: int, first: int = 0, bad: dict | None = None) -> list:
     """``n`` jets as (four-momenta (n_i, 4), label, weight, energy); ``bad``: data conditions of
     one jet (``collinear``: a massless particle repeated, ``huge``: an energy of ``huge`` GeV,
-    ``nan``: a particle's pz NaN, ``weights``: the generator weights of the batch)."""
+    ``nan``: a particle's pz NaN, ``weights``: the generator weights of the batch, ``empty``:
+    no particle passed the cuts)."""
     bad = bad or {}
     jets = []
     for i in range(first, first + n):
         k = int(torch.randint(4, P + 1, (1,), generator=g))
+        if bad.get("empty") == i:  # every particle failed the selection cuts
+            k = 0
         pt = 5 + 40 * torch.rand(k, generator=g)
         eta = 0.3 * torch.randn(k, generator=g) + 0.5 * torch.randn(1, generator=g)
         phi = 0.3 * torch.randn(k, generator=g) + 2 * torch.rand(1, generator=g)

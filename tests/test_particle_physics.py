@@ -142,6 +142,20 @@ def test_nan_pz_of_a_track_in_the_last_batch_is_an_input_event_at_that_jet(tmp_p
     assert rep["cause"] == "input", rep
 
 
+def test_jet_with_no_particle_past_the_cuts_names_the_jet_axis_and_the_empty_record(tmp_path):
+    """Jet 21 (the last batch's row 5) kept no particle after the selection cuts: its mask is
+    all 0 and the pT-weighted jet axis is 0/0. The replay names that division at that jet and
+    calls it an empty record of the mask the model is given, to filter where the data is
+    made."""
+    ev, rep = fired(train_tagger, "make_particlenet", M.WeightedCE(), tmp_path,
+                    bad={"empty": 21})
+    assert (ev["step"], ev["phase"]) == (2, "forward"), ev
+    assert origin_of(rep) == (True, "forward", "", "aten.div", "nan", [5]), rep["origin"]
+    assert rep["origin"]["source"] == line_of("axis_eta = (w * eta).sum(-1, keepdim=True)")
+    assert rep["cause"] == "invalid", rep
+    assert "Sample(s) 5 are empty records: args[1]" in rep["hint"], rep["hint"]
+
+
 def test_generator_weights_summing_to_zero_name_the_signed_total_not_a_clamp(tmp_path):
     """NLO weights of +1 and -1, normalised by the batch's sum: a batch with four of each
     sums to exactly 0 and the loss is inf. The replay names the division with no sample to
