@@ -282,9 +282,8 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
 
     def on_node(node, name):
         def hook(grad_inputs, grad_outputs):
-            if found.node is not None and not found.samples and watch.hit is None:
-                found.samples = _later_samples(found, node, name, grad_inputs, grad_outputs,
-                                               where or Samples())
+            if found.node is not None and watch.hit is None:
+                _after_origin(found, node, name, grad_inputs, grad_outputs, where or Samples())
             if found.node is not None or watch.hit is not None:
                 return
             incoming = [g for g in grad_outputs if isinstance(g, torch.Tensor)]
@@ -351,6 +350,28 @@ def _record(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
     found.steep_power = steep_power(node)
     found.zero_divisor = zero_divisor(node)
     found.masked = zero_where_nan(grad_inputs, grad_outputs)
+
+
+def _after_origin(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
+                  where: Samples) -> None:
+    """A node run after the origin's: the samples it names when the origin named none, or
+    those it adds as the origin's sibling."""
+    if not found.samples:
+        found.samples = _later_samples(found, node, name, grad_inputs, grad_outputs, where)
+    elif not found.summed:
+        _with_sibling(found, node, grad_inputs, grad_outputs, where)
+
+
+def _with_sibling(found: BackwardOrigin, node, grad_inputs, grad_outputs,
+                  where: Samples) -> None:
+    """Another node of the origin's kind on its source line that made a non-finite gradient
+    of finite ones too (the other branch of ``where(m2 >= 0, sqrt(m2), -sqrt(-m2))``, NaN in
+    the rows the first one kept): its samples join the origin's."""
+    if node.name() != found.node or node_source(node) != found.source or not found.samples \
+            or not all(finite(g) for g in grad_outputs if isinstance(g, torch.Tensor)) \
+            or all(finite(g) for g in grad_inputs if isinstance(g, torch.Tensor)):
+        return
+    found.samples = sorted(set(found.samples) | set(batch_rows(node, list(grad_inputs), where)))
 
 
 def _record_sum(found: BackwardOrigin, node, name: str, uses: int, grad_outputs,

@@ -52,8 +52,20 @@ class Cancellation:
                 return
             tol = ULPS * torch.finfo(out.dtype).eps
             # (finite terms only: a quotient by 0 is no rounding)
-            if bool(((out < 0) & (-out <= tol * terms) & torch.isfinite(terms)).any()):
+            if bool(((out < 0) & (-out <= tol * terms) & torch.isfinite(terms)).any()) or (
+                    name in _SUMS and self._chained(name, ins)
+                    and bool((out.abs() < terms).any())):
                 self._terms.put(outs[0], terms)
+
+    def _chained(self, name: str, ins: list[torch.Tensor]) -> bool:
+        """A difference of values >= 0 (squares: ``E ** 2 - px ** 2``), or a sum taking one
+        whose terms are kept: the first step of a chain whose later step cancels below 0
+        (``E ** 2 - px ** 2 - py ** 2 - pz ** 2``, a massless four-vector's m²), whose
+        rounding is of the chain's largest term, not of its last step's."""
+        if any(self._terms.get(t) is not None for t in ins):
+            return True
+        return name in ("sub", "rsub") and len(ins) == 2 and all(
+            t.is_floating_point() and bool((t >= 0).all()) for t in ins)
 
     def _sum_terms(self, ins: list[torch.Tensor], leaves: list) -> torch.Tensor | None:
         sizes = [self._size(t) for t in ins]
@@ -119,7 +131,9 @@ def hint(what: str, found: tuple[float, float], dtype: torch.dtype) -> str:
             "or above 0 (a variance written as E[x²] − E[x]² of a feature constant over the "
             "data, a squared distance |a|² + |b|² − 2a·b of coincident points); the terms "
             f"brought that rounding in ({str(dtype).removeprefix('torch.')} statistics "
-            "accumulated over earlier steps in buffers), so the step re-run in float64 crosses "
-            "0 too: clamp the difference at 0 before the op (var.clamp_min(0)), or compute it "
+            "accumulated over earlier steps in buffers; data stored in that type: a massless "
+            "particle's four-momentum, whose m² = E² − |p|² is 0 only to within rounding), so "
+            "the step re-run in float64 crosses 0 too: clamp the difference at 0 before the op "
+            "(var.clamp_min(0), m2.clamp_min(eps) before a log), or compute it "
             "without the subtraction (torch.var, Welford's running update, "
             "(a - b).pow(2).sum(-1))")

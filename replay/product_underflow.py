@@ -18,6 +18,7 @@ from .crossed_cut_points import with_crossed
 from .group_counts import class_counts_hint, with_empty_groups
 from .log_sum_exp import with_log_sum_exp
 from .memo import TensorSet
+from .signed_total import with_signed_total
 from .wrapped_index import with_wrapped_index
 
 # ops a product's 0 passes through to the log unchanged in kind (a mixture's psi * hist + ...)
@@ -75,6 +76,7 @@ def lineage_hints(hint: str | None, cause: str | None, hit, lineage) -> str | No
     hint = with_log_sum_exp(hint, cause, hit, lineage.log_sum_exp)
     hint = with_empty_groups(hint, cause, hit, lineage.counts)
     hint = with_product_underflow(hint, cause, hit, lineage.product)
+    hint = with_signed_total(hint, cause, hit, lineage.signed)
     # (a label of -1 picks the pad past the last threshold: crossed cut-points too, but the
     # label is what to fix)
     wrapped = with_wrapped_index(hint, cause, hit, lineage.wrapped)

@@ -28,6 +28,7 @@ from recorder.capture import tensor_leaves
 
 from .compat import version
 from .memo import TensorMarks, TensorSet
+from .padded_zeros import padded_hint, padding_mask, padding_masks
 
 # ops with a pole at an operand of 0, and which operand that is
 _POLE_OPERAND = {"div": 1, "reciprocal": 0, "log": 0, "log2": 0, "log10": 0, "rsqrt": 0}
@@ -50,6 +51,8 @@ class RawPole:
         self._storages = {t.untyped_storage().data_ptr(): version(t)
                           for t in tensor_leaves(batch) if _strided_float(t)}
         self._names = _input_names(batch)  # storage: the root call's argument holding it
+        self._masks = padding_masks(_named_inputs(batch))  # 0/1 tensors: padding masks?
+        self.padding: str | None = None  # the mask whose 0s are the pole's 0s (padding)
         self._named = TensorMarks()  # a carried value: the argument its 0s are the 0s of
         self.input: str | None = None  # the argument the pole's operand came from
         self.op: str | None = None
@@ -126,6 +129,7 @@ class RawPole:
                 name == "div" and x in self._summed and _zero_by_zero(args[0], at_zero)):
             self.op, self.blank, self.diffed = f"aten.{name}", x in self._normed, x in self._diffed
             self.input, self.part = self._name_of(x), x in self._part
+            self.padding = padding_mask(at_zero, self._masks)
 
 
 def raw_pole_hint(watch: RawPole | None, cause: str | None, hit) -> str | None:
@@ -134,6 +138,8 @@ def raw_pole_hint(watch: RawPole | None, cause: str | None, hit) -> str | None:
     if watch is None or cause != "invalid" or hit is None or watch.op != hit.op:
         return None
     what = "by 0: its divisor" if hit.op == "aten.div" else "of 0: its input"
+    if watch.padding:  # (a padded set's elements, 0 by the collate_fn: no record is bad)
+        return padded_hint(hit.op, what, watch.padding)
     held = f"{watch.input}: " if watch.input else ""
     if watch.blank and watch.part:
         return (f"{hit.op} {what} is a norm of part of the batch's own records ({held}the "
@@ -169,6 +175,16 @@ def raw_pole_hint(watch: RawPole | None, cause: str | None, hit) -> str | None:
             "nodata entries out of the op and the loss), or, if 0 is a valid value there, do "
             "not take the op at it (torch.where(x != 0, ...); log1p for a log of counts). An "
             "eps on it would turn the record into a huge finite value the model trains on")
+
+
+def _named_inputs(given: Any) -> dict[str, torch.Tensor]:
+    """The root call's top-level tensor arguments, by the name the report gives them."""
+    if not (isinstance(given, tuple) and len(given) == 2):
+        return {}
+    args, kwargs = given
+    named = {("batch" if len(args) == 1 else f"args[{i}]"): a for i, a in enumerate(args)}
+    named.update({f'kwargs["{k}"]': v for k, v in (kwargs or {}).items()})
+    return {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
 
 
 def _input_names(given: Any) -> dict[int, str]:

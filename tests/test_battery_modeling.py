@@ -80,7 +80,9 @@ def test_temperature_padded_with_zero_kelvin_names_every_padded_cell(tmp_path):
     o = rep["origin"]
     assert (o["op"], o["samples"], rep["cause"]) == (
         "aten.reciprocal", [1, 2, 3, 5, 6, 7], "invalid"), rep
-    assert "mask its nodata entries out of the op" in rep["hint"], rep["hint"]
+    # (its 0s are the padding by the step mask the model is given: no record is bad)
+    assert "every such entry is padding by args[6]" in rep["hint"], rep["hint"]
+    assert "torch.where(mask.bool(), x, 1)" in rep["hint"], rep["hint"]
 
 
 def test_missing_capacity_names_the_coulomb_count_and_the_record_not_an_eps(tmp_path):
