@@ -6,9 +6,10 @@ attention normalised by its sum over the record's kept positions (``phi * char_m
 stroke file left empty by filtering, a transcription none of whose characters is in the
 alphabet. The op's advice (an eps) is one fix; the hint adds which data the named samples
 lack, a 0/1 tensor of the batch (a mask, a one-hot sequence) with no entry set in their rows
-while every other sample has one, or token ids holding in their rows nothing but the ids every
-sample holds (``<cls>``, ``<eos>``) and their padding, so the user can filter such records
-where they are made.
+while every other sample has one (or a bool padding mask, ``key_padding_mask``'s convention,
+True at all of their positions: a light curve with no detection), or token ids holding in
+their rows nothing but the ids every sample holds (``<cls>``, ``<eos>``) and their padding,
+so the user can filter such records where they are made.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
             f"character), so a count or a sum over them is the 0 divided here; {fix} "
             f"(--try drop={which} re-runs the step without them)")
         return
+    if _all_padded(report, data, rows):
+        return
     names = [name for name, t, d in data if _empty_in(t, d, rows, least=2)]
     if names:  # (a sequence of one step: its next-step targets, mask[:, 1:], are none)
         which = ",".join(str(r) for r in rows)
@@ -80,6 +83,24 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
             "count of their real tokens is the 0 divided here; filter such records where the "
             "data is made (the dataset, the crop, the collate_fn) or floor the count "
             f"(count.clamp_min(1)) (--try drop={which} re-runs the step without them)")
+
+
+def _all_padded(report: dict[str, Any], data: list, rows: list[int]) -> bool:
+    """Append the bool padding masks (True where padded: ``key_padding_mask``'s convention)
+    True at every position of exactly ``rows``; True when said."""
+    names = [name for name, t, d in data if t.dtype == torch.bool and _empty_in(~t, d, rows)]
+    if not names:
+        return False
+    which = ",".join(str(r) for r in rows)
+    report["hint"] = (
+        f"{report['hint']}. Sample(s) {which} are empty records: {' and '.join(names)} "
+        f"(a padding mask, True where padded) {'is' if len(names) == 1 else 'are'} True "
+        "at every position of their rows and False somewhere in every other sample's (a "
+        "series with no observation left, a sequence of length 0), so a count of their "
+        "unpadded positions is the 0 divided here; filter such records where the data is "
+        "made (the dataset, the collate_fn) or floor the count (count.clamp_min(1)) "
+        f"(--try drop={which} re-runs the step without them)")
+    return True
 
 
 def batch_data(step: Step, mb: int, loss: bool = True):
