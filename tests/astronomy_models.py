@@ -5,13 +5,16 @@
   ``forward``, an MLP predicts the redshift and its log-variance (heteroscedastic).
   ``from_mags``: the catalogue gives magnitudes instead, missing bands coded 99/-99; the model
   converts them back to fluxes ``10 ** (-0.4 (m - 22.5))`` for an inverse-variance weighting.
+  ``floor``: a learned systematic error floor ``sys_var`` added to the predicted variance.
 - ``gaussian_nll``: the heteroscedastic Gaussian NLL on the predicted log-variance.
 - ``MDNPhotoZ`` / ``mdn_nll``: a mixture density network for redshift PDFs, its NLL written as
   the log of the mixture's density (``naive``) or with ``logsumexp``.
 - ``LightCurveTransformer``: irregularly sampled multi-band light curves as tokens
   ``(time, band, flux, flux_err)`` with a padding mask, a transformer encoder, a masked mean
-  pool and a class head; ``jitter_nll``: an inverse-variance weighted reconstruction term with a
-  learned jitter added to the flux errors, padded tokens left out with ``torch.where``.
+  pool and a class head; ``standardise``: each object's fluxes standardised in ``forward`` with
+  the one-pass variance; ``JitterLoss``: given the model, an inverse-variance weighted
+  reconstruction term with the model's learned jitter added to the flux errors, padded tokens
+  left out with ``torch.where``.
 - ``MorphologyCNN``: galaxy cutouts ``(B, 3, 32, 32)``, rotation augmentation, a small CNN.
 """
 
@@ -28,9 +31,11 @@ ZP = 22.5  # AB zero point of nanomaggies
 
 
 class PhotoZ(nn.Module):
-    def __init__(self, hidden: int = 32, from_mags: bool = False):
+    def __init__(self, hidden: int = 32, from_mags: bool = False, floor: bool = False):
         super().__init__()
         self.from_mags = from_mags
+        # a learned systematic error floor (zero-point errors), added to the predicted variance
+        self.sys_var = nn.Parameter(torch.tensor(0.02)) if floor else None
         self.net = nn.Sequential(nn.Linear(2 * BANDS - 1, hidden), nn.ReLU(),
                                  nn.Linear(hidden, hidden), nn.ReLU())
         self.head = nn.Linear(hidden, 2)  # redshift, log-variance
@@ -44,12 +49,19 @@ class PhotoZ(nn.Module):
         colours = mags[:, :-1] - mags[:, 1:]
         feats = torch.cat([(mags - 20.0) / 2.0, colours], dim=1)
         out = self.head(self.net(feats))
+        if self.sys_var is not None:  # var = exp(log_var) + sys_var, in log space
+            return out[:, 0], torch.logaddexp(out[:, 1], torch.log(self.sys_var))
         return out[:, 0], out[:, 1]
 
 
 def make_photoz() -> PhotoZ:
     torch.manual_seed(0)
     return PhotoZ()
+
+
+def make_photoz_floor() -> PhotoZ:
+    torch.manual_seed(0)
+    return PhotoZ(floor=True)
 
 
 def make_photoz_mags() -> PhotoZ:

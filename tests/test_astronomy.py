@@ -28,10 +28,10 @@ def line_of(text: str) -> str:
     return source_line("astronomy_models.py", text)
 
 
-def photometry_loader(**bad) -> DataLoader:
+def photometry_loader(steps: int = STEPS, **bad) -> DataLoader:
     """Fluxes, errors and spectroscopic redshifts; the data condition ``bad`` in the last batch."""
     g = torch.Generator().manual_seed(0)
-    parts = [M.photometry(g, N, **(bad if s == STEPS - 1 else {})) for s in range(STEPS)]
+    parts = [M.photometry(g, N, **(bad if s == steps - 1 else {})) for s in range(steps)]
     return DataLoader(TensorDataset(*[torch.cat([p[i] for p in parts]) for i in range(3)]),
                       batch_size=N)
 
@@ -93,12 +93,12 @@ def morph_step(model, loss_fn, batch):
 
 
 def train(make: str, crit, loader: DataLoader, step, out_dir=None, record: bool = True,
-          opt=torch.optim.Adam, lr: float = 1e-3):
-    """Adam (or ``opt``) with gradient clipping, as survey pipelines train; ``crit``: the loss,
-    or a function of the model making it (a loss holding the model)."""
+          lr: float = 1e-3):
+    """Adam with gradient clipping, as survey pipelines train; ``crit``: the loss, or a
+    function of the model making it (a loss holding the model)."""
     model = getattr(M, make)()
     loss = crit(model) if getattr(crit, "__name__", "") == "<lambda>" else crit
-    optimizer = opt(model.parameters(), lr=lr)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     torch.manual_seed(1)
     rec = FlightRecorder(model, optimizer, loss_fn=loss, out_dir=out_dir,
                          factory=f"astronomy_models:{make}") if record else None
@@ -156,6 +156,23 @@ def test_missing_band_coded_minus_99_overflows_the_flux_conversion_and_is_named_
     assert "hold -99 where every other sample's values are 0 or more: a missing-value code" \
         in rep["hint"], rep["hint"]
     assert "a time since an event" not in rep["hint"], rep["hint"]
+
+
+def test_learned_error_floor_driven_negative_by_adam_names_the_parameter_under_log(tmp_path):
+    """A learned systematic error floor ``sys_var`` added to the predicted variance in log
+    space, ``logaddexp(log_var, log(sys_var))``, trained as a raw parameter: Adam's steps of
+    ~lr take it from 0.02 below 0 at step 5, and its log is NaN for every galaxy. The replay
+    names the log on that line, made of parameters alone (every sample), and the parameter
+    with its negative value, to learn its log instead."""
+    ev, bundle = fire("make_photoz_floor", M.gaussian_nll, photometry_loader(steps=12),
+                      photoz_step, tmp_path, lr=0.03)
+    assert (ev["step"], ev["phase"]) == (5, "forward"), ev
+    rep = nanreplay_json(bundle)
+    assert origin_of(rep) == (True, "forward", "", "aten.log", "nan", list(range(N)))
+    assert rep["origin"]["source"] == line_of("torch.logaddexp(out[:, 1], torch.log(self.sys_var")
+    assert rep["cause"] == "invalid", rep
+    assert "the parameter sys_var (-0.009557)" in rep["hint"], rep["hint"]
+    assert "learn its log and use .exp()" in rep["hint"], rep["hint"]
 
 
 def test_mdn_density_of_a_catastrophic_outlier_underflows_and_logsumexp_trains(tmp_path):
@@ -232,7 +249,7 @@ def test_one_pass_variance_of_a_bright_constant_star_rounds_to_zero_and_says_pre
     assert "E[x²] − E[x]²" in rep["hint"] and "torch.var" in rep["hint"], rep["hint"]
 
 
-@pytest.mark.parametrize("case", ["photoz", "lightcurve", "jitter", "morphology"])
+@pytest.mark.parametrize("case", ["photoz", "floor", "lightcurve", "jitter", "morphology"])
 def test_healthy_runs_raise_no_event_and_train_bit_identically(tmp_path, case):
     """The healthy versions (positive fluxes, every light curve detected and variable, errors
     padded with 1, calibrated cutouts) raise no event; the recorder changes none of the
@@ -240,6 +257,7 @@ def test_healthy_runs_raise_no_event_and_train_bit_identically(tmp_path, case):
     g = torch.Generator().manual_seed(0)
     img, y = M.cutouts(g, STEPS * N)
     args = {"photoz": ("make_photoz", M.gaussian_nll, photometry_loader(), photoz_step),
+            "floor": ("make_photoz_floor", M.gaussian_nll, photometry_loader(), photoz_step),
             "lightcurve": ("make_lightcurve_standardised", torch.nn.CrossEntropyLoss(),
                            light_curve_loader(), lc_step),
             "jitter": ("make_lightcurve_jitter", lambda m: M.JitterLoss(m),
