@@ -138,6 +138,8 @@ def test_negative_sky_subtracted_flux_names_the_magnitude_log_and_says_asinh(tmp
     assert "holds -0.2 at sample(s) 3 (column 0)" in rep["hint"], rep["hint"]
     assert "asinh magnitudes" in rep["hint"], rep["hint"]
     assert "a code for a missing value" not in rep["hint"], rep["hint"]
+    assert "clamp the op's input into its domain" in rep["hint"], rep["hint"]
+    assert "log barrier" not in rep["hint"], rep["hint"]  # (the batch's value: no iterate)
 
 
 def test_missing_band_coded_minus_99_overflows_the_flux_conversion_and_is_named_a_code(
