@@ -37,13 +37,13 @@ def describe_loss(loss_fn: nn.Module, tensors: dict[str, torch.Tensor],
     """The bundle's ``loss`` entry for the recorder's ``loss_fn`` (a module, or the module the
     recorder wraps a plain function in); tensors go into ``tensors`` under ``loss/``. A
     submodule the loss shares with the model (``modules``: its modules by id, named, as
-    ``Target.module_ids`` gives them; a perceptual loss given the model's own ``self.vgg``)
-    is named by its name in the model too (``"model": "vgg"``), for the replay to give the
-    rebuilt loss the rebuilt model's."""
+    ``Target.module_ids`` gives them; a perceptual loss given the model's own ``self.vgg``;
+    the model itself, ``Loss(model)``, as ``""``) is named by its name in the model too
+    (``"model": "vgg"``), for the replay to give the rebuilt loss the rebuilt model's."""
     fn = getattr(loss_fn, "fn", None)
     if fn is not None and type(loss_fn).__name__ == "_CallableLoss":
         return {"kind": "function", **(_describe_method(fn) or describe_callable(fn))}
-    shared = {i: n for i, n in (modules or {}).items() if n}  # (not the root itself)
+    shared = dict(modules or {})  # (the root too, as "": a loss given the model itself)
     tree = _describe_module(loss_fn, "", tensors, shared)
     # the flat fields older replays read (a torch.nn built-in rebuilt from its arguments)
     try:

@@ -19,6 +19,7 @@ from recorder.capture import batch_path
 
 from .domains import g
 from .load import Step
+from .log_domain import ADVICE as LOG_DOMAIN
 from .recorded import n_args
 
 # the ops and the largest value outside their domain (or at their pole): log's 0 is a real
@@ -26,6 +27,36 @@ from .recorded import n_args
 _EDGE = {"log1p": -1.0, "log": -1e-30, "log2": -1e-30, "log10": -1e-30, "sqrt": -1e-30}
 
 AS_GIVEN = "as the batch gave it"  # (what replay.negative_rows defers to)
+
+
+def nines_code(values: torch.Tensor) -> float | None:
+    """The one value ``values`` all hold when it is a run of nines, ``±(10^k - 1)`` with
+    k >= 1 (-99, 99, -999, -9999: the missing-value codes of catalogues and surveys, a band not
+    observed), else None."""
+    if not values.numel() or bool((values != values.flatten()[0]).any()):
+        return None
+    v = abs(float(values.flatten()[0]))
+    return float(values.flatten()[0]) if v >= 9 and str(int(v)) == "9" * len(str(int(v))) \
+        and v == int(v) else None
+
+
+def _measured(values: torch.Tensor) -> bool:
+    """Whether the out-of-domain values are no code: not whole numbers (a background-
+    subtracted flux of -0.2, a difference of noisy counts)."""
+    return bool((values != values.round()).any())
+
+
+def _what(bad: torch.Tensor) -> str:
+    if _measured(bad):
+        return ("a measurement that noise or an offset took below the op's domain (a "
+                "sky-subtracted flux of a faint source, a difference of noisy counts), no "
+                "corrupt record: a clamp or dropping those records biases toward the bright "
+                "ones; use a transform defined there (asinh magnitudes, a signed log "
+                "sign(x) * log1p(|x|)) or keep such values as upper limits where the data "
+                "is made")
+    return ("a code for a missing value (fillna(-1)) or a corrupt record, which a clamp "
+            "would turn into an extreme feature; impute it where the data is made (a "
+            "default such as 0, with a missing-indicator column) or drop those records")
 
 
 def data_pole_hint(report: dict[str, Any], step: Step) -> None:
@@ -49,11 +80,10 @@ def data_pole_hint(report: dict[str, Any], step: Step) -> None:
             continue
         cols = sorted(set(torch.nonzero(bad)[:, 1].tolist())) if t.dim() == 2 else []
         where = f" (column {', '.join(map(str, cols))})" if cols else ""
+        # (no constraint's slack: the batch's own value, no iterate a step took outside)
+        hint = report["hint"].replace(LOG_DOMAIN, LOG_DOMAIN.partition("; where")[0])
         report["hint"] = (
-            f"{report['hint']}. But {batch_path(raw, n_args(mb.get('inputs')))} holds "
+            f"{hint}. But {batch_path(raw, n_args(mb.get('inputs')))} holds "
             f"{g(low)} at sample(s) {', '.join(map(str, rows))}{where} {AS_GIVEN}, "
-            "the value the op took: a code for a missing value (fillna(-1)) or a corrupt "
-            "record, which a clamp would turn into an extreme feature; impute it where the "
-            "data is made (a default such as 0, with a missing-indicator column) or drop "
-            "those records")
+            f"the value the op took: {_what(t[t <= edge])}")
         return

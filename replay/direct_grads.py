@@ -26,11 +26,23 @@ def cut_outputs(step: Step, i: int, outputs: list[list[torch.Tensor]]
     that micro-batch's loss was not given the model, one of its modules or parameters."""
     entry = step.micro_batches[i]
     tree = entry.get("loss_inputs")
-    if len(outputs) <= i or differentiates_model(step, i) or not any(
-            isinstance(m, str) for key in ("$module", "$param") for m in tree_refs(tree, key)):
+    if len(outputs) <= i or differentiates_model(step, i) or not (any(
+            isinstance(m, str) for key in ("$module", "$param") for m in tree_refs(tree, key))
+            or holds_trained(step)):
         return outputs, None
     cut = [o.detach().requires_grad_(o.requires_grad) for o in outputs[i]]
     return [*outputs[:i], cut, *outputs[i + 1:]], cut
+
+
+def holds_trained(step: Step) -> bool:
+    """Whether the rebuilt loss holds one of the model's trained parameters as its own (a
+    loss given the model at construction, ``Loss(model)``, reading a learned jitter or
+    temperature of it in ``forward``): a direct path the outputs' gradient leaves out too."""
+    loss, model = step.loss_fn, step.model
+    if not isinstance(loss, nn.Module) or model is None:
+        return False
+    ids = {id(p) for p in model.parameters() if p.requires_grad}
+    return any(id(p) in ids for p in loss.parameters())
 
 
 def direct_params(model: nn.Module, cut: list[torch.Tensor] | None) -> list[torch.Tensor]:

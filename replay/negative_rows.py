@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .cause_text import DO
-from .data_pole import AS_GIVEN
+from .data_pole import AS_GIVEN, nines_code
 from .domains import g
 from .drop import undroppable
 from .load import Step
@@ -33,7 +33,9 @@ def negative_input(step: Step, mb: int, rows: list[int]) -> dict[str, Any] | Non
         others = a[~named]
         if bool((low[named] < 0).all()) and bool((others >= 0).all()) \
                 and bool((others > 0).any()):
-            return {"tensor": name, "value": float(low[named].min())}
+            mine = a[named]
+            return {"tensor": name, "value": float(low[named].min()),
+                    "code": nines_code(mine[mine < 0])}
     return None
 
 
@@ -59,6 +61,14 @@ def negative_hint(report: dict[str, Any], step: Step) -> bool:
     which = ",".join(str(r) for r in rows)
     how = (f" (--try drop={which} re-runs the step without them)"
            if undroppable(step, mb) is None else "")
+    if found.get("code") is not None:
+        report["hint"] = (
+            f"{hint}. But sample(s) {which} of {found['tensor']} hold {g(found['code'])} where "
+            "every other sample's values are 0 or more: a missing-value code (a band or "
+            "feature not measured), which the model took as a value; mask those entries or "
+            "impute them (with a missing-indicator) where the data is made, before the "
+            f"model{how}")
+        return True
     report["hint"] = (
         f"{hint}. But sample(s) {which} of {found['tensor']} hold negative values (down to "
         f"{g(found['value'])}) where every other sample's are 0 or more: the data of these "
