@@ -8,8 +8,9 @@ between the bins and a LiDAR frame with no point averages over none (0/0). The o
 (clamp its input, an eps) would train on a record holding nothing; the hint names the
 tensor and the samples, so the user fixes or filters the record where the data is made. Non-negative data of several
 entries a sample (counts) is :mod:`replay.empty_counts`', 0/1 masks
-:mod:`replay.empty_records`'; a hint that names the data already, or says its 0 is a true value (a count of 0:
-:mod:`replay.data_counts`, a stay's whole days), gains nothing here. At a
+:mod:`replay.empty_records`'; a hint that names the data already gains nothing here, one
+that says its 0 is a true value (a count of 0: :mod:`replay.data_counts`, a stay's whole
+days) only the data's name, no advice to filter the record. At a
 0/0 only the loss's data is looked at: a model input's blank row divided by its own spread
 (``(x - mean) / std``) is a normaliser's, which an eps fixes. Where the op's own eps was set to
 0 (``log(q + c)`` with ``c = 0``, NSE*'s ``1 / (std + eps)^2`` with ``eps = 0``), the code meant
@@ -36,8 +37,7 @@ from .unlabelled_rows import label_flag, unlabelled_hint
 # (the data is named already, or said to be none of a record's)
 # (or its 0 said to be a true value: a count of 0, replay.data_counts)
 _SAID = ("Sample(s) ", "sample(s) ", "nothing is to drop", "--try drop=",
-         "exactly 0 at the samples named", "exactly 0 in the samples named",  # (a ridge's)
-         ORDINARY)
+         "exactly 0 at the samples named", "exactly 0 in the samples named")  # (a ridge's)
 _ZERO_BY_ZERO = "of 0 by 0 (0/0)"  # (a division's, replay.cause_text)
 _GUARD_OFF = "so it guarded nothing"  # (replay.lost_eps: the op's eps is 0, or lost in its type)
 
@@ -65,6 +65,9 @@ def zero_records_hint(report: dict[str, Any], step: Step) -> None:
         return
     how = (f" (--try drop={which} re-runs the step without them)"
            if undroppable(step, mb) is None else "")
+    if ORDINARY in hint:  # (a count of 0, said to be a true value: which data, no filter)
+        report["hint"] = f"{hint} ({is_are} 0 everywhere in sample(s) {which})"
+        return
     if _GUARD_OFF in hint:  # the code's own eps was meant for this 0: it may be a true value
         report["hint"] = (
             f"{hint}. {is_are} 0 everywhere in sample(s) {which} and not in any other "
