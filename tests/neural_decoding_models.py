@@ -107,10 +107,11 @@ class LFADSLoss(nn.Module):
 
 
 def spike_batch(g: torch.Generator, session: int, n: int = 6, short: tuple = (),
-                silent: tuple = ()):
+                silent: tuple = (), aborted: tuple = ()):
     """Poisson counts of trials of session ``session`` from smooth latent rates, padded to T:
     the trials in ``short`` end at T // 2 (their later bins 0, mask 0); the neurons in
-    ``silent`` never fire in this session (a unit lost after spike sorting)."""
+    ``silent`` never fire in this session (a unit lost after spike sorting); the trials in
+    ``aborted`` have no bin left after alignment to the go cue (mask all 0)."""
     neurons = SESSIONS[session]
     t = torch.linspace(0, 1, T)
     phase = torch.rand(n, 1, 1, generator=g) * 6.28
@@ -120,6 +121,8 @@ def spike_batch(g: torch.Generator, session: int, n: int = 6, short: tuple = (),
     mask = torch.ones(n, T)
     for i in short:
         mask[i, T // 2:] = 0
+    for i in aborted:
+        mask[i] = 0
     counts = counts * mask[..., None]
     for j in silent:
         counts[..., j] = 0

@@ -33,10 +33,11 @@ def origin_of(rep: dict) -> tuple:
 
 def train_lfads(crit, out_dir, make: str = "make_lfads", steps: int = 3, short: tuple = (),
                 silent: tuple = (), eps: float = 1e-8, dropout: bool = False,
-                record: bool = True):
+                record: bool = True, aborted: tuple = ()):
     """Adam with gradient clipping, sessions alternating by batch, as LFADS trains;
-    ``short``: trials of the last batch that end half-way (padded, masked); ``silent``:
-    neurons of session 1 that never fire; ``dropout``: coordinated dropout."""
+    ``short``: trials of the last batch that end half-way (padded, masked), ``aborted``: that
+    have no bin (mask all 0); ``silent``: neurons of session 1 that never fire;
+    ``dropout``: coordinated dropout."""
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=eps)
     g = torch.Generator().manual_seed(0)
@@ -47,7 +48,9 @@ def train_lfads(crit, out_dir, make: str = "make_lfads", steps: int = 3, short: 
         loss_fn = rec.loss_fn if rec is not None else crit
         for step in range(steps):
             session = step % 2
-            counts, mask = M.spike_batch(g, session, short=short if step == steps - 1 else (),
+            last = step == steps - 1
+            counts, mask = M.spike_batch(g, session, short=short if last else (),
+                                         aborted=aborted if last else (),
                                          silent=silent if session == 1 else ())
             x, held = M.coordinated_dropout(g, counts) if dropout else (counts, None)
             opt.zero_grad()
@@ -115,3 +118,126 @@ def test_hand_written_infonce_at_a_small_temperature_names_the_exp_and_cross_ent
     h = rep["hint"]
     assert line_of("return -torch.log(e.diagonal() / e.sum(1))") in h, h
     assert "a softmax written by hand" in h and "F.cross_entropy(s, target)" in h, h
+
+
+def test_a_roi_reading_zero_all_trial_names_the_dff_division_and_the_dead_channel(tmp_path):
+    """ROI 3 of trial 2 of the last batch reads 0 all trial (a cell out of the field of
+    view): its rolling percentile baseline F0 is 0 and dF/F = (F - F0) / F0 is 0/0. The replay
+    names the division on its line at that trial, and the dead channel (dim 2, channel 3) of
+    the batch that no other trial has, to mask where the data is made."""
+    ev, bundle = fire(train_cebra, M.InfoNCE(), tmp_path, dead=((2, 3),))
+    assert (ev["step"], ev["phase"]) == (2, "forward"), ev
+    rep = nanreplay_json(bundle)
+    assert origin_of(rep) == (True, "forward", "", "aten.div", "nan", [2]), rep["origin"]
+    assert rep["origin"]["source"] == line_of("x = (f - f0) / f0"), rep["origin"]
+    assert rep["cause"] == "invalid", rep
+    h = rep["hint"]
+    assert "Sample(s) 2 read exactly 0 throughout channel(s) 3 (dim 2) of batch" in h, h
+    assert "a dead channel of the record" in h and "--try drop=2" in h, h
+
+
+def test_kl_to_a_learned_prior_whose_log_variance_drifted_names_that_parameter(tmp_path):
+    """A checkpoint whose learned prior's log-variance is -110: ``exp`` of it underflows
+    float32 to 0 and the KL's division by the prior's variance is +inf at the first step in
+    every trial. The replay names the division in the model's forward, an underflow, and
+    the parameter whose exp underflowed, to bound it, not the log-space list."""
+    ev, bundle = fire(train_lfads, M.LFADSLoss(), tmp_path, make="make_lfads_drifted_prior")
+    assert (ev["step"], ev["phase"]) == (0, "forward"), ev
+    rep = nanreplay_json(bundle)
+    assert origin_of(rep) == (True, "forward", "", "aten.div", "+inf", list(range(6)))
+    assert rep["origin"]["source"] == line_of("/ self.prior_logvar.exp()"), rep["origin"]
+    assert rep["cause"] == "underflow", rep
+    h = rep["hint"]
+    assert "the exp of the parameter prior_logvar (as low as -110)" in h, h
+    assert "prior_logvar.clamp(min=-20)" in h and "log_softmax" not in h, h
+
+
+def test_one_pass_variance_of_raw_fluorescence_on_a_camera_offset_is_precision(tmp_path):
+    """Trials 1 and 4 come from a rig whose 16-bit camera offset (30000) was not subtracted:
+    a dim cell's small swings ride on a big number, and the z-score's one-pass variance
+    E[F^2] - E[F]^2 cancels below 0 in float32; sqrt of it is NaN there. The replay names the
+    sqrt at those trials, precision, and torch.var / centring first."""
+    ev, bundle = fire(train_cebra, M.InfoNCE(), tmp_path, make="make_calcium_zscore",
+                      offset={1: 30000.0, 4: 30000.0})
+    assert (ev["step"], ev["phase"]) == (2, "forward"), ev
+    rep = nanreplay_json(bundle)
+    assert origin_of(rep) == (True, "forward", "", "aten.sqrt", "nan", [1, 4]), rep["origin"]
+    assert rep["origin"]["source"] == line_of("x = (f - mean) / var.sqrt()"), rep["origin"]
+    assert rep["cause"] == "precision", rep
+    assert "E[x²] − E[x]²" in rep["hint"] and "torch.var" in rep["hint"], rep["hint"]
+
+
+def test_adam_without_eps_and_a_neuron_silent_all_session_names_its_read_in(tmp_path):
+    """Neuron 3 of session 1 never fires (lost after sorting): its read-in column's gradient
+    is exactly 0 at every step, and Adam with eps=0 divides 0 by 0 at the first step that
+    trains session 1. An optimizer event; the replay names the read-in weight and eps."""
+    ev, bundle = fire(train_lfads, M.LFADSLoss(), tmp_path, silent=(3,), eps=0.0)
+    assert (ev["step"], ev["phase"]) == (1, "optimizer"), ev
+    rep = nanreplay_json(bundle, code=None)
+    assert rep["cause"] == "optimizer", rep
+    h = rep["hint"]
+    assert "read_in.1.weight" in h and "set eps > 0" in h and "exactly 0" in h, h
+
+
+def test_smoothness_penalty_over_padded_bins_is_a_backward_only_sqrt_pole(tmp_path):
+    """The factors' step lengths ``sqrt(|f_t - f_{t-1}|^2 + eps)`` masked to real bins, with
+    eps=0: trials 1 and 4 end half-way, their padded steps are exactly 0, sqrt(0) is finite
+    but its derivative is +inf there. A backward event; the replay names SqrtBackward0 in the
+    loss at those trials, invalid, and the eps that is 0 / vector_norm."""
+    ev, bundle = fire(train_lfads, M.LFADSLoss(smooth=0.1, smooth_eps=0.0), tmp_path,
+                      short=(1, 4))
+    assert (ev["step"], ev["phase"]) == (2, "backward"), ev
+    rep = nanreplay_json(bundle)
+    assert origin_of(rep) == (True, "backward", "<loss>", "SqrtBackward0", "+inf", [1, 4])
+    assert rep["origin"]["source"] == line_of("length = (step.pow(2).sum(-1)"), rep["origin"]
+    assert rep["cause"] == "invalid", rep
+    h = rep["hint"]
+    assert "vector_norm" in h and "the eps added to that input is exactly 0" in h, h
+
+
+def test_a_missing_count_wrapped_to_65535_in_the_glm_history_names_that_bin(tmp_path):
+    """A missing count of -1 read back from a uint16 array is 65535 in bin 7's spike history:
+    the GLM's exp(log rate) overflows there. The replay names exp at that bin, overflow, and
+    the bin's data out of scale with the batch, to fix or filter."""
+    ev, bundle = fire(train_glm, tmp_path, wrapped=(7,))
+    assert (ev["step"], ev["phase"]) == (2, "forward"), ev
+    rep = nanreplay_json(bundle)
+    assert origin_of(rep) == (True, "forward", "", "aten.exp", "+inf", [7]), rep["origin"]
+    assert rep["origin"]["source"] == line_of("return torch.exp(self.stim(stim)"), rep["origin"]
+    assert rep["cause"] == "overflow", rep
+    assert "sample(s) 7 of args[1] reach 6.55e+04" in rep["hint"], rep["hint"]
+
+
+def test_an_aborted_trial_with_no_bin_names_the_masked_mean_pool_and_the_empty_mask(
+        tmp_path):
+    """Trial 3 of the last batch has no bin left after alignment (its mask all 0): the
+    encoder's masked mean pool over time divides 0 by 0 there. The replay names the division
+    at that trial and the empty mask, to filter such trials or floor the count."""
+    ev, bundle = fire(train_lfads, M.LFADSLoss(), tmp_path, aborted=(3,))
+    assert (ev["step"], ev["phase"]) == (2, "forward"), ev
+    rep = nanreplay_json(bundle)
+    assert origin_of(rep) == (True, "forward", "", "aten.div", "nan", [3]), rep["origin"]
+    assert rep["origin"]["source"] == line_of("pooled = (h * mask[..., None]).sum(1)")
+    assert rep["cause"] == "invalid", rep
+    h = rep["hint"]
+    assert "Sample(s) 3 are empty records: args[1] (0/1 data)" in h and "--try drop=3" in h, h
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                 b.state_dict().values()))
+
+
+def test_healthy_lfads_cebra_and_glm_train_bit_identically_with_and_without_the_recorder(
+        tmp_path):
+    """Padded trials, a silent neuron, coordinated dropout and the smoothness penalty with
+    its eps; dF/F of live ROIs at temperature 1; the GLM on clean counts: no event, and the
+    recorder changes nothing."""
+    kw = {"short": (1, 4), "silent": (3,), "dropout": True}
+    crit = M.LFADSLoss(smooth=0.1)
+    assert same_weights(train_lfads(crit, tmp_path, **kw),
+                        train_lfads(crit, tmp_path, record=False, **kw))
+    assert same_weights(train_cebra(M.InfoNCE(), tmp_path),
+                        train_cebra(M.InfoNCE(), tmp_path, record=False))
+    assert same_weights(train_glm(tmp_path), train_glm(tmp_path, record=False))
+    assert not list(tmp_path.glob("*.nan"))
