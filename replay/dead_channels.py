@@ -35,7 +35,7 @@ def dead_channels_hint(report: dict[str, Any], step: Step) -> None:
             or o.get("all_samples") or "0 by 0" not in hint or any(s in hint for s in _SAID):
         return
     found = [(name, dim, cs) for name, t, d in root_inputs(step, mb)
-             for dim, cs in _dead(t, d, rows)]
+             for dim, cs in dead_channels_of(t, d, rows)]
     if not found:
         return
     which = ",".join(str(r) for r in rows)
@@ -53,7 +53,7 @@ def dead_channels_hint(report: dict[str, Any], step: Step) -> None:
         f"read 0{how}")
 
 
-def _dead(t: torch.Tensor, d: int, rows: list[int]) -> list[tuple[int, list[int]]]:
+def dead_channels_of(t: torch.Tensor, d: int, rows: list[int]) -> list[tuple[int, list[int]]]:
     """(dim, channels) of real-valued ``t`` (samples in dim ``d``) all 0 over every other dim
     in each of ``rows`` and in no other sample, where each of ``rows`` holds a nonzero
     value elsewhere (not a blank record); each dim after ``d`` with at least 2 entries."""

@@ -197,15 +197,18 @@ def test_smoothness_penalty_over_padded_bins_is_a_backward_only_sqrt_pole(tmp_pa
 
 def test_a_missing_count_wrapped_to_65535_in_the_glm_history_names_that_bin(tmp_path):
     """A missing count of -1 read back from a uint16 array is 65535 in bin 7's spike history:
-    the GLM's exp(log rate) overflows there. The replay names exp at that bin, overflow, and
-    the bin's data out of scale with the batch, to fix or filter."""
+    the GLM's exp(log rate) overflows there. The replay names exp at that bin, overflow, the
+    bin's data out of scale with the batch, to fix or filter, and that the value is uint16's
+    largest, where a -1 wraps to."""
     ev, bundle = fire(train_glm, tmp_path, wrapped=(7,))
     assert (ev["step"], ev["phase"]) == (2, "forward"), ev
     rep = nanreplay_json(bundle)
     assert origin_of(rep) == (True, "forward", "", "aten.exp", "+inf", [7]), rep["origin"]
     assert rep["origin"]["source"] == line_of("return torch.exp(self.stim(stim)"), rep["origin"]
     assert rep["cause"] == "overflow", rep
-    assert "sample(s) 7 of args[1] reach 6.55e+04" in rep["hint"], rep["hint"]
+    h = rep["hint"]
+    assert "sample(s) 7 of args[1] reach 6.55e+04" in h, h
+    assert "exactly 65535 = 2**16 - 1, uint16's largest value" in h and "wraps to it" in h, h
 
 
 def test_an_aborted_trial_with_no_bin_names_the_masked_mean_pool_and_the_empty_mask(
@@ -221,6 +224,37 @@ def test_an_aborted_trial_with_no_bin_names_the_masked_mean_pool_and_the_empty_m
     assert rep["cause"] == "invalid", rep
     h = rep["hint"]
     assert "Sample(s) 3 are empty records: args[1] (0/1 data)" in h and "--try drop=3" in h, h
+
+
+def test_dead_channels_are_a_channel_dead_in_the_named_samples_alone_not_padding():
+    """A ROI at 0 all trial in trial 2 alone is a dead channel (dim 2); a trial padded with
+    zero bins at its end is not (a run to the end of the time dim); nor is one alive
+    elsewhere in another trial dead too, nor 0/1 data, nor a trial blank everywhere."""
+    from replay.dead_channels import dead_channels_of
+
+    f = M.calcium_batch(torch.Generator().manual_seed(0))
+    dead = f.clone()
+    dead[2, :, 3] = 0
+    assert dead_channels_of(dead, 0, [2]) == [(2, [3])]
+    padded = f.clone()
+    padded[2, 10:] = 0
+    assert dead_channels_of(padded, 0, [2]) == []
+    also = dead.clone()
+    also[4, :, 3] = 0  # (dead in a trial not named too)
+    assert dead_channels_of(also, 0, [2]) == []
+    assert dead_channels_of((dead > 100).float(), 0, [2]) == []  # (0/1 data)
+    blank = f.clone()
+    blank[2] = 0
+    assert dead_channels_of(blank, 0, [2]) == []
+
+
+def test_integer_code_names_16_and_32_bit_maxima_only():
+    from replay.outliers import integer_code
+
+    assert "uint16's largest value" in integer_code(65535.0)
+    assert "wraps to it" in integer_code(65535.0) and "wraps" not in integer_code(32767.0)
+    assert integer_code(255.0) == "" and integer_code(65534.0) == ""
+    assert integer_code(float("inf")) == "" and integer_code(65535.5) == ""
 
 
 def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
