@@ -33,11 +33,12 @@ def origin_of(rep: dict) -> tuple:
 
 def train_lfads(crit, out_dir, make: str = "make_lfads", steps: int = 3, short: tuple = (),
                 silent: tuple = (), eps: float = 1e-8, dropout: bool = False,
-                record: bool = True, aborted: tuple = ()):
+                record: bool = True, aborted: tuple = (), bf16: bool = False):
     """Adam with gradient clipping, sessions alternating by batch, as LFADS trains;
     ``short``: trials of the last batch that end half-way (padded, masked), ``aborted``: that
     have no bin (mask all 0); ``silent``: neurons of session 1 that never fire;
-    ``dropout``: coordinated dropout."""
+    ``dropout``: coordinated dropout; ``bf16``: the forward under bf16 autocast (the loss in
+    float32)."""
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=eps)
     g = torch.Generator().manual_seed(0)
@@ -55,7 +56,10 @@ def train_lfads(crit, out_dir, make: str = "make_lfads", steps: int = 3, short: 
             x, held = M.coordinated_dropout(g, counts) if dropout else (counts, None)
             opt.zero_grad()
             extra = (held,) if dropout else ()
-            loss_fn(model(x, mask, session), counts, mask, *extra).backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                out = model(x, mask, session)
+            out = tuple(t.float() for t in out)
+            loss_fn(out, counts, mask, *extra).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 200.0)
             opt.step()
     return model
@@ -226,6 +230,57 @@ def test_an_aborted_trial_with_no_bin_names_the_masked_mean_pool_and_the_empty_m
     assert "Sample(s) 3 are empty records: args[1] (0/1 data)" in h and "--try drop=3" in h, h
 
 
+def test_glm_at_too_high_a_learning_rate_diverges_and_is_named_a_divergence(tmp_path):
+    """SGD at lr=5 on the canonical exp link: one step sends the weights to 1e13 and the
+    next forward's exp overflows. The replay names exp, an overflow, and the weights' jump
+    the step before: lower the learning rate or clip, not a wider type."""
+    model = M.make_glm()
+    opt = torch.optim.SGD(model.parameters(), lr=5.0)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info, FlightRecorder(
+            model, opt, loss_fn=M.glm_nll, out_dir=tmp_path,
+            factory="neural_decoding_models:make_glm") as rec:
+        for _ in range(6):
+            stim, past, counts = M.glm_batch(g)
+            opt.zero_grad()
+            rec.loss_fn(model(stim, past), counts).backward()
+            opt.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (3, "forward")
+    rep = nanreplay_json(info.value.bundle_path)
+    assert origin_of(rep)[:5] == (True, "forward", "", "aten.exp", "+inf"), rep["origin"]
+    assert rep["cause"] == "overflow", rep
+    assert "the weights had jumped at step 2" in rep["hint"] and "lower the learning rate" \
+        in rep["hint"], rep["hint"]
+    assert "weight_jump" in [p["kind"] for p in rep["precursors"]], rep["precursors"]
+
+
+def test_an_aborted_trial_in_the_second_sessions_micro_batch_is_named_there(tmp_path):
+    """Gradient accumulation over both sessions' batches (12 and 9 neurons, each through its
+    own read-in) in one step: trial 2 of session 1's micro-batch has no bin. The replay
+    names micro-batch 1 and trial 2 of it, and the empty mask."""
+    model = M.make_lfads()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    crit = M.LFADSLoss()
+    with pytest.raises(NonFiniteError) as info, FlightRecorder(
+            model, opt, loss_fn=crit, out_dir=tmp_path,
+            factory="neural_decoding_models:make_lfads") as rec:
+        for step in range(2):
+            opt.zero_grad()
+            for session in (0, 1):
+                bad = (2,) if (step, session) == (1, 1) else ()
+                counts, mask = M.spike_batch(g, session, aborted=bad)
+                (rec.loss_fn(model(counts, mask, session), counts, mask) / 2).backward()
+            opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"]) == (1, "forward", 1), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["micro_batch"], o["op"], o["samples"], o["batch_size"]) == (
+        1, "aten.div", [2], 6), o
+    assert "Sample(s) 2 are empty records" in rep["hint"], rep["hint"]
+
+
 def test_dead_channels_are_a_channel_dead_in_the_named_samples_alone_not_padding():
     """A ROI at 0 all trial in trial 2 alone is a dead channel (dim 2); a trial padded with
     zero bins at its end is not (a run to the end of the time dim); nor is one alive
@@ -265,12 +320,14 @@ def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 def test_healthy_lfads_cebra_and_glm_train_bit_identically_with_and_without_the_recorder(
         tmp_path):
     """Padded trials, a silent neuron, coordinated dropout and the smoothness penalty with
-    its eps; dF/F of live ROIs at temperature 1; the GLM on clean counts: no event, and the
+    its eps, in float32 and under bf16 autocast; dF/F of live ROIs at temperature 1; the GLM on clean counts: no event, and the
     recorder changes nothing."""
     kw = {"short": (1, 4), "silent": (3,), "dropout": True}
     crit = M.LFADSLoss(smooth=0.1)
     assert same_weights(train_lfads(crit, tmp_path, **kw),
                         train_lfads(crit, tmp_path, record=False, **kw))
+    assert same_weights(train_lfads(crit, tmp_path, bf16=True, **kw),
+                        train_lfads(crit, tmp_path, record=False, bf16=True, **kw))
     assert same_weights(train_cebra(M.InfoNCE(), tmp_path),
                         train_cebra(M.InfoNCE(), tmp_path, record=False))
     assert same_weights(train_glm(tmp_path), train_glm(tmp_path, record=False))
