@@ -29,8 +29,10 @@ LAGS, STIM = 5, 3  # GLM: spike-history lags, stimulus features
 
 class LFADS(nn.Module):
     def __init__(self, neurons=SESSIONS, read: int = 8, enc: int = 12, gen: int = 16,
-                 con: int = 8, latent: int = 6, inputs: int = 2, factors: int = 4):
+                 con: int = 8, latent: int = 6, inputs: int = 2, factors: int = 4,
+                 rate_norm: bool = False):
         super().__init__()
+        self.rate_norm = rate_norm
         self.read_in = nn.ModuleList(nn.Linear(n, read) for n in neurons)
         self.encoder = nn.GRU(read, enc, batch_first=True, bidirectional=True)
         self.posterior = nn.Linear(2 * enc, 2 * latent)
@@ -46,6 +48,8 @@ class LFADS(nn.Module):
 
     def forward(self, counts, mask, session: int):
         """``counts`` ``(B, T, N_session)``, ``mask`` ``(B, T)`` 1 at a trial's real bins."""
+        if self.rate_norm:  # each neuron's counts over its mean rate in the batch
+            counts = counts / (counts * mask[..., None]).sum((0, 1)) * mask.sum()
         x = self.read_in[session](torch.log1p(counts)) * mask[..., None]
         h, _ = self.encoder(x)
         pooled = (h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
@@ -72,6 +76,11 @@ class LFADS(nn.Module):
 def make_lfads() -> LFADS:
     torch.manual_seed(0)
     return LFADS()
+
+
+def make_lfads_rate_norm() -> LFADS:
+    torch.manual_seed(0)
+    return LFADS(rate_norm=True)
 
 
 def make_lfads_drifted_prior() -> LFADS:

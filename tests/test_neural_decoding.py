@@ -156,6 +156,25 @@ def test_kl_to_a_learned_prior_whose_log_variance_drifted_names_that_parameter(t
     assert "prior_logvar.clamp(min=-20)" in h and "log_softmax" not in h, h
 
 
+def test_counts_over_each_neurons_batch_rate_name_the_neuron_silent_in_every_trial(
+        tmp_path):
+    """Session 1's neuron 3 never fires, and the model normalises each neuron's counts by its
+    mean rate over the batch's real bins: 0/0 in that neuron's column at every bin of every
+    trial. The replay names the division, the column, that no sample is to blame, and that
+    the data holds that column at 0 in every row: drop such units, or rates over the dataset."""
+    ev, bundle = fire(train_lfads, M.LFADSLoss(), tmp_path, make="make_lfads_rate_norm",
+                      silent=(3,))
+    assert (ev["step"], ev["phase"]) == (1, "forward"), ev
+    rep = nanreplay_json(bundle)
+    assert origin_of(rep) == (True, "forward", "", "aten.div", "nan", list(range(6)))
+    assert rep["origin"]["source"] == line_of("counts = counts / (counts * mask"), rep["origin"]
+    assert rep["cause"] == "invalid", rep
+    h = rep["hint"]
+    assert "in the same column(s) [3] of every one of the 96 rows" in h, h
+    assert "column(s) 3 of args[0] hold 0 in every row of the batch as given" in h, h
+    assert "a neuron silent in every trial of the batch" in h, h
+
+
 def test_one_pass_variance_of_raw_fluorescence_on_a_camera_offset_is_precision(tmp_path):
     """Trials 1 and 4 come from a rig whose 16-bit camera offset (30000) was not subtracted:
     a dim cell's small swings ride on a big number, and the z-score's one-pass variance
