@@ -11,8 +11,9 @@ that took the loss's data alone (``replay.data_overflow``); the samples a loss a
 value per pair or group reaches (``replay.grouped_arg``); a loss made non-finite by a
 micro-batch of one sample (``replay.single_sample``); a 0/0 over records with nothing in them
 (``replay.empty_records``), or over a class one-hot labels hold none of in those records
-(``replay.absent_channels``), or over graphs with no node (``replay.empty_graphs``), or a
-log's pole over records whose counts are all 0 (``replay.empty_counts``); a pole or domain
+(``replay.absent_channels``), or over a channel of real-valued data that reads 0 throughout
+those records (``replay.dead_channels``), or over graphs with no node
+(``replay.empty_graphs``), or a log's pole over records whose counts are all 0 (``replay.empty_counts``); a pole or domain
 edge on samples whose model input is all 0 (``replay.zero_records``); a 0/0 of a feature the
 batch holds constant
 (``replay.constant_columns``); a number attribute the loop grew past the step's type
@@ -34,6 +35,7 @@ from .constant_columns import constant_columns_hint
 from .data_overflow import data_overflow_hint
 from .data_pole import data_pole_hint
 from .data_scale import data_scale_hint
+from .dead_channels import dead_channels_hint
 from .domain_outliers import domain_outlier_hint
 from .edge_probability import edge_probability_hint
 from .empty_counts import empty_counts_hint
@@ -68,6 +70,7 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     single_sample_hint(report, step)  # (InfoLOOB's negatives of a last batch of one)
     empty_records_hint(report, step)  # (a per-line mean over an empty stroke file's mask)
     absent_channels_hint(report, step)  # (a Dice of a structure absent from a scan's labels)
+    dead_channels_hint(report, step)  # (dF/F of a ROI reading 0 all trial)
     empty_graphs_hint(report, step)  # (a per-atom energy of a structure with no atoms)
     empty_counts_hint(report, step)  # (log of a library size of a cell with no counts)
     zero_records_hint(report, step)  # (a metric depth scaled by a focal length left at 0)

@@ -238,7 +238,7 @@ def _division(op: str, ev: Evidence, ins: list[torch.Tensor],
         # there, a feature constant over the batch, which no row is to blame for
         what = "0 by 0 (0/0)" if bool(((ins[0] == 0) & (den == 0)).any()) else "x by 0"
         return (f"{op} of {what} in the same column(s) {cols} of every one of the "
-                f"{ev.bad.shape[0]} rows: a divisor that is a statistic over the batch "
+                f"{ev.bad.numel() // ev.bad.shape[-1]} rows: a divisor that is a statistic over the batch "
                 "(z.std(0), a feature's norm) was 0 there", "divide_feature")
     if bool(((ins[0] == 0) & (den == 0)).any()):
         return f"{op} of 0 by{by} 0{read} (0/0)", key
@@ -247,9 +247,11 @@ def _division(op: str, ev: Evidence, ins: list[torch.Tensor],
 
 def _whole_columns(bad: torch.Tensor) -> list[int] | None:
     """The columns (last dim) of a ``(rows, features)`` mask that are bad in every row, when
-    they are all it holds and some columns are good; else None."""
-    if bad.dim() != 2 or bad.shape[0] < 2:
+    they are all it holds and some columns are good; else None. Leading dims are rows too
+    (``(B, T, features)``: a neuron's counts over its rate in the batch, every bin of it)."""
+    if bad.dim() not in (2, 3) or bad.shape[-1] == 0 or bad.numel() // bad.shape[-1] < 2:
         return None
+    bad = bad.reshape(-1, bad.shape[-1])
     cols = bad.all(0)
     if not bool(cols.any()) or bool(cols.all()) or not torch.equal(bad, cols.expand_as(bad)):
         return None

@@ -1,6 +1,7 @@
-"""What an exp that overflowed in the forward was part of, from one forward re-run: a softplus
-written by hand, ``log(1 + exp(z))`` (``replay.softplus_overflow``), or an exp of a cumulative
-sum taken as is (``replay.cumsum_exp``). Each has a form finite by construction, which the
+"""What an exp that overflowed in the forward or the loss was part of, from one forward re-run: a
+softplus written by hand, ``log(1 + exp(z))`` (``replay.softplus_overflow``), an exp of a
+cumulative sum taken as is (``replay.cumsum_exp``), or a softmax written by hand,
+``exp(s) / exp(s).sum(dim)`` (``replay.softmax_overflow``). Each has a form finite by construction, which the
 generic advice for an exp's overflow (subtract the row max, bound the exponent, float64)
 misses."""
 
@@ -11,6 +12,7 @@ import torch
 from .compat import TorchDispatchMode
 from .cumsum_exp import CumsumFollowed, cumsum_exp_text
 from .dispatch import run_op
+from .softmax_overflow import SoftmaxFollowed, softmax_text
 from .softplus_overflow import SoftplusFollowed, softplus_text
 
 
@@ -34,17 +36,21 @@ class _Following(TorchDispatchMode):
 
 def exp_overflow_hint(runner, hint: str | None, cause: str, hit) -> str | None:
     """``hint`` for an exp origin ``hit`` that overflowed: the cumulative sum's form where the
-    exp took one, else the softplus's where it was inside ``log(1 + exp(z))``; ``hint`` as it
-    is otherwise (and for any other origin)."""
+    exp took one, else the softplus's where it was inside ``log(1 + exp(z))``, else the
+    softmax's where a sum of it divided it; ``hint`` as it is otherwise (and for any other
+    origin)."""
     if cause != "overflow" or hit is None or hit.op not in ("aten.exp", "aten.exp_") \
             or hit.source is None:
         return hint
     at = (hit.op, hit.source)
-    soft, sums = SoftplusFollowed(at), CumsumFollowed(at)
+    soft, sums, ratio = SoftplusFollowed(at), CumsumFollowed(at), SoftmaxFollowed(at)
     try:
-        runner.run(backward=False, instrument=False, forward_ctx=lambda: _Following(soft, sums))
+        runner.run(backward=False, instrument=False,
+                   forward_ctx=lambda: _Following(soft, sums, ratio))
     except Exception:  # (the hint as it is: this only says what the exp was given, or in)
         return hint
     if sums.found is not None:
         return cumsum_exp_text(hit, sums.found)
-    return softplus_text(hit, soft.found) if soft.found is not None else hint
+    if soft.found is not None:
+        return softplus_text(hit, soft.found)
+    return softmax_text(hint, ratio.found) if ratio.found is not None else hint

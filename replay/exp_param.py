@@ -1,8 +1,9 @@
 """A value exp made of a model parameter, followed through the loss re-run, where the model's
 outputs come detached: a Gaussian policy's state-independent ``log_std`` (SB3's
-``log_std.expand(B, A)``) handed to a loss that divides by ``2 * log_std.exp() ** 2``. A 0 it
-holds underflowed because the parameter drifted down; the fix is to that parameter, not the
-log-space rewrites of a softmax. The backward finder walks its own graph for the same case
+``log_std.expand(B, A)``) handed to a loss that divides by ``2 * log_std.exp() ** 2``; or
+taken as is where the parameter itself is exp's input (a VAE's KL to a learned prior,
+``/ self.prior_logvar.exp()`` in the forward). A 0 it holds underflowed because the parameter
+drifted down; the fix is to that parameter, not the log-space rewrites of a softmax. The backward finder walks its own graph for the same case
 (:func:`replay.positive.exp_of_parameter`)."""
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ _KEEPS = _VIEWS | {"pow", "mul"}
 
 ADVICE = ("that value is the exp of the parameter {name} (as low as {lo:.4g}), which drifted "
           "down until its exp underflowed: bound it where it is used ({name}.clamp(min=-20), "
-          "as SAC and SB3's squashed policies bound log_std) and check what drives it down "
-          "(a target without noise in one dim, an entropy bonus of the wrong sign, its "
-          "learning rate)")
+          "as SAC and SB3's squashed policies bound log_std; a learned prior's log-variance "
+          "likewise) and check what drives it down (a target without noise in one dim, an "
+          "entropy bonus of the wrong sign, a KL that rewards a narrower prior, its learning "
+          "rate)")
 
 
 def _parameter(fn, depth: int = 6):
@@ -56,13 +58,15 @@ class ExpOfParam:
             name = names.among([leaf]) or "of the model"
             self._param.put(t, (name, float(leaf.detach().min())))
 
-    def track(self, name: str, ins: list, outs: list, leaves: list) -> None:
+    def track(self, name: str, ins: list, outs: list, leaves: list, names=None) -> None:
+        """One op; ``names``: the finder's parameter names, for an exp taking a parameter as
+        is (in the forward, or a loss holding the model)."""
         if not ins or not outs:
             return
         numbers = [v for v in leaves if isinstance(v, (int, float)) and not isinstance(v, bool)]
         if name in _VIEWS and (p := self._param.get(ins[0])) is not None:
             self._param.put(outs[0], p)
-        elif name == "exp" and (p := self._param.get(ins[0])) is not None:
+        elif name == "exp" and (p := self._param.get(ins[0]) or _own(ins[0], names)) is not None:
             self._exp.put(outs[0], p)
         elif name in _KEEPS and len(ins) == 1 and (p := self._exp.get(ins[0])) is not None \
                 and (name != "mul" or all(v > 0 for v in numbers)):
@@ -70,6 +74,15 @@ class ExpOfParam:
 
     def of(self, t) -> tuple[str, float] | None:
         return self._exp.get(t)
+
+
+def _own(t, names) -> tuple[str, float] | None:
+    """(name, lowest value) of the model's parameter ``t`` is (as is, a view or an unchanged
+    copy of one), or None."""
+    if names is None or not t.is_floating_point() or not t.numel():
+        return None
+    name = names.among([t])
+    return (name, float(t.detach().min())) if name else None
 
 
 def exp_param_advice(ev, i: int) -> str | None:

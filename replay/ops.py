@@ -290,7 +290,7 @@ class OpFinder:
         if positive_result(name, ins, leaves, self.positive):
             for t in outs:
                 self._positive.add(t)
-        self.exp_param.track(name, ins, outs, leaves)
+        self.exp_param.track(name, ins, outs, leaves, self.names)
         self.saturation.track(name, ins, outs, leaves)
         self.cancellation.track(name, ins, outs, leaves)
 

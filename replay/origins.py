@@ -25,6 +25,7 @@ from .dropped_grads import finite_params_note
 from .empty_mask import loss_reproduced
 from .exp_factor import exp_factor_hint
 from .exp_forms import exp_form_hint
+from .exp_overflow import exp_overflow_hint
 from .findings import finish, origin_fields
 from .forward import find_op_in_call, with_param_advice
 from .forward_grad import derivative_words, with_node
@@ -149,6 +150,14 @@ def _saved_value_maker(runner: Runner, mb: int, node: str | None, saved: str,
     return hit, cause, held is not None
 
 
+def _made_of(runner: Runner, finder, cause, hit) -> str | None:
+    """The loss origin's hint, with what its op was part of: a log-sum-exp by hand or a count
+    (``replay.lineage``), an exp's overflow inside a softmax by hand (an InfoNCE's
+    ``exp(sim / tau)``, ``replay.exp_overflow``)."""
+    hint = loss_lineage_hint(finder.lineage, cause, hit)
+    return exp_overflow_hint(runner, hint, cause.name, hit)
+
+
 def _own(node: str | None, hit) -> bool:
     """Whether ``hit`` is backward ``node``'s own op (its cause describes it)."""
     own = re.fullmatch(r"(\w+?)Backward\d*", node or "")
@@ -212,7 +221,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     if hit is not None and hit.from_mask:  # (or the loop's log of an output: q.log())
         cause = logged_output_cause(cause, step, mb, run.outputs[mb], hit.op)
     node = derivative_words(hit, hit, "the loss's") if hit and hit.node is not None else None
-    hint = loss_lineage_hint(finder.lineage, cause, hit)  # (a log-sum-exp by hand, a count)
+    hint = _made_of(runner, finder, cause, hit)  # (a log-sum-exp or a softmax by hand)
     hint = negative_output_hint(runner, mb, hit, cause.name, hint)  # (below 0; a slot left 0)
     bufs = loss_buffers(step.loss_fn)  # (<loss>.p_model; <loss>.counts a 0 of the ids picked)
     hint = held_divisor_hint(hint, cause.name, finder, hit, bufs) or hint

@@ -168,10 +168,31 @@ def outlier_hint(found: dict[str, Any], rows: list[int], droppable: bool = True)
     which, how = ",".join(str(r) for r in rows), _how(rows, droppable)
     ratio = (f", {g(found['value'] / found['others'])}x the other rows' largest "
              f"{g(found['others'])}" if found["others"] > 0 else ", the other rows being 0")
-    return (f"sample(s) {which} of {found['tensor']} reach {g(found['value'])}{ratio}: the "
-            "data of these samples is out of scale (a wrong unit, a corrupt record, a gain "
-            f"never normalised), which a wider type would only hide; fix or filter them "
-            f"({how})")
+    return (f"sample(s) {which} of {found['tensor']} reach {g(found['value'])}{ratio}"
+            f"{integer_code(found['value'])}: the data of these samples is out of scale (a "
+            "wrong unit, a corrupt record, a gain never normalised), which a wider type would "
+            f"only hide; fix or filter them ({how})")
+
+
+# integer types' largest values (not 8-bit ones: 255 is a plain pixel value): a -1 (a missing
+# code) stored in the unsigned one wraps to it, a loader's fill for none or a saturated
+# sensor reads so too
+_INT_MAX = {65535: ("uint16", "2**16 - 1"), 32767: ("int16", "2**15 - 1"),
+            4294967295: ("uint32", "2**32 - 1"), 2147483647: ("int32", "2**31 - 1")}
+
+
+def integer_code(value: float) -> str:
+    """What an outlier's largest value ``value`` says where it is exactly a 16- or 32-bit
+    integer type's largest (65535: a -1 for missing read back through a uint16 array), else
+    ''."""
+    code = _INT_MAX.get(int(value)) if math.isfinite(value) and value == int(value) else None
+    if code is None:
+        return ""
+    name, power = code
+    wrapped = (f"a -1 (a missing-value code) read back through a {name} array wraps to it; "
+               if name.startswith("u") else "")
+    return (f" (exactly {int(value)} = {power}, {name}'s largest value: {wrapped}a loader's "
+            "fill for none, or a sensor saturated at that range, reads so too)")
 
 
 def undersized_hint(found: dict[str, Any], rows: list[int], droppable: bool = True) -> str:
