@@ -6,10 +6,6 @@ about ``max(x)``, is small. The general overflow advice (clamp the exponent, low
 rate) would change the objective; the fix is ``torch.logsumexp``, which never forms ``exp(x)``.
 :class:`LogSumExp` watches the ops (fed by :class:`~replay.lineage.Lineage`) for a log taken of
 a sum or mean of an exp's output; :func:`with_log_sum_exp` then says so in the hint.
-
-A softplus written out, ``log1p(exp(z))`` or ``log(1 + exp(z))`` (a smooth margin ranking
-loss, a hand-written logistic loss), is the same pattern over one term: its result is about
-``z`` where the exp overflows, and the fix is ``F.softplus(z)`` (or ``torch.logaddexp(0, z)``).
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ class LogSumExp:
     """Whether a log took a sum or mean of an exp's output (``found``: the reduction)."""
 
     def __init__(self):
-        self._exps, self._sums, self._ones = TensorSet(), TensorSet(), TensorSet()
+        self._exps, self._sums = TensorSet(), TensorSet()
         self.found: str | None = None
         self._reduced = ""
 
@@ -37,12 +33,6 @@ class LogSumExp:
             return
         if name in _EXPS:
             self._exps.add(out)
-        elif name == "log1p" and x in self._exps:
-            self.found = "softplus"
-        elif name == "add" and _one_plus(args, self._exps):
-            self._ones.add(out)
-        elif name in _LOGS and x in self._ones:
-            self.found = "softplus"
         elif name in _SUMS and x in self._exps:
             self._sums.add(out)
             self._reduced = name
@@ -56,28 +46,8 @@ def with_log_sum_exp(hint: str | None, cause: str | None, hit,
     if hint is None or watch is None or watch.found is None or cause != "overflow" \
             or hit is None or hit.op.removeprefix("aten.") not in _EXPS:
         return hint
-    if watch.found == "softplus":
-        return (f"{hint}; but here the log takes 1 + these exps: a softplus written out, "
-                "log(1 + exp(z)), whose result is about z where exp(z) overflows: compute it "
-                "as F.softplus(z) (or torch.logaddexp(0, z)), which never forms exp(z), rather "
-                "than clamping the exponent")
     minus = " - log(n)" if watch.found in ("mean", "nanmean") else ""
     return (f"{hint}; but here the log takes the {watch.found} of these exps: a hand-written "
             f"log-sum-exp (an entropic risk, a free energy, a soft-min), whose result is "
             f"finite: compute it as torch.logsumexp(x, dim){minus}, which never forms exp(x), "
             "rather than clamping the exponent")
-
-
-def _one_plus(args, exps: TensorSet) -> bool:
-    """Whether ``add`` took an exp's output and the number 1 (``1 + exp(z)``)."""
-    if len(args) < 2:
-        return False
-    a, b = args[0], args[1]
-    return (isinstance(a, torch.Tensor) and a in exps and _is_one(b)) \
-        or (isinstance(b, torch.Tensor) and b in exps and _is_one(a))
-
-
-def _is_one(v) -> bool:
-    if isinstance(v, torch.Tensor):
-        return v.dim() == 0 and v.numel() == 1 and float(v) == 1.0
-    return isinstance(v, (int, float)) and v == 1
