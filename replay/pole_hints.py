@@ -27,6 +27,7 @@ from .positive import node_op
 from .rounded_bound import RoundedBound
 from .rounded_bound import said as said_bound
 from .scalar_pole import SCALAR_POLE
+from .unit_complement import unit_root_hint
 from .unit_eps import narrow_eps
 from .xlogy_pole import ZERO_ZERO, xlogy_at_zero
 
@@ -118,6 +119,8 @@ def pole_hint(b, cause: Cause) -> str:
 
 
 def _pole_hint(b, cause: Cause) -> str:
+    if said := unit_root_hint(b, cause):  # (sqrt(1 - cos²) at a cosine of 1)
+        return said
     if b.scalar_pole and b.module == "<loss>" and cause.name == "invalid":  # (no row's)
         return SCALAR_POLE.format(node=b.node)
     data = b.zero_divisor == "data" and b.saved_zero == "0" and b.samples
