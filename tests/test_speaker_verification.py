@@ -237,3 +237,56 @@ def test_ge2e_with_one_utterance_per_speaker_divides_the_exclusive_centroid_by_z
         json.dumps(rep, indent=1)
     assert rep["origin"]["source"] == source_line(MODELS, "excl = (total - e) / (n_utt - 1)")
     assert "n - 1 of one element" in rep["hint"], rep["hint"]
+
+
+def test_a_class_balanced_pit_bce_over_a_chunk_where_a_speaker_is_silent_says_a_count(tmp_path):
+    """EEND's permutation invariant BCE with each speaker's active frames weighted by its
+    silent ones over its active ones, per recording (pos_weight = neg / pos): a chunk in which
+    the second speaker of recording 1 says nothing has pos = 0 there, and the weight is x/0.
+    The report named the division and the recording, but called the record degenerate, to
+    drop or repair where the data is made; a speaker silent in a chunk is an ordinary record
+    of diarization. The hint now says the divisor is a count per sample and class, and to
+    clamp it or take the weights over the training set."""
+    model = M.make_eend()
+    crit = M.PITBCE(balance=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="speaker_verification_models:make_eend"):
+            for step in range(3):
+                wav, lengths, labels = M.diarization_batch(
+                    step, absent=((1, 1),) if step == 2 else ())
+                opt.zero_grad()
+                crit(model(wav, lengths), labels).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    assert origin(rep) == (2, "loss", "<loss>", "aten.div", [1], "invalid"), \
+        json.dumps(rep, indent=1)
+    assert rep["origin"]["source"] == source_line(MODELS, "pos_weight = ((1 - y) * m)")
+    hint = rep["hint"]
+    assert "count per sample and class" in hint and "sample(s) [1]" in hint, hint
+    assert "count.clamp(min=1)" in hint, hint
+
+
+def test_healthy_ge2e_and_eend_raise_nothing(tmp_path):
+    """GE2E with three utterances per speaker and EEND's plain PIT BCE: no event."""
+    enc, crit = M.make_speaker_encoder(), M.GE2ELoss()
+    opt = torch.optim.SGD([*enc.parameters(), *crit.parameters()], lr=1e-2)
+    with FlightRecorder(enc, opt, loss_fn=crit, out_dir=tmp_path,
+                        factory="speaker_verification_models:make_speaker_encoder"):
+        for step in range(2):
+            wav, lengths = M.ge2e_batch(step)
+            opt.zero_grad()
+            crit(enc(wav, lengths), 3).backward()
+            opt.step()
+    eend, pit = M.make_eend(), M.PITBCE(balance=True)
+    opt = torch.optim.Adam(eend.parameters(), lr=1e-3)
+    with FlightRecorder(eend, opt, loss_fn=pit, out_dir=tmp_path,
+                        factory="speaker_verification_models:make_eend"):
+        for step in range(2):
+            wav, lengths, labels = M.diarization_batch(step)
+            opt.zero_grad()
+            pit(eend(wav, lengths), labels).backward()
+            opt.step()
+    assert not list(tmp_path.glob("*.nan"))
