@@ -290,3 +290,55 @@ def test_healthy_ge2e_and_eend_raise_nothing(tmp_path):
             pit(eend(wav, lengths), labels).backward()
             opt.step()
     assert not list(tmp_path.glob("*.nan"))
+
+
+def test_a_resumed_checkpoint_with_a_nan_speaker_row_is_the_weights(tmp_path):
+    """Training resumed from a checkpoint that an unchecked run saved after an update made one
+    speaker's classifier row NaN: every sample's cosine to that speaker is NaN at step 0. The
+    report names the weights (the parameter, as loaded before the recorder attached)."""
+    model = M.make_ecapa()
+    with torch.no_grad():
+        model.classifier[3] = float("nan")
+    crit = M.AAMSoftmax()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loader = DataLoader(M.Utterances(18), batch_size=6, collate_fn=M.collate_padded)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="speaker_verification_models:make_ecapa"):
+            for wav, lengths, labels in loader:
+                opt.zero_grad()
+                crit(model(wav, lengths), labels).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["params"]) == (0, "weights", ["classifier"]), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    assert (rep["cause"], rep["origin"]["phase"]) == ("weights", "weights"), \
+        json.dumps(rep, indent=1)
+    assert "classifier" in rep["hint"] and "checkpoint" in rep["hint"], rep["hint"]
+
+
+def test_a_linear_warmup_of_zero_steps_gives_sgd_a_nan_learning_rate(tmp_path):
+    """lr = base * min(1, step / warmup) with warmup = int(ratio * total) of a ratio of 0, in
+    numpy scalars: 0/0 is NaN (a warning, not an error) and SGD's first update makes every
+    parameter NaN. The report names the optimizer and the NaN learning rate."""
+    import numpy as np
+
+    model = M.make_ecapa()
+    crit = M.AAMSoftmax()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    warmup = np.int64(0.0 * 3)  # warmup_ratio = 0
+    loader = DataLoader(M.Utterances(18), batch_size=6, collate_fn=M.collate_padded)
+    with pytest.raises(NonFiniteError) as info, np.errstate(divide="ignore", invalid="ignore"):
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="speaker_verification_models:make_ecapa"):
+            for step, (wav, lengths, labels) in enumerate(loader):
+                for g in opt.param_groups:
+                    g["lr"] = 0.1 * np.minimum(1.0, step / np.float64(warmup))
+                opt.zero_grad()
+                crit(model(wav, lengths), labels).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (0, "optimizer"), ev
+    rep = nanreplay_json(info.value.bundle_path, code=None)
+    assert rep["cause"] == "optimizer", json.dumps(rep, indent=1)
+    assert "lr was nan" in rep["hint"], rep["hint"]
