@@ -20,6 +20,8 @@ import torch
 
 from . import lost_eps
 from .cause import Cause
+from .cause_text import DO
+from .centred_root import centred_hint
 from .clamped_divisor import clamped_to_zero
 from .compat import saved_value
 from .masked_grad import MASKED_INCOMING
@@ -107,7 +109,7 @@ def zero_divisor(node) -> str | None:
 def pole_hint(b, cause: Cause) -> str:
     """``cause``'s hint for backward origin ``b`` (a :class:`~replay.backward.BackwardOrigin`),
     with what a 0 incoming gradient says of a mask after the op (replay.masked_grad)."""
-    hint = _pole_hint(b, cause)
+    hint = centred_hint(b, _pole_hint(b, cause), DO["sqrt_pole"])
     if cause.name == "precision" and not isinstance(b.lost_eps, RoundedBound):
         hint += narrow_eps(b.node, b.dtype)  # (float32's eps, rounded away in float16; a
         # clamp's bound rounded onto the edge says so itself: replay.rounded_bound)

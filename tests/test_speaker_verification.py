@@ -98,7 +98,10 @@ def test_a_digitally_silent_utterance_under_cmvn_without_eps_is_0_by_0_in_that_r
 def test_a_one_frame_utterance_makes_the_pooled_std_nan_in_the_backward_only(tmp_path):
     """An utterance one frame long: attentive statistics pooling's weighted variance over its
     frames is exactly 0, sqrt of it is 0 in the forward and its derivative is infinite: the
-    backward of the unclamped std is NaN in that row only (SpeechBrain clamps it at eps)."""
+    backward of the unclamped std is NaN in that row only (SpeechBrain clamps it at eps). The
+    hint spoke of a distance between two coinciding points and offered
+    torch.linalg.vector_norm; the root is of deviations from their own mean, a std: it now
+    says so, and to clamp the variance."""
     err = train_ecapa(tmp_path, "make_ecapa_unclamped", M.AAMSoftmax(),
                       M.Utterances(18, short=(8,)))
     assert (err.event["step"], err.event["phase"]) == (1, "backward"), err.event
@@ -106,7 +109,9 @@ def test_a_one_frame_utterance_makes_the_pooled_std_nan_in_the_backward_only(tmp
     assert origin(rep) == (1, "backward", "pool", "SqrtBackward0", [2], "invalid"), \
         json.dumps(rep, indent=1)
     assert rep["origin"]["source"] == source_line(MODELS, "torch.cat([mu, torch.sqrt(var)]")
-    assert "sqrt(x + eps)" in rep["hint"], rep["hint"]
+    hint = rep["hint"]
+    assert "deviations from the values' own mean" in hint and "var.clamp(min=eps)" in hint, hint
+    assert "vector_norm" not in hint and "two points coincide" not in hint, hint
 
 
 def test_a_pooled_std_as_moments_of_a_constant_utterance_is_a_rounding_of_equal_terms(
