@@ -31,8 +31,8 @@ from .pre_update import written_before_update_event
 from .replaced import swapped_in_event
 from .rewind import rename_window
 from .ring import StepLayout
-from .scalers import NOT_GIVEN as SCALER_NOT_GIVEN
-from .scalers import unregistered_scaler_in_use
+from .scalers import not_given as scaler_not_given
+from .scalers import scaler_left_open
 from .settings import Settings
 from .shards import local
 from .slots import GRAD
@@ -166,9 +166,9 @@ class Alarm:
         try:
             meta, tensors = self._contents(tape, as_dict, _renamed(guard, self.renamed), rank,
                                            world)
-            if event.phase == "backward" and not self.target.has_scaler \
-                    and unregistered_scaler_in_use():
-                meta["scaler_not_given"] = True
+            if not self.target.has_scaler and (said := scaler_left_open(
+                    event.phase, event.step, event.micro_batch)):
+                meta["scaler_not_given"] = said
             if "loss" not in meta and (held := _held_by(self.target)):
                 meta["model_held_by"] = held  # (a loss wrapper computed the loss: see replay)
             if self.renamed:  # (the replay says so: the factory's model may predate it)
@@ -190,7 +190,7 @@ class Alarm:
         if tape is not None and not tape.evaluation and not tape.cut_short:
             msg += _loss_not_called(meta)  # (else the loss may simply not have run yet)
         if meta.get("scaler_not_given"):
-            msg += " " + SCALER_NOT_GIVEN
+            msg += " " + scaler_not_given(meta)
         if moved is not None:
             msg += (f" out_dir '{out_dir}' could not be written ({why_unwritable(out_dir, moved)})"
                     ", so the bundle went to a new temporary directory: move it somewhere safe "

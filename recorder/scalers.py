@@ -9,17 +9,57 @@ from __future__ import annotations
 
 import gc
 
-from .compat import disabled_scaler, is_grad_scaler, scaler_scale
+from .compat import disabled_scaler, is_grad_scaler, scaler_scale, scaler_tensors
 
 NOT_GIVEN = ("A torch.amp.GradScaler scales this run's gradients but was not given to the "
              "recorder: the steps it skips because their scaled gradients overflowed are no "
              "events when it is; pass FlightRecorder(..., scaler=scaler).")
+# a step the scaler skipped calls no optimizer.step(), which is where the recorder closes a
+# step: without the scaler, the loop's next batches are read as micro-batches of that step
+OPEN_STEP = (" Its last update was skipped (or none ran yet), and a skipped update calls no "
+             "optimizer.step(), where the recorder closes a step: it took the loop's next "
+             "batches for micro-batches of one step, so micro-batch {mb} of step {step} is "
+             "the loop's batch {mb} (counted from 0) since its last update that ran, unless "
+             "the loop accumulates gradients.")
 
 
-def unregistered_scaler_in_use() -> bool:
-    """Whether a live, enabled ``GradScaler`` has scaled a loss (it holds a scale). (A scaler
+def not_given(meta: dict) -> str:
+    """What a bundle's ``meta["scaler_not_given"]`` says: :data:`NOT_GIVEN`, and where the
+    event is a later micro-batch the skips made (a dict of its step and micro-batch), how."""
+    said = meta.get("scaler_not_given")
+    return NOT_GIVEN + (OPEN_STEP.format(**said) if isinstance(said, dict) else "")
+
+
+def scaler_left_open(phase: str, step: int, micro_batch: int | None) -> bool | dict | None:
+    """What an event says of a GradScaler it was not given (``meta["scaler_not_given"]``):
+    True at a backward event, where the scaler's overflow may be the event; where a later
+    micro-batch's event may be a skipped step the scaler left open, that step and micro-batch
+    (checked at the event only); else None."""
+    if phase != "backward" and not micro_batch:
+        return None
+    scalers = unregistered_scalers()
+    if phase == "backward":
+        return bool(scalers) or None
+    # (a loop accumulating micro-batches between updates that ran: its tracker counts them)
+    return {"step": step, "mb": micro_batch} if any(map(_last_skipped, scalers)) else None
+
+
+def unregistered_scalers() -> list:
+    """The live, enabled ``GradScaler``s that have scaled a loss (they hold a scale). (A scaler
     of an earlier run that only a reference cycle still holds, a caught exception's frames, is
     collected first: it is no longer in use.)"""
     gc.collect()
-    return any(is_grad_scaler(o) and not disabled_scaler(o) and scaler_scale(o) is not None
-               for o in gc.get_objects() if type(o).__name__.endswith("GradScaler"))
+    return [o for o in gc.get_objects() if type(o).__name__.endswith("GradScaler")
+            and is_grad_scaler(o) and not disabled_scaler(o) and scaler_scale(o) is not None]
+
+
+def unregistered_scaler_in_use() -> bool:
+    """Whether such a scaler is live (see :func:`unregistered_scalers`)."""
+    return bool(unregistered_scalers())
+
+
+def _last_skipped(scaler) -> bool:
+    """Whether ``scaler``'s last ``update()`` followed a skipped step (or none ran yet): its
+    growth tracker is 0, as a skip resets it (a step that ran adds 1)."""
+    tracker = scaler_tensors(scaler).get("growth_tracker")
+    return tracker is not None and int(tracker) == 0

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from recorder.scalers import NOT_GIVEN as SCALER_NOT_GIVEN
+from recorder.scalers import not_given as scaler_not_given
 
 from . import fidelity
 from .ascent import ascent_hint
@@ -99,7 +99,7 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
         report["problems"].append(fidelity.elsewhere_note() if _elsewhere(step)
                                   else fidelity.changed_note(changed))
     if step.meta.get("scaler_not_given"):  # (a GradScaler's skipped step may be no bug)
-        report["problems"].append(SCALER_NOT_GIVEN[0].lower() + SCALER_NOT_GIVEN[1:-1])
+        report["problems"].append((said := scaler_not_given(step.meta))[0].lower() + said[1:-1])
     if (late := sorted(_late(step))) and not step.event.get("before_update"):
         report["problems"].append(fidelity.late_note(late, bool(step.meta.get("optimizer"))))
     report = _from_bundle(report, step) or _from_rerun(report, step)

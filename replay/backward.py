@@ -25,6 +25,7 @@ from recorder.finite import finite, kind_of
 from recorder.samples import Samples
 
 from .below_one import BelowOneNodes
+from .centred_root import centred_root
 from .copied_rows import CopiedRow, copied_row
 from .exp_factor import huge_exp_factor
 from .exp_forms import exp_form
@@ -48,6 +49,7 @@ from .source import node_source, node_tracebacks
 from .summed_grads import SummedGrads
 from .twice_differentiated import at_forward_node, derived, forward_node
 from .unflattened import unflattened_rows
+from .unit_complement import unit_at_root
 
 
 @dataclass
@@ -79,6 +81,8 @@ class BackwardOrigin:
     exp_form: str | None = None  # sqrt(exp(x)) as exp(0.5 * x) (replay.exp_forms)
     exp_factor: float | None = None  # a product's huge saved factor from exp (exp_factor)
     fractional_power: tuple[float, int, bool] | None = None  # |w| ** 0.5 at w = 0
+    unit_complement: int = 0  # sqrt(1 - x²) at x = ±1 (replay.unit_complement)
+    centred_root: bool = False  # sqrt of squared deviations from a mean (a std)
     steep_power: float | None = None  # x ** 40's exponent (replay.power_grad)
     # a custom autograd.Function's node: the aten op of its own backward code that made the
     # value, and that code's line (the forward line above is where the node was made)
@@ -347,6 +351,8 @@ def _record(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
     found.exp_form = exp_form(node)
     found.exp_factor = huge_exp_factor(node)
     found.fractional_power = fractional_power_at_zero(node)
+    found.unit_complement = unit_at_root(node)
+    found.centred_root = centred_root(node)
     found.steep_power = steep_power(node)
     found.zero_divisor = zero_divisor(node)
     found.masked = zero_where_nan(grad_inputs, grad_outputs)

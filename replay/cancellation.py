@@ -18,6 +18,7 @@ import torch
 
 from .memo import TensorMemo
 from .op_inputs import values_at
+from .unit_complement import UnitSquares
 
 ULPS = 64  # below 0 by at most this many of its terms' units in the last place: rounding
 # ops whose domain ends at 0 from below (pow: a fractional exponent of a negative base)
@@ -32,10 +33,12 @@ class Cancellation:
 
     def __init__(self):
         self._terms = TensorMemo()
+        self.unit_squares = UnitSquares()  # 1 - x², below 0 where x rounds past ±1
 
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
               leaves: list) -> None:
         """After an op with finite inputs ran: keep its terms' size when it cancelled below 0."""
+        self.unit_squares.track(name, ins, outs, leaves)
         if len(outs) != 1 or not outs[0].is_floating_point() or outs[0].is_complex() \
                 or not ins or name not in _SUMS | {"mul", "div"} \
                 or any(t.is_nested or t.layout != torch.strided for t in (*ins, outs[0])):
@@ -116,24 +119,59 @@ def cancelled(name: str, inputs: list[torch.Tensor], terms: list,
     return float(x[i]), float(size[i])
 
 
-def rounded_hint(name: str, what: str, ev) -> str | None:
+def rounded_hint(name: str, what: str, ev, capture=None) -> str | None:
     """:func:`hint` when op ``name``'s input (its :class:`~replay.hits.Evidence` ``ev``) is
-    such a cancelled difference (:func:`cancelled`), else None."""
+    such a cancelled difference (:func:`cancelled`), else None. ``capture``: the float64
+    re-run's view of the op (:class:`~replay.dispatch.OpAt`), which tells where the rounding
+    came from."""
     found = cancelled(name, ev.inputs, ev.terms, ev.input_dtypes)
-    return None if found is None else hint(what, found, ev.input_dtypes[0])
+    if found is None:
+        return None
+    return hint(what, found, ev.input_dtypes[0], wide_value(capture, ev, found[0]))
 
 
-def hint(what: str, found: tuple[float, float], dtype: torch.dtype) -> str:
-    """The ``precision`` hint of such an input."""
+def wide_value(capture, ev, low: float) -> float | None:
+    """The float64 re-run's value of the op's first input where the op's own is lowest
+    (``low``), or None when the re-run did not keep it."""
+    if capture is None or not capture.inputs or not ev.inputs:
+        return None
+    x = ev.inputs[0]
+    try:
+        w = torch.broadcast_to(capture.inputs[0].double(), ev.bad.shape)[
+            ev.bad.to(capture.inputs[0].device)].cpu()
+    except RuntimeError:
+        return None
+    if w.shape != x.shape or not w.numel():
+        return None
+    return float(w[int(torch.argmin(x))])
+
+
+def hint(what: str, found: tuple[float, float], dtype: torch.dtype,
+         wide: float | None = None) -> str:
+    """The ``precision`` hint of such an input; ``wide``: its float64 re-run's value there."""
     low, size = found
     return (f"{what}: that input is a difference of two terms of about {size:.3g} that "
             f"agree to within rounding, left {-low:.3g} below 0 — exact arithmetic keeps it at "
             "or above 0 (a variance written as E[x²] − E[x]² of a feature constant over the "
-            "data, a squared distance |a|² + |b|² − 2a·b of coincident points); the terms "
-            f"brought that rounding in ({str(dtype).removeprefix('torch.')} statistics "
-            "accumulated over earlier steps in buffers; data stored in that type: a massless "
-            "particle's four-momentum, whose m² = E² − |p|² is 0 only to within rounding), so "
-            "the step re-run in float64 crosses 0 too: clamp the difference at 0 before the op "
-            "(var.clamp_min(0), m2.clamp_min(eps) before a log), or compute it "
+            "data, a squared distance |a|² + |b|² − 2a·b of coincident points); "
+            + _where_rounded(low, size, dtype, wide)
+            + ": clamp the difference at 0 before the op (var.clamp_min(0), m2.clamp_min(eps) "
+            "before a log), or compute it "
             "without the subtraction (torch.var, Welford's running update, "
             "(a - b).pow(2).sum(-1))")
+
+
+def _where_rounded(low: float, size: float, dtype: torch.dtype, wide: float | None) -> str:
+    """Why the float64 re-run of the step crosses 0 too: its own rounding of terms equal in
+    exact arithmetic (a spread of exactly 0, which no type's precision resolves), or the
+    terms' (statistics a normaliser accumulated in ``dtype``, kept in buffers)."""
+    own = ULPS * torch.finfo(torch.float64).eps * size
+    if wide is not None and abs(wide) <= own and abs(wide) < -low / 2:
+        return (f"the spread is exactly 0 there: the step re-run in float64 leaves it at "
+                f"{wide:.3g}, within float64's own rounding of 0, and crosses 0 where such "
+                "terms round the other way, so no wider type fixes a difference of equal terms")
+    held = str(dtype).removeprefix("torch.")
+    return (f"the terms brought that rounding in ({held} statistics accumulated over earlier "
+            "steps in buffers; data stored in that type: a massless particle's four-momentum, "
+            "whose m² = E² − |p|² is 0 only to within rounding), so the step re-run in float64 "
+            "crosses 0 too")

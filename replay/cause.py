@@ -77,6 +77,7 @@ from .squared_zero import source as zero_source
 from .step_dtype import autocast as _autocast
 from .step_dtype import step_dtype as _step_dtype
 from .underflow_advice import underflow_advice as advice
+from .unit_complement import forward_hint as unit_forward_hint
 
 __all__ = ["Cause", "classify"]
 
@@ -172,6 +173,18 @@ def _type(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _in_type_hint(name: str, what: str, dt: str, ev: Evidence) -> str | None:
+    """A rounded input's own hint: a saturated complement's, 1 - x² of a cosine past ±1."""
+    return saturation.in_type_hint(name, what, dt, ev) or unit_forward_hint(what, ev)
+
+
+def _rounded_hint(name: str, what: str, ev: Evidence, capture: OpAt | None) -> str | None:
+    """The hint of an input that float64 rounds past the edge too: a saturated complement, or
+    a cancelled difference (``capture``: the float64 re-run's op, which tells its source)."""
+    return saturation.rounded_hint(name, what, ev) or cancellation.rounded_hint(
+        name, what, ev, capture)
+
+
 def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
     ev, op, name = hit.evidence, hit.op, _name(hit.op)
     dt = _type(ev.dtype)
@@ -215,11 +228,11 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
                 if moved else "")  # (enough digits not to read as the value the op was given)
         how = ("" if situation in _OWN_ADVICE or lost_eps.context(ev) else  # (an eps, lost)
                " (catastrophic cancellation, as in a variance E[x²] − E[x]²)")
-        return Cause("precision", saturation.in_type_hint(name, what + seen, dt, ev) or (
+        return Cause("precision", _in_type_hint(name, what + seen, dt, ev) or (
             f"{what}{seen}: no value left {dt}'s range, but rounding pushed the input across the "
             f"domain edge, which exact arithmetic does not cross{how}: " + _advice(situation)
             + root_floor.advice(name, moved)))
-    if said := saturation.rounded_hint(name, what, ev) or cancellation.rounded_hint(name, what, ev):
+    if said := _rounded_hint(name, what, ev, capture):
         return Cause("precision", said)
     past = rounded_past_edge(name, ev, capture) if rounded is False else None
     if past is not None:

@@ -58,6 +58,7 @@ class Count(NamedTuple):
 
     op: str
     labels: bool
+    per_class: bool = False  # a 0/1 tensor's sums per sample that keep another dim (a class's)
 
 
 class Found(NamedTuple):
@@ -118,7 +119,9 @@ class GroupCounts:
         if self._label_sum(name, args, out):
             return Count("sum", True)
         if name == "sum" and len(args) > 1 and _zero_one(first):
-            return Count("sum", False)  # (the row counts of a 0/1 matrix: a node's degree)
+            # (the row counts of a 0/1 matrix: a node's degree; of a (B, T, C) one over T:
+            # each sample's active frames per speaker or class)
+            return Count("sum", False, out.dim() >= 2 and out.numel() > out.shape[0])
         if name in _ACCUMULATE and (not name.startswith("index_put")
                                     or len(args) > 3 and args[3] is True):  # (accumulate=True)
             return Count(name.rstrip("_"), False)
@@ -155,11 +158,23 @@ def _over_batch(args) -> bool:
 
 
 def _zero_one(x) -> bool:
-    """``x`` is a 0/1 matrix (an adjacency, a membership or mask matrix): its row sums are
-    counts. One with no 1 at all is no evidence of one: Gaussian kernels whose exp underflowed
-    to 0 in every entry (a kernel width of 0) are 0 everywhere too."""
-    return isinstance(x, torch.Tensor) and x.dim() == 2 and x.is_floating_point() \
+    """``x`` is a 0/1 matrix (an adjacency, a membership or mask matrix) or a 0/1 tensor of
+    more dims (activity labels per sample, frame and speaker): its sums are counts. One with no
+    1 at all is no evidence of one: Gaussian kernels whose exp underflowed to 0 in every entry
+    (a kernel width of 0) are 0 everywhere too."""
+    return isinstance(x, torch.Tensor) and x.dim() >= 2 and x.is_floating_point() \
         and x.shape[0] > 1 and bool(((x == 0) | (x == 1)).all()) and bool((x == 1).any())
+
+
+PER_SAMPLE_CLASS = (
+    "the divisor is a count per sample and class: 0/1 labels summed over their positions or "
+    "frames (a speaker's active frames in a chunk, a class's pixels in an image), 0 for a "
+    "class absent from sample(s) {rows}. That is an ordinary record (a speaker who says "
+    "nothing in that chunk, a class not in that image), not a degenerate one, so don't drop "
+    "it: a weight negatives / positives or a mean over the positives taken per sample is "
+    "infinite or 0/0 there; divide by count.clamp(min=1) (the positives' terms are 0 there "
+    "anyway), compute such weights over the training set, or leave out the (sample, class) "
+    "terms with no positive")
 
 
 def class_counts_hint(watch: GroupCounts | None, cause: str | None, hit) -> str | None:
@@ -194,8 +209,10 @@ def with_empty_groups(hint: str | None, cause: str | None, hit,
                 "means 0 in silence (a penalty comparing the groups' means then pulls the "
                 "others toward 0): leave the empty groups out of the term (count > 0), or make "
                 "the sampler put members of every group in each batch")
-    if op not in _ACCUMULATE and found.count != Count("sum", False):
+    if op not in _ACCUMULATE and found.count[:2] != ("sum", False):
         return hint
+    if found.count.per_class and hit.rows and hit.rows == groups:
+        return f"{hint}; but here {PER_SAMPLE_CLASS.format(rows=groups[:8])}"
     if op == "sum" and hit.rows and hit.rows == groups:  # (its rows the batch's samples)
         return (f"{hint}; but here the divisor is each sample's sum of its 0/1 weights (a "
                 f"count of its valid entries), 0 in sample(s) {groups[:8]}: they have no valid "

@@ -107,6 +107,8 @@ class Evidence:
     exp_param: list = field(default_factory=list)
     # a pole's 0 that a matrix product's all-0 column or row made (replay.zero_operand)
     zero_operand: str | None = None
+    # its first input's 1 - x² entries of an x past ±1 (replay.unit_complement)
+    unit_square: int = 0
 
 
 # ops with a pole at an input of 0, where a 0 they are given makes an infinity

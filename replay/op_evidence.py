@@ -93,4 +93,5 @@ def op_evidence(func, given, outs: list[torch.Tensor], f,
                               and t.numel() == 0 for t in tree_leaves((args, kwargs))),
                     args=plain, read=f.read.of(plain),
                     radii=radii(func.overloadpacket.__name__, ins),
-                    zero_operand=f.zero_operand.find(ins, bad))
+                    zero_operand=f.zero_operand.find(ins, bad),
+                    unit_square=f.cancellation.unit_squares.at(ins[0], bad) if ins else 0)

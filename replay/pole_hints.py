@@ -20,6 +20,8 @@ import torch
 
 from . import lost_eps
 from .cause import Cause
+from .cause_text import DO
+from .centred_root import centred_hint
 from .clamped_divisor import clamped_to_zero
 from .compat import saved_value
 from .masked_grad import MASKED_INCOMING
@@ -27,6 +29,7 @@ from .positive import node_op
 from .rounded_bound import RoundedBound
 from .rounded_bound import said as said_bound
 from .scalar_pole import SCALAR_POLE
+from .unit_complement import unit_root_hint
 from .unit_eps import narrow_eps
 from .xlogy_pole import ZERO_ZERO, xlogy_at_zero
 
@@ -106,7 +109,7 @@ def zero_divisor(node) -> str | None:
 def pole_hint(b, cause: Cause) -> str:
     """``cause``'s hint for backward origin ``b`` (a :class:`~replay.backward.BackwardOrigin`),
     with what a 0 incoming gradient says of a mask after the op (replay.masked_grad)."""
-    hint = _pole_hint(b, cause)
+    hint = centred_hint(b, _pole_hint(b, cause), DO["sqrt_pole"])
     if cause.name == "precision" and not isinstance(b.lost_eps, RoundedBound):
         hint += narrow_eps(b.node, b.dtype)  # (float32's eps, rounded away in float16; a
         # clamp's bound rounded onto the edge says so itself: replay.rounded_bound)
@@ -118,6 +121,8 @@ def pole_hint(b, cause: Cause) -> str:
 
 
 def _pole_hint(b, cause: Cause) -> str:
+    if said := unit_root_hint(b, cause):  # (sqrt(1 - cos²) at a cosine of 1)
+        return said
     if b.scalar_pole and b.module == "<loss>" and cause.name == "invalid":  # (no row's)
         return SCALAR_POLE.format(node=b.node)
     data = b.zero_divisor == "data" and b.saved_zero == "0" and b.samples

@@ -250,7 +250,7 @@ def test_learned_front_end_on_a_silent_crop_names_the_std_s_sqrt_backward(tmp_pa
     is NaN at the first step (a backward event; the forward is finite). The replay names
     SqrtBackward0 in the root's own code, that line (not the front end's magnitude sqrt, whose
     NaN comes later in backward order), the silent clip, and the advice to take
-    sqrt(x + eps)."""
+    sqrt(var + eps) of the deviations from their own mean (a std, not a distance)."""
     with pytest.raises(NonFiniteError) as info:
         train("make_learned_fb", tmp_path, {"silent": 3}, steps=1, loss=M.guarded_loss,
               crop=12)
@@ -262,7 +262,8 @@ def test_learned_front_end_on_a_silent_crop_names_the_std_s_sqrt_backward(tmp_pa
     assert (o["phase"], o["module"], o["op"], o["samples"]) == (
         "backward", "", "SqrtBackward0", [3]), o
     assert o["source"] == line_of("return (mel - mean) / (var.sqrt() + 1e-5) * m"), o
-    assert rep["cause"] == "invalid" and "sqrt(x + eps)" in rep["hint"], rep["hint"]
+    assert rep["cause"] == "invalid" and "sqrt(var + eps)" in rep["hint"], rep["hint"]
+    assert "deviations from the values' own mean" in rep["hint"], rep["hint"]
 
 
 def test_frame_transformer_with_padding_masked_raises_nothing_and_trains_the_same(tmp_path):

@@ -1,0 +1,78 @@
+"""A backward origin at the sqrt of a sum of squared deviations from the values' own mean: a
+standard deviation written out (attentive statistics pooling's ``sqrt(sum(w * (x - mu)²))``,
+a hand-written layer norm's), 0 where every value equals the mean — a sequence with a single
+valid frame, a constant input — where the derivative of sqrt is infinite. The generic advice
+for a sqrt of a sum of squares speaks of a distance between two points and offers
+``torch.linalg.vector_norm``, which a spread is not; ``torch.std`` has the same pole. Told
+from a distance by the graph: the subtrahend is made of the minuend (its mean)."""
+
+from __future__ import annotations
+
+from .positive import node_op
+
+# ops between the sqrt and the square: the reduction, its weights, a count
+_REDUCE = {"Sum", "Mean", "Mul", "Div", "Clone", "View", "Reshape", "Squeeze", "Unsqueeze"}
+# ops between the minuend's mean and the subtraction
+_MEAN = {"Sum", "Mean", "Mul", "Div", "Unsqueeze", "Expand", "View", "Reshape", "Squeeze",
+         "Clone"}
+
+CENTRED = ("; the root's input is a sum of squared deviations from the values' own mean (a "
+           "standard "
+           "deviation written out, as attentive statistics pooling's sqrt(sum(w · (x − mu)²)) "
+           "takes it): 0 where every value equals the mean, a sequence of one valid frame or "
+           "position, a constant input (torch.std has the same pole); clamp the variance "
+           "before the root, sqrt(var.clamp(min=eps)) as SpeechBrain's pooling does, or add "
+           "the eps under it, sqrt(var + eps)")
+
+
+def _nexts(fn) -> list:
+    try:
+        return [f for f, _ in fn.next_functions if f is not None]
+    except Exception:  # (a node that cannot say)
+        return []
+
+
+def _square_of_difference(fn, depth: int):
+    """The ``Sub`` node whose square (``Pow`` 2, or ``x * x``) ``fn`` reduces, or None."""
+    if fn is None or depth < 0:
+        return None
+    op = node_op(fn)
+    if op == "Pow":
+        sub = next(iter(_nexts(fn)), None)
+        return sub if sub is not None and node_op(sub) == "Sub" else None
+    if op not in _REDUCE:
+        return None
+    for nxt in _nexts(fn):
+        if (found := _square_of_difference(nxt, depth - 1)) is not None:
+            return found
+    return None
+
+
+def _reaches(fn, target, depth: int) -> bool:
+    """Whether ``target`` is reached from ``fn`` through mean-making ops in ``depth`` steps."""
+    if fn is None or depth < 0:
+        return False
+    if fn is target:
+        return True
+    return node_op(fn) in _MEAN and any(_reaches(n, target, depth - 1) for n in _nexts(fn))
+
+
+def centred_root(node) -> bool:
+    """Whether backward ``node`` is a sqrt of a sum of squared deviations from a mean of the
+    same values (see the module)."""
+    if node is None or node_op(node) != "Sqrt":
+        return False
+    sub = _square_of_difference(next(iter(_nexts(node)), None), 4)
+    if sub is None:
+        return False
+    try:
+        (first, _), (second, _) = sub.next_functions[:2]
+    except (ValueError, AttributeError):
+        return False
+    return first is not None and second is not None and _reaches(second, first, 5)
+
+
+def centred_hint(b, hint: str, sqrt_pole: str) -> str:
+    """``hint`` of backward origin ``b``, its distance clause ``sqrt_pole`` replaced by
+    :data:`CENTRED` where ``b`` is such a root."""
+    return hint.replace(sqrt_pole, CENTRED) if b.centred_root and sqrt_pole in hint else hint
