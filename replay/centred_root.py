@@ -21,8 +21,10 @@ CENTRED = ("; the root's input is a sum of squared deviations from the values' o
            "deviation written out, as attentive statistics pooling's sqrt(sum(w · (x − mu)²)) "
            "takes it): 0 where every value equals the mean, a sequence of one valid frame or "
            "position, a constant input (torch.std has the same pole); clamp the variance "
-           "before the root, sqrt(var.clamp(min=eps)) as SpeechBrain's pooling does, or add "
-           "the eps under it, sqrt(var + eps)")
+           "before the root, sqrt(var.clamp(min=eps)) as SpeechBrain's pooling does, add "
+           "the eps under it, sqrt(var + eps), or take the deviations' norm with "
+           "torch.linalg.vector_norm(x - mu), whose gradient at 0 is 0 (a spread of group "
+           "rates as a parity penalty)")
 
 
 def _nexts(fn) -> list:
