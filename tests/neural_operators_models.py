@@ -69,7 +69,7 @@ class SpectralConv2d(nn.Module):
         out_ft[:, :, :m, :m] = torch.einsum("bixy,ioxy->boxy", x_ft[:, :, :m, :m], self.weights1)
         out_ft[:, :, -m:, :m] = torch.einsum("bixy,ioxy->boxy", x_ft[:, :, -m:, :m],
                                              self.weights2)
-        return torch.fft.irfftn(out_ft, s=(h, w), dim=(-2, -1))
+        return torch.fft.irfftn(out_ft, s=(h, w), dim=(-2, -1)).to(x.dtype)
 
 
 class FNO2d(nn.Module):
@@ -93,8 +93,8 @@ class FNO2d(nn.Module):
         if self.field_norm is not None:
             x = self.field_norm(x)
         b, h, w, _ = x.shape
-        gx = torch.linspace(0, 1, h, device=x.device).view(1, h, 1, 1).expand(b, h, w, 1)
-        gy = torch.linspace(0, 1, w, device=x.device).view(1, 1, w, 1).expand(b, h, w, 1)
+        gx = torch.linspace(0, 1, h, device=x.device, dtype=x.dtype).view(1, h, 1, 1).expand(b, h, w, 1)
+        gy = torch.linspace(0, 1, w, device=x.device, dtype=x.dtype).view(1, 1, w, 1).expand(b, h, w, 1)
         x = self.lift(torch.cat([x, gx, gy], -1)).permute(0, 3, 1, 2)
         for i, (spec, conv) in enumerate(zip(self.spectral, self.pointwise)):
             x = spec(x) + conv(x)
@@ -104,10 +104,14 @@ class FNO2d(nn.Module):
         return F.relu(u) if self.positive else u
 
 
-def training_inputs(n: int = 64, forcing: bool = False) -> torch.Tensor:
-    """The training set's inputs, to fit the normaliser on (with a constant forcing f = 1)."""
+def training_inputs(n: int = 64, forcing: bool = False, failed: int | None = None
+                    ) -> torch.Tensor:
+    """The training set's inputs, to fit the normaliser on (with a constant forcing f = 1;
+    ``failed``: a sample whose file holds a NaN patch)."""
     g = torch.Generator().manual_seed(123)
     a = coefficient(n, g)
+    if failed is not None:
+        a[failed, 3:6, 3:6] = float("nan")
     return torch.stack([a, torch.ones_like(a)], -1) if forcing else a.unsqueeze(-1)
 
 
@@ -126,6 +130,12 @@ def make_fno_normalised() -> FNO2d:
 def make_fno_normalised_eps() -> FNO2d:
     torch.manual_seed(0)
     return FNO2d(channels=2, normalizer=UnitGaussianNormalizer(training_inputs(forcing=True)))
+
+
+def make_fno_fitted_on_nan() -> FNO2d:
+    """The normaliser fitted on a training set one of whose files holds a NaN patch."""
+    torch.manual_seed(0)
+    return FNO2d(normalizer=UnitGaussianNormalizer(training_inputs(failed=17)))
 
 
 def make_fno_field_norm() -> FNO2d:
@@ -168,6 +178,13 @@ def rel_l2(pred, y):
     diff = torch.norm(pred.reshape(b, -1) - y.reshape(b, -1), 2, 1)
     y_norm = torch.norm(y.reshape(b, -1), 2, 1)
     return (diff / y_norm).mean()
+
+
+def rel_mse(pred, y):
+    """The relative squared error per sample, ``sum (pred - y)^2 / sum y^2``, averaged."""
+    b = pred.shape[0]
+    err = ((pred - y) ** 2).reshape(b, -1).sum(1)
+    return (err / (y ** 2).reshape(b, -1).sum(1)).mean()
 
 
 class LpLoss:
@@ -221,6 +238,19 @@ def solution(a: torch.Tensor) -> torch.Tensor:
     u = F.conv2d((1 / a).unsqueeze(1), k, padding=2).squeeze(1)
     u[:, 0], u[:, -1], u[:, :, 0], u[:, :, -1] = 0, 0, 0, 0
     return u
+
+
+def target_normalizer(eps: float = 1e-5) -> UnitGaussianNormalizer:
+    """The per grid point normaliser of the training set's solutions, which are 0 on the
+    boundary in every sample (std 0 there)."""
+    return UnitGaussianNormalizer(solution(coefficient(64, torch.Generator().manual_seed(5))),
+                                  eps=eps)
+
+
+def make_fno_half() -> FNO2d:
+    """The FNO cast to float16 for pure half-precision training (``model.half()``: the complex
+    spectral weights stay ``cfloat``)."""
+    return make_fno().half()
 
 
 def darcy_batch(g: torch.Generator, b: int = 8, forcing: bool = False,

@@ -27,9 +27,11 @@ def line_of(text: str) -> str:
 
 
 def train(make: str, crit, out_dir, bad: dict | None = None, steps: int = 3,
-          record: bool = True, deeponet: bool = False, adam: dict | None = None, **rec_kw):
+          record: bool = True, deeponet: bool = False, adam: dict | None = None,
+          y_normalizer=None, **rec_kw):
     """Adam with gradient clipping, as the FNO scripts train; the data condition ``bad``
-    (keywords of ``darcy_batch``) is planted in the last step's batch."""
+    (keywords of ``darcy_batch``) is planted in the last step's batch; ``y_normalizer``
+    encodes the targets in the loop."""
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), **(adam or {"lr": 1e-3}))
     g = torch.Generator().manual_seed(0)
@@ -41,6 +43,10 @@ def train(make: str, crit, out_dir, bad: dict | None = None, steps: int = 3,
         for step in range(steps):
             planted = bad if bad and step == steps - 1 else {}
             *inputs, u = M.darcy_batch(g, forcing=forcing, deeponet=deeponet, **planted)
+            if y_normalizer is not None:
+                u = y_normalizer(u)
+            if make == "make_fno_half":
+                inputs, u = [x.half() for x in inputs], u.half()
             loss = loss_fn(model(*inputs), u)
             opt.zero_grad()
             loss.backward()
@@ -103,6 +109,51 @@ def test_normaliser_with_eps_zero_over_a_constant_forcing_names_its_division(tmp
         True, "normalizer", "aten.div", "nan", list(range(8))), o
     assert o["source"] == line_of("return (x - self.mean) / (self.std + self.eps)"), o
     assert rep["cause"] == "invalid" and "eps added to that input is exactly 0" in rep["hint"]
+
+
+def test_targets_normalised_with_eps_zero_name_the_boundary_positions_not_a_record(tmp_path):
+    """The solutions standardised per grid point by the training set's statistics with
+    ``eps = 0``: they are 0 on the Dirichlet boundary in every sample, so their std is 0 there
+    and the encoded targets hold NaN on the boundary of every sample. The replay names the
+    loss argument, those positions in every sample and a zero std of a value every sample
+    shares (it said only 'every row holds NaN', a statistic of the batch, and called the
+    targets a network's output or bad data)."""
+    ev, bundle = fire("make_fno", torch.nn.MSELoss(), tmp_path,
+                      y_normalizer=M.target_normalizer(eps=0.0))
+    assert (ev["step"], ev["phase"], ev["tensor"]) == (0, "input", "loss_args[1]"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["cause"], o["tensor"], o["samples"]) == ("input", "loss_args[1]",
+                                                          list(range(8))), o
+    hint = rep["hint"]
+    assert "in the same feature(s) of every sample (position(s) [0, 0], [0, 1]" in hint, hint
+    assert "(+52) of each sample's (16, 16)) and nowhere else" in hint, hint
+    assert "a Dirichlet boundary" in hint and "every row holds" not in hint, hint
+
+
+def test_normaliser_fitted_on_a_nan_file_names_its_buffers(tmp_path):
+    """The normaliser fitted on a training set one of whose coefficient files holds a NaN
+    patch: its mean and std are NaN at those grid points from the start. The replay names the
+    buffers as built so, not a sample of the batch."""
+    ev, bundle = fire("make_fno_fitted_on_nan", M.rel_l2, tmp_path)
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "forward", "normalizer"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["cause"], o["phase"], o["module"], o["tensor"]) == (
+        "weights", "weights", "normalizer", "buffer"), o
+    assert "normalizer.mean, normalizer.std non-finite" in rep["hint"], rep["hint"]
+    assert "a NaN record among those it averages" in rep["hint"], rep["hint"]
+
+
+def test_pure_fp16_training_with_adams_default_eps_names_the_eps_lost_in_float16(tmp_path):
+    """``model.half()`` with Adam's default ``eps = 1e-8``, which is 0 in float16: an element
+    whose gradient squared rounds to 0 is updated by 0/0. The replay names Adam's update of
+    ``lift.weight`` and the eps lost in the weights' type."""
+    ev, bundle = fire("make_fno_half", M.rel_l2, tmp_path, guard_optimizer=True)
+    assert (ev["step"], ev["phase"]) == (0, "optimizer"), ev
+    rep = nanreplay_json(bundle)
+    assert (rep["reproduced"], rep["cause"]) == (True, "optimizer"), rep["origin"]
+    assert "lift.weight" in rep["hint"] and "eps=1e-08 is 0 in float16" in rep["hint"]
 
 
 def test_adam_with_eps_zero_names_the_spectral_weights_dc_mode(tmp_path):
@@ -213,14 +264,18 @@ def test_healthy_rollout_raises_nothing_and_trains_the_same(tmp_path, amp):
     same_weights(recorded, plain)
 
 
-@pytest.mark.parametrize("make,crit,deeponet", [
-    ("make_fno", M.rel_l2, False), ("make_fno_normalised_eps", M.LpLoss(), False),
-    ("make_fno_positive", M.PINOLoss(), False), ("make_deeponet", torch.nn.MSELoss(), True)],
-    ids=["fno", "normalised", "pino", "deeponet"])
-def test_healthy_training_raises_nothing_and_trains_the_same(tmp_path, make, crit, deeponet):
+@pytest.mark.parametrize("make,crit,deeponet,kw", [
+    ("make_fno", M.rel_l2, False, {}), ("make_fno_normalised_eps", M.LpLoss(), False, {}),
+    ("make_fno_positive", M.PINOLoss(), False, {}),
+    ("make_fno", torch.nn.MSELoss(), False, {"y_normalizer": M.target_normalizer()}),
+    ("make_fno_half", M.rel_l2, False, {"adam": {"lr": 1e-3, "eps": 1e-4}}),
+    ("make_deeponet", torch.nn.MSELoss(), True, {})],
+    ids=["fno", "normalised", "pino", "target-normaliser", "fp16", "deeponet"])
+def test_healthy_training_raises_nothing_and_trains_the_same(tmp_path, make, crit, deeponet,
+                                                             kw):
     """The same models with the eps in place and clean data: no event, and the weights are
     bit-identical with and without the recorder."""
-    recorded = train(make, crit, tmp_path, deeponet=deeponet)
-    plain = train(make, crit, tmp_path, deeponet=deeponet, record=False)
+    recorded = train(make, crit, tmp_path, deeponet=deeponet, **kw)
+    plain = train(make, crit, tmp_path, deeponet=deeponet, record=False, **kw)
     assert not list(tmp_path.glob("*.nan"))
     same_weights(recorded, plain)
