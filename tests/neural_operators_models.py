@@ -160,10 +160,13 @@ class DeepONet(nn.Module):
         self.bias = nn.Parameter(torch.zeros(1))
 
     def forward(self, a, y):
+        """``y``: each sample's queries ``(B, P, 2)``, or one query grid ``(P, 2)`` for all."""
         d2 = ((y.unsqueeze(-2) - self.centres) ** 2).sum(-1)
         phi = torch.exp(-d2 / (2 * self.width ** 2))
         phi = phi / phi.sum(-1, keepdim=True)  # normalised radial basis
         t = torch.tanh(self.trunk(phi))
+        if t.dim() == 2:  # (one grid for every sample)
+            return self.branch(a) @ t.T + self.bias
         return torch.einsum("bp,bqp->bq", self.branch(a), t) + self.bias
 
 
@@ -255,7 +258,8 @@ def make_fno_half() -> FNO2d:
 
 def darcy_batch(g: torch.Generator, b: int = 8, forcing: bool = False,
                 zero_target: int | None = None, nan_input: int | None = None,
-                offset: float = 0.0, far_query: int | None = None, deeponet: bool = False):
+                offset: float = 0.0, far_query: int | None = None, deeponet: bool = False,
+                shared_grid: bool = False):
     """One batch ``(x, u)`` (or ``(a, y, u)`` for the DeepONet) with a planted condition."""
     a = coefficient(b, g)
     u = solution(a)
@@ -269,9 +273,13 @@ def darcy_batch(g: torch.Generator, b: int = 8, forcing: bool = False,
     if not deeponet:
         return x, u
     y = torch.rand(b, 32, 2, generator=g)
+    if shared_grid:  # one grid of query points for the whole batch
+        y = y[0]
     if far_query is not None:  # queries in grid units (0..15), not the unit square
         y[far_query] = y[far_query] * (S - 1)
     idx = (y * (S - 1)).round().long().clamp(0, S - 1)
+    if shared_grid:
+        return a.reshape(b, -1), y, u[:, idx[:, 0], idx[:, 1]]
     target = u[torch.arange(b)[:, None], idx[..., 0], idx[..., 1]]
     return a.reshape(b, -1), y, target
 

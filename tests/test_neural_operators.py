@@ -212,6 +212,24 @@ def test_deeponet_queries_in_grid_units_underflow_the_rbf_trunk(tmp_path):
     assert rep["cause"] == "underflow" and "out of scale" in rep["hint"], rep["hint"]
 
 
+def test_deeponet_shared_query_grid_in_grid_units_names_its_rows_out_of_scale(tmp_path):
+    """One query grid ``(P, 2)`` for the whole batch, its point 3 in grid units: every
+    sample's output is NaN, and the replay names underflow and row 3 of the grid as out of
+    scale, an input beside the batch to fix where it is made (it named only the rows, in a
+    note, and gave the hand-written softmax's advice alone)."""
+    ev, bundle = fire("make_deeponet", torch.nn.MSELoss(), tmp_path, deeponet=True,
+                      bad={"far_query": 3, "shared_grid": True})
+    assert (ev["step"], ev["phase"], ev["samples"]) == (2, "forward", list(range(8))), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["input_rows"]) == (
+        "aten.div", "nan", {"tensor": "args[1]", "rows": [3]}), o
+    assert o["source"] == line_of("phi = phi / phi.sum(-1, keepdim=True)"), o
+    hint = rep["hint"]
+    assert rep["cause"] == "underflow" and "row(s) 3 of args[1], an input beside" in hint, hint
+    assert "out of scale" in hint and "fix them where args[1] is made" in hint, hint
+
+
 def rollout(out_dir, pascal: int | None = None, amp=torch.float16, record: bool = True):
     """Autoregressive training with the pushforward trick: one step unrolled without gradient,
     the next trained against the trajectory two steps on, under autocast; AdamW."""
