@@ -274,6 +274,35 @@ def test_trajectory_in_pascal_overflows_the_fp16_lift_in_the_pushforward(tmp_pat
     assert rep["cause"] == "overflow" and "a wrong unit" in rep["hint"], rep["hint"]
 
 
+def test_zero_solution_in_the_second_accumulated_batch_names_its_micro_batch(tmp_path):
+    """bf16 autocast and two accumulated batches per update: the all-zero solution at row 6
+    of the second batch of the second update. The replay names micro-batch 1, the division
+    of the relative L2 and row 6."""
+    model = M.make_fno()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.rel_l2, out_dir=tmp_path,
+                            factory="neural_operators_models:make_fno") as rec:
+            for i in range(4):
+                x, u = M.darcy_batch(g, zero_target=6 if i == 3 else None)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    pred = model(x)
+                (rec.loss_fn(pred.float(), u) / 2).backward()
+                if i % 2 == 1:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    opt.step()
+                    opt.zero_grad()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"]) == (1, "loss", 1), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["micro_batch"], o["op"], o["made"], o["samples"]) == (1, "aten.div", "+inf",
+                                                                    [6]), o
+    assert o["source"] == line_of("return (diff / y_norm).mean()"), o
+    assert rep["cause"] == "invalid" and "degenerate" in rep["hint"], rep["hint"]
+
+
 @pytest.mark.parametrize("amp", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_healthy_rollout_raises_nothing_and_trains_the_same(tmp_path, amp):
     recorded = rollout(tmp_path, amp=amp)
