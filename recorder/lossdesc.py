@@ -93,19 +93,35 @@ def describe_callable(fn) -> dict[str, Any]:
 
 
 def _describe_method(fn) -> dict[str, Any] | None:
-    """A method bound to an instance of a plain class (VoxelMorph's ``losses.NCC().loss``) as
-    its class's import path, the method's name and the instance's attributes, when the class
-    imports back and every attribute is a JSON value (``win``); None otherwise."""
-    obj = getattr(fn, "__self__", None)
-    if not inspect.ismethod(fn) or obj is None or isinstance(obj, (type, nn.Module)) \
+    """A method bound to an instance of a plain class (VoxelMorph's ``losses.NCC().loss``), or
+    an instance of a plain class called as the loss (neuraloperator's ``LpLoss()``: its
+    ``__call__``), as its class's import path, the method's name and the instance's
+    attributes, when the class imports back and every attribute is a JSON value (``win``,
+    ``p``); None otherwise."""
+    obj, method = getattr(fn, "__self__", None), getattr(fn, "__name__", None)
+    if _callable_instance(fn):
+        obj, method = fn, "__call__"
+    elif not inspect.ismethod(fn):
+        return None
+    if obj is None or isinstance(obj, (type, nn.Module)) \
             or not hasattr(obj, "__dict__") or not _plain(state := dict(vars(obj))):
         return None
     cls = describe_callable(type(obj))
     if "import" not in cls:
         return None
-    return {"name": f"{cls['name']}.{fn.__name__}", "import": cls["import"],
-            "method": fn.__name__, "state": _to_json(state),
+    name = cls["name"] if obj is fn else f"{cls['name']}.{method}"
+    return {"name": name, "import": cls["import"],
+            "method": method, "state": _to_json(state),
             "tuples": sorted(k for k, v in state.items() if isinstance(v, tuple))}
+
+
+def _callable_instance(fn) -> bool:
+    """``fn`` is an instance of a class of the user's that defines ``__call__``, not a
+    function, method, class, partial or module."""
+    return callable(fn) and not isinstance(fn, (
+        types.FunctionType, types.BuiltinFunctionType, types.MethodType, type,
+        functools.partial, nn.Module)) and "__call__" in vars(type(fn)) \
+        and type(fn).__module__ not in ("builtins", "functools")
 
 
 def defined_at(fn) -> str | None:

@@ -11,13 +11,12 @@ from typing import Any
 
 import torch
 
-from recorder.capture import loss_path
 from recorder.finite import has_nan
 
 from .cause_text import HINTS
 from .load import Step
 from .log_zero_input import log_zero_lead
-from .recorded import input_hint, origin_key
+from .recorded import input_hint, input_key
 
 CAST = ("{tensor} is {dtype} and holds {kind} but no NaN: {dtype}'s largest value is {top:g}, "
         "and a value beyond it becomes {kind} when cast to {dtype} (x.half(), a {dtype} data "
@@ -33,15 +32,8 @@ def _narrow(dtype: torch.dtype) -> bool:
 
 def _tensor(step: Step, origin: dict[str, Any]) -> torch.Tensor | None:
     """The bundle's tensor the input origin names: a batch tensor or a loss argument."""
-    key, _ = origin_key(step, origin)
-    if key:
-        return step.tensors.get(key)
-    i = origin.get("micro_batch") or 0
-    mb = step.micro_batches[i] if i < len(step.micro_batches) else {}
-    for key, raw in mb.get("loss_paths", {}).items():
-        if loss_path(raw) == origin.get("tensor"):
-            return step.tensors.get(key)
-    return None
+    key = input_key(step, origin)
+    return step.tensors.get(key) if key else None
 
 
 def cast_overflow(step: Step, origin: dict[str, Any], hint: str) -> str:

@@ -22,7 +22,14 @@ from .carried_state import carried_keys, carried_note
 from .drop import undroppable
 from .grown_input import grown_input_note
 from .load import Step
-from .outliers import out_of_scale, outlier_hint, undersized_hint, undersized_input
+from .outliers import (
+    input_rows_hint,
+    out_of_scale,
+    outlier_hint,
+    outlier_input_rows,
+    undersized_hint,
+    undersized_input,
+)
 from .precursors import INPUT_JUMP
 
 
@@ -44,6 +51,8 @@ def data_scale_hint(report: dict[str, Any], step: Step) -> None:
             step, o.get("micro_batch") or 0, o.get("samples") or [])) is not None:
         droppable = undroppable(step, o.get("micro_batch") or 0) is None
         report["hint"] = f"{report['hint']}. But {undersized_hint(small, o['samples'], droppable)}"
+    elif (rows := outlier_input_rows(step, o)) is not None:  # (a query grid beside the batch)
+        report["hint"] = f"{report['hint']}. But {input_rows_hint(rows)}"
     elif report["cause"] == "overflow" and (note := carried_note(
             step, o, carried_keys(step, o.get("micro_batch") or 0))) is not None:
         report["hint"] = f"{report['hint']}. But {note}"

@@ -162,6 +162,48 @@ def _out_of_scale(step: Step, origin: dict[str, Any], skip: frozenset[str] = fro
     return (rows, found) if found is not None else None
 
 
+def outlier_input_rows(step: Step, origin: dict[str, Any], factor: float = FACTOR
+                       ) -> dict[str, Any] | None:
+    """The rows of a root input beside the batch that an origin's values come from
+    (``origin["input_rows"]``: a support set's, a query grid's), when their largest magnitude
+    is ``factor`` times that of every other row of that input, described as by
+    :func:`outlier_input` (with ``rows``); None otherwise."""
+    named = origin.get("input_rows") or {}
+    rows, mb = named.get("rows") or [], origin.get("micro_batch") or 0
+    if not rows or mb >= len(step.micro_batches):
+        return None
+    entry = step.micro_batches[mb]
+    count = n_args(entry.get("inputs"))
+    for key, raw in (entry.get("paths") or {}).items():
+        t = step.tensors.get(key)
+        if batch_path(raw, count) != named.get("tensor") or not isinstance(t, torch.Tensor) \
+                or not t.is_floating_point() or not t.dim() or max(rows) >= t.shape[0] \
+                or len(rows) >= t.shape[0]:
+            continue
+        per = torch.nan_to_num(t.detach().double().abs().reshape(t.shape[0], -1).amax(1),
+                               nan=math.inf)
+        mask = torch.zeros(len(per), dtype=torch.bool)
+        mask[rows] = True
+        top, others = float(per[mask].max()), float(per[~mask].max())
+        if top > factor * others:
+            return {"tensor": named["tensor"], "value": top, "others": others, "key": key,
+                    "rows": rows}
+    return None
+
+
+def input_rows_hint(found: dict[str, Any]) -> str:
+    """The sentence an overflow's or underflow's hint gains when those rows are out of
+    scale: not samples of the batch, so no ``--try drop``."""
+    which = ",".join(str(r) for r in found["rows"])
+    ratio = (f", {g(found['value'] / found['others'])}x its other rows' largest "
+             f"{g(found['others'])}" if found["others"] > 0 else ", its other rows being 0")
+    return (f"row(s) {which} of {found['tensor']}, an input beside the batch that every named "
+            f"sample goes through, reach {g(found['value'])}{ratio}: they are out of scale (a wrong "
+            "unit, as query coordinates in grid cells among unit-square ones; a corrupt "
+            "record), which a wider type or the op's rewrite would only hide; fix them where "
+            f"{found['tensor']} is made")
+
+
 def outlier_hint(found: dict[str, Any], rows: list[int], droppable: bool = True) -> str:
     """The sentence an overflow's hint gains when its samples' data is out of scale;
     ``droppable``: ``--try drop`` can remove them from the recorded batch."""

@@ -26,6 +26,7 @@ from recorder.samples import (
 from .cause_text import (
     ALLOWED_NAN_LEAKED,
     LOSS_ARGUMENT,
+    LOSS_ARGUMENT_COLUMNS,
     LOSS_ARGUMENT_EVERY,
     SHARED_INPUT,
     SHARED_ROWS,
@@ -237,6 +238,9 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
         if shared := shared_loss_arg_hint(step, origin, where):  # (class weights, no rows)
             return shared
         kind = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf"}.get(origin.get("made"), "NaN/Inf")
+        if cols := _whole_columns(step, origin, input_key(step, origin), partial=True):
+            return LOSS_ARGUMENT_COLUMNS.format(tensor=with_param_name(tensor, step.loss_fn),
+                                                kind=kind, cols=cols)
         rows, n = origin.get("samples") or [], batch_size(step, origin.get("micro_batch") or 0)
         every = LOSS_ARGUMENT_EVERY.format(kind=kind) if n and rows == list(range(n)) else ""
         return LOSS_ARGUMENT.format(tensor=with_param_name(tensor, step.loss_fn), every=every,
@@ -273,6 +277,18 @@ def origin_key(step: Step, origin: dict[str, Any]) -> tuple[str, str]:
     return "", ""
 
 
+def input_key(step: Step, origin: dict[str, Any]) -> str:
+    """The bundle key of the tensor an input origin names: a batch tensor or a loss argument
+    ("" for none)."""
+    key, _ = origin_key(step, origin)
+    if key:
+        return key
+    i = origin.get("micro_batch") or 0
+    mb = step.micro_batches[i] if i < len(step.micro_batches) else {}
+    return next((k for k, raw in mb.get("loss_paths", {}).items()
+                 if loss_path(raw) == origin.get("tensor")), "")
+
+
 def _named_batch(step: Step, origin: dict[str, Any]) -> dict[str, Any]:
     """The micro-batch's tensors by the names the report gives them (``args[2]``)."""
     i = origin.get("micro_batch") or 0
@@ -300,18 +316,21 @@ def _sample_dim(step: Step, origin: dict[str, Any], key: str) -> int | None:
     return None if t is None else samples(step, origin.get("micro_batch") or 0).dim(t)
 
 
-def _whole_columns(step: Step, origin: dict[str, Any], key: str) -> str:
+def _whole_columns(step: Step, origin: dict[str, Any], key: str, partial: bool = False
+                   ) -> str:
     """The features (positions past the sample dimension: columns, or index lists for more
     dims) non-finite in every sample of the batch tensor ``key``, as text ("" when none): a
     whole column, which a per-feature step of the pipeline made (a standardisation by a zero
-    std), not a record."""
-    t = step.tensors.get(key)
+    std), not a record. ``partial``: only when those features hold every non-finite value and
+    some feature is finite (a loss argument, which the loop may have made whole)."""
+    t = step.tensors.get(key) if key else None
     d = samples(step, origin.get("micro_batch") or 0).dim(t) if t is not None else None
     if d is None or t.dim() < 2 or t.shape[d] < 2 or not t.is_floating_point():
         return ""
     bad = ~torch.isfinite(t.detach().movedim(d, 0).reshape(t.shape[d], -1))
-    cols = bad.all(0).nonzero().flatten()
-    if not cols.numel():
+    whole = bad.all(0)
+    cols = whole.nonzero().flatten()
+    if not cols.numel() or partial and (bool(whole.all()) or bool(bad[:, ~whole].any())):
         return ""
     more = f" (+{cols.numel() - 8})" if cols.numel() > 8 else ""
     rest = [n for j, n in enumerate(t.shape) if j != d]
