@@ -126,6 +126,10 @@ def test_every_module_has_a_layout_row(package):
     missing = [f"{package}/{name}" for name in _modules(package)
                if not name.startswith("__") and f"`{package}/{name}`" not in table]
     assert not missing, f"modules with no row in README.md's layout table: {missing}"
+    rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
+    named = [m for cell in rows for m in re.findall(rf"`({package}/\w+\.py)`", cell)]
+    twice = sorted({m for m in named if named.count(m) > 1})
+    assert not twice, f"modules with more than one row in README.md's layout table: {twice}"
 
 
 def test_the_checks_catch_what_they_look_for(tmp_path, monkeypatch):
