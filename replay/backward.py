@@ -372,12 +372,15 @@ def _with_sibling(found: BackwardOrigin, node, grad_inputs, grad_outputs,
                   where: Samples) -> None:
     """Another node of the origin's kind on its source line that made a non-finite gradient
     of finite ones too (the other branch of ``where(m2 >= 0, sqrt(m2), -sqrt(-m2))``, NaN in
-    the rows the first one kept): its samples join the origin's."""
+    the rows the first one kept, none of the origin's): its samples join the origin's."""
     if node.name() != found.node or node_source(node) != found.source or not found.samples \
             or not all(finite(g) for g in grad_outputs if isinstance(g, torch.Tensor)) \
             or all(finite(g) for g in grad_inputs if isinstance(g, torch.Tensor)):
         return
-    found.samples = sorted(set(found.samples) | set(batch_rows(node, list(grad_inputs), where)))
+    rows = set(batch_rows(node, list(grad_inputs), where))
+    if not rows & set(found.samples):  # (each row took one branch: a node over the origin's
+        # rows again is the line run once more, a later call's, not the other branch)
+        found.samples = sorted(set(found.samples) | rows)
 
 
 def _record_sum(found: BackwardOrigin, node, name: str, uses: int, grad_outputs,

@@ -109,16 +109,6 @@ WHOLE_COLUMNS = (
     "nanmean/nanstd or fill the missing values first; a feature missing from the source; a "
     "field defined on part of a grid only, as "
     "sea-surface temperature over land: fill it, torch.nan_to_num, and mask it in the loss)")
-# ... a loss argument (a target) holding them so, while the model's inputs were finite
-LOSS_ARGUMENT_COLUMNS = (
-    "{tensor} is an argument of the loss, not data the model took (its inputs were finite), "
-    "and holds {kind} in the same feature(s) of every sample ({cols}) and nowhere else: not a "
-    "bad record but a per-feature step that made the targets, run on every sample alike (a "
-    "standardisation by statistics fitted on the training set whose std is 0 there, a value "
-    "every sample shares: a Dirichlet boundary held at 0, a constant channel; add an eps to "
-    "the std, or leave those features out of the standardisation and the loss; statistics "
-    "fitted on a split holding a NaN there: fit them with nanmean/nanstd); if the loop "
-    "computes it, that code made the {kind}")
 # ... and every value of it: no feature stands out, a factor all values share made them
 WHOLE_TENSOR = (
     "the batch itself holds NaN/Inf, and every value of {tensor} is {kind}: no sample and no "

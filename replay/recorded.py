@@ -26,7 +26,6 @@ from recorder.samples import (
 from .cause_text import (
     ALLOWED_NAN_LEAKED,
     LOSS_ARGUMENT,
-    LOSS_ARGUMENT_COLUMNS,
     LOSS_ARGUMENT_EVERY,
     SHARED_INPUT,
     SHARED_ROWS,
@@ -42,6 +41,18 @@ from .nan_runs import NAN_RUNS, nan_runs
 from .padded_elements import padded_elements
 from .shared_loss_arg import shared_loss_arg_hint
 from .whole_slices import WHOLE_SLICES, whole_slices
+
+# a loss argument (a target) NaN/Inf in the same features of every sample, the model's
+# inputs finite (see replay.cause_text's WHOLE_COLUMNS for a batch tensor)
+LOSS_ARGUMENT_COLUMNS = (
+    "{tensor} is an argument of the loss, not data the model took (its inputs were finite), "
+    "and holds {kind} in the same feature(s) of every sample ({cols}) and nowhere else: not a "
+    "bad record but a per-feature step that made the targets, run on every sample alike (a "
+    "standardisation by statistics fitted on the training set whose std is 0 there, a value "
+    "every sample shares: a Dirichlet boundary held at 0, a constant channel; add an eps to "
+    "the std, or leave those features out of the standardisation and the loss; statistics "
+    "fitted on a split holding a NaN there: fit them with nanmean/nanstd); if the loop "
+    "computes it, that code made the {kind}")
 
 
 def samples(step: Step, i: int = 0) -> Samples:
