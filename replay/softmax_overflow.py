@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .memo import TensorSet
+from .softplus_overflow import ExpFollowed
 from .source import user_source
 
 # ops that pass an exp's entries on as they are (a view, the positives picked out of it)
@@ -25,20 +25,15 @@ _SUMS = {"sum", "cumsum"}  # (a cumsum: a causal normaliser's running sum)
 _DIVISIONS = {"div", "div_"}
 
 
-class SoftmaxFollowed:
-    """Marks the +inf outputs of the exp at ``at`` (op, line), what picks entries of them and
-    what sums them; ``found``: the line of the first division of the one by the other."""
-
-    def __init__(self, at: tuple[str, str | None]):
-        self.at, self.exps, self.sums = at, TensorSet(), TensorSet()
-        self.found: str | None = None
+class SoftmaxFollowed(ExpFollowed):
+    """That exp's +inf, what picks entries of them and what sums them; ``found``: the line of
+    the first division of the one by the other."""
 
     def see(self, name: str, args, out: torch.Tensor, first: torch.Tensor) -> None:
         """One op of the re-run (``replay.exp_overflow``), until ``found``."""
-        if f"aten.{name}" == self.at[0] and user_source() == self.at[1]:
-            if bool(torch.isposinf(out.detach()).any()):
-                self.exps.add(out)
-        elif name in _PICKS and first in self.exps:
+        if self.marked(name, out):
+            return
+        if name in _PICKS and first in self.exps:
             self.exps.add(out)
         elif name in _SUMS and first in self.exps:
             self.sums.add(out)

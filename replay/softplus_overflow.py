@@ -21,20 +21,32 @@ from .source import user_source
 _LOGS = {"log", "log2", "log10"}
 
 
-class SoftplusFollowed:
-    """Marks the +inf outputs of the exp at ``at`` (op, line), then ``1 +`` them; ``found``:
-    the line of the first log given such a sum (or log1p given such an exp)."""
+class ExpFollowed:
+    """Marks the +inf outputs of the exp at ``at`` (op, line) for a subclass to follow;
+    ``found``: the line where they reached the formula it looks for."""
 
     def __init__(self, at: tuple[str, str | None]):
         self.at, self.exps, self.sums = at, TensorSet(), TensorSet()
         self.found: str | None = None
 
+    def marked(self, name: str, out: torch.Tensor) -> bool:
+        """Whether this op is the exp at ``at`` (its +inf outputs then marked)."""
+        if f"aten.{name}" != self.at[0] or user_source() != self.at[1]:
+            return False
+        if bool(torch.isposinf(out.detach()).any()):
+            self.exps.add(out)
+        return True
+
+
+class SoftplusFollowed(ExpFollowed):
+    """That exp's +inf, then ``1 +`` them; ``found``: the line of the first log given such a
+    sum (or log1p given such an exp)."""
+
     def see(self, name: str, args, out: torch.Tensor, first: torch.Tensor) -> None:
         """One op of the re-run (``replay.exp_overflow``), until ``found``."""
-        if f"aten.{name}" == self.at[0] and user_source() == self.at[1]:
-            if bool(torch.isposinf(out.detach()).any()):
-                self.exps.add(out)
-        elif name == "add" and first in self.exps and len(args) == 2 \
+        if self.marked(name, out):
+            return
+        if name == "add" and first in self.exps and len(args) == 2 \
                 and isinstance(args[1], (int, float)) and args[1] == 1:
             # (1 only: log(exp(z) + eps), scVI's log(theta + 1e-8) of theta = exp(px_r), is a
             # log of an exp guarded at 0, no softplus, and its fix is not F.softplus)
