@@ -184,6 +184,12 @@ def additive_mask(t: torch.Tensor) -> bool:
     return bool(((d == 0) | (d == -math.inf)).all())
 
 
+def zero_one(t: torch.Tensor) -> bool:
+    """Every value of ``t`` is 0 or 1: a 0/1 mask, a label, an indicator, whose values are
+    classes, not magnitudes (and whose rows of 0 are records with nothing set)."""
+    return bool(((t == 0) | (t == 1)).all())
+
+
 def only_mask_infinities(tensors: Iterable[torch.Tensor]) -> bool:
     """Some of ``tensors`` hold a non-finite value, and each such is an additive mask: the
     -inf there is intended (by the default policy, no event), unlike a data tensor's."""

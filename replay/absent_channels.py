@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from recorder.finite import zero_one
+
 from .empty_records import batch_data
 from .load import Step
 
@@ -43,7 +45,7 @@ def _absent(t: torch.Tensor, d: int, rows: list[int]) -> list[int]:
     """The channels (the dim after the samples') of 0/1 ``t`` with no entry in any of
     ``rows`` and some in every other row."""
     if t.dim() < d + 3 or max(rows) >= t.shape[d] or len(rows) >= t.shape[d] \
-            or t.is_complex() or not bool(((t == 0) | (t == 1)).all()):
+            or t.is_complex() or not zero_one(t):
         return []
     counts = t.detach().movedim(d, 0).reshape(t.shape[d], t.shape[d + 1], -1).ne(0).sum(2)
     named = torch.zeros(t.shape[d], dtype=torch.bool)

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from recorder.finite import zero_one
+
 from .drop import undroppable
 from .empty_counts import root_inputs
 from .load import Step
@@ -58,7 +60,7 @@ def dead_channels_of(t: torch.Tensor, d: int, rows: list[int]) -> list[tuple[int
     in each of ``rows`` and in no other sample, where each of ``rows`` holds a nonzero
     value elsewhere (not a blank record); each dim after ``d`` with at least 2 entries."""
     if not t.is_floating_point() or t.dim() < d + 3 or max(rows) >= t.shape[d] \
-            or len(rows) >= t.shape[d] or bool(((t == 0) | (t == 1)).all()):
+            or len(rows) >= t.shape[d] or zero_one(t):
         return []
     x = t.detach().movedim(d, 0)
     named = torch.zeros(x.shape[0], dtype=torch.bool)

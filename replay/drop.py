@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from recorder.capture import tree_refs
+from recorder.finite import zero_one
 from recorder.padded_ids import padded_ids
 from recorder.samples import Bags, Segments, bag_offsets, broadcast_fields, packed_in
 
@@ -166,7 +167,7 @@ def _pairwise(x: torch.Tensor, inputs: list, given: list = ()) -> bool:
 def _length_mask(x: torch.Tensor) -> bool:
     """A 0/1 mask whose every row's ones come first (right padding), or every row's last (not
     a kernel matrix, positive everywhere)."""
-    if x.is_complex() or not bool(((x == 0) | (x == 1)).all()):
+    if x.is_complex() or not zero_one(x):
         return False
     steps = (x != 0).to(torch.int8).diff(dim=1)
     return bool((steps <= 0).all()) or bool((steps >= 0).all())

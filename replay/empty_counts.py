@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from recorder.capture import batch_path
+from recorder.finite import zero_one
 
 from .data_divisor import ADVICE
 from .empty_records import zero_rows
@@ -71,5 +72,5 @@ def _empty_in(t: torch.Tensor, d: int, rows: list[int]) -> bool:
         return False
     x = t.detach().movedim(d, 0).reshape(t.shape[d], -1)
     # (a crystal's cell beside a molecule's zeros is no count: its volume, not a total, is 0)
-    return bool((x >= 0).all()) and not bool(((x == 0) | (x == 1)).all()) \
+    return bool((x >= 0).all()) and not zero_one(x) \
         and bool((x == x.round()).all()) and zero_rows(x, 0, rows)

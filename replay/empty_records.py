@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from recorder.capture import batch_path, loss_path
+from recorder.finite import zero_one
 
 from .load import Step
 from .recorded import n_args, samples
@@ -125,7 +126,7 @@ def _empty_in(t: torch.Tensor, d: int, rows: list[int], least: int = 1) -> bool:
     """``t`` holds only 0s and 1s, fewer than ``least`` set in each of ``rows``, at least
     ``least`` in every other row."""
     if max(rows) >= t.shape[d] or len(rows) >= t.shape[d] \
-            or not bool(((t == 0) | (t == 1)).all()) or _padding_mask(t, d, rows):
+            or not zero_one(t) or _padding_mask(t, d, rows):
         return False
     kept = t.detach().movedim(d, 0).reshape(t.shape[d], -1).ne(0).sum(1) >= least
     named = torch.zeros_like(kept)
@@ -141,7 +142,7 @@ def _padding_mask(t: torch.Tensor, d: int, rows: list[int], whole: bool = False)
     Its rows with nothing set are the longest records, not empty ones; ``whole``: ``rows``
     are set everywhere, records of length 0 (while some other row has padding)."""
     if t.dim() != 2 or max(rows) >= t.shape[d] or len(rows) >= t.shape[d] \
-            or not bool(((t == 0) | (t == 1)).all()):
+            or not zero_one(t):
         return False
     m = t.detach().movedim(d, 0).ne(0)
     named = torch.zeros(m.shape[0], dtype=torch.bool)

@@ -33,6 +33,8 @@ from typing import NamedTuple
 
 import torch
 
+from recorder.finite import zero_one
+
 from .memo import TensorMarks
 from .positive_counts import ADVICE as POSITIVES  # (a scene's objects: not a graph's rows)
 
@@ -163,7 +165,7 @@ def _zero_one(x) -> bool:
     1 at all is no evidence of one: Gaussian kernels whose exp underflowed to 0 in every entry
     (a kernel width of 0) are 0 everywhere too."""
     return isinstance(x, torch.Tensor) and x.dim() >= 2 and x.is_floating_point() \
-        and x.shape[0] > 1 and bool(((x == 0) | (x == 1)).all()) and bool((x == 1).any())
+        and x.shape[0] > 1 and zero_one(x) and bool((x == 1).any())
 
 
 PER_SAMPLE_CLASS = (

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from recorder.finite import zero_one
+
 MASKED_GAPS = (
     "the batch itself holds NaN, and {tensor} holds it only where {mask} marks a value "
     "missing (its {off} entries): missing values stored as NaN that the model computes with "
@@ -35,7 +37,7 @@ def masked_gaps(t: torch.Tensor | None, tensor: str, others: dict[str, Any]) -> 
         if not isinstance(m, torch.Tensor) or m is t or m.dim() < 2 \
                 or tuple(m.shape) != tuple(t.shape[:m.dim()]):
             continue
-        if m.dtype != torch.bool and not bool(((m == 0) | (m == 1)).all()):
+        if m.dtype != torch.bool and not zero_one(m):
             continue
         bad = bad_all.reshape(*m.shape, -1).any(-1)
         on = m.bool()

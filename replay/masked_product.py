@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from recorder.finite import zero_one
+
 from . import xlogx
 from .cause_text import MASKED_BY_PRODUCT
 
@@ -89,7 +91,7 @@ def _mask_like(factor) -> bool:
     own 0, and the fix is the pole's eps, not masking earlier."""
     if not isinstance(factor, torch.Tensor):
         return True  # (a number, 0 there)
-    return factor.dtype == torch.bool or bool(((factor == 0) | (factor == 1)).all())
+    return factor.dtype == torch.bool or zero_one(factor)
 
 
 def _met(x, factor, bad=torch.isnan) -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from recorder.capture import batch_path, loss_path
+from recorder.finite import zero_one
 from recorder.missing import root_input_name
 
 from .carried_state import carried_keys
@@ -109,7 +110,7 @@ def _binary(a: torch.Tensor) -> bool:
     stay's mortality, the one death of the batch): its values are classes, not magnitudes, so
     a row of 1 among rows of 0 is no record out of scale."""
     a = a[~a.isnan()]
-    return bool(((a == 0) | (a == 1)).all())
+    return zero_one(a)
 
 
 def row_values(step: Step, mb: int, skip: frozenset[str] = frozenset()):

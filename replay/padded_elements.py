@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from recorder.finite import zero_one
+
 PADDED_ELEMENTS = (
     "the batch itself holds NaN/Inf, and {tensor} holds it in whole elements of its padded "
     "sets, each a real element by {mask} ({real}): {where}"
@@ -34,7 +36,7 @@ def padded_elements(t: torch.Tensor | None, where: str, tensor: str,
     for name, m in others.items():
         if not isinstance(m, torch.Tensor) or m is t or tuple(m.shape) != tuple(t.shape[:2]):
             continue
-        if m.dtype != torch.bool and not bool(((m == 0) | (m == 1)).all()):
+        if m.dtype != torch.bool and not zero_one(m):
             continue
         on = m.bool()
         if (m.dtype == torch.bool or not bool(on.all())) and not bool((bad & ~on).any()):

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from recorder.finite import zero_one
+
 
 def padding_masks(named: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     """The tensors of ``named`` (the root call's, by argument name) that are 0/1 masks with
@@ -27,7 +29,7 @@ def padding_masks(named: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tenso
                 or not (t.dtype == torch.bool or t.is_floating_point()):
             continue
         on = t.bool() if t.dtype == torch.bool else t
-        if t.dtype != torch.bool and not bool(((t == 0) | (t == 1)).all()):
+        if t.dtype != torch.bool and not zero_one(t):
             continue
         if bool(on.any()) and not bool(on.all()) and _trailing(on.bool()):
             out.append((name, t.detach()))

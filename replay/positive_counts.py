@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from recorder.finite import zero_one
+
 from . import data_divisor
 from .memo import TensorMarks
 
@@ -70,7 +72,7 @@ def _zero_one(x: torch.Tensor) -> bool:
     """A mask: every value 0 or 1 (bool, or a float of them), at least one 1 in the batch."""
     if x.dtype != torch.bool and not x.is_floating_point():
         return False
-    return bool(((x == 0) | (x == 1)).all()) and bool((x != 0).any())
+    return zero_one(x) and bool((x != 0).any())
 
 
 def marked(lineage, op: str, ins: list[torch.Tensor], rows: list[int] | None, size: int,

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import re
 
+from recorder.finite import zero_one
+
 from .load import Step
 
 __all__ = ["empty_mask_hint", "pruned_rows_hint"]
@@ -61,7 +63,7 @@ def empty_mask_hint(step: Step, module: str | None, op: str | None) -> str | Non
     for key, buf in step.tensors.items():
         name = key[len("buffers/" + prefix):]
         if not key.startswith("buffers/" + prefix) or "." in name or buf.shape not in shapes \
-                or not buf.is_floating_point() or not ((buf == 0) | (buf == 1)).all():
+                or not buf.is_floating_point() or not zero_one(buf):
             continue
         weight = f"{prefix}{shapes[buf.shape]}"
         zero = (buf.reshape(buf.shape[0], -1) == 0).all(1).nonzero().flatten().tolist()

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from recorder.capture import tensor_leaves
+from recorder.finite import zero_one
 
 from .compat import version
 from .memo import TensorMarks, TensorSet
@@ -233,4 +234,4 @@ def _data_factor(raw, a) -> bool:
     """``a`` is the batch's own values, not a 0/1 mask: a product with a learned factor keeps
     its 0s as the record's (a cell's nominal capacity, 0 where its metadata is missing, times
     a learned fade ``q_nom * (1 - a N^z)``), while a mask's 0 there is masking, said elsewhere."""
-    return raw(a) and not a.requires_grad and not bool(((a == 0) | (a == 1)).all())
+    return raw(a) and not a.requires_grad and not zero_one(a)

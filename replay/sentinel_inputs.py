@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from recorder.finite import zero_one
+
 from .load import Step
 from .outliers import row_values
 
@@ -46,7 +48,7 @@ def sentinel_inputs_hint(report: dict[str, Any], step: Step) -> None:
 
 
 def _zero_one(v: torch.Tensor) -> bool:
-    return bool(((v == 0) | (v == 1)).all()) and bool((v == 0).any())
+    return zero_one(v) and bool((v == 0).any())
 
 
 def _coded(x: torch.Tensor, m: torch.Tensor) -> tuple[float, set[int]] | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from recorder.capture import loss_path
+from recorder.finite import zero_one
 
 from .empty_records import zero_rows
 from .load import Step
@@ -36,7 +37,7 @@ def label_flag(step: Step, mb: int, rows: list[int], blank: str) -> str | None:
         if key in made or name == blank or not isinstance(t, torch.Tensor) or t.is_complex() \
                 or not t.numel() or (d := where.dim(t)) is None or t.numel() != t.shape[d]:
             continue
-        if bool(((t == 0) | (t == 1)).all()) and zero_rows(t, d, rows):
+        if zero_one(t) and zero_rows(t, d, rows):
             return name
     return None
 

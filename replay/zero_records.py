@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from recorder.capture import loss_path
+from recorder.finite import zero_one
 
 from .data_counts import ORDINARY
 from .drop import undroppable
@@ -100,4 +101,4 @@ def _records(step: Step, mb: int, inputs: bool = True
 
 def _zero_in(t: torch.Tensor, d: int, rows: list[int]) -> bool:
     """``t`` is not 0/1 data, all 0 in ``rows``, nonzero somewhere in every other row."""
-    return not bool(((t == 0) | (t == 1)).all()) and zero_rows(t, d, rows)
+    return not zero_one(t) and zero_rows(t, d, rows)
