@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .load import Step
+from .recorded import scaler_state
 
 
 def nan_skips_text(step: Step) -> str:
@@ -18,8 +19,7 @@ def nan_skips_text(step: Step) -> str:
     if not any(bool(torch.isnan(g).any()) for g in grads) or any(
             bool(torch.isinf(g).any()) for g in grads):
         return ""
-    state = ((step.meta.get("grad_scaler") or {}).get("state") or {}).get("$dict") or []
-    scale = dict(kv for kv in state if len(kv) == 2).get("scale")
+    scale = scaler_state(step).get("scale")
     now = f" (now {scale:g})" if isinstance(scale, (int, float)) else ""
     return ("; the GradScaler skipped this step for gradients that are NaN with no infinity "
             "beside them (a 0/0 of the loop's, not an overflow of the scaled loss) and halved "

@@ -357,6 +357,14 @@ def _whole_columns(step: Step, origin: dict[str, Any], key: str, partial: bool =
             f"sample's {tuple(rest)}" + (f", all at {' and '.join(same)}" if same else ""))
 
 
+def scaler_state(step: Step) -> dict[str, Any]:
+    """The GradScaler's state the bundle holds (``scale``, ``backoff_factor``, ...), {} when
+    it holds none."""
+    state = (step.meta.get("grad_scaler") or {}).get("state") or {}
+    pairs = state.get("$dict", []) if isinstance(state, dict) else []
+    return {kv[0]: kv[1] for kv in pairs if len(kv) == 2 and isinstance(kv[0], str)}
+
+
 def scale_of_the_step(step: Step) -> float | None:
     """The loss scale the event step's backward ran with: the scale the ring recorded after
     the step before (the scaler's update sets the next step's scale), else the step's own,
@@ -370,9 +378,7 @@ def scale_of_the_step(step: Step) -> float | None:
     if k not in steps or not math.isfinite(scales[steps.index(k)]):
         return None
     i = steps.index(k)
-    state = (step.meta.get("grad_scaler") or {}).get("state") or {}
-    state = dict(state.get("$dict", [])) if isinstance(state, dict) else {}
-    backoff = state.get("backoff_factor", 0.5)
+    backoff = scaler_state(step).get("backoff_factor", 0.5)
     skipped = "ring/skipped" in t and bool(t["ring/skipped"][i])
     return scales[i] / backoff if skipped and backoff else scales[i]
 

@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from .recorded import scaler_state
+
 # a ratio this close to the scale (a factor of 16 either way) is the scale, not a momentum's
 # sum over steps (at most 1 / (1 - momentum): 10 for 0.9) or gradients that shrank
 _NEAR = 16.0
@@ -49,8 +51,7 @@ def unscaled_update_advice(step) -> str | None:
 
 
 def _scale(step) -> float | None:
-    state = ((step.meta.get("grad_scaler") or {}).get("state") or {}).get("$dict") or []
-    scale = dict((k, v) for k, v in state if isinstance(k, str)).get("scale")
+    scale = scaler_state(step).get("scale")
     if not isinstance(scale, (int, float)) or not scale >= _LEAST_SCALE:
         return None
     return float(scale)
