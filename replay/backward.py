@@ -26,6 +26,7 @@ from recorder.samples import Samples
 
 from .below_one import BelowOneNodes
 from .centred_root import centred_root
+from .compat import saved_value
 from .copied_rows import CopiedRow, copied_row
 from .exp_factor import huge_exp_factor
 from .exp_forms import exp_form
@@ -41,7 +42,7 @@ from .ops import OpFinder
 from .other_rows import lead_rows
 from .pole_hints import zero_divisor
 from .pooled import pooled_size
-from .positive import exp_of_parameter, made_positive, node_op
+from .positive import exp_of_parameter, made_positive, node_op, segment_sum_of_positive
 from .power_grad import steep_power
 from .rerun import Runner
 from .scalar_pole import scalar_at_pole
@@ -238,10 +239,14 @@ def saved_facts(node, grad_inputs=(), grad_outputs=()) -> tuple[str | None, str 
         return kind, "tie" if tie else None
     if node_op(node) in _UNIT_POLE_NODES and any(bool((t.abs() == 1).any()) for t in saved):
         return kind, "1"  # (first: a 0 elsewhere in their input is no pole of theirs)
-    if any(bool((t == 0).any()) for t in saved):
+    # (a quotient's pole is its divisor's 0: a numerator's 0, exp's underflow to 0 beside a
+    # subnormal divisor, is none)
+    poles = [d] if node_op(node) == "Div" and isinstance(d := saved_value(node, "other"),
+                                                             torch.Tensor) else saved
+    if any(bool((t == 0).any()) for t in poles):
         return kind, "0"
     tiny = any(t.is_floating_point() and bool((t.abs() < torch.finfo(t.dtype).tiny).any())
-               for t in saved)
+               for t in poles)
     return kind, "subnormal" if tiny else None
 
 
@@ -346,7 +351,8 @@ def _record(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
     found.lead_rows = None if found.samples else lead_rows(bad)
     found.saved, found.saved_zero = saved_facts(node, grad_inputs, grad_outputs)
     found.scalar_pole = scalar_at_pole(node, saved_tensors(node))
-    found.positive_input = from_positive(node)
+    found.positive_input = from_positive(node) or (
+        found.saved_zero == "subnormal" and segment_sum_of_positive(node))
     found.exp_of = _exp_of(node)
     found.exp_form = exp_form(node)
     found.exp_factor = huge_exp_factor(node)

@@ -98,6 +98,30 @@ def _integral_positive(leaves: list) -> bool:
                and not v.is_floating_point() and not v.is_complex())
 
 
+# nodes of a sum per segment written by hand (index_add_ or scatter_add_ into a constant: a
+# graph's atoms, a hand-written softmax's per-graph denominator)
+_SEGMENT_SUM_NODES = {"IndexAdd", "ScatterAdd"}
+
+
+def segment_sum_of_positive(node, depth: int = 8) -> bool:
+    """Whether division node ``node``'s divisor is, through views and selections, a segment sum
+    of values positive in exact arithmetic (exp of attention scores summed per graph with
+    ``index_add_``): positive in every segment with a member, so a divisor there that is
+    tiny, not 0, is an underflow of its terms. (An empty segment's exact 0 is no underflow:
+    callers ask only of a divisor holding no 0.)"""
+    try:
+        nexts = [fn for fn, _ in node.next_functions]
+        for op, fn in first_inputs(nexts[1] if len(nexts) > 1 else None, depth):
+            if op in _SEGMENT_SUM_NODES:
+                into, source = [f for f, _ in fn.next_functions][:2]
+                return into is None and made_positive(source, depth)
+            if op not in _PASS_ON_NODES:
+                return False
+    except Exception:  # not an autograd node, or one that cannot say
+        return False
+    return False
+
+
 def first_inputs(fn, depth: int = 8):
     """(op, node) of autograd node ``fn`` and the nodes of its first input after it, at most
     ``depth``: the path a value took from the op that made it, through views and selections."""
