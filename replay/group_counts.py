@@ -179,6 +179,21 @@ PER_SAMPLE_CLASS = (
     "terms with no positive")
 
 
+# a per-group accumulation whose groups are the batch's own rows (a graph batch's nodes, which
+# name their graphs): a row that received nothing is a record's, not a group the batch lacks
+EMPTY_ROWS = (
+    "the divisor was accumulated per row by {op} (a count of what each row received: a "
+    "node's incoming edges, summed over an edge list's receivers), and it is 0 at row(s) "
+    "{groups}, rows of sample(s) {rows}: nothing was accumulated into them, so they are "
+    "isolated nodes (an atom with no neighbour inside the cutoff: a one-atom cell whose "
+    "neighbour search skipped its own periodic images, a cutoff shorter than the structure's "
+    "shortest bond; a node no edge reaches). The record's neighbour list is to blame, not the "
+    "batch's sampling: build it so every node has a neighbour (search the periodic images, "
+    "widen the cutoff, keep the k nearest neighbours whatever their distance) or filter such "
+    "graphs where the data is made; divide by count.clamp(min=1) only where 0 is the right "
+    "mean of no neighbours")
+
+
 def class_counts_hint(watch: GroupCounts | None, cause: str | None, hit) -> str | None:
     """The hint for ``hit`` when ``watch`` saw it take a count per class of 0; else None."""
     found = watch and watch.found
@@ -229,6 +244,9 @@ def with_empty_groups(hint: str | None, cause: str | None, hit,
                 "island). No record is to blame, and an eps would drop those rows' terms in "
                 "silence: give them a neighbour or leave them out (deg > 0), or divide by "
                 "deg.clamp(min=1) where 0 is the right mean of no neighbours")
+    if hit.rows and found.count.op != "bincount":
+        # (the groups are rows of the batch: a graph batch's nodes, named by their graphs)
+        return f"{hint}; but here " + EMPTY_ROWS.format(op=op, groups=groups[:8], rows=hit.rows[:8])
     return (f"{hint}; but here the divisor was accumulated per group by {op} (a count or total "
             f"per group, a mean written by hand), and it is 0 at group(s) {groups[:8]}: no "
             "element of the batch fell in them (a region with no background point, a class "
