@@ -44,6 +44,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from .capture import tensor_leaves
+from .edge_rows import edge_graphs, edge_samples
 from .finite import bad_rows
 from .padded_ids import padded_ids
 from .time_major import carried_batch
@@ -128,6 +129,9 @@ class Samples:
             return [seq.index] if bad_rows(t.reshape(1, -1), 0) else []
         if self.per_node(t):
             return self.segments.samples(bad_rows(t, 0))
+        if (e := self.segments and self.segments.edges) is not None and self.dim(t) is None \
+                and t.dim() and t.shape[0] == e.numel() and self.segments.groups(self.size):
+            return edge_samples(e, bad_rows(t, 0))
         d = self.dim(t, stacked)
         return [] if d is None else bad_rows(t, d)
 
@@ -268,6 +272,7 @@ class Segments:
 
     ids: torch.Tensor
     last: int
+    edges: torch.Tensor | None = None  # the graph of each edge row (see recorder.edge_rows)
 
     def samples(self, rows: list[int]) -> list[int]:
         if not rows:
@@ -287,8 +292,11 @@ def assignment(tensors: Iterable[torch.Tensor]) -> Segments | None:
     assignment vector (:func:`is_assignment`) with the fewest groups, or None: beside the
     atoms' batch vector, a neighbour list's sorted centre atoms (SchNetPack's ``_idx_i``)
     read as one too, grouping the pairs by atom."""
+    tensors = list(tensors)
     found = [Segments(t, int(t[-1])) for t in tensors if t.dim() == 1 and is_assignment(t)]
-    return min(found, key=lambda s: s.last, default=None)
+    if (seg := min(found, key=lambda s: s.last, default=None)) is None:
+        return None
+    return replace(seg, edges=edge_graphs(tensors, seg.ids))
 
 
 def is_assignment(t: torch.Tensor) -> bool:
