@@ -11,6 +11,7 @@ user can filter such graphs where they are made.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -19,6 +20,8 @@ from .load import Step
 from .recorded import samples
 
 _DIVIDING = {"aten.div", "aten.div_", "aten.reciprocal"}
+# what replay.raw_pole says of a divisor the batch holds as given
+RAW = "is the batch's own data"
 
 
 def empty_graphs_hint(report: dict[str, Any], step: Step) -> None:
@@ -26,9 +29,11 @@ def empty_graphs_hint(report: dict[str, Any], step: Step) -> None:
     every other graph of the batch has one."""
     o = report.get("origin") or {}
     rows, mb, hint = o.get("samples") or [], o.get("micro_batch") or 0, report.get("hint") or ""
+    # (a divisor that is the batch's own count, n_atoms: the raw-pole hint's "by 0", a 0/0)
+    raw = RAW in hint and o.get("made") == "nan"
     if report.get("cause") != "invalid" or o.get("op") not in _DIVIDING or not rows \
-            or o.get("all_samples") or "0 by 0" not in hint or "empty records" in hint \
-            or mb >= len(step.micro_batches):
+            or o.get("all_samples") or ("0 by 0" not in hint and not raw) \
+            or "empty records" in hint or mb >= len(step.micro_batches):
         return
     where = samples(step, mb)
     seg = where.segments
@@ -39,6 +44,10 @@ def empty_graphs_hint(report: dict[str, Any], step: Step) -> None:
     named[rows] = True
     if bool((nodes[named] == 0).all()) and bool((nodes[~named] > 0).all()):
         which = ",".join(str(r) for r in rows)
+        if raw:  # (its advice, to fill a missing value, is not for a count of no nodes)
+            held = m.group(1) if (m := re.search(r"\(([^():]+): the model's input", hint)) else ""
+            hint = (f"{o['op']} of 0 by 0 (0/0): its divisor is the batch's own data"
+                    + (f" ({held})" if held else "") + ", 0 in the samples named")
         report["hint"] = (
             f"{hint}. Sample(s) {which} are empty graphs: the batch's assignment vector "
             "(PyG's batch) gives them no node while every other graph has some (a structure "
