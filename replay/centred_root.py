@@ -4,7 +4,10 @@ a hand-written layer norm's), 0 where every value equals the mean — a sequence
 valid frame, a constant input — where the derivative of sqrt is infinite. The generic advice
 for a sqrt of a sum of squares speaks of a distance between two points and offers
 ``torch.linalg.vector_norm``, which a spread is not; ``torch.std`` has the same pole. Told
-from a distance by the graph: the subtrahend is made of the minuend (its mean)."""
+from a distance by the graph: the subtrahend is made of the minuend (its mean); or the
+variance is written with the moments, E[x²] − E[x]² clamped at 0 against rounding (a graph
+readout's std per graph, by ``index_add_`` over the batch vector), 0 exactly where a graph's
+nodes are alike (an elemental crystal's equivalent atoms)."""
 
 from __future__ import annotations
 
@@ -14,13 +17,18 @@ from .positive import node_op
 _REDUCE = {"Sum", "Mean", "Mul", "Div", "Clone", "View", "Reshape", "Squeeze", "Unsqueeze"}
 # ops between the minuend's mean and the subtraction
 _MEAN = {"Sum", "Mean", "Mul", "Div", "Unsqueeze", "Expand", "View", "Reshape", "Squeeze",
-         "Clone"}
+         "Clone", "IndexAdd", "ScatterAdd"}
+# a sum per segment (a graph's nodes: index_add_ over the batch vector); clamps of a variance
+_SEGMENT = {"IndexAdd", "ScatterAdd"}
+_CLAMPS = {"ClampMin", "Clamp", "Relu"}
 
 CENTRED = ("; the root's input is a sum of squared deviations from the values' own mean (a "
            "standard "
            "deviation written out, as attentive statistics pooling's sqrt(sum(w · (x − mu)²)) "
-           "takes it): 0 where every value equals the mean, a sequence of one valid frame or "
-           "position, a constant input (torch.std has the same pole); clamp the variance "
+           "takes it, or as E[x²] − E[x]² clamped at 0: a graph readout's std over each "
+           "graph's nodes): 0 where every value equals the mean, a sequence of one valid frame "
+           "or position, a constant input, a graph whose nodes are all alike (an elemental "
+           "crystal's equivalent atoms) (torch.std has the same pole); clamp the variance "
            "before the root, sqrt(var.clamp(min=eps)) as SpeechBrain's pooling does, add "
            "the eps under it, sqrt(var + eps), or take the deviations' norm with "
            "torch.linalg.vector_norm(x - mu), whose gradient at 0 is 0 (a spread of group "
@@ -59,11 +67,52 @@ def _reaches(fn, target, depth: int) -> bool:
     return node_op(fn) in _MEAN and any(_reaches(n, target, depth - 1) for n in _nexts(fn))
 
 
-def centred_root(node) -> bool:
-    """Whether backward ``node`` is a sqrt of a sum of squared deviations from a mean of the
-    same values (see the module)."""
+def _clamped(fn, depth: int = 3):
+    """``fn``, or the node below the clamps at 0 (``clamp_min(0)``, ``relu``) above it."""
+    while fn is not None and depth > 0 and node_op(fn) in _CLAMPS:
+        fn, depth = next(iter(_nexts(fn)), None), depth - 1
+    return fn
+
+
+def _squared(fn, depth: int):
+    """The node whose square (``Pow`` 2, ``x * x``) ``fn`` is or reduces (a sum, a segment
+    sum over a graph's nodes, a division by a count), or None."""
+    if fn is None or depth < 0:
+        return None
+    op, nexts = node_op(fn), [f for f, _ in getattr(fn, "next_functions", ())]
+    if op == "Pow" and getattr(fn, "_saved_exponent", None) == 2 and nexts[:1] != [None]:
+        return nexts[0]
+    if op == "Mul" and len(nexts) == 2 and nexts[0] is not None and nexts[0] is nexts[1]:
+        return nexts[0]
+    if op not in _REDUCE | _SEGMENT:
+        return None
+    return next((x for n in _nexts(fn) if (x := _squared(n, depth - 1)) is not None), None)
+
+
+def uncentred_root(node) -> bool:
+    """Whether backward ``node`` is a sqrt of E[x²] − E[x]² (clamped at 0): a variance of
+    the same values written with the moments, a graph readout's std over each graph's nodes
+    (``index_add_`` of ``h * h`` and of ``h``, divided by the counts)."""
     if node is None or node_op(node) != "Sqrt":
         return False
+    sub = _clamped(next(iter(_nexts(node)), None))
+    if sub is None or node_op(sub) != "Sub":
+        return False
+    try:
+        (first, _), (second, _) = sub.next_functions[:2]
+    except (ValueError, AttributeError):
+        return False
+    x, mean = _squared(first, 6), _squared(second, 0)
+    return x is not None and mean is not None and _reaches(mean, x, 6)
+
+
+def centred_root(node) -> bool:
+    """Whether backward ``node`` is a sqrt of a sum of squared deviations from a mean of the
+    same values, or of E[x²] − E[x]² (see the module)."""
+    if node is None or node_op(node) != "Sqrt":
+        return False
+    if uncentred_root(node):
+        return True
     sub = _square_of_difference(next(iter(_nexts(node)), None), 4)
     if sub is None:
         return False
