@@ -15,6 +15,8 @@ which the loss, an L1 over the standardised targets, holds."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -40,6 +42,24 @@ class GaussianDistance(nn.Module):
         if self.normalise:
             return rbf / rbf.sum(-1, keepdim=True)
         return rbf
+
+
+class BondAngles(nn.Module):
+    """ALIGNN's line graph, small: the angle between two bonds of one centre atom (a triplet of
+    the bond vectors ``vec``), acos of their cosine, expanded in Gaussians over [0, pi] and
+    summed onto the triplet's first bond's features."""
+
+    def __init__(self, nbr_fea_len: int, n: int = 8):
+        super().__init__()
+        self.register_buffer("centres", torch.linspace(0.0, math.pi, n))
+        self.proj = nn.Linear(n, nbr_fea_len)
+
+    def forward(self, vec, triplets, edge_fea):
+        v1, v2 = vec[triplets[0]], vec[triplets[1]]
+        cos = (v1 * v2).sum(-1) / (v1.norm(dim=-1) * v2.norm(dim=-1))
+        theta = torch.acos(cos)  # the bug: no clamp to [-1, 1] (ALIGNN clamps the cosine)
+        a = torch.exp(-(theta[:, None] - self.centres) ** 2 / 0.4 ** 2)
+        return edge_fea + torch.zeros_like(edge_fea).index_add_(0, triplets[0], self.proj(a))
 
 
 class ConvLayer(nn.Module):
@@ -112,12 +132,13 @@ class CrystalGraphConvNet(nn.Module):
 
     def __init__(self, atom_fea_len: int = 16, n_conv: int = 2, h_fea_len: int = 32,
                  dmax: float = CUTOFF, normalise_rbf: bool = False, aggregate: str = "sum",
-                 where_guard: bool = False, pool: str = "mean", batch_norm: bool = True):
+                 where_guard: bool = False, pool: str = "mean", angles: bool = False):
         super().__init__()
         self.embedding = nn.Embedding(100, atom_fea_len)
         self.site = nn.Linear(2, atom_fea_len)
         self.rbf = GaussianDistance(dmax=dmax, normalise=normalise_rbf)
         nbr = len(self.rbf.filter)
+        self.angles = BondAngles(nbr) if angles else None
         self.convs = nn.ModuleList(ConvLayer(atom_fea_len, nbr, aggregate, where_guard)
                                    for _ in range(n_conv))
         self.pool = {"attention": AttentionPool(atom_fea_len), "mean": MeanPool(),
@@ -125,9 +146,11 @@ class CrystalGraphConvNet(nn.Module):
         self.conv_to_fc = nn.Linear(atom_fea_len * (2 if pool == "mean_std" else 1), h_fea_len)
         self.fc_out = nn.Linear(h_fea_len, 2)
 
-    def forward(self, z, site, edge_index, dist, batch, n_atoms):
+    def forward(self, z, site, edge_index, dist, batch, n_atoms, vec=None, triplets=None):
         h = self.embedding(z) + self.site(site)
         edge_fea = self.rbf(dist)
+        if self.angles is not None:
+            edge_fea = self.angles(vec, triplets, edge_fea)
         for conv in self.convs:
             h = conv(h, edge_index, edge_fea)
         crys = self.pool(h, batch, n_atoms)
@@ -191,10 +214,16 @@ def neighbour_list(frac, lattice, cutoff: float = CUTOFF):
     """The bonds (j -> i) of one crystal within ``cutoff``, by the minimum-image convention
     over the other sites of the cell (a site's own periodic images are not searched), and their
     lengths."""
-    dist, _ = min_image(frac, lattice)
+    dist, cart = min_image(frac, lattice)
     near = (dist < cutoff) & ~torch.eye(len(frac), dtype=torch.bool)
     i, j = torch.nonzero(near, as_tuple=True)
-    return torch.stack([j, i]), dist[i, j]
+    return torch.stack([j, i]), dist[i, j], cart[i, j]
+
+
+def triplets_of(edges):
+    """The line graph's pairs of distinct bonds (e1, e2) of one centre atom (their receiver)."""
+    same = (edges[1][:, None] == edges[1][None]) & ~torch.eye(edges.shape[1], dtype=torch.bool)
+    return torch.stack(torch.nonzero(same, as_tuple=True))
 
 
 def labels(z, frac, lattice, g: torch.Generator):
@@ -212,7 +241,8 @@ def dataset(plant: str, bad_step: int, bad: int, steps: int = 4, per_batch: int 
     sites a filter dropped (0 atoms); ``"single"``, a one-atom primitive cell (bcc Fe), whose
     only neighbours are its own images, which the minimum-image search never visits;
     ``"elemental_pair"``, bcc Fe's 2-atom conventional cell, its two atoms alike in species
-    and surroundings; ``"negative_k"``, a mechanically unstable crystal whose K_VRH is negative (the log10 of
+    and surroundings; ``"linear"``, cuprite's linear O-Cu-O unit, two bonds at 180 degrees;
+    ``"negative_k"``, a mechanically unstable crystal whose K_VRH is negative (the log10 of
     the collate_fn is NaN); ``"long_bond"``, a 2-atom cell of a = 10 Angstrom whose bond of
     8.6 Angstrom the neighbour list (cutoff 9) keeps; ``"pm_radius"``, its sites' covalent
     radius read from a table in picometres. Each item is (z, site, frac, lattice, e, k)."""
@@ -229,6 +259,10 @@ def dataset(plant: str, bad_step: int, bad: int, steps: int = 4, per_batch: int 
             if here and plant == "elemental_pair":  # (bcc Fe's conventional cell)
                 z, frac, lattice = torch.tensor([26, 26]), torch.tensor([[0.0] * 3, [0.5] * 3]), \
                     torch.eye(3) * 2.87
+            if here and plant == "linear":  # (cuprite's linear O-Cu-O unit)
+                z, lattice = torch.tensor([8, 29, 29]), torch.eye(3) * 4.27
+                centre, d = torch.tensor([0.5] * 3), torch.tensor([-0.300, 0.274, 0.140])
+                frac = torch.stack([centre, centre + d, centre - d])
             if here and plant == "long_bond":
                 z, lattice = z[:2], torch.eye(3) * 10.0
                 frac = torch.tensor([[0.0, 0.0, 0.0], [0.5, 0.5, 0.49]])
@@ -250,10 +284,13 @@ def collate_pool(items, cutoff: float = CUTOFF):
     """CGCNN's ``collate_pool``: the crystals joined into one graph, the neighbour list built
     per crystal and offset, the site descriptors standardised, the targets (formation energy,
     log10 K_VRH) stacked with their mask."""
-    z, site, edges, dist, batch, n, y = [], [], [], [], [], [], []
-    offset = 0
+    z, site, edges, dist, batch, n, y, vec, trip = [], [], [], [], [], [], [], [], []
+    offset = n_edges = 0
     for k, (zk, sk, fk, lk, e, kv) in enumerate(items):
-        ek, dk = neighbour_list(fk, lk, cutoff)
+        ek, dk, vk = neighbour_list(fk, lk, cutoff)
+        vec.append(vk)
+        trip.append(triplets_of(ek) + n_edges)
+        n_edges += ek.shape[1]
         z.append(zk)
         site.append((sk - SITE_MEAN) / SITE_STD)
         edges.append(ek + offset)
@@ -266,7 +303,7 @@ def collate_pool(items, cutoff: float = CUTOFF):
     return {"z": torch.cat(z), "site": torch.cat(site), "edge_index": torch.cat(edges, 1),
             "dist": torch.cat(dist), "batch": torch.cat(batch),
             "n_atoms": torch.tensor(n, dtype=torch.float32), "y": y,
-            "mask": torch.ones_like(y)}
+            "mask": torch.ones_like(y), "vec": torch.cat(vec), "triplets": torch.cat(trip, 1)}
 
 
 def loader(plant: str, bad_step: int, bad: int, steps: int = 4, per_batch: int = 4,

@@ -1,6 +1,6 @@
 """End to end on materials property prediction over crystal graphs (``crystal_graphs_models``):
 CGCNN-style gated convolutions over a minimum-image neighbour list inside a cutoff, the bond
-lengths expanded in Gaussians, a per-crystal mean (or attention, or mean-and-std) readout over
+lengths expanded in Gaussians (and ALIGNN's bond angles over the line graph's triplets), a per-crystal mean (or attention, or mean-and-std) readout over
 the batch vector, formation energy and log10 bulk modulus standardised by the training set's
 mean and std inside an L1 loss, trained with AdamW, a cosine schedule and gradient clipping
 over a ``DataLoader`` whose ``collate_fn`` joins the crystals into one graph. Each planted
@@ -43,7 +43,7 @@ def train(plant: str, out_dir, kw: dict | None = None, cutoff: float = M.CUTOFF,
         for b in M.loader(plant, K, BAD, cutoff=cutoff):
             opt.zero_grad()
             pred = model(b["z"], b["site"], b["edge_index"], b["dist"], b["batch"],
-                         b["n_atoms"])
+                         b["n_atoms"], b["vec"], b["triplets"])
             loss = crit(pred, b["y"], b["mask"])
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
@@ -71,7 +71,8 @@ def origin(rep: dict) -> tuple:
 
 
 @pytest.mark.parametrize("kw", [{}, {"pool": "mean_std"}, {"pool": "attention"},
-                                {"aggregate": "mean", "normalise_rbf": True}])
+                                {"aggregate": "mean", "normalise_rbf": True},
+                                {"angles": True}])
 def test_healthy_crystals_raise_nothing_and_train_the_same(tmp_path, kw):
     recorded = train("none", tmp_path, kw=kw)
     plain = train("none", tmp_path, kw=kw, record=False)
@@ -161,6 +162,17 @@ def test_a_std_readout_over_an_elemental_cell_names_the_variance_of_alike_atoms(
     assert rep["origin"]["source"] == line_of("std = torch.sqrt((mean_sq - mean ** 2)"), rep
     assert "E[x²] − E[x]² clamped at 0" in rep["hint"], rep["hint"]
     assert "two points coincide" not in rep["hint"], rep["hint"]
+
+
+def test_a_linear_bond_pair_names_the_acos_of_a_cosine_rounded_past_minus_1(tmp_path):
+    """ALIGNN's bond angles without its clamp: cuprite's linear O-Cu-O unit has two bonds at
+    180 degrees, whose cosine rounds to -1.0000001 in float32, and acos of it is NaN; float64
+    rounds it inside the domain, so the cause is precision, with a clamp or atan2 to fix it."""
+    ev, rep = fire("linear", tmp_path, kw={"angles": True})
+    assert (ev["phase"], ev["module"]) == ("forward", "angles"), ev
+    assert origin(rep) == ("forward", "angles", "aten.acos", [BAD], "precision"), rep
+    assert rep["origin"]["source"] == line_of("theta = torch.acos(cos)"), rep
+    assert "clamp the input into the domain" in rep["hint"] and "atan2" in rep["hint"]
 
 
 def test_a_negative_bulk_modulus_names_the_nan_target_of_its_crystal(tmp_path):
