@@ -333,6 +333,8 @@ def held_state_cause(cause, hit, held: str | None, step=None):
                        "before the step (class weights 1/count with a class absent from the "
                        "counts: 1/0; an EWC Fisher normalised by its max, 0 for a parameter "
                        "the task never used: 0/0; a centre averaged over an empty loader: "
-                       "0/0), not by the loss; make it finite where it is made "
+                       "0/0; a target normaliser's std fitted on a single sample: torch.std's "
+                       "n - 1 is 0), not by the loss; make it finite where it is made "
                        "(count.clamp_min(1), a smoothing constant, f / f.max() only where "
-                       "f.max() > 0, a check that the loader yielded samples)")
+                       "f.max() > 0, a check that the loader yielded samples, a std over more "
+                       "than one sample)")

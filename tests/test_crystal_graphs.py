@@ -197,6 +197,17 @@ def test_a_normalizer_fitted_on_elemental_solids_names_its_zero_std(tmp_path):
     assert "the buffer <loss>.normalizer.std as the code keeps it, 0 at entry 0" in rep["hint"]
 
 
+def test_a_normalizer_fitted_on_one_crystal_names_its_nan_std(tmp_path):
+    """The Normalizer fitted on a debug subset of one crystal: torch.std's n - 1 is 0 and the
+    std is NaN before the first step; the loss's (y - mean) / std takes it."""
+    with pytest.warns(UserWarning, match="degrees of freedom"):
+        ev, rep = fire("none", tmp_path, step=0, targets="one")
+    assert (ev["phase"], ev["module"]) == ("loss", "<loss>"), ev
+    assert origin(rep) == ("loss", "<loss>", "aten.div", [0, 1, 2, 3], "weights"), rep
+    assert "the loss's 'normalizer.std' holding nan, nan" in rep["hint"], rep["hint"]
+    assert "a target normaliser's std fitted on a single sample" in rep["hint"], rep["hint"]
+
+
 def test_adamw_with_eps_0_names_the_embedding_rows_of_absent_elements(tmp_path):
     """AdamW with eps=0: the embedding rows of elements no crystal holds have m = v = 0 and
     their update is 0/0 at the first step (the bundle holds the weights after it)."""
