@@ -150,6 +150,22 @@ def test_box_cox_of_conserved_precipitation_on_a_dry_cell_names_the_powers_backw
     assert rep["cause"] == "invalid" and "infinite derivative at x = 0" in rep["hint"]
 
 
+def test_box_cox_at_lambda_zero_names_the_log_limit_not_a_setting_to_keep_off_zero(tmp_path):
+    """Box-Cox with ``lam = 0``, the log member of the family: ``(y ** 0 - 1) / 0`` is 0/0 in
+    every cell of every sample at step 0. The replay names the division on the target's line
+    and the limit ``log(y)`` as the branch for lam = 0 (it said to keep the setting away from
+    0, as for a temperature annealed to 0)."""
+    ev, bundle = fire("make_downscale", M.BoxCoxMSE(0.0), tmp_path)
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "loss", "<loss>"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"]) == ("aten.div", "nan", list(range(8))), o
+    assert o["source"] == line_of("target = (y[:, 0] ** self.lam - 1) / self.lam"), o
+    hint = rep["hint"]
+    assert rep["cause"] == "invalid" and "torch.log(y) if lam == 0" in hint, hint
+    assert "keep it away from 0" not in hint, hint
+
+
 def test_kelvin_fields_normalised_by_a_one_pass_variance_under_bf16(tmp_path):
     """Temperature fed in Kelvin, left to the network's per-field normalisation, whose
     variance ``E[x^2] - E[x]^2`` is computed in bf16 under autocast: it cancels below 0, and
