@@ -36,14 +36,16 @@ CLIM_STD_FLOOR = torch.tensor([[3.0, 4.0], [285.0, 8.0], [1013.0, 10.0], [0.0, 1
 class MassConserve(nn.Module):
     """Harder et al.'s multiplicative constraint: ``y * x / mean_block(y)``."""
 
-    def __init__(self, eps: float = 1e-6):
+    def __init__(self, eps: float = 1e-6, where: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.where = eps, where
 
     def forward(self, fine, coarse_pr):
         coarse_up = F.interpolate(coarse_pr, scale_factor=FACTOR, mode="nearest")
         fine = fine * (coarse_up > 0)  # no rain where the coarse cell is dry
         block_mean = F.interpolate(F.avg_pool2d(fine, FACTOR), scale_factor=FACTOR)
+        if self.where:  # (dry blocks set to 0 after the division)
+            return torch.where(block_mean > 0, fine * coarse_up / block_mean, 0.0)
         return fine * coarse_up / (block_mean + self.eps)
 
 
@@ -72,11 +74,11 @@ class Trunk(nn.Module):
 
 
 class DownscaleNet(nn.Module):
-    def __init__(self, eps: float = 1e-6, norm: bool = False):
+    def __init__(self, eps: float = 1e-6, norm: bool = False, where: bool = False):
         super().__init__()
         self.trunk = Trunk(norm=norm)
         self.out = nn.Conv2d(8, 2, 1)
-        self.conserve = MassConserve(eps)
+        self.conserve = MassConserve(eps, where)
 
     def forward(self, x, coarse_pr, landsea):
         y = self.out(self.trunk(x, landsea))
@@ -92,6 +94,11 @@ def make_downscale() -> DownscaleNet:
 def make_downscale_noeps() -> DownscaleNet:
     torch.manual_seed(0)
     return DownscaleNet(eps=0.0)
+
+
+def make_downscale_where() -> DownscaleNet:
+    torch.manual_seed(0)
+    return DownscaleNet(where=True)
 
 
 def make_downscale_norm() -> DownscaleNet:
@@ -195,11 +202,12 @@ def standardise(raw, clim=CLIM):
 
 def climate_batch(g: torch.Generator, n: int = B, *, dry: int | None = None,
                   kelvin_raw: bool = False, pascal: int | None = None,
-                  cyclone: int | None = None, cyclone_mm: float = 900.0, floor_std: bool = True):
+                  cyclone: int | None = None, cyclone_mm: float = 900.0, ocean: int | None = None, floor_std: bool = True):
     """(x, coarse precipitation, land-sea mask, fine targets) of one time slice.
 
     ``dry``: that sample's coarse cell (1, 2) has no rain; ``pascal``: that sample's pressure
-    file in Pa; ``cyclone``: ``cyclone_mm`` in one fine cell of that sample; ``floor_std``: the snow cover's std of 0 floored at 1 (else divided by it);
+    file in Pa; ``cyclone``: ``cyclone_mm`` in one fine cell of that sample; ``ocean``: that
+    sample's tile all sea; ``floor_std``: the snow cover's std of 0 floored at 1 (else divided by it);
     ``kelvin_raw``: temperature fed unstandardised (left to the network's FieldNorm)."""
     pr = torch.distributions.Gamma(2.0, 0.7).sample((n, 1, COARSE, COARSE)) + 0.1
     if dry is not None:
@@ -215,6 +223,8 @@ def climate_batch(g: torch.Generator, n: int = B, *, dry: int | None = None,
     if kelvin_raw:
         x[:, 1] = raw[:, 1]
     land = (torch.rand(n, 1, FINE, FINE, generator=g) > 0.4).float()
+    if ocean is not None:
+        land[ocean] = 0.0
     up = F.interpolate(pr, scale_factor=FACTOR)
     wet = torch.rand(n, 1, FINE, FINE, generator=g) > 0.3
     fine_pr = up * (0.5 + torch.rand(n, 1, FINE, FINE, generator=g)) * wet * (up > 0)
@@ -253,3 +263,9 @@ class BoxCoxMSE(nn.Module):
         pr = (pred[:, 0] ** self.lam - 1) / self.lam
         tas = (pred[:, 1] - (y[:, 1] - CLIM[1, 0]) / CLIM[1, 1]) ** 2
         return (((pr - target) ** 2 + tas) * LAT_W).mean()
+
+
+def land_mse(pred, y, land):
+    """Each tile's MSE over its land cells (the station-based targets exist on land only)."""
+    err = (torch.log1p(pred[:, :1]) - torch.log1p(y[:, :1])) ** 2 * land
+    return (err.sum((1, 2, 3)) / land.sum((1, 2, 3))).mean()

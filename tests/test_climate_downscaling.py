@@ -27,7 +27,8 @@ def line_of(text: str) -> str:
 
 
 def train(make: str, crit, out_dir, bad: dict | None = None, steps: int = 3,
-          record: bool = True, bf16: bool = False, adam_eps: float = 1e-8, **rec_kw):
+          record: bool = True, bf16: bool = False, adam_eps: float = 1e-8,
+          land_loss: bool = False, **rec_kw):
     """Adam, gradients accumulated over the ``T`` time slices of each step and clipped; the
     data condition ``bad`` (keywords of ``climate_batch``) is planted in the last step."""
     model = getattr(M, make)()
@@ -46,7 +47,7 @@ def train(make: str, crit, out_dir, bad: dict | None = None, steps: int = 3,
                                                        else {}))
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                     out = model(x, land) if gamma else model(x, pr, land)
-                loss = loss_fn(out.float(), y) / M.T
+                loss = loss_fn(out.float(), y, *([land] if land_loss else [])) / M.T
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -72,6 +73,33 @@ def test_dry_coarse_cell_under_mass_conservation_without_eps_names_the_division(
     assert o["source"] == line_of("return fine * coarse_up / (block_mean + self.eps)"), o
     assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
     assert "exactly 0" in rep["hint"], rep["hint"]
+
+
+def test_dry_block_set_to_zero_by_where_after_the_division_names_its_backward(tmp_path):
+    """The usual first fix, ``where(mean > 0, fine * coarse / mean, 0)``: the forward is
+    finite, and the division's backward at the dry block's 0 mean is NaN (sample 3)."""
+    ev, bundle = fire("make_downscale_where", M.lat_weighted_mse, tmp_path, bad={"dry": 3})
+    assert (ev["step"], ev["phase"], ev["kind"]) == (2, "backward", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["samples"]) == (
+        True, "conserve", "DivBackward0", [3]), o
+    assert o["source"] == line_of("return torch.where(block_mean > 0, fine * coarse_up"), o
+    assert rep["cause"] == "invalid" and "torch.where(mask, x, 1)" in rep["hint"], rep["hint"]
+
+
+def test_all_sea_tile_under_a_land_only_loss_names_the_empty_record(tmp_path):
+    """A loss over each tile's land cells (station targets exist on land only): tile 6 is all
+    sea, and its ``sum / land.sum()`` is 0/0. The replay names that tile as a record with no
+    valid entry and the land mask."""
+    ev, bundle = fire("make_downscale", M.land_mse, tmp_path, bad={"ocean": 6}, land_loss=True)
+    assert (ev["step"], ev["phase"], ev["module"]) == (2, "loss", "<loss>"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"]) == ("aten.div", "nan", [6]), o
+    assert o["source"] == line_of("return (err.sum((1, 2, 3)) / land.sum((1, 2, 3))).mean()")
+    assert rep["cause"] == "invalid" and "no valid entry" in rep["hint"], rep["hint"]
+    assert "count.clamp_min(1)" in rep["hint"], rep["hint"]
 
 
 def test_snow_cover_constant_over_the_domain_standardised_by_its_zero_std(tmp_path):
