@@ -269,3 +269,18 @@ def land_mse(pred, y, land):
     """Each tile's MSE over its land cells (the station-based targets exist on land only)."""
     err = (torch.log1p(pred[:, :1]) - torch.log1p(y[:, :1])) ** 2 * land
     return (err.sum((1, 2, 3)) / land.sum((1, 2, 3))).mean()
+
+
+class GlobalLatMSE(nn.Module):
+    """Latitude-weighted MSE on a global grid whose rows run pole to pole, the weights'
+    square root applied to the errors (``(sqrt(w) * err) ** 2``, as a weighted RMSE does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("lat", torch.linspace(-90.0, 90.0, FINE))
+
+    def forward(self, pred, y):
+        w = torch.cos(torch.deg2rad(self.lat))
+        w = torch.sqrt(w / w.mean())[:, None]
+        err = torch.log1p(pred[:, 0]) - torch.log1p(y[:, 0])
+        return ((w * err) ** 2).mean()

@@ -209,6 +209,22 @@ def test_kelvin_fields_normalised_by_a_one_pass_variance_under_bf16(tmp_path):
     assert rep["cause"] == "precision" and "E[x²] − E[x]²" in rep["hint"], rep["hint"]
 
 
+def test_cos_latitude_weights_of_a_global_grid_rounded_below_zero_at_the_poles(tmp_path):
+    """``sqrt(cos(lat) / mean)`` on a grid whose rows reach ±90°: float32's cosine of the
+    rounded pi/2 is -4.4e-8, and the weights' square root is NaN at step 0. A precision loss
+    of a cosine at its zero (it gave a cancelled variance's advice): clamp at 0 or take the
+    cells' centre latitudes."""
+    ev, bundle = fire("make_downscale", M.GlobalLatMSE(), tmp_path)
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "loss", "<loss>"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"]) == ("aten.sqrt", "nan", []), o
+    assert o["source"] == line_of("w = torch.sqrt(w / w.mean())[:, None]"), o
+    hint = rep["hint"]
+    assert rep["cause"] == "precision" and "a cosine or sine at one of its zeros" in hint, hint
+    assert "clamp_min(0)" in hint and "E[x²]" not in hint, hint
+
+
 def test_adam_without_eps_on_the_weights_of_an_all_zero_snow_channel(tmp_path):
     """Adam with ``eps=0``: the encoder's weights of the snow channel (0 everywhere after the
     floored standardisation) get gradients of exactly 0, and their first update is 0/0."""
