@@ -104,14 +104,16 @@ def test_all_sea_tile_under_a_land_only_loss_names_the_empty_record(tmp_path):
 
 def test_snow_cover_constant_over_the_domain_standardised_by_its_zero_std(tmp_path):
     """Snow cover is 0 over the whole domain in every training year: its climatological std is
-    0 and the standardisation makes NaN in input channel 3 of every sample."""
+    0 and the standardisation makes NaN in input channel 3 of every sample. The hint lists
+    positions; it now says they are the whole channel (it listed 8 of 16 and '(+8)')."""
     ev, bundle = fire("make_downscale", M.lat_weighted_mse, tmp_path,
                       bad={"floor_std": False})
     assert (ev["step"], ev["phase"], ev["tensor"]) == (2, "input", "args[0]"), ev
     rep = nanreplay_json(bundle)
     o = rep["origin"]
     assert (rep["cause"], o["tensor"], o["samples"]) == ("input", "args[0]", list(range(8)))
-    assert "all at index 3 of dim 1" in rep["hint"], rep["hint"]
+    assert "all at index 3 of dim 1, every one of its 16 positions (a whole channel" \
+        in rep["hint"], rep["hint"]
     assert "constant column's zero std" in rep["hint"], rep["hint"]
 
 
