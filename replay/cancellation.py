@@ -18,6 +18,7 @@ import torch
 
 from .memo import TensorMemo
 from .op_inputs import values_at
+from .trig_root import TrigRoots
 from .unit_complement import UnitSquares
 
 ULPS = 64  # below 0 by at most this many of its terms' units in the last place: rounding
@@ -34,11 +35,13 @@ class Cancellation:
     def __init__(self):
         self._terms = TensorMemo()
         self.unit_squares = UnitSquares()  # 1 - x², below 0 where x rounds past ±1
+        self.trig = TrigRoots()  # cos(x), below 0 where x rounds past pi/2 (lat at a pole)
 
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
               leaves: list) -> None:
         """After an op with finite inputs ran: keep its terms' size when it cancelled below 0."""
         self.unit_squares.track(name, ins, outs, leaves)
+        self.trig.track(name, ins, outs)
         if len(outs) != 1 or not outs[0].is_floating_point() or outs[0].is_complex() \
                 or not ins or name not in _SUMS | {"mul", "div"} \
                 or any(t.is_nested or t.layout != torch.strided for t in (*ins, outs[0])):

@@ -180,6 +180,8 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
     if base in ("rsqrt", "reciprocal"):
         return ((f"{op} of a negative number (as low as {low})", "domain") if neg and not zero
                 else (f"{op} of 0 (a pole: 1/0)", "divide"))
+    if base == "addcdiv" and len(ins) >= 3 and bool((ins[2] == 0).any()):
+        return _update_quotient(op, ins)
     den = None
     if base in ("div", "remainder", "fmod") and ins:
         den = ins[1] if len(ins) >= 2 else _divisor_not_taken(ev)
@@ -188,13 +190,7 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
     if base == "pow" and ins:
         return _pow(op, ev, zero)
     if base in ("acos", "asin", "atanh") and x.numel():
-        top = float(x[x.abs().argmax()])
-        advice = "atanh" if base == "atanh" else "unit"
-        if base == "atanh" and abs(top) == 1:  # (both poles where rows hit both: +-inf)
-            both = bool((x == 1).any()) and bool((x == -1).any())
-            return f"{op} of {'-1 and 1 (its poles)' if both else g(top) + ' (a pole)'}", advice
-        edge = "[-1, 1]" if base != "atanh" else "(-1, 1)"
-        return f"{op} of a number outside {edge} ({g_apart(top, 1.0, -1.0)})", advice
+        return _unit(op, base, x)
     if base == "acosh" and x.numel():  # (x.clamp_min(eps), the generic advice, is below 1)
         return (f"{op} of a number below 1 (as low as {g_apart(float(x.min()), 1.0)})",
                 "acosh")
@@ -202,6 +198,25 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
         return (f"{op} of {'0' if zero else 'a negative number'} (at a pole or outside its "
                 "domain)", "pole" if zero else "domain")
     return f"{op} at a pole or outside its domain", "pole"
+
+
+def _unit(op: str, base: str, x: torch.Tensor) -> tuple[str, str]:
+    """acos, asin (domain [-1, 1]) and atanh (poles at -1 and 1)."""
+    top = float(x[x.abs().argmax()])
+    advice = "atanh" if base == "atanh" else "unit"
+    if base == "atanh" and abs(top) == 1:  # (both poles where rows hit both: +-inf)
+        both = bool((x == 1).any()) and bool((x == -1).any())
+        return f"{op} of {'-1 and 1 (its poles)' if both else g(top) + ' (a pole)'}", advice
+    edge = "[-1, 1]" if base != "atanh" else "(-1, 1)"
+    return f"{op} of a number outside {edge} ({g_apart(top, 1.0, -1.0)})", advice
+
+
+def _update_quotient(op: str, ins: list[torch.Tensor]) -> tuple[str, str]:
+    """``addcdiv``'s ``x + value * t1 / t2`` at t2 = 0 (an Adam-style update's
+    ``m / (sqrt(v) + eps)``): t2 divides; the weights ``x`` are at no pole, whatever their
+    sign (it said "of a negative number", the weights', and a root's advice)."""
+    both = bool(((ins[1] == 0) & (ins[2] == 0)).any())
+    return f"{op} of {'0 by 0 (0/0)' if both else 'x by 0 (x/0, a pole)'} in t1 / t2", "divide"
 
 
 def _logit(op: str, x: torch.Tensor) -> tuple[str, str]:

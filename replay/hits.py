@@ -87,6 +87,7 @@ class Evidence:
     of_weights: bool = False  # every input a parameter or buffer, or made of them alone
     squared: list[bool] = field(default_factory=list)  # exp_made[i] by a square (re² + im²)
     of_exp: list[bool] = field(default_factory=list)  # inputs[i] is exp's own result
+    trig: list[bool] = field(default_factory=list)  # a cos or sin result (replay.trig_root)
     chained: list[int] = field(default_factory=list)  # its products (replay.chain_product)
     # a decomposition's values: "cholesky", "eigenvalues" or None each (replay.factors)
     factor: list[str | None] = field(default_factory=list)

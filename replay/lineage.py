@@ -34,6 +34,7 @@ from .group_counts import GroupCounts
 from .log_sum_exp import LogSumExp
 from .memo import TensorSet
 from .positive_counts import PositiveCounts
+from .power_limit import PowerAtZero
 from .product_underflow import ProductUnderflow
 from .raw_pole import RawPole
 from .signed_total import SignedTotals
@@ -71,6 +72,7 @@ class Lineage:
         self.counts = GroupCounts(self._learned)
         self.positives = PositiveCounts(self._learned)  # a count of a data mask's 1s per sample
         self.product = ProductUnderflow()  # a log of a product that underflowed
+        self.power = PowerAtZero()  # (y ** 0 - 1) / 0: Box-Cox at lam = 0
         self.crossed = CrossedCutPoints()  # sigmoid(a) - sigmoid(b) < 0 (crossed thresholds)
         self.wrapped = WrappedIndex()  # an index op given a negative index (a label of -1)
         self.signed = SignedTotals(self._learned)  # a division by a signed total of 0
@@ -136,6 +138,7 @@ class Lineage:
         self.counts.track(name, args, out)
         self.positives.track(name, args, out)
         self.product.track(name, args, out)
+        self.power.track(name, args, out)
         self.crossed.track(name, args, out)
         self.signed.track(name, args, out)
         ins = [t for t in leaves if isinstance(t, torch.Tensor)]

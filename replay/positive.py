@@ -64,6 +64,11 @@ def positive_result(name: str, ins: list[torch.Tensor], leaves: list, positive) 
     if name in REDUCTIONS and ins and positive(ins[0]):
         return True
     numbers = [v for v in leaves if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if name == "where" and ins and any(positive(t) for t in ins):
+        # (each element is one of its branches': positive where both are, a Bernoulli-Gamma
+        # likelihood's ``where(wet, p * pdf, 1 - p)``)
+        return all(v > 0 for v in numbers) and all(
+            positive(t) or bool((t > 0).all()) for t in ins)
     if (name in SUMS or name == "mul") and not _integral_positive(leaves):
         return False  # (``exp(s) * mask`` of a bool mask: its 0s are the mask's, exact)
     if name in SUMS and ins and any(positive(t) for t in ins):
@@ -72,9 +77,11 @@ def positive_result(name: str, ins: list[torch.Tensor], leaves: list, positive) 
         return all(v > 0 for v in numbers) and all(
             positive(t) or bool((t > 0).all()) or _covers(name, ins, i)
             for i, t in enumerate(ins))
-    # a product of positive tensors and positive numbers (2 * var)
-    return name == "mul" and bool(ins) and all(positive(t) for t in ins) and all(
-        v > 0 for v in numbers)
+    # a product of positive tensors and positive numbers (2 * var), or of one and factors
+    # whose values are all > 0 here (a Gamma density's ``y ** (a - 1) * exp(-y / b)`` of rain
+    # amounts > 0): no factor is 0, so a 0 of it underflowed
+    return name == "mul" and any(positive(t) for t in ins) and all(
+        positive(t) or bool((t > 0).all()) for t in ins) and all(v > 0 for v in numbers)
 
 
 # the dim each factor of a matrix product sums over, by the factor's position

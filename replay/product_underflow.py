@@ -18,6 +18,7 @@ from .crossed_cut_points import with_crossed
 from .group_counts import class_counts_hint, with_empty_groups
 from .log_sum_exp import with_log_sum_exp
 from .memo import TensorSet
+from .power_limit import with_power_limit
 from .signed_total import with_signed_total
 from .wrapped_index import with_wrapped_index
 
@@ -71,11 +72,13 @@ def with_product_underflow(hint: str | None, cause: str | None, hit,
 
 def lineage_hints(hint: str | None, cause: str | None, hit, lineage) -> str | None:
     """``hint`` with what the op took, as the lineage of the ops saw it: a log-sum-exp written
-    out, a product that underflowed, a count per group with empty groups, a negative index,
-    a difference of one increasing function that is negative (crossed thresholds)."""
+    out, a product that underflowed, a power transform at its exponent's 0 (Box-Cox at
+    lam = 0), a count per group with empty groups, a negative index, a difference of one
+    increasing function that is negative (crossed thresholds)."""
     hint = with_log_sum_exp(hint, cause, hit, lineage.log_sum_exp)
     hint = with_empty_groups(hint, cause, hit, lineage.counts)
     hint = with_product_underflow(hint, cause, hit, lineage.product)
+    hint = with_power_limit(hint, cause, hit, lineage.power)
     hint = with_signed_total(hint, cause, hit, lineage.signed)
     # (a label of -1 picks the pad past the last threshold: crossed cut-points too, but the
     # label is what to fix)

@@ -351,10 +351,15 @@ def _whole_columns(step: Step, origin: dict[str, Any], key: str, partial: bool =
     # (a field's flat index says nothing: SST NaN over land is channel 1 at the land cells)
     at = torch.stack(torch.unravel_index(cols, rest), dim=1)
     dims = [j for j in range(t.dim()) if j != d]
-    same = [f"index {int(at[0, j])} of dim {dims[j]}" for j in range(len(rest))
-            if cols.numel() > 1 and bool((at[:, j] == at[0, j]).all())]
+    shared = [j for j in range(len(rest))
+              if cols.numel() > 1 and bool((at[:, j] == at[0, j]).all())]
+    same = [f"index {int(at[0, j])} of dim {dims[j]}" for j in shared]
+    # (every position of that index: a whole channel or variable, not a region of a field)
+    entire = len(shared) == 1 and cols.numel() == math.prod(rest) // rest[shared[0]]
     return (f"position(s) {', '.join(str(p) for p in at[:8].tolist())}{more} of each "
-            f"sample's {tuple(rest)}" + (f", all at {' and '.join(same)}" if same else ""))
+            f"sample's {tuple(rest)}" + (f", all at {' and '.join(same)}" if same else "")
+            + (f", every one of its {cols.numel()} positions (a whole channel or variable)"
+               if entire else ""))
 
 
 def scaler_state(step: Step) -> dict[str, Any]:

@@ -28,5 +28,7 @@ def source(ev, zeros: list[int], positive_ops: str, log_space: str) -> tuple[str
     if (own := normalised(ev, zeros)) is not None:
         return own
     return (f"{positive_ops} of a finite argument (or a sum or matrix product of such values: a "
-            "softmin's sum(exp(-r / gamma)), Sinkhorn's K @ v with K = exp(-C / eps)), positive "
+            "softmin's sum(exp(-r / gamma)), Sinkhorn's K @ v with K = exp(-C / eps); or a "
+            "product of one with factors > 0: a density written out, y ** (a - 1) * "
+            "exp(-y / b), whose log is the sum of its factors' logs, or log_prob), positive "
             "in exact arithmetic", log_space)

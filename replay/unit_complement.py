@@ -17,6 +17,7 @@ import torch
 from .compat import saved_value
 from .memo import TensorMemo
 from .positive import node_op
+from .trig_root import forward_hint as trig_root_hint
 
 _ROOTS = {"Sqrt", "Rsqrt"}
 _PASS = {"Clamp", "ClampMin", "Clamp_min", "Clone", "View", "Reshape", "Alias"}
@@ -104,10 +105,11 @@ def _past_one(fn, where) -> int:
 
 def forward_hint(what: str, ev) -> str | None:
     """The ``precision`` hint of an op whose input is ``1 - x²`` of an x rounded past ±1 (see
-    :class:`UnitSquares`), else None."""
+    :class:`UnitSquares`), or a cosine rounded below its zero (:mod:`replay.trig_root`), else
+    None."""
     n = getattr(ev, "unit_square", 0)
     if not n:
-        return None
+        return trig_root_hint(what, ev)
     return (f"{what}: that input is 1 - x² of an x that rounding put past ±1 in {n} "
             f"entr{'y' if n == 1 else 'ies'}, " + _SINE)
 
