@@ -133,7 +133,7 @@ class GammaDeviance(nn.Module):
 
 class TweedieNet(nn.Module):
     """Pure premium: log mu from an MLP; with ``learn_power`` also the Tweedie power,
-    started at the Poisson end and clamped into (1, 2)."""
+    started at the Poisson end (the deviance keeps it inside (1, 2))."""
 
     def __init__(self, learn_power: bool = False):
         super().__init__()
@@ -147,7 +147,7 @@ class TweedieNet(nn.Module):
         log_mu = self.out(self.mlp(self.factors(xc, xcat)))[:, 0]
         if self.power is None:
             return log_mu
-        return log_mu, self.power.clamp(1 + 1e-8, 2 - 1e-8)
+        return log_mu, self.power
 
 
 def make_tweedie() -> nn.Module:
@@ -161,7 +161,8 @@ def make_tweedie_power() -> nn.Module:
 
 
 class TweedieDeviance(nn.Module):
-    """Tweedie deviance for 1 < p < 2 (the ``y^(2-p)`` term, constant in mu, left out)."""
+    """Tweedie deviance for 1 < p < 2 (the ``y^(2-p)`` term, constant in mu, left out); a
+    learned power given with the output is clamped into the open interval."""
 
     def __init__(self, p: float = 1.5):
         super().__init__()
@@ -169,6 +170,8 @@ class TweedieDeviance(nn.Module):
 
     def forward(self, out, y, weight):
         log_mu, p = out if isinstance(out, tuple) else (out, self.p)
+        if isinstance(p, torch.Tensor):
+            p = p.clamp(1 + 1e-8, 2 - 1e-8)
         mu = torch.exp(log_mu)
         dev = -y * mu ** (1 - p) / (1 - p) + mu ** (2 - p) / (2 - p)
         return (weight * dev).sum() / weight.sum()

@@ -200,3 +200,22 @@ def test_balance_correction_on_a_batch_without_claims_writes_the_bias(tmp_path):
     rep, o = report(err, 2, "weights")
     assert (o["module"], o["params"], rep["cause"]) == ("out", ["out.bias"], "weights"), rep
     assert "the loop wrote it between that update and step 2" in rep["hint"], rep["hint"]
+
+
+def test_a_learned_tweedie_power_clamped_at_a_bound_float32_rounds_names_the_bound(tmp_path):
+    """The Tweedie power is learned, started at the Poisson end (1.0), and the deviance keeps
+    it inside (1, 2) with ``p.clamp(1 + 1e-8, 2 - 1e-8)``: 1 + 1e-8 is 1.0 in float32, so
+    ``1 - p`` is 0 and ``y mu^(1-p) / (1 - p)`` is x/0 (0/0 at the policies without a claim).
+    The op, rows and cause were right (float64 has -1e-8 there), but the hint only spoke of
+    catastrophic cancellation and 'clamp to the domain before the op', which the code does. A
+    clamp bound rounded onto an edge was known only inside (-1, 1) (acos's), and only where
+    the op took the clamped value itself; it is now any integer edge, followed through a
+    shift by a number (``1 - p``), and the hint names the bound and the eps float32 keeps."""
+    data = M.portfolio()
+    err = fire(tmp_path, "make_tweedie_power", M.TweedieDeviance(), "premium", data)
+    rep, o = report(err, 0, "loss")
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "<loss>", "aten.div", "nan", list(range(BATCH)), "precision"), json.dumps(rep, indent=1)
+    assert o["source"] == line_of("dev = -y * mu ** (1 - p) / (1 - p)")
+    assert "its bound 1.00000001 is 1 in float32" in rep["hint"], rep["hint"]
+    assert "1 + eps with eps of at least 1.19e-07" in rep["hint"], rep["hint"]
