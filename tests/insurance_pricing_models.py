@@ -128,7 +128,7 @@ class GammaDeviance(nn.Module):
     def forward(self, mu, y, weight):
         ratio = y / mu
         dev = 2 * (ratio - torch.log(ratio) - 1)
-        return (weight * dev).sum() / weight.sum()
+        return (weight * dev).sum() / weight.sum()  # mean over the claims
 
 
 class TweedieNet(nn.Module):

@@ -219,3 +219,39 @@ def test_a_learned_tweedie_power_clamped_at_a_bound_float32_rounds_names_the_bou
     assert o["source"] == line_of("dev = -y * mu ** (1 - p) / (1 - p)")
     assert "its bound 1.00000001 is 1 in float32" in rep["hint"], rep["hint"]
     assert "1 + eps with eps of at least 1.19e-07" in rep["hint"], rep["hint"]
+
+
+def test_a_severity_batch_without_any_claim_is_a_0_over_0_of_the_weights(tmp_path):
+    """A batch of 64 policies none of which claimed: the severity model runs on no rows, and
+    the weighted mean ``(w * dev).sum() / w.sum()`` is 0/0; no row is to blame."""
+    data = list(M.portfolio())
+    data[3][BATCH:2 * BATCH] = 0.0
+    err = fire(tmp_path, "make_severity", M.GammaDeviance(), "severity", data)
+    rep, o = report(err, 1, "loss")
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "<loss>", "aten.div", "nan", [], "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == line_of("weight.sum()  # mean over the claims")
+    assert "no row is to blame" in rep["hint"] and "skip such batches" in rep["hint"], rep
+
+
+def test_a_negative_unscaled_factor_underflows_mu_and_y_over_mu_names_the_policy(tmp_path):
+    """A rating factor left unscaled with the other sign (-25000): ``exp`` of the severity's
+    linear predictor underflows to 0 and the Gamma deviance's ``y / mu`` is +inf."""
+    data = list(M.portfolio())
+    claimed = torch.nonzero(data[3][128:192])[:, 0] + 128
+    data[0][claimed[3], 2] = -25000.0
+    err = fire(tmp_path, "make_severity", M.GammaDeviance(), "severity", data)
+    rep, o = report(err, 2, "loss")
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "<loss>", "aten.div", "+inf", [3], "underflow"), json.dumps(rep, indent=1)
+    assert o["source"] == line_of("ratio = y / mu")
+    assert "sample(s) 3 of args[0] reach 2.5e+04" in rep["hint"], rep["hint"]
+
+
+def test_a_driver_age_left_missing_is_the_input(tmp_path):
+    """A policy whose driver age was never imputed (NaN after the min-max scaling)."""
+    data = list(M.portfolio())
+    data[0][128 + 22, 0] = float("nan")
+    err = fire(tmp_path, "make_frequency", M.PoissonDevianceXlogy(), "frequency", data)
+    rep, o = report(err, 2, "input")
+    assert (o["tensor"], o["samples"], rep["cause"]) == ("args[0]", [22], "input"), rep
