@@ -37,11 +37,13 @@ from .empty_records import zero_rows
 from .load import Step
 from .recorded import samples
 from .unlabelled_rows import label_flag, unlabelled_hint
+from .xlogy_pole import VALID_ZEROS
 
 # (the data is named already, or said to be none of a record's)
 # (or its 0 said to be a true value: a count of 0, replay.data_counts)
 _SAID = ("Sample(s) ", "sample(s) ", "nothing is to drop", "--try drop=",
-         "exactly 0 at the samples named", "exactly 0 in the samples named")  # (a ridge's)
+         "exactly 0 at the samples named", "exactly 0 in the samples named",  # (a ridge's)
+         VALID_ZEROS)  # (xlogy(y, y / mu) of a count of 0: replay.xlogy_pole)
 _ZERO_BY_ZERO = "of 0 by 0 (0/0)"  # (a division's, replay.cause_text)
 _GUARD_OFF = "so it guarded nothing"  # (replay.lost_eps: the op's eps is 0, or lost in its type)
 # a backward origin whose incoming gradient is 0 where it made NaN (origin "masked"): the

@@ -95,6 +95,24 @@ class PoissonDeviance(nn.Module):
         return (weight * dev).sum() / weight.sum()
 
 
+class PoissonDevianceNanToNum(nn.Module):
+    """The same deviance with ``y log(y/mu)``'s NaN at ``y = 0`` replaced by 0 afterwards."""
+
+    def forward(self, log_mu, y, weight):
+        mu = torch.exp(log_mu)
+        dev = 2 * (torch.nan_to_num(y * torch.log(y / mu)) - y + mu)
+        return (weight * dev).sum() / weight.sum()
+
+
+class PoissonDevianceXlogyRatio(nn.Module):
+    """The same deviance with ``xlogy(y, y / mu)``: 0 at ``y = 0`` in the forward."""
+
+    def forward(self, log_mu, y, weight):
+        mu = torch.exp(log_mu)
+        dev = 2 * (torch.xlogy(y, y / mu) - y + mu)
+        return (weight * dev).sum() / weight.sum()
+
+
 class PoissonDevianceXlogy(nn.Module):
     """The same deviance with ``xlogy`` and ``log mu`` used directly."""
 

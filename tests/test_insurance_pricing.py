@@ -255,3 +255,29 @@ def test_a_driver_age_left_missing_is_the_input(tmp_path):
     err = fire(tmp_path, "make_frequency", M.PoissonDevianceXlogy(), "frequency", data)
     rep, o = report(err, 2, "input")
     assert (o["tensor"], o["samples"], rep["cause"]) == ("args[0]", [22], "input"), rep
+
+
+@pytest.mark.parametrize("loss,node,line", [
+    ("PoissonDevianceNanToNum", "LogBackward0", "torch.nan_to_num(y * torch.log(y / mu))"),
+    ("PoissonDevianceXlogyRatio", "XlogyBackward0", "torch.xlogy(y, y / mu) - y + mu"),
+])
+def test_other_poisson_deviances_of_zero_claims_keep_the_policies(tmp_path, loss, node, line):
+    """Two more ways to write ``y log(y/mu)`` at ``y = 0``: ``nan_to_num`` of its forward
+    NaN (the node's incoming gradient is 0 there: the masked case above), and
+    ``xlogy(y, y / mu)``, finite in the forward, whose gradient for its second argument,
+    ``x / y``, is 0/0 at every claim-free policy. The xlogy hint said 'y is something the
+    model makes ... keep it off 0 (clamp_(min=eps))' and then called the policies blank
+    records to filter; y / mu is 0 exactly where the data is, so the hint now says to split
+    the log, xlogy(y, y) - y * log(mu), and keeps the samples."""
+    data = M.portfolio()
+    err = fire(tmp_path, "make_frequency", getattr(M, loss)(), "frequency", data)
+    rep, o = report(err, 0, "backward")
+    no_claim = [i for i in range(BATCH) if data[3][i] == 0]
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "<loss>", node, "nan", no_claim, "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == line_of(line)
+    assert "a blank record (" not in rep["hint"] and "--try drop" not in rep["hint"], rep
+    assert "keep those samples" in rep["hint"], rep["hint"]
+    if node == "XlogyBackward0":
+        assert "xlogy(x, x) - x * log(m)" in rep["hint"], rep["hint"]
+        assert "clamp_(min=eps)" not in rep["hint"], rep["hint"]
