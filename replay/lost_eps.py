@@ -115,10 +115,11 @@ _SHIFTS = {"rsub": lambda v, c: c - v, "sub": lambda v, c: v - c}
 
 
 def _number(c: Any) -> float | None:
-    """``c`` as a float: a Python number or a 0-d floating tensor (a wrapped scalar), else
-    None."""
+    """``c`` as a float: a Python number or a 0-d floating constant (a wrapped scalar; not a
+    learned one), else None."""
     if isinstance(c, torch.Tensor):
-        return float(c) if c.dim() == 0 and c.is_floating_point() else None
+        return float(c) if c.dim() == 0 and c.is_floating_point() and not c.requires_grad \
+            else None
     return None if isinstance(c, bool) or not isinstance(c, (int, float)) else float(c)
 
 
