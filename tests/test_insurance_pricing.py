@@ -281,3 +281,47 @@ def test_other_poisson_deviances_of_zero_claims_keep_the_policies(tmp_path, loss
     if node == "XlogyBackward0":
         assert "xlogy(x, x) - x * log(m)" in rep["hint"], rep["hint"]
         assert "clamp_(min=eps)" not in rep["hint"], rep["hint"]
+
+
+def fit_accumulated(data, rec_dir: Path | None, accum: int = 2):
+    """The frequency model under bfloat16 autocast, NAdam, gradients accumulated over
+    ``accum`` batches of 32; the losses and final weights (``rec_dir``: under the recorder)."""
+    model, loss = M.make_frequency(), M.PoissonDevianceXlogy()
+    opt = torch.optim.NAdam(model.parameters(), lr=1e-2)
+    losses = []
+
+    def epoch(call):
+        batches = DataLoader(TensorDataset(*data), batch_size=32)
+        for i, (xc, xcat, exposure, counts, _, _) in enumerate(batches):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                value = call(model(xc, xcat, exposure), counts, torch.ones_like(counts)) / accum
+            value.backward()
+            losses.append(float(value.detach()))
+            if i % accum == accum - 1:
+                opt.step()
+                opt.zero_grad()
+
+    if rec_dir is None:
+        epoch(loss)
+    else:
+        with FlightRecorder(model, opt, loss_fn=loss, out_dir=rec_dir,
+                            factory="insurance_pricing_models:make_frequency") as rec:
+            epoch(rec.loss_fn)
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_bf16_accumulated_frequency_is_bit_identical_and_names_the_micro_batch(tmp_path):
+    """Healthy, the bf16-autocast run with accumulation trains the same with the recorder;
+    a policy of exposure 0 in the second batch of step 1 (row 100 = 3 * 32 + 4) is named in
+    its micro-batch."""
+    data = list(M.portfolio())
+    (plain, w0), (watched, w1) = fit_accumulated(data, None), fit_accumulated(data, tmp_path)
+    assert plain == watched and all(torch.equal(a, b) for a, b in zip(w0, w1))
+    assert not list(tmp_path.glob("*.nan"))
+    data[2][100] = 0.0
+    with pytest.raises(NonFiniteError) as info:
+        fit_accumulated(data, tmp_path / "bad")
+    rep, o = report(info.value, 1, "forward")
+    assert (o["micro_batch"], o["op"], o["made"], o["samples"], rep["cause"]) == (
+        1, "aten.log", "-inf", [4], "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == line_of("offset = torch.log(exposure)")
