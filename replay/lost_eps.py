@@ -226,6 +226,13 @@ def _first(ev) -> tuple[float, torch.dtype] | None:
     return next((h for h in hits if h[0] != 0), hits[-1] if hits else None)
 
 
+def unless_bound(ev, advice: str) -> str:
+    """``advice`` (a stable formula, a clamp to the domain), or ``""`` where :func:`context`
+    names a clamp of the code's whose bound the type rounded onto the edge: its own fix."""
+    first = _first(ev)
+    return "" if first is not None and isinstance(first[0], RoundedBound) else advice
+
+
 def rounded_guard(ev, i: int, w: float) -> bool:
     """Input ``i`` of the op, a 0 that is ``w`` in float64, is ``x + eps`` whose eps its type
     rounded to 0, and ``w`` is mostly that eps (``x`` is 0 or below it: a black pixel's

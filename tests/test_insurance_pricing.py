@@ -210,7 +210,8 @@ def test_a_learned_tweedie_power_clamped_at_a_bound_float32_rounds_names_the_bou
     catastrophic cancellation and 'clamp to the domain before the op', which the code does. A
     clamp bound rounded onto an edge was known only inside (-1, 1) (acos's), and only where
     the op took the clamped value itself; it is now any integer edge, followed through a
-    shift by a number (``1 - p``), and the hint names the bound and the eps float32 keeps."""
+    shift by a number (``1 - p``), and the hint names the bound and the eps float32 keeps
+    (instead of the generic advice)."""
     data = M.portfolio()
     err = fire(tmp_path, "make_tweedie_power", M.TweedieDeviance(), "premium", data)
     rep, o = report(err, 0, "loss")
@@ -219,6 +220,7 @@ def test_a_learned_tweedie_power_clamped_at_a_bound_float32_rounds_names_the_bou
     assert o["source"] == line_of("dev = -y * mu ** (1 - p) / (1 - p)")
     assert "its bound 1.00000001 is 1 in float32" in rep["hint"], rep["hint"]
     assert "1 + eps with eps of at least 1.19e-07" in rep["hint"], rep["hint"]
+    assert "clamp to the domain" not in rep["hint"], rep["hint"]
 
 
 def test_a_severity_batch_without_any_claim_is_a_0_over_0_of_the_weights(tmp_path):
