@@ -230,8 +230,8 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
                " (catastrophic cancellation, as in a variance E[x²] − E[x]²)")
         return Cause("precision", _in_type_hint(name, what + seen, dt, ev) or (
             f"{what}{seen}: no value left {dt}'s range, but rounding pushed the input across the "
-            f"domain edge, which exact arithmetic does not cross{how}: " + _advice(situation)
-            + root_floor.advice(name, moved)))
+            f"domain edge, which exact arithmetic does not cross{how}" + lost_eps.unless_bound(
+                ev, ": " + _advice(situation) + root_floor.advice(name, moved))))
     if said := _rounded_hint(name, what, ev, capture):
         return Cause("precision", said)
     past = rounded_past_edge(name, ev, capture) if rounded is False else None

@@ -67,6 +67,9 @@ class LostEps:
         if (carried := self._carried(name, args)) is not None:
             self._of[id(out)] = (weakref.ref(out), carried)
             return
+        if (shifted := self._shifted(name, args)) is not None:  # (1 - p of a p clamped)
+            self._of[id(out)] = (weakref.ref(out), shifted)
+            return
         if name not in _GUARDS or len(args) < 2:
             return
         if name.startswith("clamp") and (bound := rounded_bound(args, {}, out)) is not None:
@@ -88,6 +91,17 @@ class LostEps:
         eps = [self.of(a) for a in args if isinstance(a, torch.Tensor)]
         return CarriedEps(max(eps)) if eps and None not in eps else None
 
+    def _shifted(self, name: str, args: Sequence[Any]) -> RoundedBound | None:
+        """A clamp's rounded bound a value shifted by a number keeps (``1 - p``, ``p - 1``),
+        with the value the shift has there, or None."""
+        shift = _SHIFTS.get(name)
+        if shift is None or len(args) < 2 or not isinstance(args[0], torch.Tensor):
+            return None
+        bound, c = self.of(args[0]), _number(args[1])
+        if not isinstance(bound, RoundedBound) or c is None:
+            return None
+        return bound.shifted(shift(bound.at, c))
+
     def of(self, t: torch.Tensor) -> float | None:
         """The guard ``t`` was made with that its type rounded to 0, or None."""
         hit = self._of.get(id(t))
@@ -95,6 +109,18 @@ class LostEps:
 
 
 _ADDS = {"add", "add_"}
+# shifts of a clamped value by a number (``1 - p`` is aten.rsub(p, 1)): the value they have at
+# the clamp's bound
+_SHIFTS = {"rsub": lambda v, c: c - v, "sub": lambda v, c: v - c}
+
+
+def _number(c: Any) -> float | None:
+    """``c`` as a float: a Python number or a 0-d floating constant (a wrapped scalar; not a
+    learned one), else None."""
+    if isinstance(c, torch.Tensor):
+        return float(c) if c.dim() == 0 and c.is_floating_point() and not c.requires_grad \
+            else None
+    return None if isinstance(c, bool) or not isinstance(c, (int, float)) else float(c)
 
 
 def _positive(p: Any) -> bool:
@@ -196,8 +222,15 @@ def _first(ev) -> tuple[float, torch.dtype] | None:
     float16 lost the 1e-8)."""
     hits = [(eps, ev.input_dtypes[i]) for i, eps in enumerate(ev.lost_eps)
             if eps is not None and ev.elementwise[i] and bool((ev.inputs[i] == (
-                eps.kept if isinstance(eps, RoundedBound) else 0)).any())]
+                eps.at if isinstance(eps, RoundedBound) else 0)).any())]
     return next((h for h in hits if h[0] != 0), hits[-1] if hits else None)
+
+
+def unless_bound(ev, advice: str) -> str:
+    """``advice`` (a stable formula, a clamp to the domain), or ``""`` where :func:`context`
+    names a clamp of the code's whose bound the type rounded onto the edge: its own fix."""
+    first = _first(ev)
+    return "" if first is not None and isinstance(first[0], RoundedBound) else advice
 
 
 def rounded_guard(ev, i: int, w: float) -> bool:

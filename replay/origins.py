@@ -380,6 +380,8 @@ def _backward_fields(b) -> dict[str, Any]:
         chain=[{"op": b.node, "made": b.made, "source": b.source}] if b.node else [])
     if b.summed:  # (no node made it: the engine's sum of its value's gradients did)
         fields["detail"] = summed_grads.detail(b.made, b.node, b.summed, b.module)
+    if b.masked:  # (the forward dropped the op's value where the node made NaN)
+        fields["masked"] = True
     return hook_fields(b, fields) if b.hook is not None else fields
 
 

@@ -31,7 +31,7 @@ from .rounded_bound import said as said_bound
 from .scalar_pole import SCALAR_POLE
 from .unit_complement import unit_root_hint
 from .unit_eps import narrow_eps
-from .xlogy_pole import ZERO_ZERO, xlogy_at_zero
+from .xlogy_pole import ZERO_OF_X, ZERO_ZERO, xlogy_at_zero, xlogy_of_x
 
 # a backward origin at a quotient whose divisor needs no gradient
 DIVISOR_OF_DATA = (
@@ -101,8 +101,8 @@ def zero_divisor(node) -> str | None:
         return "data"
     if constant_zero_divisor(node):
         return "constant"
-    if xlogy_at_zero(node):
-        return "xlogy"
+    if xlogy_at_zero(node):  # ("xlogy_of_x": y made from x, 0 where x is)
+        return "xlogy_of_x" if xlogy_of_x(node) else "xlogy"
     return "clamped" if clamped_to_zero(node) else None
 
 
@@ -114,7 +114,7 @@ def pole_hint(b, cause: Cause) -> str:
         hint += narrow_eps(b.node, b.dtype)  # (float32's eps, rounded away in float16; a
         # clamp's bound rounded onto the edge says so itself: replay.rounded_bound)
     if not b.masked or cause.name not in ("invalid", "precision") or "both branches" in hint \
-            or b.zero_divisor in ("constant", "clamped", "xlogy"):  # (their hints say the
+            or b.zero_divisor in ("constant", "clamped", "xlogy", "xlogy_of_x"):  # (their hints say the
         # forward hid it)
         return hint
     return f"{hint}; but {MASKED_INCOMING.format(node=b.node)}"
@@ -128,8 +128,8 @@ def _pole_hint(b, cause: Cause) -> str:
     data = b.zero_divisor == "data" and b.saved_zero == "0" and b.samples
     if data and cause.name == "invalid":
         return DIVISOR_OF_DATA.format(node=b.node)
-    if b.zero_divisor == "xlogy" and cause.name == "invalid":
-        return ZERO_ZERO.format(node=b.node)
+    if b.zero_divisor in ("xlogy", "xlogy_of_x") and cause.name == "invalid":
+        return (ZERO_ZERO if b.zero_divisor == "xlogy" else ZERO_OF_X).format(node=b.node)
     if b.zero_divisor in ("constant", "clamped") and cause.name == "invalid":
         text = CONSTANT_ZERO_DIVISOR if b.zero_divisor == "constant" else CLAMPED_DIVISOR
         return text.format(node=b.node)

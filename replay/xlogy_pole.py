@@ -5,6 +5,10 @@ not NaN), and a KL / Poisson NMF loss ``xlogy(v, v) - xlogy(v, wh)`` takes count
 it; but the gradient for ``y`` is ``x / y``, 0/0 where the model's ``y`` is exactly 0 too (a
 rate or a factor row a projection ``clamp_(min=0)`` or a ReLU ended at 0). The forward is
 finite, the backward NaN: the generic hint (a masked forward's other branch) does not say it.
+Where y is 0 exactly where x is (y made from x: a Poisson deviance's ``xlogy(y, y / mu)``, a
+KL's ``xlogy(p, p / q)``), every x of 0, the valid value the convention is for (a policy with
+no claim), is at the pole, whatever the model makes: the log is split instead
+(:data:`ZERO_OF_X`), and no record is to drop.
 """
 
 from __future__ import annotations
@@ -21,6 +25,27 @@ ZERO_ZERO = (
     "rate or a probability; W @ H of a factor row that a projection clamp_(min=0), a ReLU or "
     "an underflow left all 0): keep it off 0 before the xlogy (project onto [eps, inf) with "
     "clamp_(min=eps), softplus(...) + eps, y + eps)")
+
+
+# (said of x's zeros: valid values, no blank records: replay.zero_records)
+VALID_ZEROS = "the valid value the convention is for"
+ZERO_OF_X = (
+    "{node} made a non-finite gradient from finite incoming gradients, in float64 too: "
+    "xlogy(x, y) is 0 where x = 0 by convention (0 log 0 = 0) even at y = 0, but its gradient "
+    "for y is x / y, 0/0 = NaN where y is exactly 0 as well; here y is 0 exactly where x is "
+    "(y is made from x: a ratio x / m, as a Poisson deviance's xlogy(y, y / mu) or a KL's "
+    f"xlogy(p, p / q)), so every x of 0, {VALID_ZEROS} (a count of none, a probability "
+    "of 0), is on the pole, whatever the model makes: split the log so that y does not take "
+    "x's zeros, xlogy(x, x) - x * log(m) (with the model's log output for log(m) where it has "
+    "one), and keep those samples")
+
+
+def xlogy_of_x(node) -> bool:
+    """:func:`xlogy_at_zero`, with y exactly 0 where x is and nowhere else (y made from x)."""
+    if not xlogy_at_zero(node):
+        return False
+    x, y = saved_value(node, "self"), saved_value(node, "other")
+    return bool(((x == 0) == (y == 0)).all())
 
 
 def xlogy_at_zero(node) -> bool:

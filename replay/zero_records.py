@@ -15,7 +15,10 @@ days) only the data's name, no advice to filter the record. At a
 (``(x - mean) / std``) is a normaliser's, which an eps fixes. Where the op's own eps was set to
 0 (``log(q + c)`` with ``c = 0``, NSE*'s ``1 / (std + eps)^2`` with ``eps = 0``), the code meant
 that eps for such zeros, which may be true values (an ephemeral stream's zero flow): the hint
-gives the eps and the record's fix side by side."""
+gives the eps and the record's fix side by side. A backward NaN the forward had masked out at
+those samples (a Poisson deviance's ``torch.where(y > 0, y * log(y / mu), 0)``, whose log's
+backward is 0/0 at a policy with no claim) is of zeros the code handles: the hint keeps the
+samples and asks for a safe input before the op."""
 
 from __future__ import annotations
 
@@ -34,13 +37,25 @@ from .empty_records import zero_rows
 from .load import Step
 from .recorded import samples
 from .unlabelled_rows import label_flag, unlabelled_hint
+from .xlogy_pole import VALID_ZEROS
 
 # (the data is named already, or said to be none of a record's)
 # (or its 0 said to be a true value: a count of 0, replay.data_counts)
 _SAID = ("Sample(s) ", "sample(s) ", "nothing is to drop", "--try drop=",
-         "exactly 0 at the samples named", "exactly 0 in the samples named")  # (a ridge's)
+         "exactly 0 at the samples named", "exactly 0 in the samples named",  # (a ridge's)
+         VALID_ZEROS)  # (xlogy(y, y / mu) of a count of 0: replay.xlogy_pole)
 _ZERO_BY_ZERO = "of 0 by 0 (0/0)"  # (a division's, replay.cause_text)
 _GUARD_OFF = "so it guarded nothing"  # (replay.lost_eps: the op's eps is 0, or lost in its type)
+# a backward origin whose incoming gradient is 0 where it made NaN (origin "masked"): the
+# forward's own torch.where or masked_fill dropped the op's value at the data's zeros, so the
+# code knows them (no claim on a policy, a count of none); they are no blank records to filter
+MASKED_ZEROS = (
+    " and not in any other sample, the entries where the forward dropped the op's value (the "
+    "gradient entering the node is 0 there): the code masks these zeros out itself, so they "
+    "are values it handles (a count or an amount of none), not blank records: keep those "
+    "samples, and give the op a safe input at them before it runs (torch.where(y > 0, y, 1) "
+    "inside the log or division, or a form that takes no op at the 0: xlogy(y, y) - y * "
+    "log_mu for y * log(y / mu))")
 
 
 def zero_records_hint(report: dict[str, Any], step: Step) -> None:
@@ -63,6 +78,9 @@ def zero_records_hint(report: dict[str, Any], step: Step) -> None:
     flag = label_flag(step, mb, rows, names[0])
     if flag is not None:  # (unlabelled samples of a mixed batch, masked after the op)
         report["hint"] = unlabelled_hint(hint, is_are, flag, which)
+        return
+    if o.get("masked"):  # (the code's own where dropped the op's value at these zeros)
+        report["hint"] = f"{hint}. {is_are} 0 everywhere in sample(s) {which}{MASKED_ZEROS}"
         return
     how = (f" (--try drop={which} re-runs the step without them)"
            if undroppable(step, mb) is None else "")
