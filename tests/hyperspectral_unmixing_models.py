@@ -137,7 +137,7 @@ def make_softmax_ae() -> nn.Module:
 
 def make_sharp_ae() -> nn.Module:
     torch.manual_seed(0)
-    return UnmixingAE(SoftmaxAbundance(sharpness=60.0))
+    return UnmixingAE(SoftmaxAbundance(sharpness=5.0))
 
 
 def make_asc_ae() -> nn.Module:
@@ -191,9 +191,10 @@ class UnmixingLoss(nn.Module):
     the autoencoder's (x_hat, a) output as the first argument; ``mask`` drops bands (the
     water-absorption bands) from the reconstruction term."""
 
-    def __init__(self, lam: float = 0.0, mse: float = 0.0, mask: torch.Tensor | None = None):
+    def __init__(self, lam: float = 0.0, mse: float = 0.0, mask: torch.Tensor | None = None,
+                 entropy: float = 0.0):
         super().__init__()
-        self.lam, self.mse = lam, mse
+        self.lam, self.mse, self.entropy = lam, mse, entropy
         keep = torch.ones(BANDS) if mask is None else mask
         self.register_buffer("keep", keep)
 
@@ -203,6 +204,8 @@ class UnmixingLoss(nn.Module):
         loss = sad_safe(x_hat, x) + self.mse * F.mse_loss(x_hat, x)
         if self.lam:
             loss = loss + self.lam * a.sqrt().sum(1).mean()
+        if self.entropy:  # pure pixels: low abundance entropy
+            loss = loss - self.entropy * (a * torch.log(a)).sum(1).mean()
         return loss
 
 

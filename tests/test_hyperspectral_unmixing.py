@@ -37,6 +37,8 @@ def pixel_batches(g, plant: str | None, steps: int):
             xb[BAD] = 0.0  # a dead pixel: the detector read nothing in any band
         elif step == steps - 1 and plant == "dn":
             xb[BAD] = xb[BAD] * 1e4  # a tile the loader never scaled to reflectance
+        elif step == steps - 1 and plant == "percent":
+            xb[BAD] = xb[BAD] * 100  # a scene delivered in percent reflectance
         elif step == steps - 1 and plant == "nodata":
             xb[BAD] = -9999.0  # ENVI's data ignore value outside the flight line
         if plant == "radiance":  # DN; the water bands read the dark-current level
@@ -82,11 +84,11 @@ def fire(*args, **kw):
 
 
 def test_healthy_unmixing_and_3d_cnn_train_bit_identically(tmp_path):
-    """SAD + L1/2 on softmax abundances with the water bands masked out of the loss, and the
+    """SAD + L1/2 + entropy on softmax abundances, the water bands masked out of the loss, and the
     3-D CNN under bfloat16 autocast: no event, and the same weights as without the recorder."""
-    loss = M.UnmixingLoss(lam=0.01, mask=M.band_mask())
-    a = train("make_softmax_ae", loss, tmp_path / "a")
-    b = train("make_softmax_ae", loss, tmp_path / "b", record=False)
+    loss = M.UnmixingLoss(lam=0.01, mask=M.band_mask(), entropy=0.01)
+    a = train("make_sharp_ae", loss, tmp_path / "a")
+    b = train("make_sharp_ae", loss, tmp_path / "b", record=False)
     cnn_a = train("make_cnn3d", torch.nn.CrossEntropyLoss(), tmp_path / "c", amp=torch.bfloat16,
                   patches=True)
     cnn_b = train("make_cnn3d", torch.nn.CrossEntropyLoss(), tmp_path / "d", amp=torch.bfloat16,
@@ -188,6 +190,25 @@ def test_nodata_pixel_is_named_as_a_fill_code(tmp_path):
     o = rep["origin"]
     assert (o["op"], o["samples"], rep["cause"]) == ("aten.exp", [BAD], "overflow"), rep
     assert "every entry of them is exactly -9999: a fill code" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.parametrize("term", ["entropy", "l_half"])
+def test_percent_pixel_underflows_the_sharpened_softmax(tmp_path, term):
+    """A pixel in percent reflectance through softmax(h / 0.2): its minor abundances underflow
+    to exactly 0 in float32 (positive in float64). The abundance entropy's log(a) is -inf in
+    the loss; L1/2's sqrt(a) is finite but its derivative infinite, a backward NaN."""
+    loss = M.UnmixingLoss(entropy=0.01) if term == "entropy" else M.UnmixingLoss(lam=0.01)
+    ev, bundle = fire("make_sharp_ae", loss, tmp_path, plant="percent")
+    assert (ev["step"], ev["phase"]) == (3, "loss" if term == "entropy" else "backward"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    op, text = (("aten.log", "loss = loss - self.entropy * (a * torch.log(a))")
+                if term == "entropy" else
+                ("SqrtBackward0", "loss = loss + self.lam * a.sqrt().sum(1).mean()"))
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == (
+        "<loss>", op, [BAD], "underflow"), rep
+    assert o["source"] == line_of(text), o
+    assert "log_softmax" in rep["hint"] and "out of scale" in rep["hint"], rep["hint"]
 
 
 def test_one_pass_band_variance_on_radiance_is_precision(tmp_path):
