@@ -130,6 +130,30 @@ class UnmixingAE(nn.Module):
         return self.decoder(a), a
 
 
+class UnitEndmembers(nn.Module):
+    """A decoder whose endmembers (the columns of ``weight``, BANDS x ENDMEMBERS) are scaled
+    to unit norm in the forward: the abundances then carry the brightness."""
+
+    def __init__(self, endmembers: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(endmembers.clone())
+
+    def forward(self, a):
+        e = self.weight / self.weight.norm(dim=0, keepdim=True)
+        return a @ e.T
+
+
+def make_vca_ae() -> nn.Module:
+    """The autoencoder with endmembers initialised from an extraction (VCA) that found three
+    of the four: the fourth column is left 0."""
+    torch.manual_seed(0)
+    model = UnmixingAE(SoftmaxAbundance())
+    found = endmember_library(torch.Generator().manual_seed(7)).T.clone()
+    found[:, 3] = 0.0
+    model.decoder = UnitEndmembers(found)
+    return model
+
+
 def make_softmax_ae() -> nn.Module:
     torch.manual_seed(0)
     return UnmixingAE(SoftmaxAbundance())

@@ -56,8 +56,10 @@ def patch_batches(g, plant: str | None, steps: int):
 
 
 def train(make: str, loss, out_dir, plant: str | None = None, steps: int = 4,
-          record: bool = True, amp=None, eps: float = 1e-8, patches: bool = False):
-    """Adam with gradient clipping; ``amp``: autocast's dtype. Returns the model."""
+          record: bool = True, amp=None, eps: float = 1e-8, patches: bool = False,
+          accum: int = 1):
+    """Adam with gradient clipping; ``amp``: autocast's dtype; ``accum`` equal micro-batches
+    a step (gradient accumulation). Returns the model."""
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=eps)
     g = torch.Generator().manual_seed(0)
@@ -69,9 +71,13 @@ def train(make: str, loss, out_dir, plant: str | None = None, steps: int = 4,
         loss_fn = rec.loss_fn if rec is not None else loss
         for args, targets in batches(g, plant, steps):
             opt.zero_grad()
-            with torch.autocast("cpu", dtype=amp) if amp else contextlib.nullcontext():
-                out = model(*args)
-            loss_fn(out, *targets).backward()
+            for k in range(accum):  # (the whole batch, the autoencoder's x itself, at 1)
+                part = slice(k * N // accum, (k + 1) * N // accum)
+                x, y = (args, targets) if accum == 1 else (
+                    [a[part] for a in args], [t[part] for t in targets])
+                with torch.autocast("cpu", dtype=amp) if amp else contextlib.nullcontext():
+                    out = model(*x)
+                (loss_fn(out, *y) / accum).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
             opt.step()
     return model
@@ -128,6 +134,30 @@ def test_dead_pixel_through_relu_and_sum_to_one_names_the_asc_layer(tmp_path):
         "abundance", "aten.div", [BAD], "invalid"), rep
     assert o["source"] == line_of("return a / a.sum(1, keepdim=True)"), o
     assert "is 0 everywhere in sample(s) 2" in rep["hint"], rep["hint"]
+
+
+def test_dead_pixel_in_an_accumulated_micro_batch_names_its_row_there(tmp_path, monkeypatch):
+    """Two micro-batches of 4 pixels: the dead pixel 6 of the batch is row 2 of the second."""
+    monkeypatch.setattr(__import__(__name__), "BAD", 6)
+    ev, bundle = fire("make_asc_ae", M.UnmixingLoss(), tmp_path, plant="dead", accum=2)
+    assert (ev["step"], ev["module"], ev["micro_batch"]) == (3, "abundance", 1), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["micro_batch"], o["samples"], rep["cause"]) == (
+        "aten.div", 1, [2], "invalid"), rep
+    assert "loss_args[1] is 0 everywhere in sample(s) 2" in rep["hint"], rep["hint"]
+
+
+def test_endmember_left_zero_by_the_extraction_names_the_weight_slice(tmp_path):
+    """Endmembers scaled to unit norm in the decoder's forward, one initialised to 0 (VCA
+    found three of four): 0/0 in every pixel's reconstruction, at that weight column."""
+    ev, bundle = fire("make_vca_ae", M.UnmixingLoss(), tmp_path)
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "forward", "decoder"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["samples"], rep["cause"]) == ("aten.div", list(range(N)), "invalid"), rep
+    assert o["source"] == line_of("e = self.weight / self.weight.norm(dim=0, keepdim=True)"), o
+    assert "decoder.weight is 0 in whole slices along dim 1 (3)" in rep["hint"], rep["hint"]
 
 
 def test_band_standardisation_over_water_absorption_bands_names_the_zero_columns(tmp_path):
