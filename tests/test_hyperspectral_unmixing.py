@@ -57,7 +57,7 @@ def patch_batches(g, plant: str | None, steps: int):
 
 def train(make: str, loss, out_dir, plant: str | None = None, steps: int = 4,
           record: bool = True, amp=None, eps: float = 1e-8, patches: bool = False,
-          accum: int = 1):
+          accum: int = 1, guard: bool = False):
     """Adam with gradient clipping; ``amp``: autocast's dtype; ``accum`` equal micro-batches
     a step (gradient accumulation). Returns the model."""
     model = getattr(M, make)()
@@ -65,7 +65,8 @@ def train(make: str, loss, out_dir, plant: str | None = None, steps: int = 4,
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(1)
     rec = FlightRecorder(model, opt, loss_fn=loss, out_dir=out_dir,
-                         factory=f"hyperspectral_unmixing_models:{make}") if record else None
+                         factory=f"hyperspectral_unmixing_models:{make}",
+                         guard_optimizer=guard) if record else None
     batches = patch_batches if patches else pixel_batches
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else loss
@@ -253,14 +254,20 @@ def test_one_pass_band_variance_on_radiance_is_precision(tmp_path):
     assert "catastrophic cancellation" in rep["hint"], rep["hint"]
 
 
-def test_adam_without_eps_on_never_lit_bands_names_the_optimizer(tmp_path):
+@pytest.mark.parametrize("guard", [False, True])
+def test_adam_without_eps_on_never_lit_bands_names_the_columns_and_the_bands(tmp_path, guard):
     """The encoder's weights on the water bands (0 in every pixel) get gradients of exactly 0;
-    Adam with eps=0 divides m = 0 by sqrt(v) = 0 at the first step."""
-    ev, bundle = fire("make_softmax_ae", M.UnmixingLoss(mask=M.band_mask()), tmp_path, eps=0.0)
+    Adam with eps=0 divides m = 0 by sqrt(v) = 0 at the first step, in those columns alone:
+    the hint names them and the input's all-zero bands, with or without the update re-run."""
+    ev, bundle = fire("make_softmax_ae", M.UnmixingLoss(mask=M.band_mask()), tmp_path, eps=0.0,
+                      guard=guard)
     assert (ev["step"], ev["phase"]) == (0, "optimizer"), ev
     rep = nanreplay_json(bundle, code=None)
-    assert rep["cause"] == "optimizer", rep
-    assert "encoder.0.weight" in rep["hint"] and "eps=0" in rep["hint"], rep["hint"]
+    assert (rep["cause"], rep["reproduced"]) == ("optimizer", guard), rep
+    assert rep["origin"]["params"][0] == "encoder.0.weight", rep["origin"]
+    assert "eps=0" in rep["hint"], rep["hint"]
+    assert ("whole column(s) 9, 10, 17 of encoder.0.weight, the weights of feature(s) 9, 10, 17 "
+            "of batch, which hold 0 in every sample") in rep["hint"], rep["hint"]
 
 
 def test_nan_filled_edge_patch_is_an_input_event(tmp_path):
