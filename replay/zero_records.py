@@ -15,7 +15,7 @@ days) only the data's name, no advice to filter the record. At a
 (``(x - mean) / std``) is a normaliser's, which an eps fixes; but a model input the loss is
 given as its data is the loss's data too (an autoencoder's target is its input: a dead
 pixel's all-zero spectrum makes the spectral angle's cosine, or a sum-to-one layer after a
-bias-free encoder, 0/0), named as the loss's argument. Where the op's own eps was set to
+bias-free encoder, 0/0), named as the model input and the loss's argument. Where the op's own eps was set to
 0 (``log(q + c)`` with ``c = 0``, NSE*'s ``1 / (std + eps)^2`` with ``eps = 0``), the code meant
 that eps for such zeros, which may be true values (an ephemeral stream's zero flow): the hint
 gives the eps and the record's fix side by side."""
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from recorder.capture import loss_path
+from recorder.capture import batch_path, loss_path
 from recorder.finite import zero_one
 
 from .data_counts import ORDINARY
@@ -35,7 +35,7 @@ from .drop import undroppable
 from .empty_counts import root_inputs
 from .empty_records import zero_rows
 from .load import Step
-from .recorded import samples
+from .recorded import n_args, samples
 from .shared_inputs import loss_input_refs
 from .unlabelled_rows import label_flag, unlabelled_hint
 
@@ -92,16 +92,17 @@ def _records(step: Step, mb: int, inputs: bool = True
              ) -> Iterator[tuple[str, torch.Tensor, int]]:
     """(readable name, tensor, sample dim): the floating model inputs (with ``inputs``), then
     the loss's arguments that are data (a depth map; not made of the model output), also a
-    model input the loss was given as its data (an autoencoder's target, its own input), named
-    as the loss's argument where the model inputs are not looked at."""
+    model input the loss was given as its data (an autoencoder's target, its own input), where
+    the model inputs are not looked at: named as both."""
     if inputs:
         yield from root_inputs(step, mb, scalars=True)
     entry, where = step.micro_batches[mb], samples(step, mb)
     made = set(entry.get("loss_grad_args") or ())
     given = [(key, loss_path(raw)) for key, raw in (entry.get("loss_paths") or {}).items()]
     if not inputs:
-        given += [(key, f"{name} (the model's input)")
-                  for name, key in loss_input_refs(step, mb)]
+        paths, count = entry.get("paths") or {}, n_args(entry.get("inputs"))
+        given += [(key, f"{batch_path(paths[key], count)} (also {name})")
+                  for name, key in loss_input_refs(step, mb) if key in paths]
     for key, name in given:
         t = step.tensors.get(key)
         if key not in made and isinstance(t, torch.Tensor) and t.is_floating_point() \

@@ -118,7 +118,7 @@ def test_dead_pixel_in_the_spectral_angle_names_the_division_and_the_blank_pixel
     assert o["source"] == line_of(
         "cos = (x_hat * x).sum(-1) / (x_hat.norm(dim=-1) * x.norm(dim=-1))"), o
     assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
-    assert "loss_args[1] (the model's input) is 0 everywhere in sample(s) 2" in rep["hint"], \
+    assert "batch (also loss_args[1]) is 0 everywhere in sample(s) 2" in rep["hint"], \
         rep["hint"]
     assert "--try drop=2" in rep["hint"], rep["hint"]
 
