@@ -41,7 +41,20 @@ def outlier_input(step: Step, mb: int, rows: list[int], factor: float = FACTOR,
         mask[rows] = True
         top, others = float(per[mask].max()), float(per[~mask].max())
         if top > factor * others:
-            return {"tensor": name, "value": top, "others": others, "key": key}
+            return {"tensor": name, "value": top, "others": others, "key": key,
+                    "fill": fill_value(step, mb, key, rows)}
+    return None
+
+
+def fill_value(step: Step, mb: int, key: str, rows: list[int]) -> float | None:
+    """The one value every entry of ``rows`` of the tensor ``key`` holds, where each row holds
+    more than one (a nodata code filling a whole record: a raster's -9999 in every band);
+    else None."""
+    for k, _, _, v in row_values(step, mb):
+        if k == key:
+            sel = v[rows]
+            if sel.shape[1] > 1 and bool((sel == sel[0, 0]).all()):
+                return float(sel[0, 0])
     return None
 
 
@@ -212,9 +225,19 @@ def outlier_hint(found: dict[str, Any], rows: list[int], droppable: bool = True)
     ratio = (f", {g(found['value'] / found['others'])}x the other rows' largest "
              f"{g(found['others'])}" if found["others"] > 0 else ", the other rows being 0")
     return (f"sample(s) {which} of {found['tensor']} reach {g(found['value'])}{ratio}"
-            f"{integer_code(found['value'])}: the data of these samples is out of scale (a "
+            f"{integer_code(found['value'])}{_fill_text(found)}: the data of these samples is "
+            "out of scale (a "
             "wrong unit, a corrupt record, a gain never normalised), which a wider type would "
             f"only hide; fix or filter them ({how})")
+
+
+def _fill_text(found: dict[str, Any]) -> str:
+    """What an outlier's rows say where every entry of them is one value (a fill code)."""
+    if found.get("fill") is None:
+        return ""
+    return (f" (every entry of them is exactly {found['fill']:.10g}: a fill code written "
+            "over the whole record, as a raster's or a file's nodata value, not a measurement; "
+            "mask or drop it where the data is read)")
 
 
 # integer types' largest values (not 8-bit ones: 255 is a plain pixel value): a -1 (a missing

@@ -12,7 +12,10 @@ entries a sample (counts) is :mod:`replay.empty_counts`', 0/1 masks
 that says its 0 is a true value (a count of 0: :mod:`replay.data_counts`, a stay's whole
 days) only the data's name, no advice to filter the record. At a
 0/0 only the loss's data is looked at: a model input's blank row divided by its own spread
-(``(x - mean) / std``) is a normaliser's, which an eps fixes. Where the op's own eps was set to
+(``(x - mean) / std``) is a normaliser's, which an eps fixes; but a model input the loss is
+given as its data is the loss's data too (an autoencoder's target is its input: a dead
+pixel's all-zero spectrum makes the spectral angle's cosine, or a sum-to-one layer after a
+bias-free encoder, 0/0), named as the model input and the loss's argument. Where the op's own eps was set to
 0 (``log(q + c)`` with ``c = 0``, NSE*'s ``1 / (std + eps)^2`` with ``eps = 0``), the code meant
 that eps for such zeros, which may be true values (an ephemeral stream's zero flow): the hint
 gives the eps and the record's fix side by side. A backward NaN the forward had masked out at
@@ -27,7 +30,7 @@ from typing import Any
 
 import torch
 
-from recorder.capture import loss_path
+from recorder.capture import batch_path, loss_path
 from recorder.finite import zero_one
 
 from .data_counts import ORDINARY
@@ -35,7 +38,8 @@ from .drop import undroppable
 from .empty_counts import root_inputs
 from .empty_records import zero_rows
 from .load import Step
-from .recorded import samples
+from .recorded import n_args, samples
+from .shared_inputs import loss_input_refs
 from .unlabelled_rows import label_flag, unlabelled_hint
 from .xlogy_pole import VALID_ZEROS
 
@@ -105,16 +109,23 @@ def zero_records_hint(report: dict[str, Any], step: Step) -> None:
 def _records(step: Step, mb: int, inputs: bool = True
              ) -> Iterator[tuple[str, torch.Tensor, int]]:
     """(readable name, tensor, sample dim): the floating model inputs (with ``inputs``), then
-    the loss's arguments that are data (a depth map; not made of the model output)."""
+    the loss's arguments that are data (a depth map; not made of the model output), also a
+    model input the loss was given as its data (an autoencoder's target, its own input), where
+    the model inputs are not looked at: named as both."""
     if inputs:
         yield from root_inputs(step, mb, scalars=True)
     entry, where = step.micro_batches[mb], samples(step, mb)
     made = set(entry.get("loss_grad_args") or ())
-    for key, raw in (entry.get("loss_paths") or {}).items():
+    given = [(key, loss_path(raw)) for key, raw in (entry.get("loss_paths") or {}).items()]
+    if not inputs:
+        paths, count = entry.get("paths") or {}, n_args(entry.get("inputs"))
+        given += [(key, f"{batch_path(paths[key], count)} (also {name})")
+                  for name, key in loss_input_refs(step, mb) if key in paths]
+    for key, name in given:
         t = step.tensors.get(key)
         if key not in made and isinstance(t, torch.Tensor) and t.is_floating_point() \
                 and t.numel() and (d := where.dim(t)) is not None:
-            yield loss_path(raw), t, d
+            yield name, t, d
 
 
 def _zero_in(t: torch.Tensor, d: int, rows: list[int]) -> bool:
