@@ -54,7 +54,8 @@ class ParamNames:
         # about was looked up in: the op finder asks as it blames an op
         self.hit_buffer: tuple[str, int] | None = None
         # id of a value ops made of one buffer's values alone by a difference of its entries
-        # (a spline's knot spans ``grid[:, 1:] - grid[:, :-1]``) -> (it, the name); and the
+        # (a spline's knot spans ``grid[:, 1:] - grid[:, :-1]``), or of two buffers' (a fitted
+        # range ``self.hi - self.lo``: named "hi - lo") -> (it, the name); and the
         # buffer the divisor of the last division ``among(..., hit=True)`` was so made of
         self._of_buffer: dict[int, tuple[weakref.ref, str]] = {}
         self.hit_divisor_buffer: str | None = None
@@ -139,7 +140,11 @@ class ParamNames:
         on those alone, named by that buffer (a running variance divided by is not one)."""
         floats = [t for t in ins if t.is_floating_point()]
         names = {self._buffer_of(t) for t in floats}
-        if len(names) != 1 or None in names or not self._tables:
+        if name in _DIFFERENCES and len(floats) == 2 and len(names) == 2 and None not in names:
+            # two buffers' difference (a fitted range ``self.hi - self.lo``), named as written
+            pair = [self._buffer_of(t) for t in (floats[::-1] if name == "rsub" else floats)]
+            names = {f"{pair[0]} - {pair[1]}"}
+        elif len(names) != 1 or None in names or not self._tables:
             return
         if name not in _DIFFERENCES and not any(self._differenced(t) for t in floats):
             return

@@ -1,0 +1,177 @@
+"""End to end: Diffusion Policy (Chi et al.) as its code base trains it
+(``diffusion_policy_models``): episodes cut into observation histories and action chunks by a
+``Dataset`` read through ``DataLoader`` workers, actions min-max normalised to [-1, 1] inside
+the policy, a depth ResNet and a FiLM-conditioned 1-D temporal U-Net predicting the noise of a
+squared-cosine DDPM schedule, AdamW, gradient clipping, a hand-written EMA."""
+
+from __future__ import annotations
+
+import diffusion_policy_models as M
+import pytest
+import torch
+from bundles import nanreplay_json, source_line
+from torch.utils.data import DataLoader
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+MODELS = "diffusion_policy_models.py"
+B = 8
+
+
+def loader(eps, workers: int = 0) -> DataLoader:
+    return DataLoader(M.EpisodeDataset(eps), batch_size=B, shuffle=True, drop_last=True,
+                      generator=torch.Generator().manual_seed(0), num_workers=workers)
+
+
+def train(out_dir, make: str = "make_policy", plant=None, record: bool = True,
+          fp16: bool = False, half: bool = False, loss=None, epochs: int = 1, workers: int = 0):
+    """``train_diffusion_unet_image_workspace``'s loop: ``plant(episodes)`` edits the data;
+    ``fp16``: the forward under float16 autocast; ``half``: the policy and its batches in
+    float16 (``make`` builds it so); ``loss`` an ``EpsilonLoss`` (with a gripper term: its
+    target, closed at every step, is passed beside the outputs)."""
+    eps = M.episodes()
+    if plant is not None:
+        plant(eps)
+    policy = getattr(M, make)()
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-4, betas=(0.95, 0.999),
+                            weight_decay=1e-6)
+    ema = M.EMA(policy)
+    loss = loss or M.EpsilonLoss()
+    rec = FlightRecorder(policy, opt, loss_fn=loss, out_dir=out_dir,
+                         factory=f"diffusion_policy_models:{make}") if record else None
+    loss_fn = rec.attach().loss_fn if rec else loss
+    try:
+        for _ in range(epochs):
+            for proprio, depth, act in loader(eps, workers):
+                if half:
+                    proprio, depth, act = proprio.half(), depth.half(), act.half()
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+                    out = policy(proprio, depth, act)
+                closed = torch.ones(act.shape[0], M.HORIZON, dtype=torch.bool)
+                value = loss_fn(out, closed) if len(out) > 2 else loss_fn(out)
+                value.backward()
+                torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+                opt.step()
+                ema.update(policy)
+    finally:
+        if rec:
+            rec.detach()
+    return policy, ema
+
+
+def raised(fn, *args, **kw) -> NonFiniteError:
+    with pytest.raises(NonFiniteError) as info:
+        fn(*args, **kw)
+    return info.value
+
+
+def first_batch(eps, bad) -> tuple[int, list[int]]:
+    """The first step whose batch ``bad(proprio, depth)`` marks rows of, and those rows."""
+    for step, (proprio, depth, _) in enumerate(loader(eps)):
+        rows = bad(proprio, depth).nonzero().flatten().tolist()
+        if rows:
+            return step, rows
+    raise AssertionError("no batch holds the planted record")
+
+
+def origin(rep) -> tuple:
+    o = rep["origin"]
+    return rep["reproduced"], rep["cause"], o["op"], o["module"], o["samples"]
+
+
+def dropped_joint(eps):
+    """Episode 3's joint encoder dropped one reading: NaN in the proprioception at step 5."""
+    eps[3]["proprio"][5, 1] = float("nan")
+
+
+def test_a_dropped_joint_reading_is_named_as_input_with_the_windows_holding_it(tmp_path):
+    """Two observation windows hold the NaN reading (they start at steps 4 and 5); the
+    shuffled loader puts them in one batch: an input event there, naming those rows."""
+    eps = M.episodes()
+    dropped_joint(eps)
+    step, rows = first_batch(eps, lambda p, d: p.isnan().flatten(1).any(1))
+    err = raised(train, tmp_path, plant=dropped_joint)
+    assert (err.event["step"], err.event["phase"]) == (step, "input"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    assert (rep["reproduced"], rep["cause"], rep["origin"]["samples"]) == (True, "input", rows)
+    assert len(rows) == 2, rows
+
+
+def test_a_locked_gripper_names_the_normalisers_range_of_0_not_a_batch_statistic(tmp_path):
+    """The gripper never moves in the demos, so the fitted max equals the min and the
+    normaliser without Chi's ``range_eps`` divides 0 by 0 in that dimension of every sample.
+    The hint named a divisor 'that is a statistic over the batch' and advised statistics over
+    the whole dataset (they are); it must name the two buffers, the entry, and the guard."""
+    err = raised(train, tmp_path, make="make_policy_no_range_eps")
+    assert (err.event["step"], err.event["phase"], err.event["kind"]) == (0, "forward", "nan")
+    rep = nanreplay_json(err.bundle_path)
+    assert origin(rep) == (True, "invalid", "aten.div", "normalizer", list(range(B))), rep
+    assert rep["origin"]["source"] == source_line(MODELS, "return (x - self.lo) / rng * 2 - 1")
+    hint = rep["hint"]
+    assert hint.startswith("aten.div of 0 by 0 (0/0): the divisor is normalizer.hi - "
+                           "normalizer.lo, a range the model keeps in two buffers"), hint
+    assert f"0 at entry {M.GRIP}, where the two are equal" in hint, hint
+    assert "range_eps" in hint and "statistic over the batch" not in hint, hint
+    assert "whole dataset" not in hint, hint
+
+
+def millimetre_depth(eps):
+    """The depth frames as the camera gives them, uint16 millimetres; one pixel of episode 2's
+    frame 7 holds the driver's no-reading value 65535."""
+    for ep in eps:
+        ep["depth"].mul_(1000)
+    eps[2]["depth"][7, 0, 3, 3] = 65535.0
+
+
+def test_a_no_reading_depth_pixel_under_float16_autocast_is_named_overflow_at_the_stem(
+        tmp_path):
+    """65535 is above float16's largest 65504: autocast's cast for the stem convolution makes
+    +inf, in the windows holding that frame; the hint names the uint16 value."""
+    eps = M.episodes()
+    millimetre_depth(eps)
+    step, rows = first_batch(eps, lambda p, d: d.flatten(1).amax(1) > 65504)
+    err = raised(train, tmp_path, plant=millimetre_depth, fp16=True)
+    assert (err.event["step"], err.event["phase"], err.event["kind"]) == (step, "forward", "+inf")
+    rep = nanreplay_json(err.bundle_path)
+    assert origin(rep) == (True, "overflow", "aten._to_copy", "encoder.stem", rows), rep
+    assert "65535 = 2**16 - 1" in rep["hint"], rep["hint"]
+
+
+def test_a_float16_policy_under_adamw_names_the_optimizer_and_its_eps(tmp_path):
+    """``policy.half()`` with AdamW's eps=1e-8, which is 0 in float16: a gradient that rounds
+    to 0 makes 0/0 in the update, at step 0; the report blames the optimizer and its eps."""
+    err = raised(train, tmp_path, make="make_policy_half", half=True)
+    assert (err.event["step"], err.event["phase"]) == (0, "optimizer"), err.event
+    rep = nanreplay_json(err.bundle_path, code=None)
+    assert rep["cause"] == "optimizer", rep
+    assert "eps=1e-08 is 0 in float16" in rep["hint"], rep["hint"]
+
+
+def test_a_gripper_bce_written_with_where_names_the_log_backward_of_the_saturated_rows(
+        tmp_path):
+    """The gripper head's bias starts at 18: ``sigmoid`` rounds to 1 in float32, and the
+    ``where`` keeps ``log(p)`` but the backward of the unselected ``log(1 - p)`` is 0 * inf:
+    NaN gradients only, at step 0, in every row (every logit is above 17)."""
+    err = raised(train, tmp_path, make="make_policy_gripper_head", loss=M.EpsilonLoss(0.1))
+    assert (err.event["step"], err.event["phase"]) == (0, "backward"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    assert origin(rep) == (True, "precision", "LogBackward0", "<loss>", list(range(B))), rep
+    assert rep["origin"]["source"] == source_line(MODELS, "ll = torch.where(closed,")
+    assert "binary_cross_entropy_with_logits" in rep["hint"], rep["hint"]
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_healthy_policy_raises_nothing_and_trains_as_unrecorded(tmp_path):
+    """Two epochs through two DataLoader workers, with the normaliser's guard: no bundle, and
+    the weights and the EMA's are bit-identical with and without the recorder."""
+    got, got_ema = train(tmp_path, epochs=2, workers=2)
+    want, want_ema = train(tmp_path, epochs=2, workers=2, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    assert same(got.state_dict(), want.state_dict())
+    assert same(got_ema.shadow, want_ema.shadow)
