@@ -85,6 +85,13 @@ class Normalizer(nn.Module):
         self.register_buffer("hi", hi.clone())
         self.range_eps = range_eps
 
+    @torch.no_grad()
+    def fit(self, eps: list[dict]) -> None:
+        """``policy.set_normalizer(dataset.get_normalizer())``: refit on the training data."""
+        lo, hi = fit_range(eps)
+        self.lo.copy_(lo)
+        self.hi.copy_(hi)
+
     def forward(self, x):
         rng = self.hi - self.lo
         if self.range_eps is not None:  # Chi's guard: a dimension that never moves maps to 0
@@ -256,3 +263,8 @@ class EMA:
             else:
                 self.shadow[k].copy_(v)
         self.step += 1
+
+
+def make_policy_gripper_open() -> DiffusionPolicy:
+    """A gripper head whose bias starts at an 'open' prior of -18."""
+    return make_policy(gripper_head=True, grip_bias=-18.0)

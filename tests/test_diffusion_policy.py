@@ -26,15 +26,20 @@ def loader(eps, workers: int = 0) -> DataLoader:
 
 
 def train(out_dir, make: str = "make_policy", plant=None, record: bool = True,
-          fp16: bool = False, half: bool = False, loss=None, epochs: int = 1, workers: int = 0):
+          fp16: bool = False, half: bool = False, loss=None, epochs: int = 1, workers: int = 0,
+          fit: bool = False, val: int = 0):
     """``train_diffusion_unet_image_workspace``'s loop: ``plant(episodes)`` edits the data;
     ``fp16``: the forward under float16 autocast; ``half``: the policy and its batches in
-    float16 (``make`` builds it so); ``loss`` an ``EpsilonLoss`` (with a gripper term: its
+    float16 (``make`` builds it so); ``fit``: the normaliser refitted on every episode (the
+    replay buffer's, as ``get_normalizer`` does) after the factory built the policy; ``val``:
+    the last episodes held out of training (the validation mask); ``loss`` an ``EpsilonLoss`` (with a gripper term: its
     target, closed at every step, is passed beside the outputs)."""
     eps = M.episodes()
     if plant is not None:
         plant(eps)
     policy = getattr(M, make)()
+    if fit:
+        policy.normalizer.fit(eps)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-4, betas=(0.95, 0.999),
                             weight_decay=1e-6)
     ema = M.EMA(policy)
@@ -44,7 +49,7 @@ def train(out_dir, make: str = "make_policy", plant=None, record: bool = True,
     loss_fn = rec.attach().loss_fn if rec else loss
     try:
         for _ in range(epochs):
-            for proprio, depth, act in loader(eps, workers):
+            for proprio, depth, act in loader(eps[:len(eps) - val], workers):
                 if half:
                     proprio, depth, act = proprio.half(), depth.half(), act.half()
                 opt.zero_grad()
@@ -161,6 +166,37 @@ def test_a_gripper_bce_written_with_where_names_the_log_backward_of_the_saturate
     assert origin(rep) == (True, "precision", "LogBackward0", "<loss>", list(range(B))), rep
     assert rep["origin"]["source"] == source_line(MODELS, "ll = torch.where(closed,")
     assert "binary_cross_entropy_with_logits" in rep["hint"], rep["hint"]
+
+
+def test_a_gripper_bce_under_float16_autocast_names_the_log_of_the_underflowed_sigmoid(
+        tmp_path):
+    """An 'open' prior of -18 on the gripper logits, which come out of float16 autocast:
+    ``sigmoid(-18)`` = 1.5e-8 is below float16's smallest subnormal and rounds to 0, so the
+    selected ``log(p)`` of the closed steps is -inf and the loss +inf at step 0."""
+    err = raised(train, tmp_path, make="make_policy_gripper_open", loss=M.EpsilonLoss(0.1),
+                 fp16=True)
+    assert (err.event["step"], err.event["phase"], err.event["kind"]) == (0, "loss", "+inf")
+    rep = nanreplay_json(err.bundle_path)
+    assert origin(rep) == (True, "underflow", "aten.log", "<loss>", list(range(B))), rep
+    assert rep["origin"]["source"] == source_line(MODELS, "ll = torch.where(closed,")
+    assert "below float16's smallest normal number" in rep["hint"], rep["hint"]
+
+
+def validation_dropout(eps):
+    """The held-out episode (the last) lost one action reading: NaN at its step 10."""
+    eps[-1]["action"][10, 0] = float("nan")
+
+
+def test_a_normaliser_fitted_over_a_validation_episode_with_a_nan_names_its_buffers(tmp_path):
+    """``get_normalizer`` reads the whole replay buffer, validation episodes too: the NaN
+    reading makes the fitted min and max NaN in dimension 0, while no training batch holds it.
+    The first step's ``x - self.lo`` is NaN in every row; the report names the buffers the
+    loop wrote after the factory built them, not the batch."""
+    err = raised(train, tmp_path, plant=validation_dropout, fit=True, val=1)
+    assert (err.event["step"], err.event["phase"]) == (0, "forward"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    assert origin(rep) == (True, "weights", "aten.sub", "normalizer", list(range(B))), rep
+    assert "buffer normalizer.lo, normalizer.hi finite" in rep["hint"], rep["hint"]
 
 
 def same(a: dict, b: dict) -> bool:
