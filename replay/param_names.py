@@ -5,8 +5,9 @@ them (``torch.diagonal(torch.tril(self.chol))``: an SVGP's Cholesky factor, whos
 an update stepped to 0), so that the hint names the parameter to keep in the op's domain; a
 division's divisor also when an op made it of one parameter alone (RMTPP's ``w.clamp(min=0)``,
 which training takes to exactly 0); and the buffer an op's input was looked up in
-(``log(self.q[targets])``, also once scaled, ``self.counts[ids] / total``: a table the code was
-built with, named by :mod:`replay.looked_up`)."""
+(``log(self.q[targets])``, also once scaled, ``self.counts[ids] / total``, or taken value by
+value to a 0 kept, ``self.alphas_cumprod[t].sqrt()``: a table the code was built with, named by
+:mod:`replay.looked_up`)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ _DIFFERENCES = {"sub", "rsub", "diff"}
 _LOOKUPS = {"index", "index_select", "gather", "take_along_dim", "embedding"}
 # a looked-up table's values scaled (its first input), its zeros kept: ``counts[ids] / total``
 _SCALINGS = {"div", "mul"}
+# value by value, 0 where the entry is 0: a noise schedule's ``alphas_cumprod[t].sqrt()``
+_ZERO_KEEPING = {"sqrt", "abs", "neg", "square", "relu"}
 
 
 def _storage(t: torch.Tensor) -> int | None:
@@ -120,7 +123,8 @@ class ParamNames:
                 and (b := self._table_of(ins[0])) is not None \
                 and (ptr := _storage(outs[0])) is not None:
             self._table_copies[ptr] = (weakref.ref(outs[0]), b[0], b[1] or name in _LOOKUPS)
-        elif name in _SCALINGS and len(outs) == 1 and ins and (b := self._table_of(ins[0])) \
+        elif name in _SCALINGS | _ZERO_KEEPING and len(outs) == 1 and ins \
+                and (b := self._table_of(ins[0])) \
                 and b[1] and (ptr := _storage(outs[0])) is not None:
             self._table_copies[ptr] = (weakref.ref(outs[0]), b[0], True)  # (q = counts[i] / n)
         self._track_buffer(name, ins, outs)

@@ -181,13 +181,15 @@ class DiffusionPolicy(nn.Module):
     the noise, and (with ``gripper_head``) the gripper's open / closed logits per step."""
 
     def __init__(self, lo, hi, range_eps: float | None = 1e-4, gripper_head: bool = False,
-                 grip_bias: float = 0.0):
+                 grip_bias: float = 0.0, steps: int = STEPS, max_beta: float = 0.999,
+                 x0_loss: bool = False, clip_sample: bool = True):
         super().__init__()
         self.normalizer = Normalizer(lo, hi, range_eps)
         self.encoder = DepthEncoder()
         cond = N_OBS * (16 + PROPRIO)
         self.unet = ConditionalUnet1D(cond)
-        self.register_buffer("alphas_cumprod", squared_cos_alphas_cumprod())
+        self.steps, self.x0_loss, self.clip_sample = steps, x0_loss, clip_sample
+        self.register_buffer("alphas_cumprod", squared_cos_alphas_cumprod(steps, max_beta=max_beta))
         self.gripper = nn.Linear(cond, HORIZON) if gripper_head else None
         if self.gripper is not None:
             nn.init.constant_(self.gripper.bias, grip_bias)
@@ -198,10 +200,14 @@ class DiffusionPolicy(nn.Module):
         cond = torch.cat([feat, proprio.flatten(1)], -1)
         x0 = self.normalizer(action)
         noise = torch.randn_like(x0)
-        t = torch.randint(0, STEPS, (b,), device=x0.device)
+        t = torch.randint(0, self.steps, (b,), device=x0.device)
         ab = self.alphas_cumprod[t][:, None, None]
         noisy = ab.sqrt() * x0 + (1 - ab).sqrt() * noise
         pred = self.unet(noisy, t, cond)
+        if self.x0_loss:  # the x0 the prediction implies, clipped as the sampler clips it
+            x0_hat = (noisy - (1 - ab).sqrt() * pred) / ab.sqrt()
+            x0_hat = x0_hat.clamp(-1, 1) if self.clip_sample else x0_hat
+            return pred, noise, x0_hat, x0
         if self.gripper is None:
             return pred, noise
         return pred, noise, self.gripper(cond)
@@ -227,14 +233,17 @@ def make_policy_half() -> DiffusionPolicy:
 
 
 class EpsilonLoss(nn.Module):
-    """The epsilon-prediction MSE, with an optional gripper BCE term (``gripper_weight``)."""
+    """The epsilon-prediction MSE, with an optional gripper BCE term (``gripper_weight``) or
+    an MSE of the clipped x0 the prediction implies (``x0_weight``, outputs of four)."""
 
-    def __init__(self, gripper_weight: float = 0.0):
+    def __init__(self, gripper_weight: float = 0.0, x0_weight: float = 0.0):
         super().__init__()
-        self.gripper_weight = gripper_weight
+        self.gripper_weight, self.x0_weight = gripper_weight, x0_weight
 
     def forward(self, out, closed=None):
         loss = F.mse_loss(out[0].float(), out[1].float())
+        if len(out) == 4:
+            return loss + self.x0_weight * F.mse_loss(out[2], out[3])
         if len(out) > 2:
             loss = loss + self.gripper_weight * gripper_bce(out[2], closed)
         return loss
@@ -268,3 +277,13 @@ class EMA:
 def make_policy_gripper_open() -> DiffusionPolicy:
     """A gripper head whose bias starts at an 'open' prior of -18."""
     return make_policy(gripper_head=True, grip_bias=-18.0)
+
+
+def make_policy_x0_uncapped() -> DiffusionPolicy:
+    """An x0 auxiliary loss over a 10-step squared-cosine schedule whose betas are not capped:
+    the last beta is 1, so alphas_cumprod ends at exactly 0."""
+    return make_policy(steps=10, max_beta=1.0, x0_loss=True)
+
+
+def make_policy_x0_unclipped() -> DiffusionPolicy:
+    return make_policy(steps=10, max_beta=1.0, x0_loss=True, clip_sample=False)

@@ -199,6 +199,48 @@ def test_a_normaliser_fitted_over_a_validation_episode_with_a_nan_names_its_buff
     assert "buffer normalizer.lo, normalizer.hi finite" in rep["hint"], rep["hint"]
 
 
+def last_step_rows(make: str) -> list[int]:
+    """The rows whose diffusion step, drawn in step 0's forward as the policy draws it (after
+    the noise, from the generator the factory seeded), is the schedule's last."""
+    policy = getattr(M, make)()
+    torch.randn(B, M.HORIZON, M.ACT)
+    t = torch.randint(0, policy.steps, (B,))
+    return (t == policy.steps - 1).nonzero().flatten().tolist()
+
+
+def test_an_x0_loss_over_an_uncapped_schedule_names_its_last_step_and_the_drawing_rows(
+        tmp_path):
+    """Without ``max_beta`` the squared-cosine schedule's last beta is 1 and alphas_cumprod
+    ends at exactly 0: the x0 the prediction implies divides by sqrt(0) for the samples that
+    drew that step. The hint said the divisor was 'computed from the data: a time or time step,
+    a length, a count' and 'a diffusion time t = 0 where the noise schedule's std vanishes';
+    it must name the buffer as a schedule 0 at its last entry, and the cap."""
+    rows = last_step_rows("make_policy_x0_unclipped")
+    err = raised(train, tmp_path, make="make_policy_x0_unclipped",
+                 loss=M.EpsilonLoss(x0_weight=0.5))
+    assert (err.event["step"], err.event["phase"], err.event["kind"]) == (0, "forward", "+inf")
+    rep = nanreplay_json(err.bundle_path)
+    assert origin(rep) == (True, "invalid", "aten.div", "", rows), rep
+    assert rep["origin"]["source"] == source_line(MODELS, "x0_hat = (noisy - (1 - ab).sqrt()")
+    hint = rep["hint"]
+    assert hint.startswith("aten.div by 0 (x/0, a pole): its input was looked up in the buffer "
+                           "alphas_cumprod, a schedule over 10 steps"), hint
+    assert "exactly 0 at its last entry (9)" in hint and "max_beta=0.999" in hint, hint
+
+
+def test_the_clipped_x0_over_an_uncapped_schedule_is_a_backward_nan_at_the_division(tmp_path):
+    """The same x0 clipped to [-1, 1] (``clip_sample``): the forward is finite, the clamp's
+    backward sends 0 into the division's, whose derivative at sqrt(0) makes 0/0: a backward
+    event at step 0, ``DivBackward0`` on the rows that drew the last step."""
+    rows = last_step_rows("make_policy_x0_uncapped")
+    err = raised(train, tmp_path, make="make_policy_x0_uncapped",
+                 loss=M.EpsilonLoss(x0_weight=0.5))
+    assert (err.event["step"], err.event["phase"]) == (0, "backward"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    assert origin(rep) == (True, "invalid", "DivBackward0", "", rows), rep
+    assert rep["origin"]["source"] == source_line(MODELS, "x0_hat = (noisy - (1 - ab).sqrt()")
+
+
 def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
