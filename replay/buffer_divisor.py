@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .domains import describe
+from .domains import describe, g
 
 __all__ = ["buffer_divisor_hint"]
 
@@ -81,4 +81,20 @@ def _range_hint(op: str, ev, model: torch.nn.Module, name: str) -> str | None:
             "eps in the data do not help: guard the range where it is used or fitted (below a "
             "range_eps give it a scale of 1 and map the dimension to a constant, as Diffusion "
             "Policy's LinearNormalizer does; scikit-learn's MinMaxScaler sets a zero range's "
-            "scale to 1) or drop that dimension")
+            f"scale to 1) or drop that dimension{_rounded_range(a, at)}")
+
+
+def _rounded_range(hi: torch.Tensor, at: torch.Tensor) -> str:
+    """What a half-precision range of 0 may also be: a dimension that moved less than the
+    buffers' type can tell apart at their values (a normaliser's buffers cast by ``.half()``
+    after it was fitted); "" for float32 and wider."""
+    if hi.dtype not in (torch.float16, torch.bfloat16) or not len(at):
+        return ""
+    v = hi.detach()[tuple(at[0].tolist())].abs()
+    gap = float(torch.nextafter(v, torch.tensor(float("inf"), dtype=v.dtype)) - v)
+    dt = str(hi.dtype).removeprefix("torch.")
+    return (f". But the buffers are {dt}, whose spacing at {g(float(v))} is {g(gap)}: a "
+            f"dimension whose range was below that where it was fitted (a gripper that "
+            f"jitters by micrometres) rounds to max == min when they are held in {dt} "
+            "(model.half() before or after the fit); keep the normaliser's buffers "
+            "and its arithmetic in float32, and guard the range")

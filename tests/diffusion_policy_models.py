@@ -287,3 +287,7 @@ def make_policy_x0_uncapped() -> DiffusionPolicy:
 
 def make_policy_x0_unclipped() -> DiffusionPolicy:
     return make_policy(steps=10, max_beta=1.0, x0_loss=True, clip_sample=False)
+
+
+def make_policy_half_no_range_eps() -> DiffusionPolicy:
+    return make_policy(range_eps=None).half()

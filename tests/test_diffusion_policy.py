@@ -123,6 +123,27 @@ def test_a_locked_gripper_names_the_normalisers_range_of_0_not_a_batch_statistic
     assert "whole dataset" not in hint, hint
 
 
+def jittering_gripper(eps):
+    """The gripper is not quite locked: its width jitters by up to 5 micrometres."""
+    g = torch.Generator().manual_seed(1)
+    for ep in eps:
+        ep["action"][:, M.GRIP] += (torch.rand(len(ep["action"]), generator=g) - 0.5) * 1e-5
+
+
+def test_a_range_float16_rounds_to_0_is_said_to_be_the_buffers_type(tmp_path):
+    """The jitter's range, 1e-5, is below float16's spacing at 0.04: fitted into the buffers
+    of a ``.half()`` policy, max == min, and the normaliser divides 0 by 0 (in float32 it
+    trains). The hint said only 'a dimension that never moves'; it must say the type."""
+    train(tmp_path, make="make_policy_no_range_eps", plant=jittering_gripper, fit=True)
+    assert not list(tmp_path.glob("*.nan"))
+    err = raised(train, tmp_path, make="make_policy_half_no_range_eps", plant=jittering_gripper,
+                 fit=True, half=True)
+    assert (err.event["step"], err.event["phase"]) == (0, "forward"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    assert origin(rep) == (True, "invalid", "aten.div", "normalizer", list(range(B))), rep
+    assert "But the buffers are float16, whose spacing at 0.04 is 3.05e-05" in rep["hint"]
+
+
 def millimetre_depth(eps):
     """The depth frames as the camera gives them, uint16 millimetres; one pixel of episode 2's
     frame 7 holds the driver's no-reading value 65535."""
