@@ -291,3 +291,26 @@ def make_policy_x0_unclipped() -> DiffusionPolicy:
 
 def make_policy_half_no_range_eps() -> DiffusionPolicy:
     return make_policy(range_eps=None).half()
+
+
+class DictEpisodeDataset(EpisodeDataset):
+    """The windows as the code base's datasets give them: ``{"obs": {"agent_pos", "depth"},
+    "action"}``, collated by the DataLoader into the same nesting."""
+
+    def __getitem__(self, i):
+        proprio, depth, action = super().__getitem__(i)
+        return {"obs": {"agent_pos": proprio, "depth": depth}, "action": action}
+
+
+class BatchPolicy(DiffusionPolicy):
+    """``compute_loss(batch)``: the policy given the collated batch dictionary."""
+
+    def forward(self, batch):
+        return super().forward(batch["obs"]["agent_pos"], batch["obs"]["depth"],
+                               batch["action"])
+
+
+def make_batch_policy() -> BatchPolicy:
+    torch.manual_seed(0)
+    lo, hi = fit_range(episodes())
+    return BatchPolicy(lo, hi)

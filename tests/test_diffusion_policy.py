@@ -105,6 +105,30 @@ def test_a_dropped_joint_reading_is_named_as_input_with_the_windows_holding_it(t
     assert len(rows) == 2, rows
 
 
+def test_a_nan_reading_in_the_batch_dictionary_names_its_key_and_rows(tmp_path):
+    """``compute_loss(batch)`` over the collated ``{"obs": {"agent_pos", "depth"}, "action"}``
+    of the code base's datasets: the input event names the nested key and the same rows."""
+    eps = M.episodes()
+    dropped_joint(eps)
+    step, rows = first_batch(eps, lambda p, d: p.isnan().flatten(1).any(1))
+    policy = M.make_batch_policy()
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-4, weight_decay=1e-6)
+    data = DataLoader(M.DictEpisodeDataset(eps), batch_size=B, shuffle=True, drop_last=True,
+                      generator=torch.Generator().manual_seed(0))
+    with pytest.raises(NonFiniteError) as info, FlightRecorder(
+            policy, opt, loss_fn=M.EpsilonLoss(), out_dir=tmp_path,
+            factory="diffusion_policy_models:make_batch_policy") as rec:
+        for batch in data:
+            opt.zero_grad()
+            rec.loss_fn(policy(batch)).backward()
+            opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (step, "input"), err.event
+    assert err.event["tensor"] == 'batch["obs"]["agent_pos"]', err.event
+    rep = nanreplay_json(err.bundle_path)
+    assert (rep["cause"], rep["origin"]["samples"]) == ("input", rows), rep
+
+
 def test_a_locked_gripper_names_the_normalisers_range_of_0_not_a_batch_statistic(tmp_path):
     """The gripper never moves in the demos, so the fitted max equals the min and the
     normaliser without Chi's ``range_eps`` divides 0 by 0 in that dimension of every sample.
