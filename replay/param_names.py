@@ -65,6 +65,11 @@ class ParamNames:
         # the buffer the divisor of that division is, as is, a view or an unchanged copy (a
         # statistic kept by the code: ``x / self.std``, ``p / self.p_model``)
         self.hit_divisor_held: str | None = None
+        # id of a value ops made of buffers' values alone, each taken whole (``self.std +
+        # self.eps``, ``self.running_var.sqrt()``) -> (it, their names); and the names the
+        # divisor of that division was so made of
+        self._kept: dict[int, tuple[weakref.ref, tuple[str, ...]]] = {}
+        self.hit_divisor_kept: tuple[str, ...] | None = None
 
     def index(self, named, buffers=()) -> None:
         """Name the parameters ``named`` yields (``model.named_parameters()``), by address
@@ -73,6 +78,7 @@ class ParamNames:
         self.params, self._copies, self._derived = {}, {}, {}
         self._table_copies, self.hit_buffer = {}, None
         self._of_buffer, self.hit_divisor_buffer, self.hit_divisor_held = {}, None, None
+        self._kept, self.hit_divisor_kept = {}, None
         self._tables = {p: n for n, b in buffers
                         if b.is_floating_point() and (p := _storage(b)) is not None}
         storages: dict[int, str | None] = {}
@@ -98,6 +104,7 @@ class ParamNames:
             self.hit_divisor_buffer = self._differenced(ins[1])
             held = self._table_of(ins[1])
             self.hit_divisor_held = held[0] if held is not None and not held[1] else None
+            self.hit_divisor_kept = self._kept_of(ins[1])
         if op in _DIVISIONS and len(ins) == 2:
             return self.among(ins[1:]) or self._derived_from(ins[1])
         if not self.params or len(ins) != 1:
@@ -128,6 +135,7 @@ class ParamNames:
                 and b[1] and (ptr := _storage(outs[0])) is not None:
             self._table_copies[ptr] = (weakref.ref(outs[0]), b[0], True)  # (q = counts[i] / n)
         self._track_buffer(name, ins, outs)
+        self._track_kept(ins, outs)
         if not self.params or len(outs) != 1 or len(ins) != 1 or ins[0].is_nested \
                 or ins[0].layout != torch.strided:  # (no data pointer to name it by)
             return
@@ -155,6 +163,25 @@ class ParamNames:
         name = names.pop()
         for t in outs:
             self._of_buffer[id(t)] = (weakref.ref(t), name)
+
+    def _track_kept(self, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        """Outputs of an op whose floating inputs are all buffers taken whole, or values made
+        so (no batch, no parameter, no lookup by the batch's ids), named by those buffers."""
+        floats = [t for t in ins if t.is_floating_point()]
+        if not floats or not self._tables:
+            return
+        made = [self._kept_of(t) for t in floats]
+        if any(m is None for m in made):
+            return
+        names = tuple(dict.fromkeys(n for m in made for n in m))
+        for t in outs:
+            self._kept[id(t)] = (weakref.ref(t), names)
+
+    def _kept_of(self, t: torch.Tensor) -> tuple[str, ...] | None:
+        if (b := self._table_of(t)) is not None:
+            return None if b[1] else (b[0],)
+        hit = self._kept.get(id(t))
+        return hit[1] if hit is not None and hit[0]() is t else None
 
     def _buffer_of(self, t: torch.Tensor) -> str | None:
         if (b := self._table_of(t)) is not None:

@@ -87,7 +87,7 @@ class Normalizer(nn.Module):
 
     @torch.no_grad()
     def fit(self, eps: list[dict]) -> None:
-        """``policy.set_normalizer(dataset.get_normalizer())``: refit on the training data."""
+        """Refit on the training data (``policy.set_normalizer(dataset.get_normalizer())``)."""
         lo, hi = fit_range(eps)
         self.lo.copy_(lo)
         self.hi.copy_(hi)
@@ -99,6 +99,26 @@ class Normalizer(nn.Module):
             z = (x - self.lo) / torch.where(still, torch.ones_like(rng), rng) * 2 - 1
             return torch.where(still, x - self.lo, z)
         return (x - self.lo) / rng * 2 - 1
+
+
+class GaussianNormalizer(nn.Module):
+    """``LinearNormalizer(mode='gaussian')`` for the proprioception: ``(x - mean) / (std +
+    eps)`` with the dataset's per-joint mean and std."""
+
+    def __init__(self, eps: float = 1e-8):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(PROPRIO))
+        self.register_buffer("std", torch.ones(PROPRIO))
+        self.eps = eps
+
+    @torch.no_grad()
+    def fit(self, eps: list[dict]) -> None:
+        x = torch.cat([ep["proprio"] for ep in eps])
+        self.mean.copy_(x.mean(0))
+        self.std.copy_(x.std(0))
+
+    def forward(self, x):
+        return (x - self.mean) / (self.std + self.eps)
 
 
 class BasicBlock(nn.Module):
@@ -185,6 +205,7 @@ class DiffusionPolicy(nn.Module):
                  x0_loss: bool = False, clip_sample: bool = True):
         super().__init__()
         self.normalizer = Normalizer(lo, hi, range_eps)
+        self.obs_normalizer = GaussianNormalizer()
         self.encoder = DepthEncoder()
         cond = N_OBS * (16 + PROPRIO)
         self.unet = ConditionalUnet1D(cond)
@@ -197,7 +218,7 @@ class DiffusionPolicy(nn.Module):
     def forward(self, proprio, depth, action):
         b = action.shape[0]
         feat = self.encoder(depth.flatten(0, 1)).reshape(b, -1)
-        cond = torch.cat([feat, proprio.flatten(1)], -1)
+        cond = torch.cat([feat, self.obs_normalizer(proprio).flatten(1)], -1)
         x0 = self.normalizer(action)
         noise = torch.randn_like(x0)
         t = torch.randint(0, self.steps, (b,), device=x0.device)

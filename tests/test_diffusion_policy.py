@@ -40,6 +40,7 @@ def train(out_dir, make: str = "make_policy", plant=None, record: bool = True,
     policy = getattr(M, make)()
     if fit:
         policy.normalizer.fit(eps)
+        policy.obs_normalizer.fit(eps)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-4, betas=(0.95, 0.999),
                             weight_decay=1e-6)
     ema = M.EMA(policy)
@@ -166,6 +167,31 @@ def test_a_range_float16_rounds_to_0_is_said_to_be_the_buffers_type(tmp_path):
     rep = nanreplay_json(err.bundle_path)
     assert origin(rep) == (True, "invalid", "aten.div", "normalizer", list(range(B))), rep
     assert "But the buffers are float16, whose spacing at 0.04 is 3.05e-05" in rep["hint"]
+
+
+def locked_joint(eps):
+    """Joint 3 never moves in the demos: the dataset's std of it is 0."""
+    for ep in eps:
+        ep["proprio"][:, 3] = 0.7
+
+
+def test_a_locked_joint_in_a_float16_policy_names_the_std_buffer_and_the_lost_eps(tmp_path):
+    """``(x - self.mean) / (self.std + 1e-8)`` trains in float32 (the eps keeps 0/0 away), but
+    1e-8 is 0 in float16: 0/0 for that joint in every observation. The hint said 'a divisor
+    that is a statistic over the batch'; it must name the std buffer, then the lost eps."""
+    train(tmp_path, plant=locked_joint, fit=True)
+    assert not list(tmp_path.glob("*.nan"))
+    err = raised(train, tmp_path, make="make_policy_half", plant=locked_joint, fit=True,
+                 half=True)
+    assert (err.event["step"], err.event["phase"]) == (0, "forward"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    assert origin(rep) == (True, "underflow", "aten.div", "obs_normalizer", list(range(B))), rep
+    assert rep["origin"]["source"] == source_line(MODELS, "return (x - self.mean) / (self.std")
+    hint = rep["hint"]
+    assert "at column(s) [3] of every one of the 16 rows: the divisor was made of the model's " \
+           "buffer obs_normalizer.std alone" in hint, hint
+    assert "statistic over the batch" not in hint, hint
+    assert "the eps 1e-08 added to that input is 0 in float16" in hint, hint
 
 
 def millimetre_depth(eps):
