@@ -10,6 +10,7 @@ import diffusion_policy_models as M
 import pytest
 import torch
 from bundles import nanreplay_json, source_line
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader
 
 from recorder import FlightRecorder, NonFiniteError
@@ -324,3 +325,44 @@ def test_the_healthy_policy_raises_nothing_and_trains_as_unrecorded(tmp_path):
     assert not list(tmp_path.glob("*.nan"))
     assert same(got.state_dict(), want.state_dict())
     assert same(got_ema.shadow, want_ema.shadow)
+
+
+def train_amp(out_dir, record: bool = True):
+    """float16 autocast with a GradScaler whose first scale (2**30) overflows the gradients
+    (skipped steps until it backs off), grads unscaled before clipping, and
+    ``AveragedModel``'s EMA made after the recorder attached."""
+    eps = M.episodes()
+    policy = M.make_policy()
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-4, weight_decay=1e-6)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 30)
+    loss = M.EpsilonLoss()
+    rec = FlightRecorder(policy, opt, loss_fn=loss, out_dir=out_dir, scaler=scaler,
+                         factory="diffusion_policy_models:make_policy") if record else None
+    loss_fn = rec.attach().loss_fn if rec else loss
+    ema = AveragedModel(policy, multi_avg_fn=get_ema_multi_avg_fn(0.99), use_buffers=True)
+    try:
+        for _ in range(2):
+            for proprio, depth, act in loader(eps):
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    out = policy(proprio, depth, act)
+                scaler.scale(loss_fn(out)).backward()
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+                scaler.step(opt)
+                scaler.update()
+                ema.update_parameters(policy)
+    finally:
+        if rec:
+            rec.detach()
+    return policy, ema, scaler.get_scale()
+
+
+def test_float16_autocast_with_a_grad_scaler_skipping_steps_trains_as_unrecorded(tmp_path):
+    """The scaler's skipped steps are no event; weights, EMA and scale are bit-identical."""
+    got, got_ema, got_scale = train_amp(tmp_path)
+    want, want_ema, want_scale = train_amp(tmp_path, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    assert got_scale == want_scale < 2.0 ** 30
+    assert same(got.state_dict(), want.state_dict())
+    assert same(got_ema.state_dict(), want_ema.state_dict())
