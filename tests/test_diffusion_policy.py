@@ -303,7 +303,8 @@ def test_an_x0_loss_over_an_uncapped_schedule_names_its_last_step_and_the_drawin
 def test_the_clipped_x0_over_an_uncapped_schedule_is_a_backward_nan_at_the_division(tmp_path):
     """The same x0 clipped to [-1, 1] (``clip_sample``): the forward is finite, the clamp's
     backward sends 0 into the division's, whose derivative at sqrt(0) makes 0/0: a backward
-    event at step 0, ``DivBackward0`` on the rows that drew the last step."""
+    event at step 0, ``DivBackward0`` on the rows that drew the last step, and the hint names
+    the schedule as the forward's would."""
     rows = last_step_rows("make_policy_x0_uncapped")
     err = raised(train, tmp_path, make="make_policy_x0_uncapped",
                  loss=M.EpsilonLoss(x0_weight=0.5))
@@ -311,6 +312,12 @@ def test_the_clipped_x0_over_an_uncapped_schedule_is_a_backward_nan_at_the_divis
     rep = nanreplay_json(err.bundle_path)
     assert origin(rep) == (True, "invalid", "DivBackward0", "", rows), rep
     assert rep["origin"]["source"] == source_line(MODELS, "x0_hat = (noisy - (1 - ab).sqrt()")
+    hint = rep["hint"]  # (was: the divisor 'computed from the batch's data: an annotation's
+    # area, a count, a target', 'drop or repair them where the data is made')
+    assert hint.startswith("DivBackward0 made a non-finite gradient from finite incoming "
+                           "gradients: the forward's aten.div by 0 (x/0, a pole): its input "
+                           "was looked up in the buffer alphas_cumprod"), hint
+    assert "exactly 0 at its last entry (9)" in hint and "not in the backward" in hint, hint
 
 
 def same(a: dict, b: dict) -> bool:
