@@ -253,11 +253,14 @@ def _division(op: str, ev: Evidence, ins: list[torch.Tensor],
         # there, a feature constant over the batch, which no row is to blame for
         what = "0 by 0 (0/0)" if bool(((ins[0] == 0) & (den == 0)).any()) else "x by 0"
         return (f"{op} of {what} in the same column(s) {cols} of every one of the "
-                f"{ev.bad.numel() // ev.bad.shape[-1]} rows: a divisor that is a statistic over the batch "
-                "(z.std(0), a feature's norm) was 0 there", "divide_feature")
+                f"{ev.bad.numel() // ev.bad.shape[-1]} rows: {BATCH_STATISTIC}", "divide_feature")
     if bool(((ins[0] == 0) & (den == 0)).any()):
         return f"{op} of 0 by{by} 0{read} (0/0)", key
     return f"{op} by{by} 0{read} (x/0, a pole)", key
+
+
+# what a 0/0 in whole columns says of its divisor (replay.kept_divisor names buffers instead)
+BATCH_STATISTIC = "a divisor that is a statistic over the batch (z.std(0), a feature's norm) was 0 there"
 
 
 def _whole_columns(bad: torch.Tensor) -> list[int] | None:

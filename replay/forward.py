@@ -27,6 +27,7 @@ from .forward_grad import derivative_words, with_node
 from .group_counts import class_counts_hint
 from .held_divisor import held_divisor_hint
 from .iteration import line_run
+from .kept_divisor import kept_divisor_hint
 from .lineage import Lineage
 from .literal_fill import nan_given
 from .load import Step
@@ -157,6 +158,7 @@ def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin,
     hint = exp_overflow_hint(runner, hint, cause.name, hit)
     # (then in the forces' backward, where the model's output does not hold it)
     hint = dropped_branch_hint(hint, hit, finder.first_nan, run, o, finder.differentiated)
+    hint = kept_divisor_hint(hint, finder, hit)  # (whole columns of x / (self.std + eps))
     return self_edge_hint(hint, cause.name, hit, step, o.micro_batch)  # (i == j in edge_index)
 
 

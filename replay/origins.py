@@ -36,6 +36,7 @@ from .iteration import loss_line_run
 from .load import Step, autocast_as_recorded
 from .logged_output import logged_output_cause
 from .looked_up import looked_up_hint
+from .looked_up_divisor import looked_up_divisor_hint
 from .loop_term import loop_differentiated, loop_term_report, spread_by_term
 from .loss_arg_name import with_param_name
 from .loss_args import loss_args, loss_samples
@@ -460,6 +461,7 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
     cause = recause(cause, b.node, b.copied, dict(runner.model.named_parameters()))
     cause = below_one.recause(cause, b.node, b.complement, b.saved_zero)
     cause.hint = node_hints(b, cause)
+    cause.hint = looked_up_divisor_hint(runner, b, cause) or cause.hint  # (alphas_cumprod[t])
     cause = steep_power_cause(b, cause)
     cause.hint = twice_hint(b, cause.hint)
     cause.hint = hook_hint(b, cause.hint) if b.hook is not None else cause.hint

@@ -5,8 +5,9 @@ them (``torch.diagonal(torch.tril(self.chol))``: an SVGP's Cholesky factor, whos
 an update stepped to 0), so that the hint names the parameter to keep in the op's domain; a
 division's divisor also when an op made it of one parameter alone (RMTPP's ``w.clamp(min=0)``,
 which training takes to exactly 0); and the buffer an op's input was looked up in
-(``log(self.q[targets])``, also once scaled, ``self.counts[ids] / total``: a table the code was
-built with, named by :mod:`replay.looked_up`)."""
+(``log(self.q[targets])``, also once scaled, ``self.counts[ids] / total``, or taken value by
+value to a 0 kept, ``self.alphas_cumprod[t].sqrt()``: a table the code was built with, named by
+:mod:`replay.looked_up`)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ _DIFFERENCES = {"sub", "rsub", "diff"}
 _LOOKUPS = {"index", "index_select", "gather", "take_along_dim", "embedding"}
 # a looked-up table's values scaled (its first input), its zeros kept: ``counts[ids] / total``
 _SCALINGS = {"div", "mul"}
+# value by value, 0 where the entry is 0: a noise schedule's ``alphas_cumprod[t].sqrt()``
+_ZERO_KEEPING = {"sqrt", "abs", "neg", "square", "relu"}
 
 
 def _storage(t: torch.Tensor) -> int | None:
@@ -54,13 +57,19 @@ class ParamNames:
         # about was looked up in: the op finder asks as it blames an op
         self.hit_buffer: tuple[str, int] | None = None
         # id of a value ops made of one buffer's values alone by a difference of its entries
-        # (a spline's knot spans ``grid[:, 1:] - grid[:, :-1]``) -> (it, the name); and the
+        # (a spline's knot spans ``grid[:, 1:] - grid[:, :-1]``), or of two buffers' (a fitted
+        # range ``self.hi - self.lo``: named "hi - lo") -> (it, the name); and the
         # buffer the divisor of the last division ``among(..., hit=True)`` was so made of
         self._of_buffer: dict[int, tuple[weakref.ref, str]] = {}
         self.hit_divisor_buffer: str | None = None
         # the buffer the divisor of that division is, as is, a view or an unchanged copy (a
         # statistic kept by the code: ``x / self.std``, ``p / self.p_model``)
         self.hit_divisor_held: str | None = None
+        # id of a value ops made of buffers' values alone, each taken whole (``self.std +
+        # self.eps``, ``self.running_var.sqrt()``) -> (it, their names); and the names the
+        # divisor of that division was so made of
+        self._kept: dict[int, tuple[weakref.ref, tuple[str, ...]]] = {}
+        self.hit_divisor_kept: tuple[str, ...] | None = None
 
     def index(self, named, buffers=()) -> None:
         """Name the parameters ``named`` yields (``model.named_parameters()``), by address
@@ -69,6 +78,7 @@ class ParamNames:
         self.params, self._copies, self._derived = {}, {}, {}
         self._table_copies, self.hit_buffer = {}, None
         self._of_buffer, self.hit_divisor_buffer, self.hit_divisor_held = {}, None, None
+        self._kept, self.hit_divisor_kept = {}, None
         self._tables = {p: n for n, b in buffers
                         if b.is_floating_point() and (p := _storage(b)) is not None}
         storages: dict[int, str | None] = {}
@@ -94,6 +104,7 @@ class ParamNames:
             self.hit_divisor_buffer = self._differenced(ins[1])
             held = self._table_of(ins[1])
             self.hit_divisor_held = held[0] if held is not None and not held[1] else None
+            self.hit_divisor_kept = self._kept_of(ins[1])
         if op in _DIVISIONS and len(ins) == 2:
             return self.among(ins[1:]) or self._derived_from(ins[1])
         if not self.params or len(ins) != 1:
@@ -119,10 +130,12 @@ class ParamNames:
                 and (b := self._table_of(ins[0])) is not None \
                 and (ptr := _storage(outs[0])) is not None:
             self._table_copies[ptr] = (weakref.ref(outs[0]), b[0], b[1] or name in _LOOKUPS)
-        elif name in _SCALINGS and len(outs) == 1 and ins and (b := self._table_of(ins[0])) \
+        elif name in _SCALINGS | _ZERO_KEEPING and len(outs) == 1 and ins \
+                and (b := self._table_of(ins[0])) \
                 and b[1] and (ptr := _storage(outs[0])) is not None:
             self._table_copies[ptr] = (weakref.ref(outs[0]), b[0], True)  # (q = counts[i] / n)
         self._track_buffer(name, ins, outs)
+        self._track_kept(ins, outs)
         if not self.params or len(outs) != 1 or len(ins) != 1 or ins[0].is_nested \
                 or ins[0].layout != torch.strided:  # (no data pointer to name it by)
             return
@@ -139,13 +152,36 @@ class ParamNames:
         on those alone, named by that buffer (a running variance divided by is not one)."""
         floats = [t for t in ins if t.is_floating_point()]
         names = {self._buffer_of(t) for t in floats}
-        if len(names) != 1 or None in names or not self._tables:
+        if name in _DIFFERENCES and len(floats) == 2 and len(names) == 2 and None not in names:
+            # two buffers' difference (a fitted range ``self.hi - self.lo``), named as written
+            pair = [self._buffer_of(t) for t in (floats[::-1] if name == "rsub" else floats)]
+            names = {f"{pair[0]} - {pair[1]}"}
+        elif len(names) != 1 or None in names or not self._tables:
             return
         if name not in _DIFFERENCES and not any(self._differenced(t) for t in floats):
             return
         name = names.pop()
         for t in outs:
             self._of_buffer[id(t)] = (weakref.ref(t), name)
+
+    def _track_kept(self, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        """Outputs of an op whose floating inputs are all buffers taken whole, or values made
+        so (no batch, no parameter, no lookup by the batch's ids), named by those buffers."""
+        floats = [t for t in ins if t.is_floating_point()]
+        if not floats or not self._tables:
+            return
+        made = [self._kept_of(t) for t in floats]
+        if any(m is None for m in made):
+            return
+        names = tuple(dict.fromkeys(n for m in made for n in m))
+        for t in outs:
+            self._kept[id(t)] = (weakref.ref(t), names)
+
+    def _kept_of(self, t: torch.Tensor) -> tuple[str, ...] | None:
+        if (b := self._table_of(t)) is not None:
+            return None if b[1] else (b[0],)
+        hit = self._kept.get(id(t))
+        return hit[1] if hit is not None and hit[0]() is t else None
 
     def _buffer_of(self, t: torch.Tensor) -> str | None:
         if (b := self._table_of(t)) is not None:
