@@ -176,12 +176,13 @@ def raw_pole_hint(watch: RawPole | None, cause: str | None, hit) -> str | None:
                 "drop or merge such rows where the data is made, or floor the difference at "
                 "the resolution the data has (dt.clamp_min(min_dt)). An eps on it would make a "
                 "huge finite rate the model trains on")
-    made = (" (a complex number made of it and the other data: torch.complex(re, im), 0 where "
-            "both parts are; an impedance r + jx of 0 is a zero-impedance branch, a closed "
-            "switch or bus coupler, whose two ends are one node: merge them where the network "
-            "is built, or give the branch the impedance it has)" if watch.complex else "")
+    made = ("; here a complex number made of it and other data, torch.complex(re, im), 0 "
+            "where both parts are: an impedance r + jx of 0 is a zero-impedance branch (a "
+            "closed switch or bus coupler, whose two ends are one node: merge them where the "
+            "network is built, or give the branch the impedance it has)"
+            if watch.complex else "")
     return (f"{hit.op} {what} is the batch's own data ({held}the model's input as given, or "
-            f"its ratio or product with other data or a learned factor){made}, exactly 0 in "
+            f"its ratio or product with other data or a learned factor{made}), exactly 0 in "
             "the samples named: a 0 where the data should hold none (a missing value filled with 0: a "
             "price, volume or count of 0, a capacity missing from a record's metadata, a "
             "forward fill from a leading 0, an instrument not yet listed; a sensor's nodata "

@@ -88,7 +88,7 @@ def test_zero_impedance_branch_names_the_admittance_and_the_record_not_an_eps(tm
         "", "aten.div", "nan", [3], "invalid"), rep
     assert o["source"] == line_of("y = status / torch.complex(r, x)"), o
     assert "the batch's own data (args[2]" in rep["hint"], rep["hint"]
-    assert "a complex number made of it" in rep["hint"], rep["hint"]
+    assert "here a complex number made of it and other data" in rep["hint"], rep["hint"]
     assert "zero-impedance branch" in rep["hint"] and "add an eps" not in rep["hint"]
 
 
