@@ -20,7 +20,8 @@ batch holds constant
 (``replay.grown_number``); an overflow of a batch whose columns are in other units
 (``replay.column_scale``); the attribute holding a NaN number an op was given
 (``replay.nan_attribute``); a log's
-argument outside its domain that the batch holds as given (``replay.data_pole``); other
+argument outside its domain that the batch holds as given (``replay.data_pole``), or a log
+barrier's bound the batch holds as 0 (``replay.zero_bound``); other
 tensors of an input event's micro-batch bad in other rows (``replay.other_inputs``); a model
 input coded -999 where its mask is 0 (``replay.sentinel_inputs``)."""
 
@@ -53,6 +54,7 @@ from .negative_rows import negative_hint
 from .other_inputs import other_inputs_note
 from .sentinel_inputs import sentinel_inputs_hint
 from .single_sample import single_sample_hint
+from .zero_bound import zero_bound_hint
 from .zero_records import zero_records_hint
 
 
@@ -78,6 +80,7 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     grown_number_hint(report, step)  # (an augmented Lagrangian's rho past float32's range)
     column_scale_hint(report, step)  # (a variable in millimetres among metres: NOTEARS' X)
     data_pole_hint(report, step)  # (log1p of a count filled with -1 for missing)
+    zero_bound_hint(report, step)  # (a log barrier under a line rating filled with 0)
     negative_hint(report, step)  # (exp(-k t) of a time since dose of -150 h)
     nan_attribute_hint(report, step)  # (a KL warm-up weight of 0/0 the loop set on the loss)
     sentinel_inputs_hint(report, step)  # (VIBO's encoder given responses coded -999 unmasked)

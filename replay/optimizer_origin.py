@@ -104,7 +104,8 @@ def after_update_hint(step: Step, params: list[str]) -> str | None:
         # (the rows it broke, from the bundle's weights after it: an embedding's entities
         # absent from the batch, told by the second moment the update left, 0 where every
         # gradient was; the bundle's gradients may be a later backward's, through the NaN)
-        why += rows_of_weights(params[0], w, _second_moment(step, params[0]))[1]
+        why += rows_of_weights(params[0], w, _second_moment(step, params[0]),
+                               step.tensors.get(f"optim/{params[0]}/exp_avg"))[1]
         why += zero_input_columns_text(step, params[0], w)
     return why and (f"{opt.get('class', '').rpartition('.')[2]}'s update at step "
                     f"{step.event.get('step')} made {params[0]} non-finite (not re-run: the "

@@ -39,6 +39,9 @@ _CARRY_ZERO = {"mul": 2, "div": 1}
 # a sum or mean is one of values >= 0 over each whole record (a frame's ``mean(|x| ** 2)``)
 _NORMS = {"linalg_vector_norm", "norm", "frobenius_norm"}
 _NONNEG_SUMS = {"sum", "mean"}
+# ops making a complex value of their first N arguments, 0 exactly where all of those are 0:
+# an impedance ``torch.complex(r, x)``, a phasor ``torch.polar(mag, angle)``
+_COMPLEX_MAKERS = {"complex": 2, "polar": 1}
 # ops that keep the values of their first argument as they are
 _SAME_VALUES = {"slice", "select", "view", "_unsafe_view", "reshape", "unsqueeze", "squeeze",
                 "permute", "transpose", "t", "expand", "clone", "contiguous", "alias"}
@@ -66,10 +69,12 @@ class RawPole:
         self._summed = TensorSet()  # norms made by a sum or mean of them (mean(x ** 2))
         self.part = False  # the pole's operand is a norm of such a part
         self.diffed = False  # the pole's operand is such a difference
+        self.complex = False  # the pole's operand is a complex number made of the batch's
 
     def _raw(self, x) -> bool:
         # (a view of the batch's storage at the version it was given: no in-place op since)
-        return _strided_float(x) and (x in self._carried or not x.requires_grad and
+        return (_strided_float(x) or _complex_carried(x, self._carried)) and (
+            x in self._carried or not x.requires_grad and
                                       self._storages.get(x.untyped_storage().data_ptr())
                                       == version(x))
 
@@ -94,6 +99,10 @@ class RawPole:
             self._part.add(out)  # (each sample's rows kept, some of its values dropped)
         if _nonneg_power(name, args) and args[0] in self._part:
             self._part.add(out)
+        if name in _COMPLEX_MAKERS and out.is_complex() and all(
+                isinstance(a, torch.Tensor) and self._raw(a) and not a.requires_grad
+                for a in args[:_COMPLEX_MAKERS[name]]):
+            self._carry(out, args[:_COMPLEX_MAKERS[name]])  # (r + jx of a record's r, x)
         if (name in _SAME_VALUES and self._raw(args[0])) or (
                 name in _CARRY_ZERO and any(self._raw(a) for a in args[:_CARRY_ZERO[name]])
                 and not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)) \
@@ -129,6 +138,7 @@ class RawPole:
         if bool(at_zero.any()) and not (
                 name == "div" and x in self._summed and _zero_by_zero(args[0], at_zero)):
             self.op, self.blank, self.diffed = f"aten.{name}", x in self._normed, x in self._diffed
+            self.complex = x.is_complex()
             self.input, self.part = self._name_of(x), x in self._part
             self.padding = padding_mask(at_zero, self._masks)
 
@@ -166,9 +176,14 @@ def raw_pole_hint(watch: RawPole | None, cause: str | None, hit) -> str | None:
                 "drop or merge such rows where the data is made, or floor the difference at "
                 "the resolution the data has (dt.clamp_min(min_dt)). An eps on it would make a "
                 "huge finite rate the model trains on")
+    made = ("; here a complex number made of it and other data, torch.complex(re, im), 0 "
+            "where both parts are: an impedance r + jx of 0 is a zero-impedance branch (a "
+            "closed switch or bus coupler, whose two ends are one node: merge them where the "
+            "network is built, or give the branch the impedance it has)"
+            if watch.complex else "")
     return (f"{hit.op} {what} is the batch's own data ({held}the model's input as given, or "
-            "its ratio or product with other data or a learned factor), exactly 0 in the samples "
-            "named: a 0 where the data should hold none (a missing value filled with 0: a "
+            f"its ratio or product with other data or a learned factor{made}), exactly 0 in "
+            "the samples named: a 0 where the data should hold none (a missing value filled with 0: a "
             "price, volume or count of 0, a capacity missing from a record's metadata, a "
             "forward fill from a leading 0, an instrument not yet listed; a sensor's nodata "
             "fill, a pixel outside the swath) is a bad record; repair it where the data "
@@ -213,6 +228,12 @@ def _zero_by_zero(num, at: torch.Tensor) -> bool:
             torch.broadcast_to(num == 0, at.shape)[at].all())
     except RuntimeError:  # (not elementwise with the output)
         return False
+
+
+def _complex_carried(t, carried: TensorSet) -> bool:
+    """``t`` is a dense complex value made of the batch's own values (``_COMPLEX_MAKERS``)."""
+    return isinstance(t, torch.Tensor) and t.is_complex() and t.layout == torch.strided \
+        and t in carried
 
 
 def _nonneg_power(name: str, args) -> bool:

@@ -61,9 +61,12 @@ def updated_rows(name: str, p: torch.Tensor) -> tuple[dict, str]:
     return rows_of_weights(name, p.detach(), p.grad)
 
 
-def rows_of_weights(name: str, w: torch.Tensor, g: torch.Tensor | None) -> tuple[dict, str]:
+def rows_of_weights(name: str, w: torch.Tensor, g: torch.Tensor | None,
+                    first: torch.Tensor | None = None) -> tuple[dict, str]:
     """:func:`updated_rows` of weights ``w`` after the update and the gradient ``g`` it was
-    given (a bundle that holds the weights after the update: its recorded gradient)."""
+    given (a bundle that holds the weights after the update: its recorded gradient, or the
+    second moment the update left, with ``first`` the first moment: a second moment 0 where
+    the first is not is a gradient whose square underflowed, not one that was 0)."""
     if w.dim() < 2:
         return {}, ""
     rows = bad_rows(w, 0)
@@ -72,7 +75,16 @@ def rows_of_weights(name: str, w: torch.Tensor, g: torch.Tensor | None) -> tuple
     shown = ", ".join(map(str, rows[:8])) + (f" (+{len(rows) - 8})" if len(rows) > 8 else "")
     g = g.to_dense() if g is not None and g.layout != torch.strided else g
     zero = g is not None and bool((g[rows] == 0).all())
+    lost = zero and first is not None and first.shape == g.shape and bool(
+        (first[rows] != 0).any())
     return ({"rows": rows, "rows_of": w.shape[0]},
             f"; it made only row(s) {shown} of {w.shape[0]} of {name} non-finite"
-            + (", every one a row whose gradient was all 0 (absent from the batch)"
+            + (_underflowed(g.dtype) if lost else
+               ", every one a row whose gradient was all 0 (absent from the batch)"
                if zero else ""))
+
+
+def _underflowed(dtype: torch.dtype) -> str:
+    return (f", every one a row whose second moment was all 0 while its first moment was not: "
+            f"their gradients were not 0 but too small to square in {str(dtype)[6:]} ((1 - "
+            "beta2) g ** 2 under its smallest value), not rows absent from the batch")
