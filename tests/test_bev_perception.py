@@ -103,13 +103,16 @@ def test_log_of_a_cumsum_trick_voxel_sum_names_the_running_sum(tmp_path):
     peaked (tail bins near 1e-31); a voxel reached only by such tail points has a positive
     depth mass, but LSS's cumsum trick takes it as a difference of two entries of one
     float32 running total, which rounds to 0, and the log-occupancy channel is -inf. The
-    replay names the log in the root module, precision, and (it gave a variance's advice,
-    E[x²] − E[x]²) the cumsum to replace by a direct segment sum."""
+    replay names the log in the root module, sample 3 (it said every sample), precision, and
+    (it gave a variance's advice, E[x²] − E[x]²) the cumsum to replace by a direct segment
+    sum."""
     ev, bundle = fire("make_lss_log_mass", tmp_path, bad=3, plant="raw")
     assert (ev["step"], ev["phase"], ev["module"]) == (1, "forward", ""), ev
     rep = nanreplay_json(bundle)
     o = rep["origin"]
-    assert (o["module"], o["op"], o["made"]) == ("", "aten.log", "-inf"), o
+    # (the log ran over the whole batch's voxels, rows of no sample, and the BEV encoder's
+    # BatchNorm made every sample's output NaN: the scatter into the canvas names sample 3)
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.log", "-inf", [3]), o
     assert o["source"] == line_of("x = torch.cat((x[:, :-1], torch.log(mass)), 1)"), o
     assert rep["cause"] == "precision", rep["cause"]
     assert f"cumulative sum (made at {line_of('x = x.cumsum(0)')})" in rep["hint"], rep["hint"]
