@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from .compat import running_node, tree_leaves
-from .dispatch import run_op
+from .dispatch import float_leaves, run_op
+from .landed_rows import land_rows
 from .recurring import widen_rows
 
 
@@ -25,6 +26,7 @@ def after_origin(f: Any, func, args, kwargs):
     it made non-finite widened (:func:`~replay.recurring.widen_rows`), its comparison noted."""
     f.differentiated = f.differentiated or running_node() is not None
     out = widen_rows(f, func, args, kwargs, run_op(func, args, kwargs), early=True)
+    land_rows(f, tree_leaves((args, kwargs)), float_leaves(out))  # (an origin without rows)
     return note_compared(f, func, args, kwargs, out)
 
 

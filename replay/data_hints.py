@@ -23,7 +23,8 @@ batch holds constant
 argument outside its domain that the batch holds as given (``replay.data_pole``), or a log
 barrier's bound the batch holds as 0 (``replay.zero_bound``); other
 tensors of an input event's micro-batch bad in other rows (``replay.other_inputs``); a model
-input coded -999 where its mask is 0 (``replay.sentinel_inputs``)."""
+input coded -999 where its mask is 0 (``replay.sentinel_inputs``); an input's NaN the forward
+cast to an integer type, its outputs finite (``replay.nan_cast``)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ from .masked_after import masked_after_hint
 from .masked_overflow import masked_overflow_hint
 from .massless_rows import massless_rows_hint
 from .nan_attribute import nan_attribute_hint
+from .nan_cast import nan_cast_hint
 from .negative_rows import negative_hint
 from .other_inputs import other_inputs_note
 from .sentinel_inputs import sentinel_inputs_hint
@@ -85,3 +87,4 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     nan_attribute_hint(report, step)  # (a KL warm-up weight of 0/0 the loop set on the loss)
     sentinel_inputs_hint(report, step)  # (VIBO's encoder given responses coded -999 unmasked)
     other_inputs_note(report, step)  # (a bad reading in some windows' inputs, others' targets)
+    nan_cast_hint(report, step)  # (NaN intrinsics' frustum points voxelised by .long())

@@ -19,6 +19,7 @@ from .buffer_divisor import buffer_divisor_hint
 from .called_at import note_called_at
 from .caller_picks import CallerPicks
 from .cause import Cause, classify
+from .cumsum_diff import cumsum_diff_hint
 from .dropped_branch import dropped_branch_hint
 from .errors import StopRun
 from .exp_overflow import exp_overflow_hint
@@ -156,6 +157,7 @@ def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin,
     hint = singular_inverse_hint(runner, hint, cause.name, hit)  # (made of a singular's inverse)
     # (an exp's overflow inside a softplus by hand, or of a chunk's exp(-cumsum))
     hint = exp_overflow_hint(runner, hint, cause.name, hit)
+    hint = cumsum_diff_hint(runner, hint, cause.name, hit)  # (a cumsum trick's segment sum)
     # (then in the forces' backward, where the model's output does not hold it)
     hint = dropped_branch_hint(hint, hit, finder.first_nan, run, o, finder.differentiated)
     hint = kept_divisor_hint(hint, finder, hit)  # (whole columns of x / (self.std + eps))

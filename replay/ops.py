@@ -36,6 +36,7 @@ from .exp_param import ExpOfParam
 from .folds import folded_inputs, folds
 from .fresh import POINTWISE
 from .hits import Evidence, OpHit
+from .landed_rows import land_rows
 from .lineage import Lineage, pole_inputs
 from .literal_fill import literals, nan_number
 from .lost_eps import LostEps
@@ -259,6 +260,7 @@ class OpFinder:
               ) -> None:
         if func is not None:  # (rows later ops of the origin's module call made: recurring)
             widen_rows(self, func, *given, out)
+        land_rows(self, leaves, outs)  # (an origin without rows: where its values land)
         self.pooled.track(name, *given, ins, outs, self.held)
         # exp of -inf scores: positive where they are not -inf; a sum of it, where any term is
         if func is not None and (m := self.partly.track(func, name, given, ins, outs,

@@ -20,6 +20,7 @@ from .cause import classify
 from .cause_text import ALLOWED_NAN_SAVED, DO, inf_arith
 from .copied_rows import recause
 from .coupled import coupled_rows
+from .cumsum_diff import cumsum_diff_hint
 from .derived_args import derived_arg_report
 from .dropped_grads import finite_params_note
 from .empty_mask import loss_reproduced
@@ -156,6 +157,7 @@ def _made_of(runner: Runner, finder, cause, hit) -> str | None:
     (``replay.lineage``), an exp's overflow inside a softmax by hand (an InfoNCE's
     ``exp(sim / tau)``, ``replay.exp_overflow``)."""
     hint = loss_lineage_hint(finder.lineage, cause, hit)
+    hint = cumsum_diff_hint(runner, hint, cause.name, hit)  # (a summed-area table's box sum)
     return exp_overflow_hint(runner, hint, cause.name, hit)
 
 
