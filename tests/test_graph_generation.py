@@ -88,6 +88,7 @@ def test_padded_nodes_degree_zero_names_the_pow_and_the_padded_graphs(tmp_path):
     assert o["chain"][1]["op"] == "aten.mul" and o["chain"][1]["made"] == "nan", o["chain"]
     assert rep["cause"] == "invalid", rep["cause"]
     assert "deg.clamp(min=1)" in rep["hint"] and "inf * 0 is NaN" in rep["hint"], rep["hint"]
+    assert "at a padded node of a dense batch" in rep["hint"], rep["hint"]
 
 
 def test_out_of_scale_features_overflow_the_reparameterisation_not_the_guarded_pow(tmp_path):
@@ -122,6 +123,23 @@ def test_sinkhorn_matching_with_a_small_temperature_overflows_its_exp(tmp_path):
     assert o["source"] == line_of("p = torch.exp(s / self.tau)"), o
     assert rep["cause"] == "overflow", rep["cause"]
     assert "Sinkhorn's, runs in log space with logsumexp" in rep["hint"], rep["hint"]
+
+
+def test_sinkhorn_over_padded_target_nodes_divides_an_empty_column(tmp_path):
+    """Graph matching that masks every real node off a padded target node (``-1e4``) and
+    gives the padded node no match of its own: ``exp`` of its column is exactly 0, and the
+    column normalisation is 0/0 in every graph of the batch (all are padded). The replay names
+    the column's division and the exp it came from, with log-space Sinkhorn as the fix (in
+    log space a masked column stays finite)."""
+    ev, bundle = fire(train_vae, tmp_path, matching=True, pad_self=False)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "loss", "<loss>", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["op"], o["made"], o["module"], o["all_samples"]) == (
+        True, "aten.div", "nan", "<loss>", True), o
+    assert o["source"] == line_of("p = p / p.sum(-2, keepdim=True)"), o
+    assert rep["cause"] == "underflow", rep["cause"]
+    assert "Sinkhorn's K @ v" in rep["hint"] and "compute in log space" in rep["hint"], rep["hint"]
 
 
 def test_valence_penalty_as_a_sqrt_of_squares_is_nan_in_backward_only(tmp_path):
