@@ -60,7 +60,9 @@ def random_graphs(seed: int, count: int, lo: int = 3, hi: int = NMAX, bad: int |
                   kind: str = "") -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``count`` graphs of ``lo`` to ``hi`` nodes; graph ``bad`` is planted as ``kind``:
     ``"full"`` has ``NMAX`` nodes (no padding), ``"scale"`` has its features off the one-hot
-    scale by 1e5 (a record whose atom features a converter wrote in other units)."""
+    scale by 1e5 (a record whose atom features a converter wrote in other units);
+    ``"charge"`` gives every graph a partial-charge feature (its last), NaN at one atom of
+    graph ``bad``."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(count):
@@ -70,6 +72,10 @@ def random_graphs(seed: int, count: int, lo: int = 3, hi: int = NMAX, bad: int |
         x, adj = random_graph(g, n)
         if kind == "scale" and i == bad:
             x = x * 1e5
+        if kind == "charge":  # a partial-charge feature, as RDKit's Gasteiger charges give
+            x = torch.cat([x, torch.rand(n, 1, generator=g) - 0.5], 1)[:, 1:]
+            if i == bad:
+                x[n // 2, -1] = float("nan")  # Gasteiger's NaN for an atom it has no parameters for
         out.append((x, adj))
     return out
 

@@ -74,6 +74,18 @@ def fire(train, *args, **kwargs):
     return info.value.event, info.value.bundle_path
 
 
+def test_nan_partial_charge_of_one_atom_is_the_input(tmp_path):
+    """A Gasteiger partial charge RDKit left NaN for one atom of graph 3 (step 2): the
+    recorder stops at the model's input, and the replay names the tensor and the graph."""
+    ev, bundle = fire(train_vae, tmp_path, kind="charge", bad=3)
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == (2, "input", "args[0]", [3]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["tensor"], o["made"], o["samples"]) == (
+        True, "input", "args[0]", "nan", [3]), o
+    assert rep["cause"] == "input" and "the batch itself holds NaN" in rep["hint"], rep["hint"]
+
+
 def test_padded_nodes_degree_zero_names_the_pow_and_the_padded_graphs(tmp_path):
     """GCN normalisation without gcn_norm's guard: self-loops go to the real nodes only, so a
     padded node's degree is 0 and ``deg.pow(-0.5)`` is +inf there, then ``inf * 0`` NaN. The
@@ -200,6 +212,8 @@ def test_adam_without_eps_divides_zero_by_zero_on_never_updated_weights(tmp_path
     rep = nanreplay_json(bundle, code=None)
     assert rep["cause"] == "optimizer", rep["cause"]
     assert "with eps=0" in rep["hint"] and "set eps > 0" in rep["hint"], rep["hint"]
+    assert rep["origin"]["param"] == "gc1.lin.weight", rep["origin"]
+    assert "dec.2.weight" in rep["origin"]["params"], rep["origin"]  # (the diagonal's logits)
     assert "gc1.lin.weight" in rep["hint"], rep["hint"]
 
 
