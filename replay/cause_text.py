@@ -159,7 +159,8 @@ DO = {
              "(alpha, 1 - alpha) (alpha + (1 - 2 * alpha) * x, RealNVP's alpha = 0.05) before "
              "the logit",
     "power_pole": "keep the base away from 0 (x.clamp_min(eps)); a count or a degree (a "
-                  "graph's deg.pow(-0.5) at an isolated node): deg.clamp(min=1), or give the "
+                  "graph's deg.pow(-0.5) at an isolated node, or at a padded node of a dense "
+                  "batch, whose row the collate_fn left all 0): deg.clamp(min=1), or give the "
                   "pow a safe base (torch.where(deg > 0, deg, 1)) and set inv[deg == 0] = 0 (a "
                   "fill after the pow of a learned degree still makes inf * 0 = NaN gradients)",
     "divide": "add an eps to the denominator (std + eps, d.clamp_min(eps)) or skip the rows "

@@ -113,7 +113,7 @@ class Evidence:
 
 
 # ops with a pole at an input of 0, where a 0 they are given makes an infinity
-_POLES = {"log", "log2", "log10", "div", "reciprocal", "rsqrt"}
+_POLES = {"log", "log2", "log10", "div", "reciprocal", "rsqrt", "pow"}
 
 
 def exact_pole(hit: OpHit) -> bool:

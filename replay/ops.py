@@ -54,7 +54,7 @@ from .positive import Partly, made_sign, positive_result
 from .read_numbers import ReadNumbers
 from .recurring import widen_rows
 from .reordered import Reordered
-from .saturated import taken_back_exactly, took_back
+from .saturated import superseded, taken_back_exactly, took_back
 from .saturation import Saturation, made_mix, made_unit
 from .shifted_positive import shifted_maker
 from .source import user_source
@@ -109,7 +109,7 @@ class _Watch(TorchDispatchMode):
         if made == "nan" and (calling := f.composites.nan_constant(ins, leaves, seq)):
             return f.composite(calling, occurrence, out)  # (torch.logdet's own NaN constant)
         intentional = literal_inf is not None or filled or f.allows(made, in_finite)
-        if in_finite and f.first is None and made not in f.passed_kinds:
+        if in_finite and f.starts(made, intentional):
             hit = OpHit(op, made, user_source(), lo, hi, intentional, occurrence, True,
                         rows=f.batch_rows(outs), param=f.param_among(ins, name), within=f.where,
                         node=running_node(), seq=seq, literal=nan_number(name, leaves))
@@ -330,6 +330,13 @@ class OpFinder:
     def views_mask(self, out) -> bool:
         return any(isinstance(t, torch.Tensor) and storage_of(t) in self.mask_buffers
                    for t in tree_leaves(out))
+
+    def starts(self, made: str | None, intentional: bool) -> bool:
+        """Whether a non-finite value (``made``) an op made of finite ones starts the chain:
+        none did before, or the first one's infinities were taken back exactly before any NaN
+        (:func:`~replay.saturated.superseded`) and this one is no intended fill."""
+        return made not in self.passed_kinds and (
+            self.first is None or not intentional and superseded(self))
 
     def in_allowed_module(self) -> bool:
         return self.allowed_depth > 0

@@ -27,7 +27,8 @@ _DIFFERENCES = {"sub", "rsub", "diff"}
 
 # those that pick entries by index (a buffer's: a table looked up by the batch's ids)
 _LOOKUPS = {"index", "index_select", "gather", "take_along_dim", "embedding"}
-# a looked-up table's values scaled (its first input), its zeros kept: ``counts[ids] / total``
+# a looked-up table's values scaled (its first input), its zeros kept: ``counts[ids] / total``;
+# or a table scaled by a number before the lookup: ``(counts / counts.sum())[ids]``
 _SCALINGS = {"div", "mul"}
 # value by value, 0 where the entry is 0: a noise schedule's ``alphas_cumprod[t].sqrt()``
 _ZERO_KEEPING = {"sqrt", "abs", "neg", "square", "relu"}
@@ -132,8 +133,11 @@ class ParamNames:
             self._table_copies[ptr] = (weakref.ref(outs[0]), b[0], b[1] or name in _LOOKUPS)
         elif name in _SCALINGS | _ZERO_KEEPING and len(outs) == 1 and ins \
                 and (b := self._table_of(ins[0])) \
-                and b[1] and (ptr := _storage(outs[0])) is not None:
-            self._table_copies[ptr] = (weakref.ref(outs[0]), b[0], True)  # (q = counts[i] / n)
+                and (b[1] or name in _SCALINGS and all(t.numel() == 1 for t in ins[1:])) \
+                and (ptr := _storage(outs[0])) is not None:
+            # (q = counts[i] / n, alphas_cumprod[t].sqrt(); or normalised first, then looked
+            # up: (h / h.sum())[n])
+            self._table_copies[ptr] = (weakref.ref(outs[0]), b[0], b[1])
         self._track_buffer(name, ins, outs)
         self._track_kept(ins, outs)
         if not self.params or len(outs) != 1 or len(ins) != 1 or ins[0].is_nested \
