@@ -61,6 +61,12 @@ class ParamNames:
         # the buffer the divisor of that division is, as is, a view or an unchanged copy (a
         # statistic kept by the code: ``x / self.std``, ``p / self.p_model``)
         self.hit_divisor_held: str | None = None
+        # id of a value made of one buffer's values alone, value by value, with scalars (a
+        # frequency's ``sqrt(2 * p * (1 - p))``) -> (it, the name); the buffer the divisor of
+        # that division was so made of
+        self._of_held: dict[int, tuple[weakref.ref, str]] = {}
+        self.hit_divisor_of_held: str | None = None
+        self.hit_divisor: torch.Tensor | None = None  # (that divisor, detached)
 
     def index(self, named, buffers=()) -> None:
         """Name the parameters ``named`` yields (``model.named_parameters()``), by address
@@ -69,6 +75,7 @@ class ParamNames:
         self.params, self._copies, self._derived = {}, {}, {}
         self._table_copies, self.hit_buffer = {}, None
         self._of_buffer, self.hit_divisor_buffer, self.hit_divisor_held = {}, None, None
+        self._of_held, self.hit_divisor_of_held, self.hit_divisor = {}, None, None
         self._tables = {p: n for n, b in buffers
                         if b.is_floating_point() and (p := _storage(b)) is not None}
         storages: dict[int, str | None] = {}
@@ -94,6 +101,8 @@ class ParamNames:
             self.hit_divisor_buffer = self._differenced(ins[1])
             held = self._table_of(ins[1])
             self.hit_divisor_held = held[0] if held is not None and not held[1] else None
+            self.hit_divisor_of_held = None if held is not None else self._held_of(ins[1])
+            self.hit_divisor = ins[1].detach() if self.hit_divisor_of_held else None
         if op in _DIVISIONS and len(ins) == 2:
             return self.among(ins[1:]) or self._derived_from(ins[1])
         if not self.params or len(ins) != 1:
@@ -123,6 +132,7 @@ class ParamNames:
                 and b[1] and (ptr := _storage(outs[0])) is not None:
             self._table_copies[ptr] = (weakref.ref(outs[0]), b[0], True)  # (q = counts[i] / n)
         self._track_buffer(name, ins, outs)
+        self._track_held(ins, outs)
         if not self.params or len(outs) != 1 or len(ins) != 1 or ins[0].is_nested \
                 or ins[0].layout != torch.strided:  # (no data pointer to name it by)
             return
@@ -146,6 +156,24 @@ class ParamNames:
         name = names.pop()
         for t in outs:
             self._of_buffer[id(t)] = (weakref.ref(t), name)
+
+    def _track_held(self, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        """An output of the shape of its non-scalar floating inputs, all values of one
+        buffer (kept unchanged, or made so): named by that buffer."""
+        floats = [t for t in ins if t.is_floating_point() and t.dim() > 0]
+        if not floats or len(outs) != 1 or not self._tables \
+                or any(t.shape != outs[0].shape for t in floats):
+            return
+        names = {self._held_of(t) for t in floats}
+        if len(names) == 1 and None not in names:
+            self._of_held[id(outs[0])] = (weakref.ref(outs[0]), names.pop())
+
+    def _held_of(self, t: torch.Tensor) -> str | None:
+        """The buffer ``t`` is (unchanged, not picked by index) or was made of value by value."""
+        if (b := self._table_of(t)) is not None:
+            return None if b[1] else b[0]
+        hit = self._of_held.get(id(t))
+        return hit[1] if hit is not None and hit[0]() is t else None
 
     def _buffer_of(self, t: torch.Tensor) -> str | None:
         if (b := self._table_of(t)) is not None:

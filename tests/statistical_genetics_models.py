@@ -32,11 +32,12 @@ N_IND, N_SNP, BATCH, GENE = 64, 120, 16, 10
 
 
 def genotypes(n: int = N_IND, m: int = N_SNP, seed: int = 0, *, mono_in_batch: int | None = None,
-              minus9: tuple[int, int] | None = None, nan_calls: list[tuple[int, int]] | None = None):
+              minus9: tuple[int, int] | None = None, nan_calls: list[tuple[int, int]] | None = None,
+              monomorphic: int | None = None):
     """``(G, y, trait, covar, w)``. ``mono_in_batch=k``: SNP 7 is rare, its minor alleles all in
     individuals outside step ``k``'s batch; ``minus9=(i, j)``: individual ``i``'s call at SNP
     ``j`` is PLINK's ``-9``, the other calls of the batch at that SNP mostly 0; ``nan_calls``:
-    (individual, SNP) calls missing as NaN."""
+    (individual, SNP) calls missing as NaN; ``monomorphic``: a SNP no individual carries."""
     g = torch.Generator().manual_seed(seed)
     p = 0.3 + 0.2 * torch.rand(m, generator=g)
     G = (torch.rand(n, m, 2, generator=g) < p[None, :, None]).sum(-1).float()
@@ -47,6 +48,8 @@ def genotypes(n: int = N_IND, m: int = N_SNP, seed: int = 0, *, mono_in_batch: i
     if mono_in_batch is not None:
         G[:, 7] = 0.0
         G[[k * BATCH + 3 for k in range(n // BATCH) if k != mono_in_batch], 7] = 1.0
+    if monomorphic is not None:
+        G[:, monomorphic] = 0.0
     if minus9 is not None:
         i, j = minus9
         k = i // BATCH
@@ -246,3 +249,10 @@ class BinomialNLL(nn.Module):
 def make_admixture() -> AdmixtureAE:
     torch.manual_seed(0)
     return AdmixtureAE()
+
+
+def make_prs_unfiltered() -> PRSNet:
+    """Training-set frequencies with no MAF filter: SNP 7 is monomorphic in the training set
+    (``genotypes(monomorphic=7)``), its frequency 0."""
+    torch.manual_seed(0)
+    return PRSNet(freq=reference_freq(genotypes(monomorphic=7)[0])[0])

@@ -30,11 +30,12 @@ def line_of(text: str) -> str:
 
 
 def train_prs(make: str, out_dir, data: dict, lr: float = 1e-2, epochs: int = 2,
-              record: bool = True, **loss):
+              record: bool = True, adam_eps: float = 1e-8, no_pc2: bool = False, **loss):
     """Adam over the PRS, the weighted case-control loss with its penalties, gradients
-    clipped at 5; 64 individuals in batches of 16 (individual 16 k + r is row r of step k)."""
+    clipped at 5; 64 individuals in batches of 16 (individual 16 k + r is row r of step k).
+    ``no_pc2``: the second PC never computed, its covariate column 0."""
     model = getattr(M, make)()
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    opt = torch.optim.Adam(model.parameters(), lr=lr, eps=adam_eps)
     crit = M.CaseControlLoss(model, **loss)
     rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
                          factory=f"statistical_genetics_models:{make}") if record else None
@@ -42,6 +43,8 @@ def train_prs(make: str, out_dir, data: dict, lr: float = 1e-2, epochs: int = 2,
         loss_fn = rec.loss_fn if rec is not None else crit
         for _ in range(epochs):
             for g, y, _trait, covar, w in M.loader(*M.genotypes(**data)):
+                if no_pc2:
+                    covar = torch.cat([covar[:, :2], torch.zeros(len(covar), 1)], 1)
                 loss = loss_fn(model(g, covar), y, w)
                 opt.zero_grad()
                 loss.backward()
@@ -122,6 +125,35 @@ def test_plink_minus_nine_call_names_the_individual_under_a_pooled_frequency(tmp
     h = rep["hint"]
     assert "pools every sample of the batch" in h and "sample(s) 5 of args[0] hold -9" in h, h
     assert "missing-value code" in h and "--try drop=5" in h, h
+
+
+def test_snp_monomorphic_in_the_training_set_names_the_frequency_buffer(tmp_path):
+    """Training-set allele frequencies with no MAF filter: SNP 7 is carried by no individual,
+    its frequency buffer is 0, and sqrt(2p(1-p)) divides 0 by 0 at step 0. The hint used to
+    call the divisor 'a statistic over the batch (z.std(0))' and advise taking the
+    statistics over the whole dataset, as the model already did; it names the buffer
+    std.freq, entry 7, its value 0, and a MAF filter."""
+    ev, bundle = fire(train_prs, "make_prs_unfiltered", tmp_path, {"monomorphic": 7})
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "forward", "std"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("std", "aten.div", "nan", ALL), o
+    assert o["source"] == line_of(STANDARDISE), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    h = rep["hint"]
+    assert "made of the buffer std.freq alone" in h and "0 at entry 7 of its shape (120,)" in h, h
+    assert "minor-allele-frequency" in h and "z.std(0)" not in h, h
+
+
+def test_adam_without_eps_on_a_covariate_never_computed_names_its_weight(tmp_path):
+    """Adam with eps=0 and the second PC left at 0 in every individual: that covariate's
+    weight gets a gradient of exactly 0, m / sqrt(v) is 0/0, and the update writes NaN at
+    step 0: an optimizer event naming covar.weight and eps."""
+    ev, bundle = fire(train_prs, "make_prs_reference", tmp_path, {}, adam_eps=0.0, no_pc2=True)
+    assert (ev["step"], ev["phase"]) == (0, "optimizer"), ev
+    rep = nanreplay_json(bundle, code=None)
+    assert rep["cause"] == "optimizer", rep["cause"]
+    assert "covar.weight" in rep["hint"] and "eps=0" in rep["hint"], rep["hint"]
 
 
 def test_vcf_missing_calls_read_as_nan_are_an_input_event_of_the_individual(tmp_path):
