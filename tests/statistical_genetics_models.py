@@ -33,11 +33,12 @@ N_IND, N_SNP, BATCH, GENE = 64, 120, 16, 10
 
 def genotypes(n: int = N_IND, m: int = N_SNP, seed: int = 0, *, mono_in_batch: int | None = None,
               minus9: tuple[int, int] | None = None, nan_calls: list[tuple[int, int]] | None = None,
-              monomorphic: int | None = None):
+              monomorphic: int | None = None, related: tuple[int, int] | None = None):
     """``(G, y, trait, covar, w)``. ``mono_in_batch=k``: SNP 7 is rare, its minor alleles all in
     individuals outside step ``k``'s batch; ``minus9=(i, j)``: individual ``i``'s call at SNP
     ``j`` is PLINK's ``-9``, the other calls of the batch at that SNP mostly 0; ``nan_calls``:
-    (individual, SNP) calls missing as NaN; ``monomorphic``: a SNP no individual carries."""
+    (individual, SNP) calls missing as NaN; ``monomorphic``: a SNP no individual carries;
+    ``related=(a, b)``: individuals a..b-1 are relatives a kinship filter excluded (weight 0)."""
     g = torch.Generator().manual_seed(seed)
     p = 0.3 + 0.2 * torch.rand(m, generator=g)
     G = (torch.rand(n, m, 2, generator=g) < p[None, :, None]).sum(-1).float()
@@ -65,6 +66,8 @@ def genotypes(n: int = N_IND, m: int = N_SNP, seed: int = 0, *, mono_in_batch: i
     y = (eta + torch.randn(n, generator=g) > 0.5).float()
     trait = eta + torch.randn(n, generator=g)
     w = torch.where(y == 1, 2.0, 1.0)  # cases up-weighted to the population prevalence
+    if related is not None:
+        w[related[0]:related[1]] = 0.0
     for i, j in nan_calls or []:
         G[i, j] = float("nan")
     return G, y, trait, covar, w

@@ -218,6 +218,36 @@ def test_raw_variance_components_stepped_below_zero_name_the_parameters(tmp_path
     assert "Levenberg" not in h, h
 
 
+def test_log_variances_of_a_trait_in_other_units_overflow_their_exp(tmp_path):
+    """The log-variance parameterisation, but the trait 100x its standardised scale (a
+    phenotype never standardised): step 0's gradient sends log s to thousands, and step 1's
+    exp overflows before the Cholesky refuses the infinite matrix. The replay names that exp
+    in the root's forward, overflow, and the weight jump before it."""
+    with pytest.raises(torch.linalg.LinAlgError):
+        train_reml("make_reml_log", tmp_path, scale=100.0)
+    (bundle,) = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["module"], o["op"], o["made"]) == (
+        1, "", "aten.exp", "+inf"), (rep["event"], o)
+    assert o["source"] == line_of("s_g, s_e = (self.s_g.exp(), self.s_e.exp())"), o
+    assert rep["cause"] == "overflow" and "weights had jumped" in rep["hint"], rep["hint"]
+
+
+def test_batch_of_relatives_all_weighted_zero_is_a_zero_over_zero_of_the_weights(tmp_path):
+    """A kinship filter excluded individuals 32-47 by a sample weight of 0, and step 2's
+    batch holds only them: the weighted mean (w * nll).sum() / w.sum() is 0/0. The replay
+    names that division in the loss, no row, and a divisor 0 for the whole batch."""
+    ev, bundle = fire(train_prs, "make_prs_reference", tmp_path, {"related": (32, 48)})
+    assert (ev["step"], ev["phase"]) == (2, "loss"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("<loss>", "aten.div", "nan", []), o
+    assert o["source"] == line_of("loss = (w * nll).sum() / w.sum()"), o
+    assert rep["cause"] == "invalid" and "one 0-d value for every element" in rep["hint"], \
+        rep["hint"]
+
+
 def test_admixture_likelihood_as_a_product_over_snps_underflows(tmp_path):
     """Neural ADMIXTURE's binomial likelihood as a product over 120 SNPs: about 1e-55, 0 in
     float32, and its log -inf at step 0: underflow, sum the logs."""
