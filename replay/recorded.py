@@ -37,6 +37,7 @@ from .findings import origin_fields
 from .load import Step, micro_batch_inputs
 from .loss_arg_name import with_param_name
 from .masked_gaps import masked_gaps
+from .missing_entries import MISSING_ENTRIES, missing_entries
 from .nan_runs import NAN_RUNS, nan_runs
 from .padded_elements import padded_elements
 from .shared_loss_arg import shared_loss_arg_hint
@@ -244,6 +245,8 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
             step, origin)) or WHOLE_SLICES.format(tensor=tensor, where=where)
     if key and (where := nan_runs(step.tensors.get(key), _sample_dim(step, origin, key))):
         return NAN_RUNS.format(tensor=tensor, where=where)
+    if key and (where := missing_entries(step.tensors.get(key), _sample_dim(step, origin, key))):
+        return MISSING_ENTRIES.format(tensor=tensor, where=where)
     if tensor.startswith("loss_") and not batch_non_finite(step, ("batch/",)):
         where = samples(step, origin.get("micro_batch") or 0)
         if shared := shared_loss_arg_hint(step, origin, where):  # (class weights, no rows)

@@ -158,13 +158,15 @@ def test_adam_without_eps_on_a_covariate_never_computed_names_its_weight(tmp_pat
 
 def test_vcf_missing_calls_read_as_nan_are_an_input_event_of_the_individual(tmp_path):
     """Two './.' calls of individual 37 read as NaN and never imputed: the batch itself holds
-    NaN, an input event at step 2 naming sample 5."""
+    NaN, an input event at step 2 naming sample 5, its two missing calls, and imputation."""
     ev, bundle = fire(train_prs, "make_prs_reference", tmp_path,
                       {"nan_calls": [(37, 11), (37, 40)]})
     assert (ev["step"], ev["phase"]) == (2, "input"), ev
     rep = nanreplay_json(bundle)
     assert (rep["origin"]["phase"], rep["origin"]["samples"]) == ("input", [5]), rep["origin"]
     assert rep["cause"] == "input", rep["cause"]
+    h = rep["hint"]  # (it was the generic 'check the data pipeline ... or filter them')
+    assert "sample 5 at feature(s) 11, 40 (of 120)" in h and "impute" in h, h
 
 
 def test_hand_written_logistic_of_a_large_score_is_precision_not_exact_arithmetic(tmp_path):
