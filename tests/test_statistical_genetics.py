@@ -187,6 +187,42 @@ def test_hand_written_logistic_of_a_large_score_is_precision_not_exact_arithmeti
     assert "exp(z) / (1 + exp(z))" in h and "binary_cross_entropy_with_logits" in h, h
 
 
+def train_amp(out_dir, epochs: int, record: bool = True, **loss):
+    """The reference PRS with forward and loss under bfloat16 autocast (Adam, lr 0.05)."""
+    model = M.make_prs_reference()
+    opt = torch.optim.Adam(model.parameters(), lr=5e-2)
+    crit = M.CaseControlLoss(model, **loss)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory="statistical_genetics_models:make_prs_reference") \
+        if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for _ in range(epochs):
+            for g, y, _trait, covar, w in M.loader(*M.genotypes()):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = loss_fn(model(g, covar), y, w)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    return model
+
+
+def test_hand_written_logistic_under_bfloat16_autocast_rounds_to_one(tmp_path):
+    """The same hand-written likelihood over standardised SNPs under bfloat16 autocast: the
+    head's bfloat16 score of 8 gives exp(eta) / (1 + exp(eta)) = 1.0 in bfloat16 (float32
+    keeps 1 - p = 3e-4), and a control's log(1 - p) is -inf at step 8: precision, sample 7,
+    named in bfloat16, and the logits form."""
+    ev, bundle = fire(train_amp, tmp_path, epochs=3, hand_written=True)
+    assert (ev["step"], ev["phase"]) == (8, "loss"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("<loss>", "aten.log", "-inf",
+                                                               [7]), o
+    assert rep["cause"] == "precision", (rep["cause"], rep["hint"])
+    h = rep["hint"]
+    assert "rounded to 1 in bfloat16" in h and "binary_cross_entropy_with_logits" in h, h
+
+
 def test_group_lasso_of_zero_initialised_effects_is_a_backward_nan_of_the_sqrt(tmp_path):
     """A gene-wise group lasso written as sqrt(sum of squares) over SNP effects initialised
     at 0: the forward is 0, the derivative of sqrt at 0 is infinite, times 0: NaN gradients at
@@ -269,12 +305,14 @@ def _same_training(recorded, plain):
 
 
 def test_healthy_pipelines_raise_no_event_and_train_bit_identically(tmp_path):
-    """Reference frequencies with a MAF filter, log-variances, the likelihood as a sum of
-    logs: no event, and each trains bit-identically with and without the recorder."""
+    """Reference frequencies with a MAF filter, log-variances, the library's logistic loss
+    under bfloat16 autocast, the likelihood as a sum of logs: no event, and each trains
+    bit-identically with and without the recorder."""
     _same_training(train_prs("make_prs_reference", tmp_path, {}),
                    train_prs("make_prs_reference", tmp_path, {}, record=False))
     _same_training(train_reml("make_reml_log", tmp_path), train_reml("make_reml_log", tmp_path,
                                                                      record=False))
+    _same_training(train_amp(tmp_path, epochs=3), train_amp(tmp_path, epochs=3, record=False))
     _same_training(train_admixture(tmp_path, product=False),
                    train_admixture(tmp_path, product=False, record=False))
     assert not list(tmp_path.glob("*.nan"))
