@@ -245,8 +245,6 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
             step, origin)) or WHOLE_SLICES.format(tensor=tensor, where=where)
     if key and (where := nan_runs(step.tensors.get(key), _sample_dim(step, origin, key))):
         return NAN_RUNS.format(tensor=tensor, where=where)
-    if key and (where := missing_entries(step.tensors.get(key), _sample_dim(step, origin, key))):
-        return MISSING_ENTRIES.format(tensor=tensor, where=where)
     if tensor.startswith("loss_") and not batch_non_finite(step, ("batch/",)):
         where = samples(step, origin.get("micro_batch") or 0)
         if shared := shared_loss_arg_hint(step, origin, where):  # (class weights, no rows)
@@ -259,6 +257,9 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
         every = LOSS_ARGUMENT_EVERY.format(kind=kind) if n and rows == list(range(n)) else ""
         return LOSS_ARGUMENT.format(tensor=with_param_name(tensor, step.loss_fn), every=every,
                                     kind=kind)
+    if key and origin.get("samples") and (where := missing_entries(  # (per sample: no field)
+            step.tensors.get(key), _sample_dim(step, origin, key))):
+        return MISSING_ENTRIES.format(tensor=tensor, where=where)
     if origin.get("samples") or not tensor:
         return None
     return SHARED_INPUT.format(tensor=f"the input {tensor}") + _some_rows(
