@@ -19,6 +19,8 @@ import torch
 
 from recorder.target import LOSS_PREFIX
 
+from . import lost_eps
+
 __all__ = ["held_divisor_hint", "loss_buffers"]
 
 SHOWN = 8  # entries named in the hint
@@ -41,7 +43,9 @@ def held_divisor_hint(hint: str | None, cause: str, finder, hit,
             or ev is None or len(ev.inputs) < 2:
         return None
     if name is None and (of := finder.names.hit_divisor_of_held) is not None:
-        return _made_of_hint(hit.op, of, dict(buffers).get(of), finder.names.hit_divisor)
+        # (not an eps the code set to 0 there, std + eps with eps = 0: that hint names it)
+        return None if lost_eps.zero(ev) else _made_of_hint(
+            hit.op, of, dict(buffers).get(of), finder.names.hit_divisor)
     buf = dict(buffers).get(name) if name is not None else None
     if buf is None or not bool((buf == 0).any()):
         return None
