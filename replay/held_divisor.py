@@ -6,7 +6,9 @@ class no row predicted yet), or a scalar setting stored as a buffer (a LoRA rank
 ``alpha / self.ranknum``, 0 for a layer the rank pattern left out). Every sample divides by
 the same entries, so the generic advice (an eps in the data, skip the rows, a feature
 constant over the batch) points away from the fix, which is where the buffer is computed,
-starts and is updated.
+starts and is updated. So too for a divisor the code made of such a buffer alone, value by
+value (a SNP's ``sqrt(2 * p * (1 - p))`` of training-set allele frequencies ``p``, 0 for a SNP
+monomorphic there): the entries where it is 0 are named, with the buffer's values there.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections.abc import Iterable
 import torch
 
 from recorder.target import LOSS_PREFIX
+
+from . import lost_eps
 
 __all__ = ["held_divisor_hint", "loss_buffers"]
 
@@ -35,10 +39,15 @@ def held_divisor_hint(hint: str | None, cause: str, finder, hit,
     entries at 0, when it is one of ``buffers`` (name, tensor); else None."""
     name = finder.names.hit_divisor_held
     ev = hit and hit.evidence
-    if hint is None or cause != "invalid" or name is None or hit is not finder.first \
+    if hint is None or cause != "invalid" or hit is not finder.first \
             or ev is None or len(ev.inputs) < 2:
         return None
-    buf = dict(buffers).get(name)
+    kept = finder.names.hit_divisor_kept
+    if name is None and kept is not None and len(kept) == 1:  # (made of one buffer alone)
+        # (not an eps the code set to 0 there, std + eps with eps = 0: that hint names it)
+        return None if lost_eps.zero(ev) else _made_of_hint(
+            hit.op, kept[0], dict(buffers).get(kept[0]), finder.names.hit_divisor)
+    buf = dict(buffers).get(name) if name is not None else None
     if buf is None or not bool((buf == 0).any()):
         return None
     what = "0 by 0 (0/0)" if bool(((ev.inputs[0] == 0) & (ev.inputs[1] == 0)).any()) \
@@ -65,3 +74,32 @@ def held_divisor_hint(hint: str | None, cause: str, finder, hit,
             "probabilities, a count or histogram per class) is 0 where it started at 0 or was "
             "never updated: start it above 0 (uniform, not zeros), update it with the batch "
             f"before dividing, or divide by self.{short}.clamp_min(eps)")
+
+
+def _entries(at: torch.Tensor) -> str:
+    return ", ".join(str(tuple(i)) if len(i) > 1 else str(i[0]) for i in at[:SHOWN].tolist()) \
+        + (f", ... ({len(at)} in all)" if len(at) > SHOWN else "")
+
+
+def _made_of_hint(op: str, name: str, buf: torch.Tensor | None,
+                  divisor: torch.Tensor | None) -> str | None:
+    """The hint of a division by a value made of buffer ``name`` alone, value by value, 0 at
+    some entries (see the module); None when it is not so."""
+    if buf is None or divisor is None or buf.dim() == 0 or divisor.shape[divisor.dim() - buf.dim():] != buf.shape:
+        return None
+    rows = divisor.detach().reshape(-1, *buf.shape)  # (as the op saw it: broadcast)
+    divisor = rows[0]
+    if not bool((rows == divisor).all()) or not bool((divisor == 0).any()):
+        return None
+    at = (divisor.detach() == 0).nonzero()
+    held = sorted({float(v) for v in buf.detach()[divisor == 0].flatten()[:SHOWN].tolist()})
+    return (f"{op} by 0: the divisor was made of the buffer {name} alone, value by value (no "
+            f"sample's record, nothing learned), and is 0 at entr{'ies' if len(at) > 1 else 'y'} "
+            f"{_entries(at)} of its shape {tuple(buf.shape)}, where the buffer holds "
+            f"{' / '.join(f'{v:g}' for v in held)}; every sample divides by the same entries, so "
+            "no record is to blame and there are no rows to drop. A statistic of the data at "
+            "its edge for a feature constant where it was computed (an allele frequency of 0 or "
+            "1 in sqrt(2p(1 - p)): a SNP monomorphic in the training set; a std of 0: an EEG "
+            "reference electrode) is the cause: drop such features where the statistic is made "
+            "(a minor-allele-frequency or variance filter), or floor the divisor "
+            "(.clamp_min(eps))")

@@ -39,6 +39,7 @@ from .forward import find_op_in_call
 from .indefinite import indefinite_hint
 from .learned import Learned
 from .load import Step
+from .negative_scales import NegativeScales, negative_scales_hint
 from .node_labels import NodeLabels, loss_labeller
 from .recorded import batch_size
 from .rerun import Runner
@@ -66,6 +67,7 @@ class Failed:
     learned: bool = True  # the model's parameters or buffers went into the matrix
     in_backward: bool = False  # raised by a derivative (a custom Function's KKT solve)
     ridge: torch.Tensor | None = None  # the diagonal an add put on the matrix (zero_ridge)
+    negative: dict[str, float] = field(default_factory=dict)  # (replay.negative_scales)
 
 
 @dataclass
@@ -122,6 +124,7 @@ class _Failing(TorchDispatchMode):
         # (only the first run's: its matrix is judged, the float64 run's only measured)
         self.learned = Learned(calls.runner.model) if target is None else None
         self.ridges = Ridges() if target is None else None
+        self.negative = NegativeScales(calls.runner.model) if target is None else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -147,7 +150,8 @@ class _Failing(TorchDispatchMode):
                                      user_source(), self.calls.running(), str(e).split("\n")[0],
                                      learned=not mats or mats[0] in self.learned,
                                      in_backward=running_node() is not None,
-                                     ridge=self.ridges.of(mats[0]) if mats else None)
+                                     ridge=self.ridges.of(mats[0]) if mats else None,
+                                     negative=self.negative.of(mats[0] if mats else None))
             elif self.failed is not None and self.target is not None:
                 self.failed.raised = True
                 raise StopRun from e
@@ -163,6 +167,7 @@ class _Failing(TorchDispatchMode):
         if self.learned is not None:
             self.learned.track((args, kwargs), out)
             self.ridges.track(name, args, out)
+            self.negative.track(name, args, out)
         if self.target is not None and self.failed is not None and name != _CHECK \
                 and not hit:
             raise StopRun  # (the op and its check ran: what comes later is not needed)
@@ -230,6 +235,8 @@ def report_linalg(report, step: Step, runner: Runner, run) -> dict[str, Any] | N
             "exact arithmetic is not known: " + _REMEDY["invalid"]))
     of_data = not failed.learned and 0 < len(origin["samples"]) < (batch_size(step, mb) or 0)
     cause, hint = judge(failed.op, failed.matrix, exact, of_data, origin["samples"])
+    if cause == "invalid" and failed.negative and "is indefinite" in hint:
+        hint = negative_scales_hint(hint, failed.negative)
     if exact.occurrence < failed.occurrence:  # (the float64 run stopped at an earlier call)
         hint = hint.replace("(float64 re-run: ", f"(the float64 re-run refused call "
                             f"{exact.occurrence} of it already, {failed.occurrence - exact.occurrence}"

@@ -67,10 +67,12 @@ class ParamNames:
         # statistic kept by the code: ``x / self.std``, ``p / self.p_model``)
         self.hit_divisor_held: str | None = None
         # id of a value ops made of buffers' values alone, each taken whole (``self.std +
-        # self.eps``, ``self.running_var.sqrt()``) -> (it, their names); and the names the
-        # divisor of that division was so made of
+        # self.eps``, ``self.running_var.sqrt()``, a frequency's ``sqrt(2 * p * (1 - p))``)
+        # -> (it, their names); the names the divisor of that division was so made of, and
+        # that divisor (detached)
         self._kept: dict[int, tuple[weakref.ref, tuple[str, ...]]] = {}
         self.hit_divisor_kept: tuple[str, ...] | None = None
+        self.hit_divisor: torch.Tensor | None = None
 
     def index(self, named, buffers=()) -> None:
         """Name the parameters ``named`` yields (``model.named_parameters()``), by address
@@ -79,7 +81,7 @@ class ParamNames:
         self.params, self._copies, self._derived = {}, {}, {}
         self._table_copies, self.hit_buffer = {}, None
         self._of_buffer, self.hit_divisor_buffer, self.hit_divisor_held = {}, None, None
-        self._kept, self.hit_divisor_kept = {}, None
+        self._kept, self.hit_divisor_kept, self.hit_divisor = {}, None, None
         self._tables = {p: n for n, b in buffers
                         if b.is_floating_point() and (p := _storage(b)) is not None}
         storages: dict[int, str | None] = {}
@@ -106,6 +108,7 @@ class ParamNames:
             held = self._table_of(ins[1])
             self.hit_divisor_held = held[0] if held is not None and not held[1] else None
             self.hit_divisor_kept = self._kept_of(ins[1])
+            self.hit_divisor = ins[1].detach() if self.hit_divisor_kept else None
         if op in _DIVISIONS and len(ins) == 2:
             return self.among(ins[1:]) or self._derived_from(ins[1])
         if not self.params or len(ins) != 1:
@@ -133,10 +136,10 @@ class ParamNames:
             self._table_copies[ptr] = (weakref.ref(outs[0]), b[0], b[1] or name in _LOOKUPS)
         elif name in _SCALINGS | _ZERO_KEEPING and len(outs) == 1 and ins \
                 and (b := self._table_of(ins[0])) \
-                and (b[1] or name in _SCALINGS and all(t.numel() == 1 for t in ins[1:])) \
+                and (b[1] or name in _SCALINGS and len(ins) == 2 and ins[1].numel() == 1) \
                 and (ptr := _storage(outs[0])) is not None:
-            # (q = counts[i] / n, alphas_cumprod[t].sqrt(); or normalised first, then looked
-            # up: (h / h.sum())[n])
+            # (q = counts[i] / n, alphas_cumprod[t].sqrt(); or normalised by a 0-d tensor
+            # first, then looked up: (h / h.sum())[n]; a Python number's 2 * p is no copy)
             self._table_copies[ptr] = (weakref.ref(outs[0]), b[0], b[1])
         self._track_buffer(name, ins, outs)
         self._track_kept(ins, outs)

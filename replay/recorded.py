@@ -37,6 +37,7 @@ from .findings import origin_fields
 from .load import Step, micro_batch_inputs
 from .loss_arg_name import with_param_name
 from .masked_gaps import masked_gaps
+from .missing_entries import MISSING_ENTRIES, missing_entries
 from .nan_runs import NAN_RUNS, nan_runs
 from .padded_elements import padded_elements
 from .shared_loss_arg import shared_loss_arg_hint
@@ -256,6 +257,9 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
         every = LOSS_ARGUMENT_EVERY.format(kind=kind) if n and rows == list(range(n)) else ""
         return LOSS_ARGUMENT.format(tensor=with_param_name(tensor, step.loss_fn), every=every,
                                     kind=kind)
+    if key and origin.get("samples") and (where := missing_entries(  # (per sample: no field)
+            step.tensors.get(key), _sample_dim(step, origin, key))):
+        return MISSING_ENTRIES.format(tensor=tensor, where=where)
     if origin.get("samples") or not tensor:
         return None
     return SHARED_INPUT.format(tensor=f"the input {tensor}") + _some_rows(

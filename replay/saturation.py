@@ -20,6 +20,11 @@ A softmax is strictly below 1 too wherever its slice holds two or more entries a
 A mix ``c + (d - c) * s`` of three such values in (0, 1) (``d`` may be 1) lies between ``c`` and
 ``d``, so inside (0, 1) too: a 3PL's ``c + (1 - c) * sigmoid(a (theta - b))`` with its guessing
 ``c = sigmoid(logit_c)``, whose ``log(1 - p)`` is log(0) once ``c`` or the sigmoid rounds to 1.
+
+A logistic written out, ``e / (c + e)`` or ``1 / (c + e)`` of ``e = exp(z)`` and a scalar
+``c > 0`` (``c >= 1`` for the reciprocal), is a sigmoid too: inside (0, 1) wherever ``e`` is
+finite, so a hand-written case-control likelihood's ``log(1 - exp(eta) / (1 + exp(eta)))`` of
+a large polygenic score is rounding, not a value outside the domain.
 """
 
 from __future__ import annotations
@@ -70,13 +75,16 @@ class Saturation:
         self._gap = TensorMarks()  # d - c, 1 - c of a c in (0, 1): marked with c
         self._mix = TensorMarks()  # (d - c) * s, s in (0, 1): marked with c
         self._mixed = TensorSet()  # c + (d - c) * s, and its complements
+        self._exp = TensorSet()  # exp(z): 0 or more
+        self._exp_sum = TensorMarks()  # c + exp(z), c > 0: marked with exp(z)
 
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
               leaves: list) -> None:
         """After an op with finite inputs ran: mark its outputs (see the class)."""
         unit = [t in self._unit for t in ins]
         self._track_mix(name, ins, outs)  # (marks beside the others: a gap is a complement)
-        if self._track_power(name, ins, outs, leaves):
+        if self._track_power(name, ins, outs, leaves) or self._track_ratio(name, ins, outs,
+                                                                           leaves):
             return
         if name in UNIT_OPEN or (ins and all(unit) and (
                 name in KEEP and _positive_power(name, leaves) or name == "mul"
@@ -117,6 +125,31 @@ class Saturation:
                 and scalars and all(v == 1 for v in scalars[1:]) \
                 and (scalars[0] <= 1 if name == "sub" else scalars[0] >= -1):
             marks = [self._complement, self._power]
+        else:
+            return False
+        for t in outs:
+            for m in marks:
+                m.add(t)
+        return True
+
+    def _track_ratio(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
+                     leaves: list) -> bool:
+        """exp(z), c + exp(z) (c > 0), and the logistic ``e / (c + e)`` (its ``e`` the sum's,
+        or an exp of the same values) or ``1 / (c + e)`` (c >= 1) made of them: inside (0, 1),
+        as sigmoid's; whether the op was one of those."""
+        scalars = _scalars(leaves)
+        if name == "exp" and len(ins) == 1:
+            marks = [self._exp]
+        elif name == "add" and len(ins) == 1 and ins[0] in self._exp and scalars \
+                and scalars[0] > 0 and all(v == 1 for v in scalars[1:]):
+            for t in outs:
+                self._exp_sum.put(t, ins[0])
+            return True
+        elif (name == "div" and len(ins) == 2 and ins[0] in self._exp
+              and _same(ins[0], self._exp_sum.get(ins[1]))) or (
+                name == "reciprocal" and len(ins) == 1
+                and (e := self._exp_sum.get(ins[0])) is not None and _sum_of_one(ins[0], e)):
+            marks = [self._positive, self._unit]
         else:
             return False
         for t in outs:
@@ -246,6 +279,16 @@ def _gap_of(gap, c) -> bool:
         nxt[0] is None or _sigmoid(nxt[0]))
 
 
+def _same(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """``a`` is ``b`` or holds its values (``exp(eta)`` taken twice, once for the sum)."""
+    return b is not None and (a is b or (a.shape == b.shape and bool(torch.equal(a, b))))
+
+
+def _sum_of_one(s: torch.Tensor, e: torch.Tensor) -> bool:
+    """``s = c + e`` has ``c >= 1`` (so ``1 / s`` is below 1): ``s - e`` is 1 or more."""
+    return s.shape == e.shape and bool(((s - e) >= 1).all())
+
+
 def _positive_power(name: str, leaves: list) -> bool:
     """Not ``pow``, or ``pow`` with a positive scalar exponent (|y|^p stays below 1)."""
     if name != "pow":
@@ -298,9 +341,9 @@ def hint(what: str, divides: bool = False, mix: str = "") -> str:
     """The ``precision`` hint of an op at its pole whose 0 input is such a complement
     (``divides``: the op divides by it, where a probability is trimmed; ``mix``: what a
     3PL's mix needs)."""
-    return (f"{what}: that 0 is 1 − y of a y (tanh, sigmoid, a normal cdf, a softmax over "
-            "two or more entries) that exact arithmetic keeps below 1 for every finite argument, "
-            "rounded to 1 in float64 too: " + mix + (TRIM if divides else "") + STABLE)
+    return (f"{what}: that 0 is 1 − y of a y (tanh, sigmoid or exp(z) / (1 + exp(z)), a normal "
+            "cdf, a softmax over two or more entries) that exact arithmetic keeps below 1 for every finite argument, "
+            "rounded to 1 in float64 too: " + mix + (TRIM if divides else LOGITS) + STABLE)
 
 
 # what a probability some value is divided by needs
@@ -321,8 +364,8 @@ def in_type_hint(name: str, what: str, dt: str, ev) -> str | None:
         return None
     if said := _power_hint(what, ev, _complement_type(ev) or dt):
         return said
-    return (f"{what}: that 0 is 1 − y of a y (tanh, sigmoid, a normal cdf, a softmax over two "
-            f"or more entries) that exact arithmetic keeps below 1 for every finite argument, "
+    return (f"{what}: that 0 is 1 − y of a y (tanh, sigmoid or exp(z) / (1 + exp(z)), a "
+            f"normal cdf, a softmax over two or more entries) that exact arithmetic keeps below 1 for every finite argument, "
             f"rounded to 1 in {_complement_type(ev) or dt}: " + _mix_said(ev)
             + (TRIM if _divides(name, ev) else LOGITS) + STABLE)
 

@@ -1,0 +1,44 @@
+"""A batch tensor of records by features ``(B, F)`` holding NaN at a few scattered entries of
+some records, finite everywhere else: missing values (a genotype call a VCF writes ``./.``, a
+lab test not ordered, a survey item not answered) that the data pipeline read as NaN and never
+imputed. Not a bad record to filter nor a division of the pipeline (a whole row, a whole
+column, a run along a time axis: ``replay.recorded``'s other input hints): the fix is an
+imputation where the data is made.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MISSING_ENTRIES = (
+    "the batch itself holds NaN, and {tensor} holds it at scattered entries of records "
+    "otherwise finite: {where}: missing values (a genotype call not made, './.' in a VCF; a "
+    "lab test not ordered; a survey item not answered) the data pipeline read as NaN and "
+    "never imputed; impute them where the data is made (the feature's mean over the training "
+    "set, 2p for a genotype of allele frequency p, 0 after standardising; with a "
+    "missing-indicator where missingness may carry signal), drop features or records with too "
+    "many missing, or, where the model imputes them itself, name the input to "
+    "FlightRecorder(..., allow_nan=[...])")
+
+SHOWN = 8  # samples, and entries of each, named
+
+
+def missing_entries(t: torch.Tensor | None, d: int | None) -> str:
+    """Where ``t``'s NaN lie, as text, when ``t`` is ``(B, F)`` with its samples in dim 0 and
+    ``F >= 8``, every non-finite value NaN, and each sample that holds one holds it at fewer
+    than half its features, not two adjacent ones (a run: ``replay.nan_runs``); else ""."""
+    if t is None or d != 0 or t.dim() != 2 or t.shape[1] < 8 or not t.is_floating_point():
+        return ""
+    nan = torch.isnan(t.detach())
+    if not bool(nan.any()) or not bool(torch.isfinite(t[~nan]).all()):
+        return ""
+    count = nan.sum(1)
+    if bool((2 * count >= t.shape[1]).any()) or bool((nan[:, 1:] & nan[:, :-1]).any()):
+        return ""
+    where = []
+    for s in (count > 0).nonzero().flatten().tolist()[:SHOWN]:
+        cols = nan[s].nonzero().flatten().tolist()
+        shown = ", ".join(map(str, cols[:SHOWN])) + (", ..." if len(cols) > SHOWN else "")
+        where.append(f"sample {s} at feature(s) {shown} (of {t.shape[1]})")
+    more = int((count > 0).sum()) - len(where)
+    return "; ".join(where) + (f" (+{more} samples)" if more > 0 else "")
