@@ -39,8 +39,10 @@ def land_rows(f: Any, leaves: list, outs: list[torch.Tensor]) -> None:
     state = _STATE.get(f)
     if state is not None and state[0] is hit and state[1]:
         return
-    bad = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()
-           and not t.is_complex() and not finite(t)]
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    if all(map(f.held, tensors)):  # (made of the weights alone: its dims may match the
+        return  # batch's by chance, a mesh's (E, 4) edge features)
+    bad = [t for t in tensors if t.is_floating_point() and not t.is_complex() and not finite(t)]
     if not bad or all(finite(t) for t in outs):
         _STATE[f] = (hit, False)
         return
