@@ -67,12 +67,16 @@ class ToDB(nn.Module):
 
 
 class MinMax(nn.Module):
-    """Per-frame min-max normalisation to [0, 1]."""
+    """Per-frame min-max normalisation to [0, 1]; ``eps`` in the divisor."""
+
+    def __init__(self, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
 
     def forward(self, x):
         lo = x.amin(dim=(-2, -1), keepdim=True)
         hi = x.amax(dim=(-2, -1), keepdim=True)
-        return (x - lo) / (hi - lo + 1e-6)
+        return (x - lo) / (hi - lo + self.eps)
 
 
 class CNN(nn.Module):
@@ -90,11 +94,11 @@ class CNN(nn.Module):
 class RDClassifier(nn.Module):
     """ADC cube -> range-Doppler map in dB -> per-frame min-max -> CNN -> class logits."""
 
-    def __init__(self, floor: float = 0.0):
+    def __init__(self, floor: float = 0.0, eps: float = 1e-6):
         super().__init__()
         self.rd = RangeDoppler()
         self.db = ToDB(floor)
-        self.norm = MinMax()
+        self.norm = MinMax(eps)
         self.cnn = CNN()
         self.head = nn.Linear(8 * 16, CLASSES)
 
@@ -110,6 +114,12 @@ def make_rd() -> nn.Module:
 def make_rd_floor() -> nn.Module:
     torch.manual_seed(0)
     return RDClassifier(floor=1e-3)
+
+
+def make_rd_floor_bare() -> nn.Module:
+    """The floored dB map under a min-max written without its eps."""
+    torch.manual_seed(0)
+    return RDClassifier(floor=1e-3, eps=0.0)
 
 
 # -- CA-CFAR-style normalisation ---------------------------------------------------------------

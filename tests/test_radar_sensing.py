@@ -45,9 +45,10 @@ def dataset(steps: int, plant, every: bool) -> TensorDataset:
 
 
 def train(make: str, out_dir, plant=None, steps: int = 3, record: bool = True,
-          every: bool = False, amp: bool = False, eps: float = 1e-8):
+          every: bool = False, amp: bool = False, eps: float = 1e-8, accum: int = 1):
     """Adam, the focal loss, clipping at 1.0 as the RADDet/RadHAR code trains; ``amp``: float16
-    autocast around the forward. Returns the model."""
+    autocast around the forward; ``accum`` micro-batches a step (the batch's rows split in
+    order). Returns the model."""
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=eps)
     crit = M.FocalLoss()
@@ -58,9 +59,11 @@ def train(make: str, out_dir, plant=None, steps: int = 3, record: bool = True,
         loss_fn = rec.loss_fn if rec is not None else crit
         for adc, labels in loader:
             opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
-                logits = model(adc)
-            loss_fn(logits.float(), labels).backward()
+            for part in range(accum):
+                rows = slice(part * BATCH // accum, (part + 1) * BATCH // accum)
+                with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+                    logits = model(adc[rows])
+                (loss_fn(logits.float(), labels[rows]) / accum).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
     return model
@@ -113,6 +116,19 @@ def test_dropped_frame_names_log10_of_the_db_map_and_the_blank_record(tmp_path):
     assert o["source"] == line_of("return 20 * torch.log10(mag)"), o
     assert rep["cause"] == "invalid" and "clamp_min(eps)" in rep["hint"], rep["hint"]
     assert "0 everywhere in sample(s) 5" in rep["hint"], rep["hint"]
+
+
+def test_floored_dropped_frame_names_the_min_max_written_with_an_eps_of_zero(tmp_path):
+    """With a floor under the magnitude the dropped frame's dB map is constant, and a min-max
+    configured with ``eps=0`` divides 0 by 0 there: the replay names the division in ``norm``,
+    sample 5, and the eps of 0 that guarded nothing."""
+    ev, bundle = fire("make_rd_floor_bare", tmp_path, dropped)
+    assert (ev["step"], ev["module"], ev["kind"], ev["samples"]) == (2, "norm", "nan", [5]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("norm", "aten.div", "nan", [5])
+    assert o["source"] == line_of("return (x - lo) / (hi - lo + self.eps)"), o
+    assert rep["cause"] == "invalid" and "guarded nothing" in rep["hint"], rep["hint"]
 
 
 def test_cfar_over_zeroed_near_range_names_the_division_and_its_zero_eps(tmp_path):
@@ -180,6 +196,18 @@ def test_hypot_of_a_padded_antenna_names_its_backward_and_the_complex_modulus(tm
     h = rep["hint"]
     assert rep["cause"] == "invalid" and "hypot(a, b) is 0 where both" in h, h
     assert "torch.complex(a, b).abs()" in h, h
+
+
+def test_padded_antenna_in_the_second_micro_batch_names_its_rows(tmp_path):
+    """The same padded antenna in frame 6 with two micro-batches a step: the replay names the
+    second micro-batch, its sample 2, and row 6 of the loop's batch."""
+    ev, bundle = fire("make_angle", tmp_path, lambda x, y: x[6, 3].zero_(), accum=2)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (2, "backward", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["module"], o["micro_batch"], o["samples"], o["batch_rows"]) == (
+        "HypotBackward0", "angle", 1, [2], [6]), o
+    assert rep["cause"] == "invalid" and "hypot(a, b) is 0 where both" in rep["hint"]
 
 
 def test_adam_without_eps_names_the_never_filled_antennas_calibration(tmp_path):
