@@ -4,8 +4,8 @@ clipping. Planted: a corrupted ADC frame (NaN samples), a dropped frame whose ``
 -inf, a CFAR normaliser dividing the zeroed near-range bins by their local mean of 0, a corner
 reflector's linear magnitude past float16 under autocast, a beamformer's power in dB whose
 squares underflow float16 after ``norm="forward"`` FFTs, the ``hypot(re, im)`` of a zero-padded
-antenna (NaN in backward only), and Adam with ``eps=0`` on the calibration of an antenna a
-3-RX sensor never fills. Each fires under the recorder and is replayed with the CLI; the fixed
+antenna (NaN in backward only), a focal loss taking ``log(softmax)`` of linear-magnitude
+logits, and Adam with ``eps=0`` on the calibration of an antenna a 3-RX sensor never fills. Each fires under the recorder and is replayed with the CLI; the fixed
 versions raise no event and train bit-identically with and without the recorder."""
 
 from __future__ import annotations
@@ -45,13 +45,14 @@ def dataset(steps: int, plant, every: bool) -> TensorDataset:
 
 
 def train(make: str, out_dir, plant=None, steps: int = 3, record: bool = True,
-          every: bool = False, amp: bool = False, eps: float = 1e-8, accum: int = 1):
+          every: bool = False, amp: bool = False, eps: float = 1e-8, accum: int = 1,
+          stable: bool = True):
     """Adam, the focal loss, clipping at 1.0 as the RADDet/RadHAR code trains; ``amp``: float16
     autocast around the forward; ``accum`` micro-batches a step (the batch's rows split in
-    order). Returns the model."""
+    order); ``stable=False``: the focal loss's ``log(softmax)`` written out. Returns the model."""
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=eps)
-    crit = M.FocalLoss()
+    crit = M.FocalLoss(stable=stable)
     loader = DataLoader(dataset(steps, plant, every), batch_size=BATCH)
     rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
                          factory=f"radar_sensing_models:{make}") if record else None
@@ -178,6 +179,21 @@ def test_beam_power_underflows_float16_before_the_db(tmp_path):
         "beam", "aten.log10", "-inf", True), o
     assert o["source"] == line_of("return 10 * torch.log10(power).permute(0, 3, 1, 2)"), o
     assert rep["cause"] == "underflow" and "float32" in rep["hint"], rep["hint"]
+
+
+def test_focal_loss_of_linear_magnitudes_names_log_of_an_underflowed_softmax(tmp_path):
+    """Linear (not dB) magnitudes into the classifier give logits in the hundreds, and the
+    focal loss written as ``log(softmax(z)[y])`` takes the log of a probability float32 rounds
+    to 0 (``log p`` is -309, -180 and -112 in float64) at the first step: the replay names the
+    loss's log on its line, samples 2, 4 and 5, underflow, and log_softmax."""
+    ev, bundle = fire("make_mag", tmp_path, stable=False)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "loss", "<loss>", "+inf")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "<loss>", "aten.log", "-inf", [2, 4, 5]), o
+    assert o["source"] == line_of("logp = torch.log(F.softmax(logits, dim=-1)"), o
+    assert rep["cause"] == "underflow" and "log_softmax instead of log(softmax)" in rep["hint"]
 
 
 def test_hypot_of_a_padded_antenna_names_its_backward_and_the_complex_modulus(tmp_path):
