@@ -5,8 +5,9 @@ clipping. Planted: a corrupted ADC frame (NaN samples), a dropped frame whose ``
 reflector's linear magnitude past float16 under autocast, a beamformer's power in dB whose
 squares underflow float16 after ``norm="forward"`` FFTs, the ``hypot(re, im)`` of a zero-padded
 antenna (NaN in backward only), a focal loss taking ``log(softmax)`` of linear-magnitude
-logits, and Adam with ``eps=0`` on the calibration of an antenna a 3-RX sensor never fills. Each fires under the recorder and is replayed with the CLI; the fixed
-versions raise no event and train bit-identically with and without the recorder."""
+logits, and Adam with ``eps=0`` on the calibration of an antenna a 3-RX sensor never fills.
+Each fires under the recorder and is replayed with the CLI; the fixed versions raise no event
+and train bit-identically with and without the recorder."""
 
 from __future__ import annotations
 
