@@ -343,3 +343,45 @@ def make_beam() -> nn.Module:
 def make_beam_wide() -> nn.Module:
     torch.manual_seed(0)
     return BeamNet(wide=True)
+
+
+# -- angle of arrival from the strongest cell's phase difference ---------------------------------
+
+class AoANet(nn.Module):
+    """Per antenna pair, the phase difference at the strongest range-Doppler cell, turned into
+    an angle with ``asin(dphi / pi)`` (half-wavelength spacing), classified by a linear layer;
+    ``edge`` clamps the sine inside (-1, 1) as the fix."""
+
+    def __init__(self, edge: float = 0.0):
+        super().__init__()
+        self.rd = RangeDoppler()
+        self.angle = PhaseDiff(stable=True)
+        self.fc = nn.Linear(ANT - 1, CLASSES)
+        self.edge = edge
+
+    def forward(self, adc):
+        phase, mag = self.angle(self.rd(adc))                       # phase in units of pi
+        cell = (mag[:, 1:] * mag[:, :-1]).flatten(2).argmax(-1)
+        sine = phase.flatten(2).gather(2, cell[..., None])[..., 0]
+        if self.edge:
+            sine = sine.clamp(-1 + self.edge, 1 - self.edge)
+        return self.fc(torch.asin(sine))
+
+
+def make_aoa() -> nn.Module:
+    torch.manual_seed(0)
+    return AoANet()
+
+
+def make_aoa_clamped() -> nn.Module:
+    torch.manual_seed(0)
+    return AoANet(edge=1e-6)
+
+
+def endfire(x: torch.Tensor, row: int) -> None:
+    """Sample ``row`` becomes a simulated target at endfire: neighbouring antennas exactly in
+    antiphase (a phase step of pi), no noise."""
+    t = torch.arange(SAMPLES, dtype=torch.float32)
+    c = torch.arange(CHIRPS, dtype=torch.float32)[:, None]
+    base = 40.0 * torch.cos(2 * torch.pi * (6.0 * t / SAMPLES + 0.1 * c))
+    x[row] = torch.stack([base * (-1) ** a for a in range(ANT)])

@@ -227,6 +227,22 @@ def test_padded_antenna_in_the_second_micro_batch_names_its_rows(tmp_path):
     assert rep["cause"] == "invalid" and "hypot(a, b) is 0 where both" in rep["hint"]
 
 
+def test_endfire_target_names_asin_backward_at_the_edge_of_its_domain(tmp_path):
+    """A simulated target at endfire in the first batch's frame 3: neighbouring antennas are in
+    exact antiphase, ``atan2`` gives pi, and the angle ``asin(dphi / pi)`` takes exactly 1,
+    finite in forward, infinite derivative in backward. The replay names AsinBackward0 on its
+    line, sample 3, invalid, and a clamp inside the domain."""
+    ev, bundle = fire("make_aoa", tmp_path, endfire_first, steps=1)
+    assert (ev["step"], ev["phase"]) == (0, "backward"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["op"], o["made"], o["samples"]) == (
+        "backward", "AsinBackward0", "+inf", [3]), o
+    assert o["source"] == line_of("return self.fc(torch.asin(sine))"), o
+    assert rep["cause"] == "invalid" and "exactly +-1" in rep["hint"], rep["hint"]
+    assert "clamp(-1 + eps, 1 - eps)" in rep["hint"], rep["hint"]
+
+
 def test_adam_without_eps_names_the_never_filled_antennas_calibration(tmp_path):
     """A 3-RX dataset padded to 4 antennas: antenna 3's calibration never gets a gradient, and
     Adam with ``eps=0`` divides its m = 0 by sqrt(v) = 0 at the first update. The replay names
@@ -240,16 +256,22 @@ def test_adam_without_eps_names_the_never_filled_antennas_calibration(tmp_path):
     assert "row(s) 3 of 4" in rep["hint"], rep["hint"]
 
 
+def endfire_first(x, y):
+    M.endfire(x, 3)                  # (in every batch: the calibration starts at 1 + 0j)
+
+
 @pytest.mark.parametrize(("make", "plant", "amp"), [
     ("make_rd_floor", dropped, False), ("make_cfar_eps", None, False),
     ("make_beam_wide", None, True), ("make_angle_stable", padded, False),
-    ("make_lstm", dropped, False)])
+    ("make_lstm", dropped, False), ("make_aoa_clamped", endfire_first, False)])
 def test_fixed_models_raise_nothing_and_train_the_same(tmp_path, make, plant, amp):
     """The fixed versions (a magnitude floor, a CFAR eps, the beam power in float32, the
-    complex modulus) on the same planted data, and the micro-Doppler LSTM: no event, and the
-    weights bit-identical with and without the recorder."""
-    recorded = train(make, tmp_path, plant, amp=amp)
-    plain = train(make, tmp_path, plant, amp=amp, record=False)
+    complex modulus, the sine clamped inside asin's domain) on the same planted data (the
+    endfire frame in every batch), and the micro-Doppler LSTM: no event, and the weights
+    bit-identical with and without the recorder."""
+    every = plant is endfire_first
+    recorded = train(make, tmp_path, plant, amp=amp, every=every)
+    plain = train(make, tmp_path, plant, amp=amp, record=False, every=every)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.isfinite(a).all() and torch.equal(a, b), name
