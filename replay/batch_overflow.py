@@ -16,6 +16,11 @@ from typing import Any
 
 import torch
 
+# what ADVICE says of the op's inputs alone: the hint keeps it where the samples named are shown
+# out of scale (replay.data_scale), whose sentence says the rest without the float32 escape
+OF_DATA = ("; its inputs there were made of the batch's data alone (nothing the model learns "
+           "reaches them)")
+
 ADVICE = (
     "; but its inputs there were made of the batch's data alone (nothing the model learns reaches "
     "them), large in the samples named only: those records hold values out of the scale of "
@@ -23,6 +28,14 @@ ADVICE = (
     "another unit, a fill value), which no learning rate or weight drove there: crop or "
     "rescale such records where the data is made (the dataset, its transforms), or keep this "
     "op in float32")
+
+
+def without_advice(hint: str) -> str:
+    """``hint`` with :data:`ADVICE` cut to :data:`OF_DATA`: for a hint that goes on to name the
+    samples whose data is out of scale, where ADVICE's generic records and its "or keep this
+    op in float32" would repeat that sentence and contradict its "a wider type would only
+    hide"."""
+    return hint.replace(ADVICE, OF_DATA)
 
 
 def unlearned(lineage, ins: list[torch.Tensor], rows: list[int] | None, where) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from .batch_overflow import without_advice
 from .carried_state import carried_keys, carried_note
 from .drop import undroppable
 from .grown_input import grown_input_note
@@ -46,7 +47,8 @@ def data_scale_hint(report: dict[str, Any], step: Step) -> None:
         report["hint"] = f"{report['hint']}. But {grown}"
     elif found is not None:
         droppable = undroppable(step, o.get("micro_batch") or 0) is None
-        report["hint"] = f"{report['hint']}. But {outlier_hint(found[1], found[0], droppable)}"
+        hint = without_advice(report["hint"])  # (the outlier sentence says the rest)
+        report["hint"] = f"{hint}. But {outlier_hint(found[1], found[0], droppable)}"
     elif report["cause"] == "underflow" and (small := undersized_input(
             step, o.get("micro_batch") or 0, o.get("samples") or [])) is not None:
         droppable = undroppable(step, o.get("micro_batch") or 0) is None

@@ -32,7 +32,7 @@ _NO_POLE = {"exp", "exp2", "expm1", "mul", "add", "sub", "sum", "mean", "mm", "b
 # ``sqrt``): an infinite gradient from finite incoming ones means an input at the pole.
 _DERIVATIVE_POLES = {"sqrt", "rsqrt", "log", "log2", "log10", "log1p", "div", "reciprocal",
                      "pow", "acos", "asin", "atanh", "acosh", "erfinv", "xlogy", "norm",
-                     "linalgvectornorm", "cdist", "dist", "std", "var"}
+                     "linalgvectornorm", "cdist", "dist", "std", "var", "hypot"}
 
 
 # Backward nodes of decompositions whose gradient divides by the gaps between the values

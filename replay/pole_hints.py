@@ -24,6 +24,7 @@ from .cause_text import DO
 from .centred_root import centred_hint
 from .clamped_divisor import clamped_to_zero
 from .compat import saved_value
+from .hypot_pole import hypot_hint
 from .masked_grad import MASKED_INCOMING
 from .positive import node_op
 from .rounded_bound import RoundedBound
@@ -110,6 +111,7 @@ def pole_hint(b, cause: Cause) -> str:
     """``cause``'s hint for backward origin ``b`` (a :class:`~replay.backward.BackwardOrigin`),
     with what a 0 incoming gradient says of a mask after the op (replay.masked_grad)."""
     hint = centred_hint(b, _pole_hint(b, cause), DO["sqrt_pole"])
+    hint = hypot_hint(b.node, b.saved_zero, hint)  # (torch.hypot(re, im) at 0 + 0j)
     if cause.name == "precision" and not isinstance(b.lost_eps, RoundedBound):
         hint += narrow_eps(b.node, b.dtype)  # (float32's eps, rounded away in float16; a
         # clamp's bound rounded onto the edge says so itself: replay.rounded_bound)
