@@ -141,6 +141,10 @@ def test_a_hand_written_softplus_of_the_rare_codes_logit_overflows_float16(tmp_p
         "overflow", "<loss>", "aten.exp", "+inf", [0, 1, 2, 3]), rep
     assert o["source"] == source_line(MODELS, "loss = y * torch.log(1 + torch.exp(-logits))")
     assert "use F.softplus(z)" in rep["hint"], rep["hint"]
+    # y is a label picking a branch, not padding (was: "the overflow is in entries the loss
+    # leaves out (padded steps, ignored targets) ... Check what the padding holds")
+    assert "a 0/1 factor the loss also takes as its complement (1 - y)" in rep["hint"]
+    assert "padding holds" not in rep["hint"] and "no padding is involved" in rep["hint"]
 
 
 def test_an_oov_vector_averaged_over_no_ngrams_is_a_nan_embedding_row(tmp_path):
