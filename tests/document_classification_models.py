@@ -42,7 +42,7 @@ RARE = VOCAB - 1             # an OOV word of the pretrained vectors, no known n
 
 
 def corpus(n: int, seed: int = 0, short=(), rare_word=(), never_coded=(),
-           min_sent: int = 2) -> list:
+           min_sent: int = 2, empty=()) -> list:
     """``n`` notes of min_sent..MAX_SENT sentences (``short``: notes of one sentence), each sentence
     3..MAX_WORDS words; ``rare_word``: notes holding the word ``RARE``; codes in
     ``never_coded`` are never assigned (their trigger words never appear)."""
@@ -61,7 +61,7 @@ def corpus(n: int, seed: int = 0, short=(), rare_word=(), never_coded=(),
             s[int(torch.randint(len(s), (1,), generator=g))] = FIRST_TRIGGER + c
         if i in rare_word:
             sents[0][0] = RARE
-        data.append((sents, codes))
+        data.append(([] if i in empty else sents, codes))
     return data
 
 

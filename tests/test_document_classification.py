@@ -103,6 +103,28 @@ def test_a_padding_sentence_through_the_word_attention_is_a_fully_masked_softmax
     assert "fully masked row" in rep["hint"] and "keep at least one key" in rep["hint"]
 
 
+@pytest.mark.parametrize("factory, module, line", [
+    ("make_han", "sent_attn", "alpha = F.softmax(scores, dim=-1)"),
+    ("make_laat", "", "a = F.softmax(scores.masked_fill(~mask.unsqueeze(1)")],
+    ids=["han", "laat"])
+def test_an_empty_note_is_named_a_blank_record_under_the_sentence_softmax(tmp_path, factory,
+                                                                          module, line):
+    # note 9's text extraction gave no sentence: every sentence position of its row is masked,
+    # at HAN's sentence attention and at LAAT's attention of every code
+    data = M.corpus(16, empty={9})
+    err = event(tmp_path, factory, data, bce())
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (2, "forward", module)
+    rep, o = replay(err)
+    assert (rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
+        "invalid", module, "aten._softmax", "nan", [9 - 2 * BATCH]), rep
+    assert o["source"] == source_line(MODELS, line)
+    # (was: the fully-masked-row advice alone, "keep at least one key per row")
+    assert "But args[0] and args[1] are 0 everywhere in sample(s) 1 and not in any other " \
+        "sample: a blank record (a document whose text extraction gave no sentence" \
+        in rep["hint"], rep["hint"]
+    assert "--try drop=1" in rep["hint"]
+
+
 def test_a_code_the_split_never_assigns_has_pos_weight_inf(tmp_path):
     # (N - 0) / 0: the loss's buffer is inf at code 5 before any step
     data = M.corpus(16, never_coded={5})
