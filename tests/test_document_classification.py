@@ -20,10 +20,10 @@ MODELS = "document_classification_models.py"
 BATCH = 4
 
 
-def train(model, data, loss_fn, out_dir=None, factory=None, amp=None):
+def train(model, data, loss_fn, out_dir=None, factory=None, amp=None, eps=1e-8):
     """Adam, clipping at 5, float16 autocast with a GradScaler when ``amp``; under the recorder
     when ``out_dir`` is given."""
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=eps)
     scaler = torch.amp.GradScaler("cpu", enabled=amp == torch.float16)
     rec = None
     if out_dir is not None:
@@ -46,10 +46,10 @@ def train(model, data, loss_fn, out_dir=None, factory=None, amp=None):
     return model
 
 
-def event(out_dir, factory, data, loss_fn, amp=None) -> NonFiniteError:
+def event(out_dir, factory, data, loss_fn, amp=None, eps=1e-8) -> NonFiniteError:
     torch.manual_seed(0)
     with pytest.raises(NonFiniteError) as info:
-        train(getattr(M, factory)(), data, loss_fn, out_dir, factory, amp)
+        train(getattr(M, factory)(), data, loss_fn, out_dir, factory, amp, eps)
     return info.value
 
 
@@ -196,3 +196,20 @@ def test_a_mean_over_no_words_behind_torch_where_is_nan_in_backward_only(tmp_pat
         "invalid", "backward", "DivBackward0", "nan", [0, 1, 2, 3]), rep
     assert o["source"] == source_line(MODELS, "torch.where(n > 0, x.sum(2) / n")
     assert "make the masked entries' input safe before the op" in rep["hint"], rep["hint"]
+
+
+def test_adam_without_eps_makes_the_padding_row_and_the_absent_words_nan(tmp_path):
+    # the frozen padding row and every word absent from the batch have gradients of exactly
+    # 0: m / (sqrt(v) + 0) is 0/0 there at the first update
+    data = M.corpus(16)
+    err = event(tmp_path, "make_han", data, bce(), eps=0.0)
+    assert (err.event["step"], err.event["phase"], err.event["params"]) == (
+        0, "optimizer", ["emb.weight"])
+    docs = M.collate(data[:BATCH])[0]
+    absent = sorted(set(range(M.VOCAB)) - set(docs[docs != M.PAD].tolist()))
+    rep = nanreplay_json(err.bundle_path, code=1)  # (the update is not re-run: exit 1)
+    assert (rep["cause"], rep["reproduced"]) == ("optimizer", False), rep
+    assert "with eps=0 an element whose gradients have all been exactly 0" in rep["hint"]
+    rows = ", ".join(map(str, absent[:8]))
+    assert f"it made only row(s) {rows} (+{len(absent) - 8}) of {M.VOCAB} of emb.weight" \
+        in rep["hint"], rep["hint"]
