@@ -101,6 +101,10 @@ def test_a_padding_sentence_through_the_word_attention_is_a_fully_masked_softmax
         "invalid", "word_attn", "aten._softmax", "nan", [6 - BATCH]), rep
     assert o["source"] == source_line(MODELS, "alpha = F.softmax(scores, dim=-1)")
     assert "fully masked row" in rep["hint"] and "keep at least one key" in rep["hint"]
+    # (was: that advice alone, which says nothing of the padding sentences)
+    assert "Sample(s) 2 hold, and no other sample does, units of args[0] that are padding " \
+        "throughout (sample 2, unit(s) 1, 2, 3, 4: a document padded" in rep["hint"], rep["hint"]
+    assert "run it over the non-empty units only" in rep["hint"]
 
 
 @pytest.mark.parametrize("factory, module, line", [
