@@ -3,7 +3,9 @@ built: 3DGS's initial log-scales ``torch.log(torch.sqrt(dist2))`` of a point dup
 the cloud (its nearest distance 0) without the reference's ``clamp_min(dist2, 1e-7)``. The
 weights hint names it with its line instead of reading the value as an intended mask, which
 is written as a literal (``torch.full(.., -inf)``, ``masked_fill(m, -inf)``) and so never an
-op of finite inputs."""
+op of finite inputs. A reduction of an empty tensor (fastText's out-of-vocabulary vector, the
+mean of its known n-grams' vectors, when it has none) is named as such, not by its inputs'
+lowest value (it has none)."""
 
 from __future__ import annotations
 
@@ -69,6 +71,12 @@ def built_by_text(found, names: str, kinds: set[str]) -> str | None:
         return (head + tail + "its true result is too large for the type (an outlier "
                 "among the values it starts from, a point far outside the others: drop or "
                 "clamp it, or rescale before the op)")
+    if math.isnan(low):  # (its inputs were all finite: none had an element)
+        return (head + " of an empty tensor" + tail + "a reduction over no element is 0/0 (a "
+                "mean of an empty selection: an out-of-vocabulary word's vector averaged over "
+                "its known n-grams when none is known, a class centre over no sample): give "
+                "such rows a fallback where they are made (a random or zero vector, a "
+                "count clamped to 1) or check the selection is not empty")
     given = " of 0" if low == 0 else f" (inputs as low as {low:.3g})"
     return (head + given + tail + "keep the op's input in its domain (clamp a distance or a "
             "count away from 0 before a log or a division, as the value it starts from may "

@@ -42,7 +42,17 @@ import torch
 
 from recorder.finite import label
 
-from . import cancellation, domains, empty_rows, lost_eps, residue, root_floor, saturation, upstream
+from . import (
+    cancellation,
+    domains,
+    empty_rows,
+    float64_inputs,
+    lost_eps,
+    residue,
+    root_floor,
+    saturation,
+    upstream,
+)
 from .cause_text import (
     BELOW_FLOAT32,
     BEYOND_FLOAT64,
@@ -202,17 +212,9 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
     zero_from_exp = [i for i, v in enumerate(ev.inputs)
                      if ev.exp_made[i] and ev.elementwise[i] and bool((v == 0).any())]
     rounded = _float64_op_finite(capture, ev)
-    moved = _moved(capture, ev) if rounded else None
+    moved = float64_inputs.moved(capture, ev) if rounded else None
     if moved is not None and moved[0] == "underflow":
-        _, i, w = moved
-        it = ev.input_dtypes[i]
-        # a half type's underflow that float32 holds: float32 from where it is made fixes it
-        half, held = torch.finfo(it).bits < 32, abs(w) >= torch.finfo(torch.float32).tiny
-        wider = DO["wider_under"] + "; or " if half and held else ""
-        how = "" if lost_eps.rounded_guard(ev, i, w) else ": " + wider + advice(name, ev, i)
-        return Cause("underflow", f"{what}: that input is {_g(w)} in float64, below "
-                     f"{_type(it)}'s smallest normal number {_g(torch.finfo(it).tiny)}, and "
-                     f"was rounded to 0{BELOW_FLOAT32 if half and not held else ''}" + how)
+        return _underflow(name, what, ev, moved)
     if zero_from_exp:  # (or from a square of a non-zero value: re² + im²)
         src, fix = zero_source(ev, zero_from_exp, _POSITIVE_OPS, DO["log_space"])
         also = "" if rounded else ", and below float64's range as well"
@@ -245,6 +247,24 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
             return Cause("invalid", f"{what}, which exact arithmetic makes too: " + ev.counts)
         situation = ("compared" if ev.compared else "of_data") if ev.of_data else "of_weights"
     return Cause("invalid", f"{what}, which exact arithmetic makes too: " + DO[situation])
+
+
+def _underflow(name: str, what: str, ev: Evidence, moved) -> Cause:
+    """An input 0 in the step that float64 holds below the smallest value of a type it went
+    through (``replay.float64_inputs``)."""
+    _, i, w = moved
+    it = next(t for t in float64_inputs.made_in(ev, i)  # (its own type first, as before)
+              if abs(w) < float64_inputs.smallest(t, t != ev.input_dtypes[i]))
+    own = it == ev.input_dtypes[i]
+    edge = "smallest normal" if own else "smallest subnormal"
+    before = "" if own else f" (ops before it computed in {_type(it)})"
+    # a half type's underflow that float32 holds: float32 from where it is made fixes it
+    half, held = torch.finfo(it).bits < 32, abs(w) >= torch.finfo(torch.float32).tiny
+    wider = DO["wider_under"] + "; or " if half and held else ""
+    how = "" if lost_eps.rounded_guard(ev, i, w) else ": " + wider + advice(name, ev, i)
+    return Cause("underflow", f"{what}: that input is {_g(w)} in float64, below "
+                 f"{_type(it)}'s {edge} number {_g(float64_inputs.smallest(it, not own))}"
+                 f"{before}, and was rounded to 0{BELOW_FLOAT32 if half and not held else ''}" + how)
 
 
 def _beyond_type(op: str, ev: Evidence) -> Cause:
@@ -302,33 +322,6 @@ def _float64_op_finite(capture: OpAt | None, ev: Evidence) -> bool | None:
     if out.shape != ev.bad.shape:
         return None
     return bool(torch.isfinite(out[ev.bad.to(out.device)]).all())
-
-
-def _moved(capture: OpAt | None, ev: Evidence):
-    """How the float64 re-run's inputs differ where the op went non-finite: ("underflow", i,
-    value) for an input 0 in its type and below the type's smallest normal in float64, else
-    ("precision", i, value) for the first input that differs, one 0 in its type first (the
-    divisor at a quotient's pole: CROWN's ``u - l`` whose eps rounding lost); None when unknown."""
-    if capture is None or capture.inputs is None or len(capture.inputs) != len(ev.inputs):
-        return None
-    first = pole = None
-    for i, (v, t64) in enumerate(zip(ev.inputs, capture.inputs)):
-        if not ev.elementwise[i]:
-            continue
-        try:
-            w = torch.broadcast_to(t64.double(), ev.bad.shape)[ev.bad.to(t64.device)].cpu()
-        except RuntimeError:
-            continue
-        tiny = torch.finfo(ev.input_dtypes[i]).tiny
-        under = (v == 0) & (w != 0) & (w.abs() < tiny)
-        if bool(under.any()):
-            return "underflow", i, float(w[under][0])
-        differs, at_pole = v != w, (v != w) & (v == 0)
-        if first is None and bool(differs.any()):
-            first = ("precision", i, float(w[differs][0]))
-        if pole is None and bool(at_pole.any()):
-            pole = ("precision", i, float(w[at_pole][0]))
-    return pole or first
 
 
 # ops over a row that make NaN or -inf of a row whose entries are all -inf (a mask)

@@ -14,7 +14,8 @@ micro-batch of one sample (``replay.single_sample``); a 0/0 over records with no
 (``replay.absent_channels``), or over a channel of real-valued data that reads 0 throughout
 those records (``replay.dead_channels``), or over graphs with no node
 (``replay.empty_graphs``), or a log's pole over records whose counts are all 0 (``replay.empty_counts``); a pole or domain
-edge on samples whose model input is all 0 (``replay.zero_records``); a 0/0 of a feature the
+edge on samples whose model input is all 0 (``replay.zero_records``); a fully masked softmax
+over the padding units of exactly the samples that have some (``replay.padded_units``); a 0/0 of a feature the
 batch holds constant
 (``replay.constant_columns``); a number attribute the loop grew past the step's type
 (``replay.grown_number``); an overflow of a batch whose columns are in other units
@@ -54,6 +55,7 @@ from .nan_attribute import nan_attribute_hint
 from .nan_cast import nan_cast_hint
 from .negative_rows import negative_hint
 from .other_inputs import other_inputs_note
+from .padded_units import padded_units_hint
 from .sentinel_inputs import sentinel_inputs_hint
 from .single_sample import single_sample_hint
 from .zero_bound import zero_bound_hint
@@ -78,6 +80,7 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     empty_graphs_hint(report, step)  # (a per-atom energy of a structure with no atoms)
     empty_counts_hint(report, step)  # (log of a library size of a cell with no counts)
     zero_records_hint(report, step)  # (a metric depth scaled by a focal length left at 0)
+    padded_units_hint(report, step)  # (HAN's padding sentences through its word attention)
     constant_columns_hint(report, step)  # (x.std(0) of a gene no cell of the batch expresses)
     grown_number_hint(report, step)  # (an augmented Lagrangian's rho past float32's range)
     column_scale_hint(report, step)  # (a variable in millimetres among metres: NOTEARS' X)

@@ -22,6 +22,7 @@ from .compat import TorchDispatchMode, tree_leaves
 from .dispatch import run_op
 from .drop import undroppable
 from .empty_records import zero_rows
+from .label_branches import complement_of
 from .load import Step, autocast_as_recorded
 from .loss_args import loss_args
 from .masked_product import nan_times_zero
@@ -53,12 +54,15 @@ class FirstThenMasked(TorchDispatchMode):
         self.zeros: list[torch.Tensor] = []  # the first op's all-zero inputs
         self.factors: tuple = ()  # the masking product's operands
         self.derived: dict[int, torch.Tensor] = {}  # made of the first op's inputs, by id
+        self.complemented: list[torch.Tensor] = []  # y of every 1 - y (replay.label_branches)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = run_op(func, args, kwargs)
+        name = func.overloadpacket.__name__
+        if (c := complement_of(name, args)) is not None:
+            self.complemented.append(c)
         if self.masked is None:
-            name = func.overloadpacket.__name__
             if self.first is None and self.bad(tree_leaves(out)) and not self.bad(
                     tree_leaves((args, kwargs))):
                 self.first = (f"aten.{name}", user_source())

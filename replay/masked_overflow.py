@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .group_counts import PER_CLASS
+from .label_branches import BRANCH, picks_branch
 from .load import Step
 from .masked_after import masked_in_loss
 from .masked_product import mask_dropped
@@ -45,6 +46,10 @@ def masked_overflow_hint(report: dict[str, Any], step: Step) -> None:
         return
     op, source = watch.masked
     at = f" ({source})" if source else ""
+    if picks_branch(watch.factors, watch.complemented):  # (a label: no padding, no mask)
+        hint = _lead(report["hint"]) if UNFILLED in report["hint"] else report["hint"]
+        report["hint"] = hint + BRANCH.format(op=op, at=at)
+        return
     if report["cause"] == "invalid":  # (an op at its pole; a mask's product already said)
         # (the masked entries' 0 is no unfilled slot to look for: that advice is replaced)
         hint = _lead(report["hint"]) if UNFILLED in report["hint"] else report["hint"]

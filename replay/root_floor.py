@@ -8,7 +8,7 @@ from __future__ import annotations
 
 def advice(name: str, moved: tuple | None) -> str:
     """What to add to the advice for op ``name`` (``"sqrt"``) whose input float64 has as
-    ``moved[2]`` (``replay.cause._moved``): a positive floor when that value is exactly 0."""
+    ``moved[2]`` (``replay.float64_inputs.moved``): a positive floor when that value is exactly 0."""
     if name != "sqrt" or moved is None or moved[2] != 0.0:
         return ""
     return ("; float64 has exactly 0 there, where sqrt's gradient is infinite: clamp to a "

@@ -21,7 +21,10 @@ that eps for such zeros, which may be true values (an ephemeral stream's zero fl
 gives the eps and the record's fix side by side. A backward NaN the forward had masked out at
 those samples (a Poisson deviance's ``torch.where(y > 0, y * log(y / mu), 0)``, whose log's
 backward is 0/0 at a policy with no claim) is of zeros the code handles: the hint keeps the
-samples and asks for a safe input before the op."""
+samples and asks for a safe input before the op. A softmax over a row whose every key is masked
+looks at the integer model inputs too: token ids all 0 (the padding) in exactly those samples,
+an empty document (a note whose text extraction gave no sentence) under a hierarchical
+attention network's sentence attention."""
 
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from recorder.finite import zero_one
 from .data_counts import ORDINARY
 from .drop import undroppable
 from .empty_counts import root_inputs
-from .empty_records import zero_rows
+from .empty_records import batch_data, zero_rows
 from .load import Step
 from .recorded import n_args, samples
 from .shared_inputs import loss_input_refs
@@ -60,6 +63,11 @@ MASKED_ZEROS = (
     "samples, and give the op a safe input at them before it runs (torch.where(y > 0, y, 1) "
     "inside the log or division, or a form that takes no op at the 0: xlogy(y, y) - y * "
     "log_mu for y * log(y / mu))")
+# a softmax over a row whose every key is masked (replay.plus_inf_row), and what its own advice
+# (a key kept per row, a finite mask value) would do for a record with nothing in it
+_MASKED_ROW = "(a fully masked row)"
+_KEPT_KEY = (", where every position is padding; a key kept for them or a finite mask value "
+             "would only hide that, as attention over padding")
 
 
 def zero_records_hint(report: dict[str, Any], step: Step) -> None:
@@ -71,10 +79,13 @@ def zero_records_hint(report: dict[str, Any], step: Step) -> None:
         return
     # (a 0/0 of a blank model input is a normaliser's, ``(x - mean) / std`` of a constant
     # row, which an eps fixes; of a blank target, a mean over none of its valid entries)
-    zero_div = _ZERO_BY_ZERO in hint
+    zero_div, masked_row = _ZERO_BY_ZERO in hint, _MASKED_ROW in hint
     # (every such tensor: a record's discharge and its std over the training period both 0)
     names = [name for name, t, d in _records(step, mb, inputs=not zero_div)
              if _zero_in(t, d, rows)]
+    if masked_row:  # (a softmax over no key: integer inputs too, token ids all padding)
+        names += [name for name, t, d in batch_data(step, mb, loss=False)
+                  if not t.is_floating_point() and t.dtype != torch.bool and zero_rows(t, d, rows)]
     if not names:
         return
     which = ",".join(str(r) for r in rows)
@@ -98,12 +109,14 @@ def zero_records_hint(report: dict[str, Any], step: Step) -> None:
             "with no flow, a count of none), the eps is the fix; where it is a blank record "
             f"(a value never filled), fix or filter such records where the data is made{how}")
         return
-    hidden = "" if zero_div else ", which an eps would only hide as a wrong value"
+    hidden = "" if zero_div else _KEPT_KEY if masked_row else \
+        ", which an eps would only hide as a wrong value"
+    like = "a document whose text extraction gave no sentence, an utterance with no frame" \
+        if masked_row else "a camera intrinsic never filled, a frame with no ground truth"
     report["hint"] = (
         f"{hint}. But {is_are} 0 everywhere in sample(s) {which} and not in any other "
-        "sample: a blank record (a camera intrinsic never filled, a frame with no ground "
-        f"truth) drove the op there{hidden}; fix or filter such records where the data is "
-        f"made{how}")
+        f"sample: a blank record ({like}) drove the op there{hidden}; fix or filter such "
+        f"records where the data is made{how}")
 
 
 def _records(step: Step, mb: int, inputs: bool = True
