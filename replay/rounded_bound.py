@@ -67,9 +67,7 @@ def said(bound: RoundedBound) -> str:
     """The hint's addition for an origin at the edge whose input ``bound`` clamped (or a
     shift of the clamped value: ``1 - p``)."""
     name = str(bound.dtype).removeprefix("torch.")
-    wider = "" if torch.finfo(bound.dtype).bits >= 32 else (
-        " or compute what is clamped in float32 (outside autocast, or .float() before it: a "
-        "cosine's product of unit vectors, a norm)")
+    wider = _wider(bound)
     if abs(bound.kept) == 1 and abs(bound) < 1:
         step = torch.finfo(bound.dtype).eps / 2  # (the spacing just below 1)
         return (f"; the code clamps already, but its bound {bound!r} is {bound.kept:g} in "
@@ -106,3 +104,15 @@ def moved_bound(nodes: list[tuple[Any, float]], nexts: list[Any], depth: int = 4
             if found is not None:
                 return found
     return None
+
+
+def _wider(bound: RoundedBound) -> str:
+    """The wider type that keeps ``bound`` off the edge: float32 under half precision (the
+    clamped value computed outside autocast), float64 for a float32 bound (HGCN runs its
+    hyperbolic layers in float64, where 1 - 1e-15 is below 1); "" when none does."""
+    if torch.finfo(bound.dtype).bits < 32:
+        return (" or compute what is clamped in float32 (outside autocast, or .float() before "
+                "it: a cosine's product of unit vectors, a norm)")
+    if bound.dtype is torch.float32 and float(bound) != bound.kept:  # (a Python float: float64)
+        return f" or compute what is clamped in float64, where {bound!r} stays off the edge"
+    return ""

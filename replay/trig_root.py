@@ -48,8 +48,9 @@ def forward_hint(what: str, ev) -> str | None:
                for v, m in zip(ev.inputs, marks)):
         return None
     return (f"{what}: that input is a cosine or sine at one of its zeros (cos(lat) area weights "
-            "on a grid whose rows reach ±90°; sin(π)), which exact arithmetic keeps at 0, but "
-            "the angle is rounded (float32's π/2 is above π/2: its cosine is -4.4e-08), so "
-            "the value is just below 0: clamp it at 0 before the op (torch.cos(lat)"
-            ".clamp_min(0)), or take the latitudes of the cells' centres, which never reach "
-            "the poles")
+            "on a grid whose rows reach ±90°; a cosine noise schedule's cos(π/2) at its last "
+            "step; sin(π)), which exact arithmetic keeps at 0, but the angle is rounded "
+            "(float32's π/2 is above π/2: its cosine is -4.4e-08), so the value is just below "
+            "0: clamp it at 0 before the op (torch.cos(x).clamp_min(0); a schedule's alphas "
+            "clamped into the domain, as diffusers clips its betas), or keep the angles off the "
+            "zero (a grid's cell centres, which never reach the poles)")
