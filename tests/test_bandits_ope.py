@@ -41,11 +41,13 @@ def call(make: str, model, lf, x, a, r, p):
 
 
 def train(make: str, loss, out_dir, plant=None, record: bool = True, steps: int = STEPS,
-          adam=None, kwargs=None, evict_twice: bool = False):
+          adam=None, kwargs=None, evict_twice: bool = False, accum: int = 1, amp=None):
     """``steps`` logged batches of 16 rounds; ``plant(tensors, LAST)`` edits the logged data
     before the DataLoader reads it. LinUCB's loop adds each batch to its design matrix's
     inverse after the update (and, with ``evict_twice``, evicts the previous batch from its
-    window of one batch twice: a downdate of rows no longer in it). Returns the model."""
+    window of one batch twice: a downdate of rows no longer in it). With ``accum``, each
+    batch is that many micro-batches (DataLoader batches of ``16 / accum``), the loss divided
+    by it; ``amp``: the forward under CPU autocast to that dtype. Returns the model."""
     model = getattr(M, make)(**(kwargs or {}))
     data = M.logged(steps * M.B, slate=make == "make_slate")
     if plant is not None:
@@ -57,11 +59,15 @@ def train(make: str, loss, out_dir, plant=None, record: bool = True, steps: int 
     seen = []
     with rec if rec is not None else contextlib.nullcontext():
         lf = rec.loss_fn if rec is not None else loss
-        for x, a, r, p in M.loader(data):
-            opt.zero_grad()
-            call(make, model, lf, x, a, r, p).backward()
+        for k, (x, a, r, p) in enumerate(M.loader(data, M.B // accum)):
+            with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
+                loss_value = call(make, model, lf, x, a, r, p)
+            (loss_value / accum).backward()
+            if (k + 1) % accum:
+                continue
             torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
             opt.step()
+            opt.zero_grad()
             if make == "make_linucb":
                 model.update_design(x, a)
                 seen.append((x, a))
@@ -128,6 +134,21 @@ def test_doubly_robust_weight_of_a_zero_propensity_is_degenerate_data(tmp_path):
     assert (o["module"], o["op"], o["made"], o["samples"]) == (
         "<loss>", "aten.div", "+inf", [4]), o
     assert rep["cause"] == "invalid" and "computed from the batch's data alone" in rep["hint"]
+
+
+def test_zero_propensity_under_accumulation_and_bf16_names_the_micro_batch_row(tmp_path):
+    """Two micro-batches of 8 per update, the policy's forward under bf16 autocast: the
+    record with propensity 0 is row 3 of the second micro-batch. The event and the replay
+    name micro-batch 1 and its row 3 (not row 11 of the update), the division, invalid."""
+    ev, bundle = fire(tmp_path, "make_policy", M.ips_loss, zero_propensity(M.B // 2 + 3),
+                      accum=2, amp=torch.bfloat16)
+    assert (ev["step"], ev["phase"], ev["micro_batch"]) == (3, "loss", 1), ev
+    rep = nanreplay_json(bundle, "--try", "drop=3")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["micro_batch"], o["samples"]) == (
+        "<loss>", "aten.div", 1, [3]), o
+    assert rep["cause"] == "invalid" and "by 0" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
 def test_capped_ips_where_over_a_zero_propensity_is_a_backward_only_nan(tmp_path):
