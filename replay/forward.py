@@ -44,6 +44,7 @@ from .parametrized import parametrization_hint
 from .picked_fill import picked_hint, picked_origin
 from .product_underflow import lineage_hints
 from .pruned import empty_mask_hint, pruned_rows_hint
+from .quadratic_form import quadratic_form_hint
 from .raw_pole import RawPole, raw_pole_hint
 from .recorded import samples
 from .recurrence import add_line_note
@@ -150,6 +151,9 @@ def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin,
         lineage and lineage.counts, cause.name, hit) or (
         lineage_hints(hint, cause.name, hit, lineage) if lineage else hint)
     hint = self_pair_hint(hint, cause.name, hit)  # (a distance matrix's diagonal)
+    # (a root of x^T M x of an indefinite buffer M: LinUCB's A^-1 a downdate broke)
+    hint = quadratic_form_hint(hint, cause.name, hit, lineage and lineage.quadratic,
+                               runner.model)
     hint = absorbed_hint(runner, hint, cause.name, hit)  # (log(1 + x) rounded to 0 before)
     # (a padding mask True at every key of the NaN samples: key_padding_mask)
     hint = masked_whole_hint(runner, o, hint, origin.get("samples")) or hint

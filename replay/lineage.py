@@ -36,6 +36,7 @@ from .memo import TensorSet
 from .positive_counts import PositiveCounts
 from .power_limit import PowerAtZero
 from .product_underflow import ProductUnderflow
+from .quadratic_form import QuadraticForms
 from .raw_pole import RawPole
 from .signed_total import SignedTotals
 from .wrapped_index import WrappedIndex
@@ -76,6 +77,7 @@ class Lineage:
         self.crossed = CrossedCutPoints()  # sigmoid(a) - sigmoid(b) < 0 (crossed thresholds)
         self.wrapped = WrappedIndex()  # an index op given a negative index (a label of -1)
         self.signed = SignedTotals(self._learned)  # a division by a signed total of 0
+        self.quadratic = QuadraticForms()  # sqrt(x^T M x) of an indefinite buffer M
         # the outputs of _TRANSFORMS, with the op's name and whether it took a learned value
         self._made: dict[int, tuple[weakref.ref, str, bool]] = {}
         self.compared: set[str] = set()  # the _TRANSFORMS whose two such outputs one op took
@@ -141,6 +143,7 @@ class Lineage:
         self.power.track(name, args, out)
         self.crossed.track(name, args, out)
         self.signed.track(name, args, out)
+        self.quadratic.track(name, args, out)
         ins = [t for t in leaves if isinstance(t, torch.Tensor)]
         outs = [t for t in tensor_leaves(out)] if not isinstance(out, torch.Tensor) else [out]
         self.wrapped.track(name, args, ins, outs)

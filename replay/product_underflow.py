@@ -7,7 +7,11 @@ the log then takes -inf. The general log-space list (log_softmax, logsumexp) doe
 where the 0 was made; the fix is to sum the factors' logs instead of taking the log of their
 product. :class:`ProductUnderflow` watches the ops (fed by :class:`~replay.lineage.Lineage`)
 for a ``prod`` whose 0 is made of nonzero factors, followed through elementwise arithmetic
-and views to a log; :func:`with_product_underflow` then says so in the hint.
+and views to a log; :func:`with_product_underflow` then says so in the hint. A product kept
+running in a loop (``p = p * term``: a Plackett-Luce ranking's softmax terms over a shrinking
+candidate set, an HMM's unscaled forward pass) is no ``prod``: its ``mul`` ops are counted
+as a chain of factors (a ``torch.ones`` start counts none), and a ``mul`` of at least three
+factors whose 0 two nonzero operands made is the product's underflow.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 from .crossed_cut_points import with_crossed
 from .group_counts import class_counts_hint, with_empty_groups
 from .log_sum_exp import with_log_sum_exp
-from .memo import TensorSet
+from .memo import TensorMemo, TensorSet
 from .power_limit import with_power_limit
 from .signed_total import with_signed_total
 from .wrapped_index import with_wrapped_index
@@ -26,6 +30,8 @@ from .wrapped_index import with_wrapped_index
 _CARRY = {"mul", "add", "sub", "rsub", "view", "reshape", "_unsafe_view", "squeeze",
           "unsqueeze", "clone", "index", "select", "slice", "expand", "t", "transpose"}
 _LOGS = {"log", "log2", "log10"}
+_ONES = {"ones", "ones_like"}  # the start of a running product, no factor of its own
+_CHAIN = 3  # factors of a running product before its 0 reads as an underflow
 
 
 class ProductUnderflow:
@@ -35,9 +41,14 @@ class ProductUnderflow:
     def __init__(self):
         self._made = TensorSet()
         self._n = 0
+        self._factors = TensorMemo()  # a running product's factors so far, per mul output
         self.found: int | None = None
+        self.running = False  # (the product a loop kept, ``p = p * term``, not a ``prod``)
 
     def track(self, name: str, args, out) -> None:
+        if name in _ONES and isinstance(out, torch.Tensor):
+            self._factors.put(out, 0)
+            return
         if self.found is not None or not args or not isinstance(x := args[0], torch.Tensor) \
                 or not isinstance(out, torch.Tensor):
             return
@@ -49,11 +60,28 @@ class ProductUnderflow:
             if bool(((out == 0) & nonzero).any()):  # (0 of nonzero factors: an underflow)
                 self._made.add(out)
                 self._n = x.numel() if dim is None else x.shape[dim]
+        elif name == "mul" and self._running(args, out):
+            return
         elif name in _CARRY and any(isinstance(a, torch.Tensor) and a in self._made
                                     for a in args):
             self._made.add(out)
         elif name in _LOGS and x in self._made:
             self.found = self._n
+
+    def _running(self, args, out: torch.Tensor) -> bool:
+        """Count a ``mul`` of two floating tensors as a running product's next factor; True
+        where it made a 0 of nonzero factors after at least ``_CHAIN`` of them."""
+        a, b = args[0], args[1] if len(args) > 1 else None
+        if not isinstance(b, torch.Tensor) or not a.is_floating_point() \
+                or not b.is_floating_point() or out.shape not in (a.shape, b.shape):
+            return False
+        n = sum(1 if (k := self._factors.get(t)) is None else k for t in (a, b))
+        self._factors.put(out, n)
+        if n < _CHAIN or not bool(((out == 0) & (a != 0) & (b != 0)).any()):
+            return False
+        self._made.add(out)
+        self._n, self.running = n, True
+        return True
 
 
 def with_product_underflow(hint: str | None, cause: str | None, hit,
@@ -62,9 +90,12 @@ def with_product_underflow(hint: str | None, cause: str | None, hit,
     if hint is None or watch is None or watch.found is None or cause != "underflow" \
             or hit is None or hit.op.removeprefix("aten.") not in _LOGS:
         return hint
-    return (f"{hint}; but here the 0 is a product of {watch.found} nonzero factors (prod over "
-            "a dimension: a detection history's p^y (1 - p)^(1 - y) over many visits, "
-            "independent likelihoods) that underflowed before the log: sum the factors' logs "
+    made = ("kept running in a loop (p = p * term: a Plackett-Luce ranking's softmax terms "
+            "over a shrinking candidate set, an HMM's unscaled forward pass)" if watch.running
+            else "(prod over a dimension: a detection history's p^y (1 - p)^(1 - y) over many "
+            "visits, independent likelihoods)")
+    return (f"{hint}; but here the 0 is a product of {watch.found} nonzero factors {made} "
+            "that underflowed before the log: sum the factors' logs "
             "instead (log prod p = sum log p; logsigmoid(z) and logsigmoid(-z) for sigmoid "
             "probabilities) and join what the product was added to with torch.logaddexp or "
             "torch.logsumexp (log(a * prod p + b) = logaddexp(log a + sum log p, log b))")
