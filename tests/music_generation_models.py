@@ -86,6 +86,16 @@ def collate(pieces):
     return tok, vel, tempo
 
 
+MAX_LEN = 5 * SEG + 1
+
+
+def collate_fixed(pieces):
+    """Pad every batch to MAX_LEN tokens (the fixed-size padding of a config's max_seq_len)."""
+    tok, vel, tempo = collate(pieces)
+    return (F.pad(tok, (0, MAX_LEN - tok.shape[1]), value=PAD),
+            F.pad(vel, (0, MAX_LEN - vel.shape[1])), tempo)
+
+
 def segments(tok, vel):
     """Transformer-XL's segments: (inputs, targets, target velocities) of length SEG."""
     for s in range(0, tok.shape[1] - 1, SEG):

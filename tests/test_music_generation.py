@@ -20,7 +20,8 @@ MODELS = "music_generation_models.py"
 BATCH, ACCUM = 4, 2
 
 
-def train(model, data, loss_fn, out_dir=None, factory=None, amp=None, eps=1e-8, guard=False):
+def train(model, data, loss_fn, out_dir=None, factory=None, amp=None, eps=1e-8, guard=False,
+          collate=M.collate):
     """AdamW with the inverse-sqrt warmup, ACCUM segments per step, clipping at 1; float16
     autocast when ``amp``; under the recorder when ``out_dir`` is given."""
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=eps, weight_decay=0.01)
@@ -30,7 +31,7 @@ def train(model, data, loss_fn, out_dir=None, factory=None, amp=None, eps=1e-8, 
         rec = FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir, lr_scheduler=sched,
                              guard_optimizer=guard, factory=f"music_generation_models:{factory}").attach()
     try:
-        for tok, vel, tempo in DataLoader(data, batch_size=BATCH, collate_fn=M.collate):
+        for tok, vel, tempo in DataLoader(data, batch_size=BATCH, collate_fn=collate):
             mems = mem_pad = None
             segs = list(M.segments(tok, vel))
             for i, (x, y, v) in enumerate(segs):
@@ -204,3 +205,25 @@ def test_velocity_nll_behind_torch_where_is_nan_in_backward_only(tmp_path):
     assert o["source"] == source_line(MODELS, "return 0.5 * ((logv - mu) / log_sigma.exp())")
     assert "make the op's input safe before the op (torch.where(mask, x, 1))" in rep["hint"], \
         rep["hint"]
+
+
+def test_a_segment_past_every_pieces_end_leaves_the_loss_no_target(tmp_path):
+    # batches of pieces sorted by length, padded to a fixed MAX_LEN: the short pieces' batch
+    # has a last segment of padding only; the velocity NLL's mean over no note is 0/0
+    data = sorted(M.corpus(8), key=lambda p: len(p["tokens"]))
+    torch.manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        train(M.make_mt(), data, M.MusicLoss(), tmp_path, "make_mt", collate=M.collate_fixed)
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (
+        2, "loss", "<loss>")
+    rep, o = replay(err)
+    assert (rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
+        "invalid", "<loss>", "aten.mean", "nan", []), rep
+    assert o["source"] == source_line(
+        MODELS, "v = lognormal_nll(vel[note], mu[note].float(), log_sigma[note].float()).mean()")
+    # (was: the op's advice alone, "reduce over more than one value (a batch of 1, an empty
+    # selection) ... or skip such batches", which names no data)
+    assert "Here args[0], loss_args[3] and loss_args[4] are 0 everywhere in micro-batch 0 of " \
+        "the step, in every sample: it is padding throughout" in rep["hint"], rep["hint"]
+    assert "skip a micro-batch with no target before the loss" in rep["hint"]
