@@ -8,6 +8,12 @@ reading (:mod:`replay.outliers`) called them corrupt records to drop. A root inp
 first positional one) whose shape one of the model's later outputs has again is such a state:
 left out of the outlier search, and named, when it already held a value near the type's range,
 as a state the recurrence let grow across segments.
+
+The same state tells a padded row of a later segment from a blank record: a Transformer-XL's
+memory and its padding mask passed back in, a shorter piece of the batch ends in an earlier
+segment, and its row of this one is padding throughout, memory included; a softmax over those
+keys has no key left, and :mod:`replay.zero_records` names it (:func:`carried_names`) as a
+sequence that ended, not a record to filter.
 """
 
 from __future__ import annotations
@@ -44,6 +50,13 @@ def carried_keys(step: Step, mb: int) -> set[str]:
     first = keys[0]  # (the batch itself: its prediction may share its shape)
     return {k for k in keys[1:] if k != first and
             (tuple(step.tensors[k].shape), step.tensors[k].dtype) in returned}
+
+
+def carried_names(step: Step, mb: int) -> list[str]:
+    """The readable names of micro-batch ``mb``'s carried states (see :func:`carried_keys`)."""
+    entry = step.micro_batches[mb] if mb < len(step.micro_batches) else {}
+    count = n_args(entry.get("inputs"))
+    return [batch_path(entry["paths"][k], count) for k in sorted(carried_keys(step, mb))]
 
 
 def carried_note(step: Step, origin: dict[str, Any], keys: set[str]) -> str | None:

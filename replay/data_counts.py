@@ -10,6 +10,13 @@ make up a target; but a count of 0 is an ordinary record of a count model, and a
 tells the op finder's evidence so where every input of the op is whole numbers >= 0 with some
 above 1 (not a 0/1 mask, nor a normalised value), a divisor being its dividend's sum over a
 dim, and gives the advice the hint ends with.
+
+A 0 standing apart from the rest of the data may be no small count: a MIDI note-on of velocity 0
+(the protocol's note-off) among velocities of 40..110 under a log-normal velocity loss's
+``log(v)``, where ``log1p`` would train the model on a note-off. Values alone cannot tell it
+from a region's total of reads, of 161 or more, with one region of none; where no value lies
+between 0 and ``GAP`` (the smallest nonzero one is ``GAP`` or more) the hint says so, and
+what to do if the data is no count: re-code or filter those entries where the data is made.
 """
 
 from __future__ import annotations
@@ -27,6 +34,13 @@ LOG = ("what it took there was computed from the batch's data alone and holds wh
        "the day of admission), not a degenerate one, so "
        "don't drop it: take the log with a pseudo-count, torch.log1p(count) (log(1 + count), "
        "as a count head's target is) or log(count + c) on both sides of the loss")
+GAP = 8  # (the smallest nonzero value from which a 0 stands apart: no count 1..GAP-1 held)
+APART = ("; but no value lies between 0 and {low} (the data's smallest nonzero one): if "
+         "the data is no count (a MIDI note-on of velocity 0 is the protocol's note-off, a "
+         "level never measured filled with 0), that 0 stands apart from its range as a code for "
+         "something else: re-code or filter those entries where the data is made (or mask "
+         "them out of the loss), as a pseudo-count would train on a value the data never "
+         "meant")
 NORMALISED = ("it divided counts the batch carries (whole numbers >= 0: reads per position, "
               "events) by their total, which is 0 at the samples named: a row with no count "
               "(a region with no read in that track) " + ORDINARY + ", not a degenerate "
@@ -39,7 +53,8 @@ def marked(op: str, ins: list[torch.Tensor]) -> str:
     module), else ""."""
     name = op.removeprefix("aten.").split(".")[0].rstrip("_")
     if name in _LOGS and len(ins) == 1 and _counts(ins[0]):
-        return LOG
+        low = _apart(ins[0])
+        return LOG if low is None else LOG + APART.format(low=f"{low:g}")
     if name in _DIVIDES and len(ins) == 2 and all(_counts(t) for t in ins) \
             and _own_total(*ins):
         return NORMALISED
@@ -61,3 +76,15 @@ def _counts(t) -> bool:
     x = t.detach()
     x = x[torch.isfinite(x)] if x.is_floating_point() else x
     return bool(x.numel()) and bool((x >= 0).all() and (x == x.round()).all() and (x > 1).any())
+
+
+def _apart(t: torch.Tensor) -> float | None:
+    """The smallest nonzero value of counts ``t`` holding a 0, where it is ``GAP`` or more (the
+    0 stands apart); None otherwise."""
+    x = t.detach()
+    x = x[torch.isfinite(x)] if x.is_floating_point() else x
+    nonzero = x[x != 0]
+    if not nonzero.numel() or nonzero.numel() == x.numel():
+        return None
+    low = float(nonzero.min())
+    return low if low >= GAP else None

@@ -56,6 +56,7 @@ from .nan_cast import nan_cast_hint
 from .negative_rows import negative_hint
 from .other_inputs import other_inputs_note
 from .padded_units import padded_units_hint
+from .padding_batch import padding_batch_hint
 from .sentinel_inputs import sentinel_inputs_hint
 from .single_sample import single_sample_hint
 from .zero_bound import zero_bound_hint
@@ -74,6 +75,7 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     data_overflow_hint(report, step)  # (a loss's pow of its targets alone: 0..255 heatmaps)
     grouped_arg_hint(report, step)  # (a preference pair's NaN rating gap: the pair's rows)
     single_sample_hint(report, step)  # (InfoLOOB's negatives of a last batch of one)
+    padding_batch_hint(report, step)  # (a segment past every piece's end: mean of none)
     empty_records_hint(report, step)  # (a per-line mean over an empty stroke file's mask)
     absent_channels_hint(report, step)  # (a Dice of a structure absent from a scan's labels)
     dead_channels_hint(report, step)  # (dF/F of a ROI reading 0 all trial)

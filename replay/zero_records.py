@@ -36,6 +36,7 @@ import torch
 from recorder.capture import batch_path, loss_path
 from recorder.finite import zero_one
 
+from .carried_state import carried_names
 from .data_counts import ORDINARY
 from .drop import undroppable
 from .empty_counts import root_inputs
@@ -109,6 +110,10 @@ def zero_records_hint(report: dict[str, Any], step: Step) -> None:
             "with no flow, a count of none), the eps is the fix; where it is a blank record "
             f"(a value never filled), fix or filter such records where the data is made{how}")
         return
+    carried = carried_names(step, mb) if masked_row else []
+    if carried:  # (segments of longer sequences: a row padded since its sequence ended)
+        report["hint"] = _ended_hint(hint, is_are, which, carried, how)
+        return
     hidden = "" if zero_div else _KEPT_KEY if masked_row else \
         ", which an eps would only hide as a wrong value"
     like = "a document whose text extraction gave no sentence, an utterance with no frame" \
@@ -144,3 +149,19 @@ def _records(step: Step, mb: int, inputs: bool = True
 def _zero_in(t: torch.Tensor, d: int, rows: list[int]) -> bool:
     """``t`` is not 0/1 data, all 0 in ``rows``, nonzero somewhere in every other row."""
     return not zero_one(t) and zero_rows(t, d, rows)
+
+
+def _ended_hint(hint: str, is_are: str, which: str, carried: list[str], how: str) -> str:
+    """A fully masked row of samples all padding in a segment whose call was given the model's
+    own state back (``carried``): most likely a sequence that ended in an earlier segment."""
+    state = ", ".join(carried)
+    return (
+        f"{hint}. But {is_are} 0 everywhere in sample(s) {which} and not in any other sample, "
+        f"while the loop passes the model its own state back ({state}, returned by the model "
+        "the segment before): these are segments of longer sequences, and sample(s) "
+        f"{which} most likely hold one that ended in an earlier segment (shorter than the "
+        "batch's longest, padded to it), every position the op saw padding, the carried "
+        "memory's included; no record is broken: let a padding query attend to its own "
+        "position (or keep one key per row) and leave padding out of the loss, or batch "
+        "sequences of similar length so that no segment is padding throughout; only an "
+        f"empty sequence is to filter where the data is made{how}")
