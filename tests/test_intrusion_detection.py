@@ -203,13 +203,19 @@ def test_std_pooling_of_a_one_packet_flow_names_sqrt_backward(tmp_path):
 
 
 def test_adam_without_eps_names_the_never_seen_protocol(tmp_path):
-    """ICMP filtered out of the split: fc1's weights reading the ICMP one-hot column never get
-    a gradient, and Adam with ``eps=0`` makes them 0/0 at the first update."""
+    """ICMP filtered out of the split: fc1's weights reading the ICMP one-hot column (8 of its
+    input, after the 6 scaled counts) never get a gradient, and Adam with ``eps=0`` makes them
+    0/0 at the first update, beside 6 entries of units active only on UDP flows. The hint
+    names column 8 of fc1.weight and fc1's input 0 there (it named no column: no root input
+    is 9 wide, and the NaN were not whole columns alone)."""
     ev, bundle = fire("make_detector", tmp_path, eps=0.0, icmp=False, mixup=False)
     assert (ev["step"], ev["phase"], ev["kind"]) == (0, "optimizer", "nan"), ev
     rep = nanreplay_json(bundle, code=None)
     h = rep["hint"]
     assert rep["cause"] == "optimizer" and "fc1.weight" in h and "eps=0" in h, h
+    assert "include whole column(s) 8 of fc1.weight" in h, h
+    assert "feature(s) 8 of fc1's input, which hold 0 in every sample" in h, h
+    assert "the 6 other non-finite entr(ies)" in h, h
 
 
 @pytest.mark.parametrize(("make", "plant", "kind"), [
