@@ -111,14 +111,19 @@ def origin(rep):
 
 def test_zero_duration_rate_in_the_csv_is_named_as_the_input(tmp_path):
     """The export's rate of a zero-duration flow is +inf; mixup carries it into a second row:
-    the recorder stops at the input of step 1, samples 3 and 4, cause input."""
+    the recorder stops at the input of step 1, samples 3 and 4, cause input, and the hint
+    names feature 5 of each and a ratio with a denominator of 0 (it said only 'check the data
+    pipeline for these samples (bad files, division by zero in normalisation, ...)')."""
     ev, bundle = fire("make_detector", tmp_path, zero_duration)
     assert (ev["step"], ev["phase"], ev["kind"], ev["samples"]) == (1, "input", "+inf", [3, 4])
     rep = nanreplay_json(bundle)
     o = rep["origin"]
     assert (o["phase"], o["tensor"], o["made"], o["samples"]) == (
         "input", "args[0]", "+inf", [3, 4]), o
-    assert rep["cause"] == "input" and "data pipeline" in rep["hint"], rep["hint"]
+    h = rep["hint"]
+    assert rep["cause"] == "input" and "holds Inf and no NaN" in h, h
+    assert "sample 3 at feature(s) 5 (of 6); sample 4 at feature(s) 5 (of 6)" in h, h
+    assert "denominator of 0" in h and "zero-duration flow" in h, h
 
 
 def test_class_absent_from_the_split_names_the_loss_buffers_zero_count(tmp_path):
