@@ -98,6 +98,7 @@ def zero_duration(num, proto, y, lengths):
 
 def bulk_transfers(num, proto, y, lengths):
     num[2 * B::4, 0] *= 1e5            # backup jobs: fwd bytes in the hundreds of MB
+    num[1::4, 5] = num[1::4, :2].sum(1) / 1e-4   # sub-ms flows: rates of 1e8 bytes/s
 
 
 def one_packet(num, proto, y, lengths):
@@ -171,14 +172,19 @@ def test_column_constant_over_the_split_names_the_scalers_std_and_its_zero_eps(t
 
 
 def test_counts_without_log1p_overflow_float16_under_autocast(tmp_path):
-    """Bulk transfers z-scored on raw byte counts reach 6.6e4 in sample 3 of the first batch:
-    autocast's cast for ``fc1`` is +inf. The replay names the cast, sample 3, overflow."""
-    ev, bundle = fire("make_detector_raw", tmp_path, bulk_transfers, amp=True)
+    """A bulk transfer's byte count z-scored raw reaches 9.4e4 in sample 3 of the first batch:
+    autocast's cast for ``fc1`` is +inf. The replay names the cast, sample 3, overflow, and
+    feature 0 of the batch standing out, with log1p for a heavy-tailed count: sub-ms flows'
+    rates of 1e8 are every row's largest value, so the row-wise outlier check found nothing
+    and the hint ended on 'points hundreds of metres out ... or keep this op in float32'."""
+    ev, bundle = fire("make_detector_raw", tmp_path, bulk_transfers, amp=True, mixup=False)
     assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (0, "forward", "fc1", [3])
     rep = nanreplay_json(bundle)
     assert origin(rep) == (True, "forward", "fc1", "aten._to_copy", "+inf", [3]), rep["origin"]
-    assert rep["cause"] == "overflow" and "float16" in rep["hint"], rep["hint"]
-    assert "made of the batch's data alone" in rep["hint"], rep["hint"]
+    h = rep["hint"]
+    assert rep["cause"] == "overflow" and "float16" in h and "data alone" in h, h
+    assert "sample(s) 3 of args[0] stand out in feature(s) 0" in h, h
+    assert "log1p" in h and "keep this op in float32" not in h, h
 
 
 def test_anomaly_probability_underflows_into_the_bce_log(tmp_path):
