@@ -23,6 +23,7 @@ from .carried_state import carried_keys, carried_note
 from .drop import undroppable
 from .grown_input import grown_input_note
 from .load import Step
+from .outlier_columns import outlier_column, outlier_column_hint
 from .outliers import (
     input_rows_hint,
     out_of_scale,
@@ -49,6 +50,10 @@ def data_scale_hint(report: dict[str, Any], step: Step) -> None:
         droppable = undroppable(step, o.get("micro_batch") or 0) is None
         hint = without_advice(report["hint"])  # (the outlier sentence says the rest)
         report["hint"] = f"{hint}. But {outlier_hint(found[1], found[0], droppable)}"
+    elif report["cause"] == "overflow" and (column := outlier_column(
+            step, o.get("micro_batch") or 0, o.get("samples") or [])) is not None:
+        hint = without_advice(report["hint"])  # (a table's feature: one column stands out)
+        report["hint"] = f"{hint}. But {outlier_column_hint(column, o['samples'])}"
     elif report["cause"] == "underflow" and (small := undersized_input(
             step, o.get("micro_batch") or 0, o.get("samples") or [])) is not None:
         droppable = undroppable(step, o.get("micro_batch") or 0) is None

@@ -39,8 +39,9 @@ def held_divisor_hint(hint: str | None, cause: str, finder, hit,
     entries at 0, when it is one of ``buffers`` (name, tensor); else None."""
     name = finder.names.hit_divisor_held
     ev = hit and hit.evidence
+    inverse = hit is not None and hit.op == "aten.reciprocal"  # (1 / d: one input)
     if hint is None or cause != "invalid" or hit is not finder.first \
-            or ev is None or len(ev.inputs) < 2:
+            or ev is None or len(ev.inputs) < (1 if inverse else 2):
         return None
     kept = finder.names.hit_divisor_kept
     if name is None and kept is not None and len(kept) == 1:  # (made of one buffer alone)
@@ -50,8 +51,8 @@ def held_divisor_hint(hint: str | None, cause: str, finder, hit,
     buf = dict(buffers).get(name) if name is not None else None
     if buf is None or not bool((buf == 0).any()):
         return None
-    what = "0 by 0 (0/0)" if bool(((ev.inputs[0] == 0) & (ev.inputs[1] == 0)).any()) \
-        else "x by 0 (x/0)"
+    what = "1 by 0 (1/0)" if inverse else "0 by 0 (0/0)" if bool(
+        ((ev.inputs[0] == 0) & (ev.inputs[1] == 0)).any()) else "x by 0 (x/0)"
     short = name.rpartition(".")[2]
     if buf.dim() == 0:  # (no entries to name: a setting or count the code stored)
         return (f"{hit.op} of {what}: the divisor is the buffer {name}, a scalar the code "
@@ -102,4 +103,16 @@ def _made_of_hint(op: str, name: str, buf: torch.Tensor | None,
             "1 in sqrt(2p(1 - p)): a SNP monomorphic in the training set; a std of 0: an EEG "
             "reference electrode) is the cause: drop such features where the statistic is made "
             "(a minor-allele-frequency or variance filter), or floor the divisor "
-            "(.clamp_min(eps))")
+            "(.clamp_min(eps))" + (_COUNTS if _whole(buf) else ""))
+
+
+# (a buffer of whole numbers, 0 where the division broke: a count per class or group)
+_COUNTS = ("; a count of 0 (a class with no example in the split the counts were taken over, "
+           "in an inverse frequency 1 / n or a class-balanced weight's effective number (1 - "
+           "beta^n) / (1 - beta)) is such an edge too: floor the counts (counts.clamp_min(1)) "
+           "or give the absent class a weight of 0")
+
+
+def _whole(buf: torch.Tensor) -> bool:
+    b = buf.detach()
+    return bool((b >= 0).all() and (b == b.round()).all())

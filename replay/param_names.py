@@ -34,6 +34,14 @@ _SCALINGS = {"div", "mul"}
 _ZERO_KEEPING = {"sqrt", "abs", "neg", "square", "relu"}
 
 
+def divisor_of(op: str | None, ins: list[torch.Tensor]) -> torch.Tensor | None:
+    """The divisor of a division ``op`` took (``x / d``; ``1 / d``, which Python's ``1.0 /
+    t`` runs as ``reciprocal``: a class-balanced weight's ``1 / E_n``), else None."""
+    if op in _DIVISIONS and len(ins) == 2:
+        return ins[1]
+    return ins[0] if op == "reciprocal" and len(ins) == 1 else None
+
+
 def _storage(t: torch.Tensor) -> int | None:
     try:
         return t.untyped_storage().data_ptr()
@@ -103,12 +111,12 @@ class ParamNames:
         if hit:
             self.hit_buffer = next(((b[0], i) for i, t in enumerate(ins)
                                     if (b := self._table_of(t)) is not None and b[1]), None)
-        if hit and op in _DIVISIONS and len(ins) == 2:
-            self.hit_divisor_buffer = self._differenced(ins[1])
-            held = self._table_of(ins[1])
+        if hit and (div := divisor_of(op, ins)) is not None:
+            self.hit_divisor_buffer = self._differenced(div)
+            held = self._table_of(div)
             self.hit_divisor_held = held[0] if held is not None and not held[1] else None
-            self.hit_divisor_kept = self._kept_of(ins[1])
-            self.hit_divisor = ins[1].detach() if self.hit_divisor_kept else None
+            self.hit_divisor_kept = self._kept_of(div)
+            self.hit_divisor = div.detach() if self.hit_divisor_kept else None
         if op in _DIVISIONS and len(ins) == 2:
             return self.among(ins[1:]) or self._derived_from(ins[1])
         if not self.params or len(ins) != 1:

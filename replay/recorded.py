@@ -34,6 +34,7 @@ from .cause_text import (
     WHOLE_TENSOR_EVALUATING,
 )
 from .findings import origin_fields
+from .infinite_entries import INFINITE_ENTRIES, infinite_entries
 from .load import Step, micro_batch_inputs
 from .loss_arg_name import with_param_name
 from .masked_gaps import masked_gaps
@@ -260,6 +261,9 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
     if key and origin.get("samples") and (where := missing_entries(  # (per sample: no field)
             step.tensors.get(key), _sample_dim(step, origin, key))):
         return MISSING_ENTRIES.format(tensor=tensor, where=where)
+    if key and origin.get("samples") and (where := infinite_entries(  # (a ratio's x / 0)
+            step.tensors.get(key), _sample_dim(step, origin, key))):
+        return INFINITE_ENTRIES.format(tensor=tensor, where=where)
     if origin.get("samples") or not tensor:
         return None
     return SHARED_INPUT.format(tensor=f"the input {tensor}") + _some_rows(
