@@ -127,10 +127,7 @@ class Saturation:
             marks = [self._complement, self._power]
         else:
             return False
-        for t in outs:
-            for m in marks:
-                m.add(t)
-        return True
+        return _mark(outs, marks)
 
     def _track_ratio(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
                      leaves: list) -> bool:
@@ -152,10 +149,7 @@ class Saturation:
             marks = [self._positive, self._unit]
         else:
             return False
-        for t in outs:
-            for m in marks:
-                m.add(t)
-        return True
+        return _mark(outs, marks)
 
     def _track_mix(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         """d - c (d in (0, 1] too), (d - c) * s and c + (d - c) * s of c, s in (0, 1): the
@@ -410,3 +404,12 @@ def _divides(name: str, ev) -> bool:
 def rounded_zero(inputs: list[torch.Tensor], complement: list[bool]) -> bool:
     """An input that is 0 somewhere is such a complement: rounding made it 0."""
     return any(c and bool((v == 0).any()) for v, c in zip(inputs, complement))
+
+
+def _mark(outs: list[torch.Tensor], marks: list) -> bool:
+    """Each of ``outs`` added to each of ``marks`` (the sets of what is known of a value);
+    True: the op was one of those a tracker follows."""
+    for t in outs:
+        for m in marks:
+            m.add(t)
+    return True
