@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .missing_entries import entries_where
+
 __all__ = ["INFINITE_ENTRIES", "infinite_entries"]
 
 INFINITE_ENTRIES = (
@@ -21,8 +23,6 @@ INFINITE_ENTRIES = (
     "infinities (df.replace([np.inf, -np.inf], np.nan)) and impute them (the feature's finite "
     "maximum over the training set, with a flag column) or drop those records, before any "
     "statistic of the column (a mean or std over it is then Inf or NaN too)")
-
-SHOWN = 8  # samples, and features of each, named
 
 
 def infinite_entries(t: torch.Tensor | None, d: int | None) -> str:
@@ -38,11 +38,4 @@ def infinite_entries(t: torch.Tensor | None, d: int | None) -> str:
     cols = inf.any(0)
     if 2 * int(cols.sum()) >= t.shape[1]:
         return ""
-    count = inf.sum(1)
-    where = []
-    for s in (count > 0).nonzero().flatten().tolist()[:SHOWN]:
-        at = inf[s].nonzero().flatten().tolist()
-        shown = ", ".join(map(str, at[:SHOWN])) + (", ..." if len(at) > SHOWN else "")
-        where.append(f"sample {s} at feature(s) {shown} (of {t.shape[1]})")
-    more = int((count > 0).sum()) - len(where)
-    return "; ".join(where) + (f" (+{more} samples)" if more > 0 else "")
+    return entries_where(inf)

@@ -38,10 +38,17 @@ def missing_entries(t: torch.Tensor | None, d: int | None) -> str:
     count = nan.sum(1)
     if bool((2 * count >= t.shape[1]).any()) or bool((nan[:, 1:] & nan[:, :-1]).any()):
         return ""
+    return entries_where(nan)
+
+
+def entries_where(at: torch.Tensor) -> str:
+    """The samples (rows) of a ``(B, F)`` boolean ``at`` with an entry set, and their features
+    set, as text (the first :data:`SHOWN` of each)."""
+    count = at.sum(1)
     where = []
     for s in (count > 0).nonzero().flatten().tolist()[:SHOWN]:
-        cols = nan[s].nonzero().flatten().tolist()
+        cols = at[s].nonzero().flatten().tolist()
         shown = ", ".join(map(str, cols[:SHOWN])) + (", ..." if len(cols) > SHOWN else "")
-        where.append(f"sample {s} at feature(s) {shown} (of {t.shape[1]})")
+        where.append(f"sample {s} at feature(s) {shown} (of {at.shape[1]})")
     more = int((count > 0).sum()) - len(where)
     return "; ".join(where) + (f" (+{more} samples)" if more > 0 else "")
