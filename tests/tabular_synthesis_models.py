@@ -166,6 +166,7 @@ class WGANGPLoss(nn.Module):
         grad = torch.autograd.grad(self.critic(x_hat).sum(), x_hat, create_graph=True)[0]
         grad = grad.reshape(-1, PAC * real.shape[1])
         norm = torch.sqrt((grad ** 2).sum(1) + self.eps)
+        self.last_norm = norm.detach()  # (logged per pack, as CTGAN logs its penalty)
         penalty = ((norm - 1) ** 2).mean()
         return d_fake.mean() - d_real.mean() + self.lam * penalty
 

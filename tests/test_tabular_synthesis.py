@@ -92,7 +92,7 @@ def tvae_run(tmp_path: Path, data, recorded: bool = True, epochs: int = 1, lr: f
 
 
 def gan_run(tmp_path: Path, data, recorded: str | None = "critic", critic: str = "make_critic",
-            **kw):
+            kept: list | None = None, **kw):
     gen, net = M.make_generator(), getattr(M, critic)()
     g_opt = torch.optim.Adam(gen.parameters(), lr=2e-4, betas=(0.5, 0.9))
     d_opt = torch.optim.Adam(net.parameters(), lr=2e-4, betas=(0.5, 0.9))
@@ -103,6 +103,8 @@ def gan_run(tmp_path: Path, data, recorded: str | None = "critic", critic: str =
         (gen, g_opt, "make_generator")
     loss = M.WGANGPLoss(net, eps=kw.get("eps", 1e-12)) if recorded == "critic" else \
         kw.get("g_loss", M.GeneratorLoss)(net)
+    if kept is not None:
+        kept.append(loss)
     with FlightRecorder(model, opt, loss_fn=loss, out_dir=tmp_path,
                         factory=f"tabular_synthesis_models:{factory}") as rec:
         return fit_gan(data, gen, net, g_opt, d_opt, rec, recorded, **kw), (gen, net)
@@ -213,11 +215,19 @@ def test_a_conditional_loss_on_gumbel_samples_underflows_at_a_low_temperature(tm
 def test_a_gradient_penalty_without_eps_at_a_pack_of_zero_gradient_is_backward_only(tmp_path):
     """A critic two units wide under Dropout(0.5): some pack has every unit of a layer dropped,
     its input gradient is exactly 0, and ``sqrt(sum(grad ** 2) + eps)`` with eps 0 has an
-    infinite derivative there: the forward is finite, the backward of the penalty NaN."""
-    err = fire(gan_run, tmp_path, encoded(), "critic", critic="make_narrow_critic", eps=0.0)
+    infinite derivative there: the forward is finite, the backward of the penalty NaN. The
+    origin's rows are packs of PAC samples (``grad.reshape(-1, PAC * D)``): the report named
+    no samples; it now names the samples of the packs whose gradient was 0, where the view's
+    backward unpacks them."""
+    kept = []
+    err = fire(gan_run, tmp_path, encoded(), "critic", critic="make_narrow_critic", eps=0.0,
+               kept=kept)
+    packs = (kept[0].last_norm == 0).nonzero().flatten().tolist()
+    rows = [p * M.PAC + i for p in packs for i in range(M.PAC)]
+    assert 0 < len(packs) < BATCH // M.PAC
     rep, o = report(err, 0, "backward")
-    assert (o["module"], o["op"], rep["cause"]) == (
-        "<loss>", "SqrtBackward0", "invalid"), json.dumps(rep, indent=1)
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == (
+        "<loss>", "SqrtBackward0", rows, "invalid"), json.dumps(rep, indent=1)
     assert o["source"] == line_of("norm = torch.sqrt((grad ** 2).sum(1) + self.eps)")
     assert "the eps added to that input is exactly 0" in rep["hint"], rep["hint"]
     assert "a gradient penalty" in rep["hint"], rep["hint"]
