@@ -179,13 +179,18 @@ def test_an_income_in_the_wrong_unit_overflows_the_reparameterisation_at_that_re
 def test_tvae_sigma_without_its_clamp_is_stepped_below_0_by_adam(tmp_path):
     """TVAE clamps its per-column sigma to [0.01, 1] after each step; without it, the sigma of
     the few-valued ``products`` column (every alpha 0: reconstructed exactly) is chased to 0
-    and Adam's step at lr 0.1 crosses it: ``log(sigma)`` of a negative number in the loss."""
+    and Adam's step at lr 0.1 crosses it: ``log(sigma)`` of a negative number in the loss.
+    The hint named the parameter but not that the last update took it across 0 (from 0.04545
+    to -0.0505, Adam's state run backwards): it now does, and says to clamp after the step."""
     err = fire(tvae_run, tmp_path, encoded(), epochs=12, lr=0.1, clamp=False)
     rep, o = report(err, 44, "loss")
     assert (o["module"], o["op"], o["made"], rep["cause"]) == (
         "<loss>", "aten.log", "nan", "invalid"), json.dumps(rep, indent=1)
     assert o["source"] == line_of("terms.append(torch.log(std) * x.size(0))")
-    assert "aten.log's input is the parameter sigma (-0.05" in rep["hint"], rep["hint"]
+    assert "aten.log's input is the parameter sigma (-0.05053)" in rep["hint"], rep["hint"]
+    # (sigma[8] was 0.04545 before step 43's update: the update crossed 0)
+    assert "the optimizer's last update (Adam, lr 0.1, its update 44) moved sigma[8] there " \
+        "from 0.04545, where the op was defined" in rep["hint"], rep["hint"]
 
 
 def test_a_gumbel_temperature_annealed_to_0_divides_by_the_number_0(tmp_path):
