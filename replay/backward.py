@@ -49,7 +49,7 @@ from .scalar_pole import scalar_at_pole
 from .source import node_source, node_tracebacks
 from .summed_grads import SummedGrads
 from .twice_differentiated import at_forward_node, derived, forward_node
-from .unflattened import unflattened_rows
+from .unflattened import packed_rows, unflattened_rows
 from .unit_complement import unit_at_root
 
 
@@ -401,6 +401,8 @@ def _record_sum(found: BackwardOrigin, node, name: str, uses: int, grad_outputs,
 def _later_samples(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
                    where: Samples) -> list[int]:
     """The samples of a gradient after the origin's, which held none."""
+    if rows := packed_rows(node, grad_inputs, grad_outputs, where):
+        return rows  # (rows (B / k, k * D) of packed samples made back into (B, D))
     if found.module == "<loss>":
         # (a metric loss's mined pairs, (P,)): those of the gradient it sent into the model's
         # output

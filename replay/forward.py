@@ -29,6 +29,7 @@ from .group_counts import class_counts_hint
 from .held_divisor import held_divisor_hint
 from .iteration import line_run
 from .kept_divisor import kept_divisor_hint
+from .last_update import last_update_text
 from .lineage import Lineage
 from .literal_fill import nan_given
 from .load import Step
@@ -205,12 +206,14 @@ def _with_param(step: Step, runner: Runner, finder: OpFinder, o, found, hit) -> 
         return zero
     if cause == "invalid" and (signed := signed_weights_hint(runner, o, hit)):
         return signed  # (GDN's gamma learned without its reparameterization)
-    return initial_value_hint(step, with_param_advice(hint, cause, hit), cause, hit)
+    return initial_value_hint(step, with_param_advice(hint, cause, hit, step), cause, hit)
 
 
-def with_param_advice(hint: str | None, cause: str, hit) -> str | None:
+def with_param_advice(hint: str | None, cause: str, hit, step: Step | None = None
+                      ) -> str | None:
     """``hint`` with what to do about the parameter ``hit``'s op took as is (or an element
-    of), if it did: the model's, or one of the loss's the optimizer trains (``<loss>.NAME``)."""
+    of), if it did: the model's, or one of the loss's the optimizer trains (``<loss>.NAME``);
+    with ``step``, and the optimizer's last update that took it out of the op's domain."""
     if hint is None or hit is None or hit.param is None or cause not in PARAM_ADVICE \
             or nan_given(hit):  # (a NaN number beside it: the parameter is not to blame)
         return hint
@@ -221,8 +224,9 @@ def with_param_advice(hint: str | None, cause: str, hit) -> str | None:
         return hint  # a matrix's domain (a determinant of 0), not its entries' range
     lo, hi = hit.input_min, hit.input_max
     value = f"{lo:.4g}" if lo == hi else f"in [{lo:.4g}, {hi:.4g}]"
+    crossed = last_update_text(step, hit) if step is not None and cause == "invalid" else ""
     return (f"{hint}; {hit.op}'s input is the parameter {hit.param} ({value}): "
-            + PARAM_ADVICE[cause].format(name=hit.param))
+            + PARAM_ADVICE[cause].format(name=hit.param) + crossed)
 
 
 # what to do about a learnable parameter used as is by the op that went non-finite

@@ -231,7 +231,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     hint = (cause.name == "invalid" and looked_up_hint(hint, bufs, finder, hit)) or hint
     hint = self_pair_hint(zero_head_hint(runner, mb, hit, cause.name, hint), cause.name, hit)
     return finish(report, origin, cause.name, reproduced=loss_reproduced(step),
-                  hint=with_node(origin, with_param_advice(hint, cause.name, hit),
+                  hint=with_node(origin, with_param_advice(hint, cause.name, hit, step),
                                  cause.name, node))
 
 

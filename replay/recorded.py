@@ -34,6 +34,7 @@ from .cause_text import (
     WHOLE_TENSOR_EVALUATING,
 )
 from .findings import origin_fields
+from .group_nan import group_nan
 from .infinite_entries import INFINITE_ENTRIES, infinite_entries
 from .load import Step, micro_batch_inputs
 from .loss_arg_name import with_param_name
@@ -55,6 +56,8 @@ LOSS_ARGUMENT_COLUMNS = (
     "the std, or leave those features out of the standardisation and the loss; statistics "
     "fitted on a split holding a NaN there: fit them with nanmean/nanstd); if the loop "
     "computes it, that code made the {kind}")
+
+_KINDS = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf"}
 
 
 def samples(step: Step, i: int = 0) -> Samples:
@@ -250,7 +253,7 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
         where = samples(step, origin.get("micro_batch") or 0)
         if shared := shared_loss_arg_hint(step, origin, where):  # (class weights, no rows)
             return shared
-        kind = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf"}.get(origin.get("made"), "NaN/Inf")
+        kind = _KINDS.get(origin.get("made"), "NaN/Inf")
         if cols := _whole_columns(step, origin, input_key(step, origin), partial=True):
             return LOSS_ARGUMENT_COLUMNS.format(tensor=with_param_name(tensor, step.loss_fn),
                                                 kind=kind, cols=cols)
@@ -258,6 +261,10 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
         every = LOSS_ARGUMENT_EVERY.format(kind=kind) if n and rows == list(range(n)) else ""
         return LOSS_ARGUMENT.format(tensor=with_param_name(tensor, step.loss_fn), every=every,
                                     kind=kind)
+    if key and origin.get("samples") and (group := group_nan(
+            step.tensors.get(key), _sample_dim(step, origin, key), _KINDS.get(
+                origin.get("made"), "NaN/Inf"))):
+        return group.format(tensor=tensor)
     if key and origin.get("samples") and (where := missing_entries(  # (per sample: no field)
             step.tensors.get(key), _sample_dim(step, origin, key))):
         return MISSING_ENTRIES.format(tensor=tensor, where=where)

@@ -18,7 +18,7 @@ from torch import nn
 # leaves a dict or tuple subclass it does not know (a user's output type) unopened.
 from recorder.capture import map_tensors, output_leaves, tensor_leaves
 from recorder.finite import finite, matches, only_mask_infinities
-from recorder.rng import module_generators, restore_rng
+from recorder.rng import RngCapture, module_generators, restore_rng
 
 from . import bisection
 from .compat import non_persistent
@@ -40,6 +40,7 @@ from .load import (
     rng_state,
 )
 from .loopscale import loss_factor
+from .loss_forward import forward_in_loss
 from .loss_params import trained_loss_params
 from .module_state import ModuleState
 from .precision import precision_hooks
@@ -195,6 +196,7 @@ class Runner:
                         result.dropped.setdefault(i, dropped_non_finite(self.model))
                         self.model.zero_grad(set_to_none=True)
                     args, kwargs = micro_batch_inputs(self.step, i, made := {})
+                    began = self._loss_began(i)
                     if i and (rng := micro_batch_rng(self.step, i)) is not None:
                         restore_rng(rng, self._generators)  # as it was: the loop drew between forwards
                     if only_mask_infinities(tensor_leaves((args, kwargs))):
@@ -210,6 +212,8 @@ class Runner:
                     outs = list(output_leaves(out))  # (a Distribution's tensors too)
                     result.outputs.append(outs)
                     result.objects.append(out)
+                    if began is not None:  # (the loss drew before its own forward)
+                        restore_rng(began, self._generators)
                     with _enter(forward_ctx):  # the loss's nodes too
                         loss = self._loss(i, outs, result)
                     if backward and mb.get("grad_enabled", True):
@@ -228,6 +232,11 @@ class Runner:
             result.bad_grads = [n for n, p in self.model.named_parameters()
                                 if p.grad is not None and not finite(p.grad)]
         return result
+
+    def _loss_began(self, i: int) -> dict | None:
+        """The RNG as micro-batch ``i`` begins, when its forward ran inside its own loss."""
+        return RngCapture(list(self._generators.items()))() \
+            if forward_in_loss(self.step, i) else None
 
     def _call_loss(self, args, kwargs):
         """What the loss raises (``BCELoss`` refusing a NaN input, as it did in training) is

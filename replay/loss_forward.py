@@ -1,0 +1,41 @@
+"""A micro-batch whose forward ran inside its own loss call: WGAN-GP's critic loss, given the
+critic, draws the interpolation weights (``torch.rand``) and then calls the critic on the
+interpolates for the gradient penalty. The recorder files that loss under the critic's
+third micro-batch (the call on the interpolates) and captures that micro-batch's RNG as its
+forward began, after the loss had drawn ``alpha``. The re-run runs the forward from that
+state, then the loss, which draws ``alpha`` and the critic's dropout masks again from the
+state the forward left: other interpolates and masks than training's, a penalty at other
+packs. The loss is re-run instead from the RNG as it was when the micro-batch began in the
+re-run (the state the step's previous forward left, the one the loss started from in
+training), so its draws and its own model call repeat training's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .load import Step
+
+
+def _own_outputs(tree: Any, i: int) -> bool:
+    """Whether the loss's inputs ``tree`` reference micro-batch ``i``'s own outputs."""
+    if isinstance(tree, dict):
+        if ("$out" in tree or "$output" in tree) and tree.get("mb", i) == i:
+            return True
+        return any(_own_outputs(v, i) for v in tree.values())
+    if isinstance(tree, list):
+        return any(_own_outputs(v, i) for v in tree)
+    return False
+
+
+def forward_in_loss(step: Step, i: int) -> bool:
+    """Whether micro-batch ``i`` (not the first) has a loss that holds the model and takes
+    none of ``i``'s outputs, and an RNG state of its own: its forward ran inside the loss."""
+    entry = step.micro_batches[i]
+    loss, model = step.loss_fn, step.model
+    if not i or "loss_inputs" not in entry or not entry.get("rng") \
+            or not isinstance(loss, nn.Module) or model is None:
+        return False
+    return any(m is model for m in loss.modules()) and not _own_outputs(entry["loss_inputs"], i)
