@@ -109,7 +109,9 @@ def test_observation_normaliser_without_floor_on_identical_resets(tmp_path):
     assert o["source"] == source_line(MODELS, "return (obs - mean) / std")
     assert o["samples"] == list(range(8)) and o["all_samples"]
     assert rep["cause"] == "invalid"
-    assert "column(s) [0, 1]" in rep["hint"] and "add an eps to the statistic" in rep["hint"]
+    # (the normaliser's own statistic, floored where it is fitted: OpenAI-ES clips it at 1e-2)
+    assert "column(s) [0, 1]" in rep["hint"] and "floor that statistic" in rep["hint"], rep["hint"]
+    assert "clamp_min(eps)" in rep["hint"], rep["hint"]
 
 
 def test_floored_normaliser_trains_bit_identically(tmp_path):
