@@ -13,8 +13,9 @@ factories, losses and data of ``test_point_cloud_registration.py``.
 - ``Sinkhorn``: RPM-Net's normalisation in log space with a slack row and column for outliers.
 - ``SVDHead``: weighted Procrustes: centroids, the cross-covariance ``H``, ``torch.linalg.svd``
   and the determinant sign fix ``diag(1, 1, det(V U^T))``.
-- ``RegistrationLoss``: the geodesic angle ``acos((trace(R^T R_gt) - 1) / 2)`` plus the
-  translation error, optionally a Chamfer term with ``sqrt``.
+- ``RegistrationLoss``: the geodesic angle ``acos((trace(R^T R_gt) - 1) / 2)`` (its cosine
+  clamped to ``[-1 + clamp_eps, 1 - clamp_eps]``) plus the translation error, optionally a
+  Chamfer term with ``sqrt``.
 """
 
 from __future__ import annotations
@@ -176,10 +177,11 @@ def make_dcp_unstable() -> DCP:
     return DCP(stable=False)
 
 
-def geodesic(r: torch.Tensor, r_gt: torch.Tensor, clamp: bool = True) -> torch.Tensor:
+def geodesic(r: torch.Tensor, r_gt: torch.Tensor, clamp: bool = True,
+             eps: float = 1e-6) -> torch.Tensor:
     cos = (torch.diagonal(r.transpose(1, 2) @ r_gt, dim1=1, dim2=2).sum(-1) - 1) / 2
     if clamp:
-        cos = cos.clamp(-1 + 1e-6, 1 - 1e-6)
+        cos = cos.clamp(-1 + eps, 1 - eps)
     return torch.acos(cos)
 
 
@@ -192,12 +194,14 @@ class RegistrationLoss(nn.Module):
     """Geodesic rotation error + translation error (+ ``chamfer`` * Chamfer of the moved
     source to the target)."""
 
-    def __init__(self, clamp: bool = True, chamfer: float = 0.0, eps: float = 1e-8):
+    def __init__(self, clamp: bool = True, chamfer: float = 0.0, eps: float = 1e-8,
+                 clamp_eps: float = 1e-6):
         super().__init__()
-        self.clamp, self.chamfer, self.eps = clamp, chamfer, eps
+        self.clamp, self.chamfer, self.eps, self.clamp_eps = clamp, chamfer, eps, clamp_eps
 
     def forward(self, r, t, r_gt, t_gt, src=None, tgt=None):
-        loss = geodesic(r, r_gt, self.clamp).mean() + ((t - t_gt) ** 2).sum(1).mean()
+        loss = geodesic(r, r_gt, self.clamp, self.clamp_eps).mean()
+        loss = loss + ((t - t_gt) ** 2).sum(1).mean()
         if self.chamfer:
             moved = src @ r.transpose(1, 2) + t[:, None]
             loss = loss + self.chamfer * chamfer(moved, tgt, self.eps).mean()

@@ -152,14 +152,45 @@ def test_a_target_cropped_to_one_duplicated_point_breaks_only_the_svd_backward(t
     assert "repeated singular values" in rep["hint"], rep["hint"]
 
 
+def exact_pairs() -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Pairs with no motion, noise or crop, and the geodesic's cosine of the first batch as
+    the untrained RPM-Net (tau 1e-3) registers them: 1 up to rounding."""
+    data = pairs(max_angle=0.0, noise=0.0, overlap=1.0, shift=0.0)
+    model = M.make_rpm_net()
+    model.match.tau = 1e-3
+    with torch.no_grad():
+        r, _ = model(data[0][:BATCH], data[1][:BATCH], data[4][:BATCH])
+    prod = r.transpose(1, 2) @ data[2][:BATCH]
+    return data, (torch.diagonal(prod, dim1=1, dim2=2).sum(-1) - 1) / 2
+
+
 def test_the_geodesic_angle_without_a_clamp_rounds_past_1_on_exact_pairs(tmp_path):
     """Pairs with no motion and no noise, matched hard (tau 1e-3): the SVD gives the identity
     up to rounding, ``(trace(R^T R_gt) - 1) / 2`` is 1.0000005 at some pairs, ``acos`` NaN;
     a precision loss, to clamp."""
-    data = pairs(max_angle=0.0, noise=0.0, overlap=1.0, shift=0.0)
+    data, cos = exact_pairs()
+    rows = (cos > 1).nonzero().flatten().tolist()
+    assert 0 < len(rows) < BATCH
     rep, o = fired(tmp_path, NonFiniteError, data, "make_rpm_net",
                    M.RegistrationLoss(clamp=False), anneal=lambda s: 1e-3)
-    assert (rep["event"]["step"], o["module"], o["op"], o["made"], rep["cause"]) == (
-        0, "<loss>", "aten.acos", "nan", "precision"), json.dumps(rep, indent=1)
+    assert (rep["event"]["step"], o["module"], o["op"], o["made"], o["samples"],
+            rep["cause"]) == (0, "<loss>", "aten.acos", "nan", rows, "precision"), \
+        json.dumps(rep, indent=1)
     assert o["source"] == line_of("return torch.acos(cos)")
     assert "clamp the input into the domain" in rep["hint"], rep["hint"]
+
+
+def test_the_geodesic_cosine_clamped_to_exactly_1_is_backward_only(tmp_path):
+    """The same exact pairs with the cosine clamped to ``[-1, 1]`` (no margin): the forward is
+    finite, but at the pairs whose cosine reached 1 acos's derivative is -inf there: NaN in
+    the backward only, at exactly those pairs."""
+    data, cos = exact_pairs()
+    rows = (cos >= 1).nonzero().flatten().tolist()
+    assert 0 < len(rows) < BATCH
+    rep, o = fired(tmp_path, NonFiniteError, data, "make_rpm_net",
+                   M.RegistrationLoss(clamp_eps=0.0), anneal=lambda s: 1e-3)
+    assert (rep["event"]["step"], o["phase"], o["module"], o["op"], o["samples"],
+            rep["cause"]) == (0, "backward", "<loss>", "AcosBackward0", rows, "invalid"), \
+        json.dumps(rep, indent=1)
+    assert o["source"] == line_of("return torch.acos(cos)")
+    assert "its input is exactly +-1, the edge of acos's domain" in rep["hint"], rep["hint"]
