@@ -43,7 +43,7 @@ from .missing_entries import MISSING_ENTRIES, missing_entries
 from .nan_runs import NAN_RUNS, nan_runs
 from .padded_elements import padded_elements
 from .shared_loss_arg import shared_loss_arg_hint
-from .whole_slices import WHOLE_SLICES, whole_slices
+from .whole_slices import slices_hint, whole_slices
 
 # a loss argument (a target) NaN/Inf in the same features of every sample, the model's
 # inputs finite (see replay.cause_text's WHOLE_COLUMNS for a batch tensor)
@@ -246,7 +246,8 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
     if key and (where := whole_slices(step.tensors.get(key), _sample_dim(step, origin, key))):
         sets = _sample_dim(step, origin, key) == 0  # (samples, elements, features...)
         return sets and padded_elements(step.tensors.get(key), where, tensor, _named_batch(
-            step, origin)) or WHOLE_SLICES.format(tensor=tensor, where=where)
+            step, origin)) or slices_hint(step.tensors[key], _sample_dim(step, origin, key),
+                                          tensor, where)
     if key and (where := nan_runs(step.tensors.get(key), _sample_dim(step, origin, key))):
         return NAN_RUNS.format(tensor=tensor, where=where)
     if tensor.startswith("loss_") and not batch_non_finite(step, ("batch/",)):

@@ -4,12 +4,16 @@ finite numbers has none in the code (a 2x2 determinant ``a * c - b * b`` of a Ga
 collapsed to a point, without gsplat's 0.3 dilation of its 2-D covariance), and the fix is a
 floor where it is made, which the log-space list (log_softmax, logsumexp, a Cox loss) hides.
 A log of the exp itself (``var = log_var.exp()`` then ``log(var)`` in a hand-written Gaussian
-NLL) needs none of that list: the round trip is the exponent."""
+NLL) needs none of that list: the round trip is the exponent. A 0/0 of exponentials over
+their own sum (a softmax written by hand, ``replay.exp_normalised``) needs torch.softmax, not a
+clamp of the sum, also where float64 still holds the terms (an RPM affinity
+``exp(-d / tau)`` of a cloud in centimetres: 1e-99)."""
 
 from __future__ import annotations
 
 from .cause_text import DO
 from .chain_product import CHAIN, LEAST
+from .exp_normalised import normalised
 from .exp_param import exp_param_advice
 from .positive import node_op
 from .shifted_positive import ADVICE as SHIFTED
@@ -54,7 +58,9 @@ def made_by_exp(t, depth: int = 6, fn=None) -> bool:
 
 def underflow_advice(name: str, ev, i: int) -> str:
     """``DO["log_space"]`` unless input ``i`` of op ``name`` is a divisor no exponential made
-    or (first) a log's input that exp itself made."""
+    or (first) a log's input that exp itself made; a hand-written softmax's 0/0 first."""
+    if name == "div" and (own := normalised(ev, _zeros(ev))) is not None:
+        return f"{own[0]}: {own[1]}"
     if name in _DIVISIONS and (name != "div" or i == 1) and (p := exp_param_advice(ev, i)):
         return p
     if name in _DIVISIONS and not ev.exp_made[i] and (name != "div" or i == 1):
@@ -66,3 +72,9 @@ def underflow_advice(name: str, ev, i: int) -> str:
     if name in _LOGS and i < len(ev.of_exp) and ev.of_exp[i]:
         return LOG_OF_EXP + DO["log_space"]
     return DO["log_space"]
+
+
+def _zeros(ev) -> list[int]:
+    """The op's inputs that are 0 wherever it went non-finite."""
+    return [j for j, v in enumerate(ev.inputs)
+            if v.numel() and not bool(v.ne(0).any())]

@@ -1,7 +1,10 @@
 """A batch tensor whose non-finite values fill whole slices of some samples (sample 6's
 electrode 3 at every time step) while the rest of each such sample is finite: the mark of a
 step of the data pipeline run per sample and per slice (a channel's standardisation by its own
-zero std: a flat, disconnected electrode; a blank image channel), not of a bad record."""
+zero std: a flat, disconnected electrode; a blank image channel), not of a bad record. Slices
+of a few values each (at most ``COORDS``) along a longer dim are no channels but the points of
+a set, each non-finite in every coordinate (a point cloud's point whose depth had no return,
+back-projected to NaN; a keypoint not detected): :func:`slices_hint` says so."""
 
 from __future__ import annotations
 
@@ -13,6 +16,31 @@ WHOLE_SLICES = (
     "of the data pipeline made them, not a bad record (a standardisation of each channel by "
     "its own std, 0 for a flat channel: a disconnected electrode, a saturated sensor, a blank "
     "image channel; add an eps to the std, or interpolate or drop the channel)")
+
+
+# a slice of at most this many values, along a dim with more indices, is one point's coordinates
+# (xy, xyz, xyzw; a box's 4 numbers), not a channel's series
+COORDS = 4
+
+WHOLE_POINTS = (
+    "the batch itself holds NaN/Inf, and {tensor} holds it in whole points of its samples' "
+    "sets, each sample finite elsewhere: {where}, every coordinate of each ({n} values): those "
+    "points were never measured (a depth pixel with no return back-projected to NaN, a "
+    "keypoint not detected, a sensor's dropout written as NaN), not a per-channel "
+    "standardisation; drop them where the cloud is made (keep torch.isfinite(p).all(-1)) or "
+    "resample the set to its size from its finite points, or give forward a mask that is 0 "
+    "there and ignore them in every op (a weighted mean, a masked softmax)")
+
+
+def slices_hint(t: torch.Tensor, d: int, tensor: str, where: str) -> str:
+    """The hint for ``t``'s whole non-finite slices ``where`` (by :func:`whole_slices`):
+    points of a set when each slice holds at most ``COORDS`` values along a dim longer than
+    that (``(B, N, 3)``), else a channel's slices."""
+    x = t.movedim(d, 0)
+    n = x[0, 0].numel()
+    if n <= COORDS and x.shape[1] > n:
+        return WHOLE_POINTS.format(tensor=tensor, where=where, n=n)
+    return WHOLE_SLICES.format(tensor=tensor, where=where)
 
 
 def whole_slices(t: torch.Tensor | None, d: int | None) -> str:
