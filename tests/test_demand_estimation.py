@@ -103,6 +103,10 @@ def test_empty_nest_in_a_market_is_a_fully_masked_log_sum_exp(tmp_path):
     assert o["source"] == line_of("incl = torch.logsumexp(scaled, 1)")
     assert rep["cause"] == "invalid"
     assert "every entry is -inf" in rep["hint"]
+    assert "keep at least one key per row" in rep["hint"]
+    # the nest ids are 0 throughout market 21 (every product in nest 0), which is no blank
+    # record: nest 0 sits between nest-1 products in every other market
+    assert "blank record" not in rep["hint"]
 
 
 def test_naive_nested_logit_at_a_steep_nesting_parameter_overflows_exp(tmp_path):
