@@ -39,7 +39,10 @@ def markets(n: int = M_MARKETS, seed: int = 0, price_scale: float = 1.0,
     v = x @ torch.tensor([1.0, -0.5, 0.3]) - 1.5 * torch.log(price.clamp_min(1e-3))
     v = v.masked_fill(~mask, float("-inf"))
     s = torch.softmax(torch.cat([torch.zeros(n, 1), v], 1), 1)[:, 1:]
-    return {"x": x, "price": price, "mask": mask, "nest": nest, "shares": s}
+    cost = (torch.rand(n, J, generator=g) + 0.5) * mask                  # a cost shifter
+    rivals = x[..., 0].sum(1, keepdim=True) - x[..., 0]                   # BLP instruments
+    z = torch.stack([mask.float(), rivals, cost], -1)
+    return {"x": x, "price": price, "mask": mask, "nest": nest, "shares": s, "z": z}
 
 
 class PriceUtility(nn.Module):
@@ -126,6 +129,21 @@ class BLPInversionLoss(nn.Module):
         delta = torch.log(shares) - torch.log(s0)
         err = torch.where(mask, v - delta, torch.zeros_like(v))
         return (err ** 2).sum() / mask.sum()
+
+
+class GMMLoss(nn.Module):
+    """Two-step GMM of the structural error ``xi = delta - v`` (``delta`` BLP's inversion of
+    the observed shares) on instruments ``z (M, J, L)``: market moments ``g_m = sum_j z xi``,
+    the weighting matrix the inverse of their covariance, ``gbar' W gbar``."""
+
+    def forward(self, v, shares, mask, z):
+        s0 = 1 - shares.sum(1, keepdim=True)
+        delta = torch.log(torch.where(mask, shares, torch.ones_like(shares))) - torch.log(s0)
+        xi = torch.where(mask, delta - v, torch.zeros_like(v))
+        g = (z * xi[..., None]).sum(1)                                    # (M, L)
+        gbar = g.mean(0)
+        w = torch.linalg.inv(g.T @ g / len(g))
+        return gbar @ w @ gbar
 
 
 class MeanUtility(nn.Module):

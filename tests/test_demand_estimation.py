@@ -146,3 +146,47 @@ def test_log_of_padded_zero_prices_is_a_backward_nan_in_the_price_coefficient(tm
     assert o["source"] == line_of("return alpha * torch.log(price)")
     assert rep["cause"] == "invalid"
     assert "every such entry is padding" in rep["hint"]
+
+
+def gmm_fit(model, opt, loss, data) -> list[float]:
+    """The second stage of a neural IV: the mean utilities fitted to BLP's inversion by GMM
+    on the instruments, one weighting matrix per batch of markets."""
+    ds = TensorDataset(data["x"], data["price"], data["mask"], data["shares"], data["z"])
+    losses = []
+    for x, p, m, s, z in DataLoader(ds, batch_size=BATCH):
+        opt.zero_grad()
+        value = loss(model(x, p, m), s, m, z)
+        value.backward()
+        opt.step()
+        losses.append(float(value.detach()))
+    return losses
+
+
+def test_gmm_weighting_matrix_of_an_instrument_missing_in_a_batch_is_singular(tmp_path):
+    """The cost shifter was not collected for markets 32-47 (the third batch), filled with 0:
+    the moments' covariance has a zero row and column, and ``torch.linalg.inv`` fails."""
+    data = M.markets()
+    data["z"][32:48, :, 2] = 0.0
+    model, loss = M.make_mean_utility(), M.GMMLoss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with pytest.raises(torch.linalg.LinAlgError):  # the user's own error, with a note
+        with FlightRecorder(model, opt, loss_fn=loss, out_dir=tmp_path,
+                            factory="demand_estimation_models:make_mean_utility") as rec:
+            gmm_fit(model, opt, rec.loss_fn, data)
+    (bundle,) = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], rep["reproduced"]) == (2, True)
+    assert (o["phase"], o["module"], o["op"]) == ("loss", "<loss>", "aten.linalg_inv_ex")
+    assert o["source"] == line_of("w = torch.linalg.inv(g.T @ g / len(g))")
+    assert rep["cause"] == "invalid"
+    assert "singular in exact arithmetic too" in rep["hint"]
+
+
+def test_healthy_gmm_raises_nothing(tmp_path):
+    model, loss = M.make_mean_utility(), M.GMMLoss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with FlightRecorder(model, opt, loss_fn=loss, out_dir=tmp_path,
+                        factory="demand_estimation_models:make_mean_utility") as rec:
+        losses = gmm_fit(model, opt, rec.loss_fn, M.markets())
+    assert all(v == v for v in losses) and not list(tmp_path.glob("*.nan"))
