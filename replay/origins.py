@@ -53,6 +53,7 @@ from .negative_output import negative_output_hint
 from .object_outputs import came_inside_objects, report_forward_behind_objects
 from .other_makers import add_others
 from .other_rows import note_grad_rows
+from .padded_rows import unpadded_rows
 from .param_writes import (
     built_non_finite_hint,
     forward_made,
@@ -209,7 +210,8 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     origin = origin_fields(
         phase="loss", module="<loss>", micro_batch=mb, op=hit.op if hit else None,
         source=hit.source if hit else None, chain=finder.chain(made),
-        samples=loss_samples(step, run, mb) or (hit.rows if hit else None) or [],
+        samples=loss_samples(step, run, mb) or unpadded_rows(hit, args, kwargs)
+        or (hit.rows if hit else None) or [],
         made=hit.made if hit else made, line_run=loss_line_run(step, mb, hit, args, kwargs),
         # (its line's run, a loop over scales; the dtype of a half output the loss took as is)
         **({"dtype": str(hit.evidence.dtype).removeprefix("torch.")}

@@ -45,7 +45,7 @@ def _trailing(on: torch.Tensor) -> bool:
     return not bool((rows[..., 1:] > rows[..., :-1]).any())
 
 
-def _aligned(mask: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
+def aligned(mask: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
     """``mask`` laid over a tensor of ``shape``: the same entries (its size-1 dims dropped:
     a mask ``(B, 1, P)`` over ``(B, P)``), or its dims a leading part of the shape, broadcast
     over the rest (a particle mask ``(B, P)`` over features ``(B, P, F)``); else None."""
@@ -62,7 +62,7 @@ def padding_mask(at_zero: torch.Tensor, masks: list[tuple[str, torch.Tensor]]) -
     """The name of the first of ``masks`` that is 0 (False) at every True entry of
     ``at_zero`` (where the op went non-finite at its input's 0); None if none is."""
     for name, m in masks:
-        laid = _aligned(m, at_zero.shape)
+        laid = aligned(m, at_zero.shape)
         if laid is not None and bool(at_zero.any()) and not bool((at_zero & laid).any()):
             return name
     return None

@@ -24,7 +24,9 @@ backward is 0/0 at a policy with no claim) is of zeros the code handles: the hin
 samples and asks for a safe input before the op. A softmax over a row whose every key is masked
 looks at the integer model inputs too: token ids all 0 (the padding) in exactly those samples,
 an empty document (a note whose text extraction gave no sentence) under a hierarchical
-attention network's sentence attention."""
+attention network's sentence attention; not ids whose 0 sits between other ids in other
+samples (a nested logit's nest ids: a market whose products are all in nest 0 leaves nest 1
+empty, a real 0 and no blank record)."""
 
 from __future__ import annotations
 
@@ -86,7 +88,8 @@ def zero_records_hint(report: dict[str, Any], step: Step) -> None:
              if _zero_in(t, d, rows)]
     if masked_row:  # (a softmax over no key: integer inputs too, token ids all padding)
         names += [name for name, t, d in batch_data(step, mb, loss=False)
-                  if not t.is_floating_point() and t.dtype != torch.bool and zero_rows(t, d, rows)]
+                  if not t.is_floating_point() and t.dtype != torch.bool and zero_rows(t, d, rows)
+                  and not _interior_zero(t, d, rows)]
     if not names:
         return
     which = ",".join(str(r) for r in rows)
@@ -149,6 +152,21 @@ def _records(step: Step, mb: int, inputs: bool = True
 def _zero_in(t: torch.Tensor, d: int, rows: list[int]) -> bool:
     """``t`` is not 0/1 data, all 0 in ``rows``, nonzero somewhere in every other row."""
     return not zero_one(t) and zero_rows(t, d, rows)
+
+
+def _interior_zero(t: torch.Tensor, d: int, rows: list[int]) -> bool:
+    """Some other sample of the integer tensor ``t`` (samples along ``d``) holds a 0 with a
+    nonzero id before and after it along its last dim: 0 is an ordinary id there (a nested
+    logit's nest 0 among nest 1's products), not the padding that fills a sequence's end or
+    start, so a sample all 0 is no blank record (every product in one nest)."""
+    if t.dim() < 2 or d == t.dim() - 1 or t.shape[-1] < 3:
+        return False
+    keep = torch.ones(t.shape[d], dtype=torch.bool)
+    keep[[r for r in rows if 0 <= r < t.shape[d]]] = False
+    other = t.index_select(d, keep.nonzero()[:, 0].to(t.device)) != 0
+    before = other.int().cummax(-1).values.bool()
+    after = other.flip(-1).int().cummax(-1).values.flip(-1).bool()
+    return bool((~other & before & after).any())
 
 
 def _ended_hint(hint: str, is_are: str, which: str, carried: list[str], how: str) -> str:
