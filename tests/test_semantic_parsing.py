@@ -1,0 +1,144 @@
+"""End to end on text-to-SQL with grammar-constrained decoding (``semantic_parsing_models``):
+an LSTM encoder-decoder whose decoder emits grammar actions (ApplyRule, GenToken, CopyColumn)
+masked by the grammar state with ``masked_fill(~valid, -inf)``, a pointer over the schema's
+columns, schema linking features from string-match counts, a pointer-generator switch mixing
+the action distribution with a copy of the question's tokens, a label-smoothed cross-entropy
+over the gold actions padded with -100, AdamW with gradient clipping, teacher forcing, batches
+from a ``DataLoader`` with a custom ``collate_fn`` (and bf16 autocast for one run). Each planted
+failure fires under the recorder and is replayed with the CLI; the healthy run raises nothing
+and trains bit-identically with and without the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import semantic_parsing_models as M
+import torch
+from bundles import nanreplay_json, source_line
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+K, BAD = 2, 1  # the step a planted bad example is in, and its index in the batch
+FACTORY = "semantic_parsing_models:make_model"
+
+
+def line_of(text: str) -> str:
+    return source_line("semantic_parsing_models.py", text)
+
+
+def train(out_dir, plant: str = "none", mkw: dict | None = None, lkw: dict | None = None,
+          eps: float = 1e-8, amp: bool = False, record: bool = True) -> torch.nn.Module:
+    """Teacher-forced training: AdamW, gradient norm clipping, optional bf16 autocast."""
+    mkw = mkw or {}
+    model = M.make_model(**mkw)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=eps)
+    crit = M.LabelSmoothedNLL(**(lkw or {}))
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, factory=FACTORY,
+                         factory_kwargs=mkw)
+    with rec if record else contextlib.nullcontext():
+        for b in M.loader(plant, K, BAD):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                out = model(b["q"], b["q_len"], b["cols"], b["col_mask"], b["col_stats"],
+                            b["prev"], b["valid"])
+                loss = crit(out, b["gold"], b["valid"])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    return model
+
+
+def fire(out_dir, step: int, code: int | None = 0, **kw):
+    """(event, report) of the planted run, which must raise at ``step`` (``code``: the CLI's
+    exit code; 1 where nothing is re-run: an update event the bundle holds after)."""
+    with pytest.raises(NonFiniteError) as info:
+        train(out_dir, **kw)
+    ev = info.value.event
+    assert ev["step"] == step, ev
+    return ev, nanreplay_json(info.value.bundle_path, code=code)
+
+
+def origin(rep: dict) -> tuple:
+    o = rep["origin"]
+    return o["phase"], o["module"], o["op"], o["samples"], rep["cause"]
+
+
+def batch(plant: str, step: int = K) -> dict:
+    return list(M.loader(plant, K, BAD))[step]
+
+
+def test_healthy_parser_raises_nothing_and_trains_the_same(tmp_path):
+    recorded = train(tmp_path)
+    plain = train(tmp_path, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_a_schema_with_no_column_leaves_the_copy_state_no_valid_action(tmp_path):
+    """A schema filter dropped every column of one table while its gold SQL still selects one:
+    the CopyColumn state's action mask is all False, masked_fill(-inf) leaves the row no
+    finite logit and the softmax is NaN there."""
+    b = batch("nocol")
+    assert not b["col_mask"][BAD].any() and b["col_mask"].any(-1).sum() == M.B - 1
+    ev, rep = fire(tmp_path, K, plant="nocol")
+    assert (ev["phase"], ev["samples"]) == ("forward", [BAD]), ev
+    assert origin(rep) == ("forward", "", "aten._softmax", [BAD], "invalid"), rep
+    assert rep["origin"]["source"] == line_of("p_action = logits.masked_fill(~valid"), rep
+    assert "every entry is -inf (a fully masked row)" in rep["hint"], rep["hint"]
+    assert f"0 everywhere in sample(s) {BAD}" in rep["hint"], rep["hint"]
+
+
+def test_an_empty_question_names_the_linker_fraction_and_the_record(tmp_path):
+    """The tokenizer left a question no token: the linker's match fraction counts / q_len is
+    0/0 for that example's columns."""
+    assert batch("emptyq")["q_len"].tolist()[BAD] == 0
+    ev, rep = fire(tmp_path, K, plant="emptyq")
+    assert (ev["phase"], ev["module"], ev["samples"]) == ("forward", "linker", [BAD]), ev
+    assert origin(rep) == ("forward", "linker", "aten.div", [BAD], "invalid"), rep
+    assert rep["origin"]["source"] == line_of("frac = counts / q_len"), rep
+    assert f"Sample(s) {BAD} are empty records" in rep["hint"], rep["hint"]
+
+
+def test_a_null_column_statistic_is_the_input(tmp_path):
+    """The mean of a column whose cells are all NULL is NaN in the batch's col_stats."""
+    ev, rep = fire(tmp_path, K, plant="nanstat")
+    assert ev["phase"] == "input" and ev["samples"] == [BAD], ev
+    assert origin(rep) == ("input", None, None, [BAD], "input"), rep
+
+
+def test_adam_without_eps_names_the_padding_and_unseen_embedding_rows(tmp_path):
+    """AdamW with eps=0: the padding row of the question embedding (padding_idx) and the rows
+    of tokens absent from the batch get gradients of exactly 0, m = v = 0, and the update is
+    0/0."""
+    ev, rep = fire(tmp_path, 0, code=1, eps=0.0)
+    assert ev["phase"] == "optimizer", ev
+    assert (rep["cause"], rep["reproduced"]) == ("optimizer", False), rep
+    assert "with eps=0" in rep["hint"] and "embed.weight" in rep["hint"], rep["hint"]
+    assert "row(s) 0, " in rep["hint"], rep["hint"]
+
+
+def test_a_where_guarded_attention_entropy_is_a_backward_nan(tmp_path):
+    """An attention-entropy penalty torch.where(attn > 0, attn * attn.log(), 0): finite in the
+    forward, but the backward of log at the padding positions' 0 is inf, times 0: NaN, in the
+    examples whose question is padded."""
+    padded = (batch("none", 0)["q_len"] < M.L).nonzero().flatten().tolist()
+    ev, rep = fire(tmp_path, 0, lkw={"attn_entropy": 0.1})
+    assert ev["phase"] == "backward", ev
+    assert origin(rep) == ("backward", "<loss>", "MulBackward0", padded, "invalid"), rep
+    assert rep["origin"]["source"] == line_of("plogp = torch.where(attn > 0"), rep
+    assert "torch.where(mask, x, 1)" in rep["hint"], rep["hint"]
+
+
+def test_switch_entropy_in_bf16_rounds_one_minus_p_gen_to_zero(tmp_path):
+    """A switch initialised to generate (bias 12) under bf16 autocast: sigmoid(12) rounds to 1,
+    and the switch-entropy bonus's log(1 - p_gen) is log(0)."""
+    ev, rep = fire(tmp_path, 0, mkw={"gen_bias": 12.0}, lkw={"switch_entropy": 0.01},
+                   amp=True)
+    assert origin(rep) == ("loss", "<loss>", "aten.log", list(range(M.B)), "precision"), rep
+    assert rep["origin"]["source"] == line_of("ent = -(p_gen * p_gen.log()"), rep
+    assert "rounded to 1 in bfloat16" in rep["hint"], rep["hint"]
+    assert "logsigmoid(−z)" in rep["hint"], rep["hint"]
