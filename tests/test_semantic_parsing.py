@@ -70,9 +70,10 @@ def batch(plant: str, step: int = K) -> dict:
     return list(M.loader(plant, K, BAD))[step]
 
 
-def test_healthy_parser_raises_nothing_and_trains_the_same(tmp_path):
-    recorded = train(tmp_path)
-    plain = train(tmp_path, record=False)
+@pytest.mark.parametrize("mkw", [{}, {"hand_softmax": True}])
+def test_healthy_parser_raises_nothing_and_trains_the_same(tmp_path, mkw):
+    recorded = train(tmp_path, mkw=mkw)
+    plain = train(tmp_path, mkw=mkw, record=False)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.state_dict().items(), plain.state_dict().values()):
         assert torch.equal(a, b), name
@@ -103,11 +104,21 @@ def test_an_empty_question_names_the_linker_fraction_and_the_record(tmp_path):
     assert f"Sample(s) {BAD} are empty records" in rep["hint"], rep["hint"]
 
 
-def test_a_null_column_statistic_is_the_input(tmp_path):
-    """The mean of a column whose cells are all NULL is NaN in the batch's col_stats."""
+def test_a_null_column_statistic_is_named_at_its_entry(tmp_path):
+    """The mean of a column whose cells are all NULL is NaN in the batch's col_stats (B, C),
+    at one column of one example. The hint was the generic 'check the data pipeline for these
+    samples ... or filter them', since a table narrower than 8 features was not read as
+    records of features; it now names the sample and the column and says to impute."""
+    stats = batch("nanstat")["col_stats"]
+    assert stats.isnan().nonzero().tolist() == [[BAD, 0]]
     ev, rep = fire(tmp_path, K, plant="nanstat")
     assert ev["phase"] == "input" and ev["samples"] == [BAD], ev
     assert origin(rep) == ("input", None, None, [BAD], "input"), rep
+    assert rep["origin"]["tensor"] == "args[4]", rep
+    assert f"args[4] holds it at scattered entries of records otherwise finite: sample {BAD} " \
+        f"at feature(s) 0 (of {M.C})" in rep["hint"], rep["hint"]
+    assert "a database column all NULL" in rep["hint"], rep["hint"]
+    assert "check the data pipeline" not in rep["hint"], rep["hint"]
 
 
 def test_adam_without_eps_names_the_padding_and_unseen_embedding_rows(tmp_path):
@@ -142,3 +153,15 @@ def test_switch_entropy_in_bf16_rounds_one_minus_p_gen_to_zero(tmp_path):
     assert rep["origin"]["source"] == line_of("ent = -(p_gen * p_gen.log()"), rep
     assert "rounded to 1 in bfloat16" in rep["hint"], rep["hint"]
     assert "logsigmoid(−z)" in rep["hint"], rep["hint"]
+
+
+def test_a_raw_column_sum_overflows_a_hand_written_masked_softmax(tmp_path):
+    """A SUM over a BIGINT column left unstandardised (4e6) in one schema's cell statistics
+    drives that example's column-pointer logits past 88, and an older parser's masked softmax
+    exp(logits) * valid / sum overflows to inf / inf."""
+    ev, rep = fire(tmp_path, K, plant="rawstat", mkw={"hand_softmax": True})
+    assert (ev["phase"], ev["samples"]) == ("forward", [BAD]), ev
+    assert origin(rep) == ("forward", "", "aten.exp", [BAD], "overflow"), rep
+    assert rep["origin"]["source"] == line_of("e = logits.exp() * valid"), rep
+    assert "subtract the row max before exp" in rep["hint"], rep["hint"]
+    assert f"sample(s) {BAD} of args[4] reach 4e+06" in rep["hint"], rep["hint"]
