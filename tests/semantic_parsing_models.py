@@ -57,9 +57,9 @@ class Text2SQL(nn.Module):
     """Encoder, schema linker, grammar-masked decoder with a pointer-generator switch."""
 
     def __init__(self, d: int = D, plant: str = "none", gen_bias: float = 0.0,
-                 hand_softmax: bool = False):
+                 hand_softmax: bool = False, log_output: bool = False):
         super().__init__()
-        self.hand_softmax = hand_softmax
+        self.hand_softmax, self.log_output = hand_softmax, log_output
         self.embed = nn.Embedding(Q_VOCAB, d, padding_idx=0)
         self.encoder = nn.LSTM(d, d, batch_first=True)
         self.linker = SchemaLinker(d, plant)
@@ -83,6 +83,8 @@ class Text2SQL(nn.Module):
         col_scores = self.col_query(ctx) @ col_enc.transpose(1, 2)  # (B, T, C)
         col_scores = col_scores.masked_fill(~col_mask[:, None, :], float("-inf"))
         logits = torch.cat([self.rule_head(ctx), col_scores], -1)
+        if self.log_output:  # no copy: the masked actions' log-probabilities, -inf at invalid
+            return logits.masked_fill(~valid, float("-inf")).log_softmax(-1), None, attn
         if self.hand_softmax:  # older parsers' masked softmax: exp, zero the invalid, sum
             e = logits.exp() * valid
             p_action = e / e.sum(-1, keepdim=True)
@@ -102,18 +104,19 @@ class LabelSmoothedNLL(nn.Module):
     entropy (padding positions, attention 0, left out by a ``torch.where``)."""
 
     def __init__(self, eps: float = 0.1, ignore_index: int = IGNORE, switch_entropy: float = 0.0,
-                 attn_entropy: float = 0.0, floor: float = 1e-12):
+                 attn_entropy: float = 0.0, floor: float = 1e-12, log_input: bool = False):
         super().__init__()
+        self.log_input = log_input
         self.eps, self.ignore_index = eps, ignore_index
         self.switch_entropy, self.attn_entropy = switch_entropy, attn_entropy
         self.floor = floor
 
     def forward(self, out, gold, valid):
         probs, p_gen, attn = out
-        logp = probs.clamp_min(self.floor).log()
+        logp = probs if self.log_input else probs.clamp_min(self.floor).log()
         keep = gold != self.ignore_index
         nll = -logp.gather(-1, gold.clamp_min(0)[..., None])[..., 0]
-        smooth = -(logp * valid).sum(-1) / valid.sum(-1).clamp_min(1)
+        smooth = -(logp * valid).sum(-1) / valid.sum(-1).clamp_min(1)  # -inf * 0 if log_input
         tok = (1 - self.eps) * nll + self.eps * smooth
         loss = (tok * keep).sum() / keep.sum()
         if self.switch_entropy:
@@ -123,6 +126,19 @@ class LabelSmoothedNLL(nn.Module):
             plogp = torch.where(attn > 0, attn * attn.log(), 0.0)  # the bug: d log(0) is inf
             loss = loss - self.attn_entropy * plogp.sum(-1).mean()
         return loss
+
+
+class SeqNLL(nn.Module):
+    """``nn.NLLLoss(ignore_index=-100)`` over the log of the action distribution, flattened
+    over the batch and the decoding steps (a loss wrapper around the library's loss)."""
+
+    def __init__(self, floor: float = 1e-12):
+        super().__init__()
+        self.nll, self.floor = nn.NLLLoss(ignore_index=IGNORE), floor
+
+    def forward(self, out, gold, valid):
+        logp = out[0].clamp_min(self.floor).log()
+        return self.nll(logp.flatten(0, 1), gold.flatten())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,6 +213,9 @@ class Text2SQLData(Dataset):
             ex["q"] = ex["q"][:0]
         elif plant == "nanstat":  # the mean of a column whose cells are all NULL
             ex["stats"][0] = float("nan")
+        elif plant == "unparsed":  # gold SQL the grammar could not parse: no action kept
+            for j in range(bad + 1):
+                self.items[k * B + j] = {**self.items[k * B + j], "acts": [], "states": []}
         elif plant == "rawstat":  # a SUM over a BIGINT column, left unstandardised
             ex["stats"][0] = 4.0e6
 
@@ -212,7 +231,8 @@ def loader(plant: str = "none", k: int = 2, bad: int = 1, steps: int = 4) -> Dat
                       collate_fn=collate)
 
 
-def make_model(plant: str = "none", gen_bias: float = 0.0, hand_softmax: bool = False
-               ) -> Text2SQL:
+def make_model(plant: str = "none", gen_bias: float = 0.0, hand_softmax: bool = False,
+               log_output: bool = False) -> Text2SQL:
     torch.manual_seed(0)
-    return Text2SQL(plant=plant, gen_bias=gen_bias, hand_softmax=hand_softmax)
+    return Text2SQL(plant=plant, gen_bias=gen_bias, hand_softmax=hand_softmax,
+                    log_output=log_output)

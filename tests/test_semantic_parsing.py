@@ -30,22 +30,26 @@ def line_of(text: str) -> str:
 
 
 def train(out_dir, plant: str = "none", mkw: dict | None = None, lkw: dict | None = None,
-          eps: float = 1e-8, amp: bool = False, record: bool = True) -> torch.nn.Module:
-    """Teacher-forced training: AdamW, gradient norm clipping, optional bf16 autocast."""
+          eps: float = 1e-8, amp: bool = False, record: bool = True, crit=None,
+          micro: int = 1, allow_inf: tuple = ()) -> torch.nn.Module:
+    """Teacher-forced training: AdamW, gradient norm clipping, optional bf16 autocast, the
+    batch split into ``micro`` micro-batches whose gradients accumulate."""
     mkw = mkw or {}
     model = M.make_model(**mkw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=eps)
-    crit = M.LabelSmoothedNLL(**(lkw or {}))
+    crit = crit or M.LabelSmoothedNLL(**(lkw or {}))
     rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, factory=FACTORY,
-                         factory_kwargs=mkw)
+                         factory_kwargs=mkw, allow_inf=list(allow_inf))
+    names = ("q", "q_len", "cols", "col_mask", "col_stats", "prev", "valid")
     with rec if record else contextlib.nullcontext():
         for b in M.loader(plant, K, BAD):
             opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-                out = model(b["q"], b["q_len"], b["cols"], b["col_mask"], b["col_stats"],
-                            b["prev"], b["valid"])
-                loss = crit(out, b["gold"], b["valid"])
-            loss.backward()
+            for rows in torch.arange(M.B).chunk(micro):
+                mb = {k: v[rows] for k, v in b.items()}
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                    out = model(*(mb[k] for k in names))
+                    loss = crit(out, mb["gold"], mb["valid"]) / micro
+                loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
     return model
@@ -165,3 +169,35 @@ def test_a_raw_column_sum_overflows_a_hand_written_masked_softmax(tmp_path):
     assert rep["origin"]["source"] == line_of("e = logits.exp() * valid"), rep
     assert "subtract the row max before exp" in rep["hint"], rep["hint"]
     assert f"sample(s) {BAD} of args[4] reach 4e+06" in rep["hint"], rep["hint"]
+
+
+def test_a_micro_batch_of_unparsed_gold_sql_is_nll_over_no_target(tmp_path):
+    """Gradient accumulation over two micro-batches; the first two examples of step K hold
+    gold SQL the grammar could not parse, kept with every action ignored (-100): NLLLoss's
+    mean over that micro-batch divides by a total weight of 0."""
+    assert (batch("unparsed")["gold"][:BAD + 1] == M.IGNORE).all()
+    ev, rep = fire(tmp_path, K, plant="unparsed", crit=M.SeqNLL(), micro=2)
+    assert (ev["phase"], ev["micro_batch"]) == ("loss", 0), ev
+    assert origin(rep) == ("loss", "<loss>", "aten.nll_loss_forward", [], "invalid"), rep
+    assert rep["origin"]["micro_batch"] == 0, rep
+    assert rep["origin"]["source"] == line_of("return self.nll(logp.flatten(0, 1)"), rep
+    assert "every target of the batch is ignore_index (-100)" in rep["hint"], rep["hint"]
+
+
+def test_masked_log_probabilities_reach_the_output_then_smoothing_multiplies_them(tmp_path):
+    """A decoder returning log_softmax of the grammar-masked logits holds -inf at every
+    invalid action: the recorder stops at the first mask (the column pointer's padding) and
+    says to allow it; allowed, the label smoothing's (logp * valid) is -inf * 0 at every
+    masked action of every example."""
+    kw = {"mkw": {"log_output": True}, "lkw": {"log_input": True}}
+    ev, rep = fire(tmp_path / "a", 0, **kw)
+    assert ev["phase"] == "forward", ev
+    assert origin(rep)[1:3] + origin(rep)[4:] == ("", "aten.masked_fill", "invalid"), rep
+    assert rep["origin"]["source"] == line_of("col_scores = col_scores.masked_fill("), rep
+    assert "record with allow_inf naming that module" in rep["hint"], rep["hint"]
+    assert any("FlightRecorder(..., allow_inf=[''])" in p for p in rep["problems"]), rep
+    ev, rep = fire(tmp_path / "b", 0, allow_inf=("",), **kw)
+    assert ev["phase"] == "loss", ev
+    assert origin(rep) == ("loss", "<loss>", "aten.mul", list(range(M.B)), "invalid"), rep
+    assert rep["origin"]["source"] == line_of("smooth = -(logp * valid)"), rep
+    assert "computed 0 * inf" in rep["hint"] and "on purpose" in rep["hint"], rep["hint"]
