@@ -31,7 +31,7 @@ def line_of(text: str) -> str:
 
 def train(out_dir, plant: str = "none", mkw: dict | None = None, lkw: dict | None = None,
           eps: float = 1e-8, amp: bool = False, record: bool = True, crit=None,
-          micro: int = 1, allow_inf: tuple = ()) -> torch.nn.Module:
+          micro: int = 1, allow_inf: tuple = (), bad: int = BAD) -> torch.nn.Module:
     """Teacher-forced training: AdamW, gradient norm clipping, optional bf16 autocast, the
     batch split into ``micro`` micro-batches whose gradients accumulate."""
     mkw = mkw or {}
@@ -42,7 +42,7 @@ def train(out_dir, plant: str = "none", mkw: dict | None = None, lkw: dict | Non
                          factory_kwargs=mkw, allow_inf=list(allow_inf))
     names = ("q", "q_len", "cols", "col_mask", "col_stats", "prev", "valid")
     with rec if record else contextlib.nullcontext():
-        for b in M.loader(plant, K, BAD):
+        for b in M.loader(plant, K, bad):
             opt.zero_grad()
             for rows in torch.arange(M.B).chunk(micro):
                 mb = {k: v[rows] for k, v in b.items()}
@@ -174,14 +174,30 @@ def test_a_raw_column_sum_overflows_a_hand_written_masked_softmax(tmp_path):
 def test_a_micro_batch_of_unparsed_gold_sql_is_nll_over_no_target(tmp_path):
     """Gradient accumulation over two micro-batches; the first two examples of step K hold
     gold SQL the grammar could not parse, kept with every action ignored (-100): NLLLoss's
-    mean over that micro-batch divides by a total weight of 0."""
+    mean over that micro-batch divides by a total weight of 0. The report named no sample
+    and said 'every target of the batch is ignore_index ... skip batches whose targets are
+    all ignored' though the step's other micro-batch holds targets; it now names micro-batch
+    0 and its rows and says to divide the summed losses by the whole step's count."""
     assert (batch("unparsed")["gold"][:BAD + 1] == M.IGNORE).all()
     ev, rep = fire(tmp_path, K, plant="unparsed", crit=M.SeqNLL(), micro=2)
     assert (ev["phase"], ev["micro_batch"]) == ("loss", 0), ev
-    assert origin(rep) == ("loss", "<loss>", "aten.nll_loss_forward", [], "invalid"), rep
+    assert origin(rep) == ("loss", "<loss>", "aten.nll_loss_forward", [0, 1], "invalid"), rep
     assert rep["origin"]["micro_batch"] == 0, rep
     assert rep["origin"]["source"] == line_of("return self.nll(logp.flatten(0, 1)"), rep
+    h = rep["hint"]
+    assert "every target of micro-batch 0 (of 2 this step accumulated) is ignore_index (-100)" \
+        in h, h
+    assert "divide by the count of targets over the whole step" in h, h
+    assert "every target of the batch" not in h, h
+
+
+def test_a_batch_of_unparsed_gold_sql_without_accumulation_keeps_the_batch_text(tmp_path):
+    """The same loss over one micro-batch per step whose every example is unparsed: the
+    whole batch has no target, no accumulation to blame; the batch's text stays."""
+    ev, rep = fire(tmp_path, K, plant="unparsed", crit=M.SeqNLL(), bad=M.B - 1)
+    assert origin(rep)[2:] == ("aten.nll_loss_forward", [], "invalid"), rep
     assert "every target of the batch is ignore_index (-100)" in rep["hint"], rep["hint"]
+    assert "micro-batch" not in rep["hint"], rep["hint"]
 
 
 def test_masked_log_probabilities_reach_the_output_then_smoothing_multiplies_them(tmp_path):
