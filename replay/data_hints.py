@@ -25,7 +25,8 @@ argument outside its domain that the batch holds as given (``replay.data_pole``)
 barrier's bound the batch holds as 0 (``replay.zero_bound``); other
 tensors of an input event's micro-batch bad in other rows (``replay.other_inputs``); a model
 input coded -999 where its mask is 0 (``replay.sentinel_inputs``); an input's NaN the forward
-cast to an integer type, its outputs finite (``replay.nan_cast``)."""
+cast to an integer type, its outputs finite (``replay.nan_cast``); a mean loss over no target
+in one micro-batch of several, every target ignored (``replay.ignored_micro_batch``)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ from .empty_graphs import empty_graphs_hint
 from .empty_records import empty_records_hint
 from .grouped_arg import grouped_arg_hint
 from .grown_number import grown_number_hint
+from .ignored_micro_batch import ignored_micro_batch_hint
 from .inf_normalised import inf_normalised_hint
 from .load import Step
 from .masked_after import masked_after_hint
@@ -93,3 +95,4 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     sentinel_inputs_hint(report, step)  # (VIBO's encoder given responses coded -999 unmasked)
     other_inputs_note(report, step)  # (a bad reading in some windows' inputs, others' targets)
     nan_cast_hint(report, step)  # (NaN intrinsics' frustum points voxelised by .long())
+    ignored_micro_batch_hint(report, step)  # (gold SQL no action of kept, one micro-batch)

@@ -16,21 +16,24 @@ MISSING_ENTRIES = (
     "otherwise finite: {where}: missing values (a genotype call not made, './.' in a VCF; a "
     "lab test not ordered; a survey item not answered) the data pipeline read as NaN and "
     "never imputed, or a 0/0 it computed at those entries (a division by zero: partial credit "
-    "as points / max points of an item nobody graded, a rate over a zero duration); impute "
-    "them where the data is made (the feature's mean over the training set, 2p for a genotype "
-    "of allele frequency p, 0 after standardising; with a missing-indicator where missingness "
-    "may carry signal) or guard that division, drop features or records with too many "
-    "missing, or, where the model imputes them itself, name the input to "
-    "FlightRecorder(..., allow_nan=[...])")
+    "as points / max points of an item nobody graded, a rate over a zero duration, a mean "
+    "over no values: a database column all NULL); impute them where the data is made (the "
+    "feature's mean over the training set, 2p for a genotype of allele frequency p, 0 after "
+    "standardising; with a missing-indicator where missingness may carry signal) or guard "
+    "that division, drop features or records with too many missing, or, where the model "
+    "imputes them itself, name the input to FlightRecorder(..., allow_nan=[...])")
 
 SHOWN = 8  # samples, and entries of each, named
+NARROWEST = 3  # features: of two, one NaN is half the record's
 
 
 def missing_entries(t: torch.Tensor | None, d: int | None) -> str:
     """Where ``t``'s NaN lie, as text, when ``t`` is ``(B, F)`` with its samples in dim 0 and
-    ``F >= 8``, every non-finite value NaN, and each sample that holds one holds it at fewer
-    than half its features, not two adjacent ones (a run: ``replay.nan_runs``); else ""."""
-    if t is None or d != 0 or t.dim() != 2 or t.shape[1] < 8 or not t.is_floating_point():
+    ``F >= 3`` (a narrow table too: a schema's per-column cell statistics, a NULL column's
+    mean), every non-finite value NaN, and each sample that holds one holds it at fewer than
+    half its features, not two adjacent ones (a run: ``replay.nan_runs``); else ""."""
+    if t is None or d != 0 or t.dim() != 2 or t.shape[1] < NARROWEST \
+            or not t.is_floating_point():
         return ""
     nan = torch.isnan(t.detach())
     if not bool(nan.any()) or not bool(torch.isfinite(t[~nan]).all()):

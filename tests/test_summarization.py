@@ -166,9 +166,12 @@ def test_empty_targets_after_truncation_are_a_loss_event_of_ignore_index_0_over_
     assert (rep["cause"], o["module"], o["op"], o["made"]) == (
         "invalid", "<loss>", "aten.nll_loss_forward", "nan"), rep
     assert o["source"] == source_line(MODELS, "return self.ce(logits.reshape")
-    # a scalar 0/0 of the whole micro-batch: no rows named, the hint says every target
-    assert (o["micro_batch"], o["samples"]) == (1, []), o
-    assert "every target of the batch is ignore_index (0)" in rep["hint"], rep["hint"]
+    # a scalar 0/0 of the whole micro-batch: its rows (examples 15-17, every one with no
+    # target) are named, and the hint says it is that micro-batch of the step's, not the
+    # batch (it said "every target of the batch" and to skip such batches)
+    assert (o["micro_batch"], o["samples"]) == (1, [0, 1, 2]), o
+    assert "every target of micro-batch 1 (of " in rep["hint"], rep["hint"]
+    assert "divide by the count of targets over the whole step" in rep["hint"], rep["hint"]
 
 
 def test_all_padding_source_names_the_copy_attention_softmax_and_the_sentence(tmp_path):
