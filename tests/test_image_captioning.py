@@ -221,7 +221,9 @@ def test_a_sampled_caption_that_is_only_eos_has_no_token_to_average(tmp_path):
 def test_an_entropy_bonus_at_a_low_temperature_underflows_at_padded_positions(tmp_path):
     """After the XE stage the decoder is confident; ``softmax(logits / 0.05)`` rounds a
     word's probability to 0 (1.4e-47 in float64), and ``p * log(p)`` is 0 * -inf, at padded
-    positions that ``* keep`` was meant to drop: NaN all the same."""
+    positions that ``* keep`` was meant to drop: NaN all the same. The hint said to compute
+    in log space but not that every such 0 sits where the mask drops the term (so masking by a
+    product cannot help); it now names that product."""
     x, caps = corpus()
     model = pretrained(x, caps, 8).eval()
     xs = x[:BATCH].repeat_interleave(K, 0)
@@ -235,3 +237,6 @@ def test_an_entropy_bonus_at_a_low_temperature_underflows_at_padded_positions(tm
         "<loss>", "aten.log", "-inf", rows, "underflow"), json.dumps(rep, indent=1)
     assert o["source"] == line_of("ent = (-(p * torch.log(p)).sum(-1) * keep)")
     assert "log_softmax instead of log(softmax)" in rep["hint"], rep["hint"]
+    assert "then multiplied by a mask's 0 in aten.mul (" + line_of(
+        "ent = (-(p * torch.log(p)).sum(-1) * keep)") + "): the 0 is reached only in entries " \
+        "the loss leaves out" in rep["hint"], rep["hint"]
