@@ -10,7 +10,10 @@ product then multiplied every non-finite value it met by a 0/1 mask's 0, the hin
 So for an infinity an op made at its pole (``invalid``): a negative binomial's ``log(mu)``
 at a padded region whose expected cases are 0 (its population is 0), ``cases * log(mu)``
 then 0 * -inf, and ``(ll * mask)`` NaN; the op's advice (an eps, or a constant the model wrote
-as 0) is about entries the loss never meant to use.
+as 0) is about entries the loss never meant to use. And for an infinity a rounding to 0 made
+(``underflow``): an entropy bonus ``-(p * log(p)).sum(-1)`` of a confident decoder at a low
+temperature, whose probabilities round to 0 only at the padded positions of a caption
+``* keep`` then drops: the log-space advice stands, the mask is named beside it.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ def _non_finite(leaves) -> bool:
 def masked_overflow_hint(report: dict[str, Any], step: Step) -> None:
     """Append to a loss's overflow the product that then masked it (see the docstring)."""
     o = report["origin"]
-    if report.get("cause") not in ("overflow", "invalid") or o.get("phase") != "loss" \
+    if report.get("cause") not in ("overflow", "invalid", "underflow") \
+            or o.get("phase") != "loss" \
             or (report.get("cause") == "invalid" and "mask's 0" in (report.get("hint") or "")) \
             or PER_CLASS in (report.get("hint") or "") \
             or o.get("module") != "<loss>" or o.get("made") not in ("+inf", "-inf") \
@@ -60,6 +64,9 @@ def masked_overflow_hint(report: dict[str, Any], step: Step) -> None:
             "safe where the mask is 0 (torch.where(mask, x, 1) before it) or select the kept "
             "entries before the op (x[mask.bool()])")
         return
+    if report["cause"] == "underflow":
+        report["hint"] = report["hint"].rstrip(".") + _UNDERFLOW.format(op=op, at=at)
+        return
     report["hint"] = (
         f"{report['hint']}. But every non-finite value it led to was then multiplied by a "
         f"mask's 0 in {op}{at}: the overflow is in entries the loss leaves out (padded steps, "
@@ -67,6 +74,14 @@ def masked_overflow_hint(report: dict[str, Any], step: Step) -> None:
         "torch.empty or a sentinel pad value leaves huge values there): pad with 0 "
         "(torch.zeros, pad_sequence), or keep the masked entries out of the op "
         "(torch.where(mask, x, 0) before it, or x[mask.bool()])")
+
+
+# a value rounded to 0 only in entries a mask then drops (padded positions)
+_UNDERFLOW = (
+    ". Every non-finite value it led to was then multiplied by a mask's 0 in {op}{at}: the "
+    "0 is reached only in entries the loss leaves out (padded positions, ignored targets), "
+    "and inf * 0 is NaN, so the mask cannot drop them; the log-space form is finite there, "
+    "or select the kept entries before the op (x[mask.bool()])")
 
 
 def _lead(hint: str) -> str:
