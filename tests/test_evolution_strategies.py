@@ -134,7 +134,9 @@ def test_nan_goal_in_one_episode_is_named_as_input(tmp_path):
     assert (event["step"], event["phase"], event["samples"]) == (2, "input", [5])
     rep = nanreplay_json(bundle)
     assert rep["cause"] == "input" and rep["origin"]["samples"] == [5]
-    assert rep["origin"]["phase"] == "input" and "check the data pipeline" in rep["hint"]
+    # (a goal coordinate missing in one record: named where it is, as a missing value)
+    assert rep["origin"]["phase"] == "input" and "missing values" in rep["hint"], rep["hint"]
+    assert "sample 5 at feature(s)" in rep["hint"], rep["hint"]
 
 
 def train_tempered(out_dir, steps: int = 4, outer_lr: float = 100.0, floor: float | None = None,
