@@ -386,7 +386,7 @@ def _forced(tape: Tape, exc: BaseException, target: Target) -> str | None:
             exc, [*(s.module for s in target.sites), target.loss_module()]):
         return None
     if reason == "linalg":
-        note_error(tape, exc)
+        note_error(tape, exc, target.loss_module())
     else:
         tape.refused = constraint_detail(exc)
     return reason

@@ -71,18 +71,26 @@ def linalg_detail(tape: Tape) -> str:
     return f"{error}; the step's statistics up to there were finite"
 
 
-def note_error(tape: Tape, exc: BaseException) -> None:
-    """Keep the error's type and first line on the tape, for the event's detail."""
+def note_error(tape: Tape, exc: BaseException, loss: nn.Module | None = None) -> None:
+    """Keep the error's type and first line on the tape, for the event's detail, and the
+    phase it was raised in: a Function's backward, the loss (``loss``, or the recorder's
+    wrapper of a plain loss function) or else the model's forward."""
     text = str(exc).strip().splitlines()
     name = ("torch.linalg.LinAlgError" if isinstance(exc, torch.linalg.LinAlgError)
             else type(exc).__name__)
     if text and (illegal := _ILLEGAL.search(text[0])):  # (not the "internal assert" around it)
         text = [f"torch.{illegal.group(0)} (LAPACK's refusal of a NaN or Inf in the matrix)"]
     tape.linalg_error = f"{name}: {text[0].rstrip('.') if text else ''}".rstrip(": ")
-    tb = exc.__traceback__  # (raised by a Function's backward: a backward event)
-    while tb is not None and not _function_backward(tb.tb_frame.f_locals):
+    tape.linalg_phase, tb = "forward", exc.__traceback__
+    while tb is not None:
+        local = tb.tb_frame.f_locals
+        if _function_backward(local):
+            tape.linalg_phase = "backward"
+            break
+        obj = local.get("self")
+        if isinstance(obj, nn.Module) and (obj is loss or getattr(obj, "recorded_loss", 0)):
+            tape.linalg_phase = "loss"  # (a Function's backward further in still wins)
         tb = tb.tb_next
-    tape.linalg_phase = "forward" if tb is None else "backward"
 
 
 def linalg_summary(event: dict, path) -> str:

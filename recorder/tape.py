@@ -220,7 +220,7 @@ class Tape:
         # what an exception that closed the step said: a decomposition's error (see
         # recorder.linalg), a distribution's refused value (recorder.constraints)
         self.linalg_error: str | None = None
-        self.linalg_phase = "forward"  # (or "backward": raised by a derivative)
+        self.linalg_phase = "forward"  # (or "loss", or "backward": raised by a derivative)
         self.refused: str | None = None
 
     def targets_moved(self) -> bool:

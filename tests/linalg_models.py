@@ -299,3 +299,26 @@ def make_normal_net():
 def normal_loss(n, target):
     """1 - |cos| to the target normal (a normal's sign is arbitrary)."""
     return (1 - (n * target).sum(-1).abs()).mean()
+
+
+class ResidualCovarianceNLL(nn.Module):
+    """Multivariate regression's Gaussian NLL with the residuals' own covariance (a
+    seemingly-unrelated-regressions / multi-output loss): ``Σ = RᵀR / n``, then Cholesky for
+    its log-determinant and the whitened residuals. Singular when the batch has fewer rows
+    than outputs (the last, short batch of an epoch)."""
+
+    def forward(self, pred, target):
+        r = pred - target
+        cov = r.T @ r / r.shape[0]
+        chol = torch.linalg.cholesky(cov)
+        white = torch.linalg.solve_triangular(chol, r.T, upper=False)
+        return 0.5 * (white.pow(2).sum(0).mean() + 2 * torch.log(torch.diagonal(chol)).sum())
+
+
+def make_multi_output():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 3))
+
+
+def residual_covariance_nll(pred, target):
+    return ResidualCovarianceNLL()(pred, target)

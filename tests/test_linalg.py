@@ -357,3 +357,31 @@ def test_glow_slogdet_of_a_zero_initialised_channel_is_a_singular_weight(tmp_pat
     hint = rep["hint"]
     assert "of a singular matrix" in hint and "parametrised to stay invertible" in hint, hint
     assert "learn its log" not in hint and "clamp_min" not in hint, hint
+
+
+@pytest.mark.parametrize("loss_kind", ["module", "function"])
+def test_cholesky_in_a_user_loss_on_the_short_last_batch_is_a_loss_event(tmp_path, loss_kind):
+    """A multi-output regression whose loss (a module, or a plain function the recorder
+    wraps) factors the residuals' covariance: the epoch's last batch has one row, the 3x3
+    covariance has rank 1 and Cholesky raises. The recorder used to file the raise as a
+    forward event although no module of the model was running; it is the loss's, as the
+    replay's origin says, and the cause is the rank-deficient (invalid) matrix."""
+    model = M.make_multi_output()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    loss_fn = M.ResidualCovarianceNLL() if loss_kind == "module" else M.residual_covariance_nll
+    data = torch.randn(3 * 16 + 1, M.D_IN, generator=torch.Generator().manual_seed(0))
+    target = data @ torch.randn(M.D_IN, 3, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(torch.linalg.LinAlgError) as info:
+        with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=tmp_path,
+                            factory="linalg_models:make_multi_output") as rec:
+            for x, y in zip(data.split(16), target.split(16)):  # the last batch: one row
+                opt.zero_grad()
+                rec.loss_fn(model(x), y).backward()
+                opt.step()
+    assert "a matrix decomposition failed at step 3" in "".join(info.value.__notes__)
+    bundle = next(Path(tmp_path).glob("*.nan"))
+    rep = nanreplay_json(bundle)
+    assert rep["event"]["phase"] == "loss", rep["event"]
+    assert origin_of(rep)[:4] == (3, "loss", "<loss>", "aten.linalg_cholesky_ex"), rep["origin"]
+    assert rep["cause"] == "invalid" and rep["reproduced"] is True, rep
+    assert "not positive-definite in exact arithmetic too" in rep["hint"], rep["hint"]
