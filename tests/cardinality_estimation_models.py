@@ -5,8 +5,9 @@ zero-padded sets (tables with their sample bitmaps, joins, predicates), each set
 through an MLP, mean-pooled by the set's 0/1 mask (sum over the mask divided by the mask's
 count), the three pooled vectors to a sigmoid output that predicts the min-max normalised
 log-cardinality; the q-error loss on the unnormalised ``exp`` of that prediction, a log-space
-variant without the sigmoid (``exp`` of an unbounded output), and a TensorDataset read by a
-DataLoader."""
+variant without the sigmoid (``exp`` of an unbounded output); a plan-tree model (Bao's tree
+convolution over a plan's nodes, the optimizer's estimated rows ``log``'d in forward, dynamic
+max pooling over the real nodes); and TensorDatasets read by a DataLoader."""
 
 from __future__ import annotations
 
@@ -116,6 +117,64 @@ class NormalisedMSE(nn.Module):
     def forward(self, pred, card):
         target = (torch.log(card) - self.lo) / (self.hi - self.lo)
         return ((pred - target) ** 2).mean()
+
+
+N_NODE_TYPES, NODES = 5, 7  # scan, hash join, nested loop, sort, aggregate; nodes per plan
+
+
+class TreeConv(nn.Module):
+    """Bao's / Neo's tree convolution: each node's filter over itself and its two children
+    (index 0 is the null node, all zeros), gathered from the node table."""
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.self_, self.left, self.right = (nn.Linear(d_in, d_out) for _ in range(3))
+
+    def forward(self, x, children):
+        idx = children.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1])  # (B, N, 2, F)
+        kids = torch.gather(x.unsqueeze(2).expand(-1, -1, 2, -1), 1, idx)
+        return torch.relu(self.self_(x) + self.left(kids[:, :, 0]) + self.right(kids[:, :, 1]))
+
+
+class PlanTreeNet(nn.Module):
+    """A plan-tree cardinality model: each node's operator one-hot and the optimizer's own
+    estimated rows (``log`` in forward, as the plan's EXPLAIN gives them), two tree
+    convolutions, dynamic max pooling over the plan's real nodes, the log-cardinality."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = TreeConv(N_NODE_TYPES + 1, H)
+        self.conv2 = TreeConv(H, H)
+        self.head = nn.Linear(H, 1)
+
+    def forward(self, ops, est_rows, children, node_mask):
+        x = torch.cat([ops, torch.log(est_rows).unsqueeze(-1) / 10], -1) * node_mask
+        h = self.conv2(self.conv1(x, children), children)
+        h = h.masked_fill(node_mask == 0, float("-inf")).amax(1)
+        return self.head(h).squeeze(-1) + MEAN_LOG_CARD
+
+
+def make_tree() -> PlanTreeNet:
+    torch.manual_seed(0)
+    return PlanTreeNet()
+
+
+def plans(n: int, seed: int = 1) -> TensorDataset:
+    """``n`` plans of 3 to 6 nodes (node 0 the null node), a left-deep join tree: operator
+    one-hots, estimated rows 1 to 1e6 (1 at the null node), children indices, a node mask,
+    and the true cardinality near the root's estimate."""
+    g = torch.Generator().manual_seed(seed)
+    size = torch.randint(3, NODES, (n,), generator=g)
+    node_mask = ((torch.arange(NODES) >= 1) & (torch.arange(NODES) <= size[:, None])).float()
+    ops = torch.eye(N_NODE_TYPES)[torch.randint(0, N_NODE_TYPES, (n, NODES), generator=g)]
+    ops = ops * node_mask.unsqueeze(-1)
+    est = torch.exp(torch.rand(n, NODES, generator=g) * 13.8).round().clamp_min(1)
+    est = torch.where(node_mask > 0, est, torch.ones_like(est))
+    node = torch.arange(NODES)
+    left = torch.where(node + 1 <= size[:, None], node + 1, 0)  # a left-deep chain
+    children = torch.stack([left, torch.zeros_like(left)], -1) * node_mask.long().unsqueeze(-1)
+    card = (est[:, 1] * torch.exp(0.5 * torch.randn(n, generator=g))).round().clamp_min(1)
+    return TensorDataset(ops, est, children, node_mask.unsqueeze(-1), card)
 
 
 def queries(n: int, seed: int = 0) -> TensorDataset:

@@ -4,6 +4,7 @@ their 0/1 masks; a sigmoid output of the min-max normalised log-cardinality, or 
 log-cardinality itself warm-started at the training set's mean; the q-error
 ``max(est / true, true / est)`` of ``exp`` of the prediction (a variant masking queries of an
 empty result with ``torch.where``), or an MSE against labels min-max normalised in the loss;
+a plan-tree model (tree convolution over a plan's nodes, their estimated rows ``log``'d);
 a DataLoader over a TensorDataset, Adam with gradient clipping, float16 autocast, SGD. Each
 planted bug of the domain fires under the recorder and is replayed with the CLI; the healthy
 runs raise no event and train bit-identically with and without the recorder."""
@@ -183,3 +184,52 @@ def test_unclipped_sgd_on_the_q_error_names_the_divergence(tmp_path):
     assert rep["cause"] == "underflow", rep["cause"]
     assert "the weights had jumped in the update before step 2" in rep["hint"], rep["hint"]
     assert "clip the gradients" in rep["hint"], rep["hint"]
+
+
+def train_tree(out_dir, plant=None, record: bool = True):
+    """The plan-tree model over four batches of 16 plans, the log-space q-error (its range
+    fitted on the plans' true cardinalities), Adam. Returns the model."""
+    model = M.make_tree()
+    data = M.plans(STEPS * M.B)
+    if plant is not None:
+        plant(data.tensors, LAST)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loss_fn = M.QError(*M.label_range(data.tensors[-1]), log_space=True)
+    rec = FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir,
+                         factory="cardinality_estimation_models:make_tree") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        criterion = rec.loss_fn if rec is not None else loss_fn
+        for ops, est_rows, children, node_mask, card in M.loader(data):
+            criterion(model(ops, est_rows, children, node_mask), card).backward()
+            opt.step()
+            opt.zero_grad()
+    return model
+
+
+def test_plan_tree_healthy_run_is_unchanged_by_the_recorder(tmp_path):
+    recorded, bare = train_tree(tmp_path), train_tree(None, record=False)
+    for (name, a), b in zip(recorded.state_dict().items(), bare.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert not list(tmp_path.rglob("*.nan"))
+
+
+def unestimated_node(tensors, first):
+    tensors[1][first + 4, 2] = 0  # BUG: a plan node parsed with no row estimate, filled with 0
+
+
+def test_plan_node_without_row_estimate_names_the_log_of_that_plan(tmp_path):
+    """A plan node whose optimizer estimate the parser filled with 0: ``log`` of it is -inf,
+    which the tree convolution spreads to NaN. The replay names the log in the root module
+    on plan 4 alone, the batch's own 0 there (args[1]) as a bad record, not an eps."""
+    with pytest.raises(NonFiniteError) as info:
+        train_tree(tmp_path, unestimated_node)
+    ev, bundle = info.value.event, info.value.bundle_path
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", [4]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "", "aten.log", "-inf", [4]), o
+    assert o["source"] == line_of("torch.log(est_rows).unsqueeze(-1) / 10"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "its input is the batch's own data (args[1]" in rep["hint"], rep["hint"]
+    assert "An eps on it would turn the record into a huge finite value" in rep["hint"]
