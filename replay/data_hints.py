@@ -62,6 +62,7 @@ from .padding_batch import padding_batch_hint
 from .sentinel_inputs import sentinel_inputs_hint
 from .single_sample import single_sample_hint
 from .zero_bound import zero_bound_hint
+from .zero_number import zero_number_hint
 from .zero_records import zero_records_hint
 
 
@@ -92,6 +93,7 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     zero_bound_hint(report, step)  # (a log barrier under a line rating filled with 0)
     negative_hint(report, step)  # (exp(-k t) of a time since dose of -150 h)
     nan_attribute_hint(report, step)  # (a KL warm-up weight of 0/0 the loop set on the loss)
+    zero_number_hint(report, step)  # (a label range hi - lo fitted on one value: 0)
     sentinel_inputs_hint(report, step)  # (VIBO's encoder given responses coded -999 unmasked)
     other_inputs_note(report, step)  # (a bad reading in some windows' inputs, others' targets)
     nan_cast_hint(report, step)  # (NaN intrinsics' frustum points voxelised by .long())

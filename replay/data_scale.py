@@ -33,6 +33,7 @@ from .outliers import (
     undersized_input,
 )
 from .precursors import INPUT_JUMP
+from .whatif import run_tries
 
 
 def data_scale_hint(report: dict[str, Any], step: Step) -> None:
@@ -44,6 +45,8 @@ def data_scale_hint(report: dict[str, Any], step: Step) -> None:
     if report.get("cause") not in ("overflow", "underflow") or not report.get("hint"):
         return
     found = out_of_scale(step, o)
+    if found is not None and not _drop_would_clear(step, report, found[0]):
+        found = None  # (rows that stand out in data the op never read: the rest overflow too)
     if found is not None and (grown := grown_input_note(report, *found)):
         report["hint"] = f"{report['hint']}. But {grown}"
     elif found is not None:
@@ -71,6 +74,22 @@ def data_scale_hint(report: dict[str, Any], step: Step) -> None:
             "(a wrong unit, a condition or task descriptor not normalised as in the other "
             "steps, a corrupt batch), which neither a lower learning rate nor a wider type "
             "fixes; check what the loop passed to the model at this step")
+
+
+def _drop_would_clear(step: Step, report: dict[str, Any], rows: list[int]) -> bool:
+    """Whether the step re-run without ``rows``, found out of scale among the rows of an
+    origin that spans the whole batch (an op that mixes the samples, :func:`outlier_rows`),
+    comes back finite, or cannot tell. A batch whose every row overflowed alike may hold
+    rows that stand out in data the op never read (a q-error's true cardinalities, spanning
+    decades by design, beside ``exp`` of a float16 prediction): the event coming back
+    without them says those rows are not what overflowed. An origin of those samples alone
+    is not re-run: its own rows standing out say it."""
+    o = report["origin"]
+    if not o.get("all_samples") and o.get("samples"):
+        return True
+    tried = run_tries(step, report, ["drop=" + ",".join(str(r) for r in rows)])
+    first = tried[0] if tried else {}
+    return first.get("finite") is not False or bool(first.get("inconclusive"))
 
 
 def _singular_of_outliers(report: dict[str, Any], step: Step) -> bool:

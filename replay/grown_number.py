@@ -19,7 +19,7 @@ from .domains import g
 from .load import Step
 
 
-def _numbers(step: Step, module: str | None) -> dict[str, Any]:
+def number_attributes(step: Step, module: str | None) -> dict[str, Any]:
     """The origin's plain number attributes as the step closed: the loss's (a loss module's
     config) or the recorded module's."""
     if module == "<loss>":
@@ -36,8 +36,8 @@ def grown_number_hint(report: dict[str, Any], step: Step) -> None:
             or not dtype.is_floating_point:
         return
     top = torch.finfo(dtype).max
-    big = [(k, v) for k, v in _numbers(step, o.get("module")).items() if type(v) is float
-           and math.isfinite(v) and abs(v) > top]
+    big = [(k, v) for k, v in number_attributes(step, o.get("module")).items()
+           if type(v) is float and math.isfinite(v) and abs(v) > top]
     if not big:
         return
     k, v = max(big, key=lambda kv: abs(kv[1]))

@@ -1,0 +1,54 @@
+"""The origin's number attributes that made a division by the Python number 0.
+
+A loss or module that min-max normalises with a range it holds as plain numbers (``(log(card)
+- self.lo) / (self.hi - self.lo)``, fitted on the training labels) divides by 0 when the
+range was fitted on values all equal: a training set of one query template, whose
+log-cardinalities are one value, or a feature that never moved. The divisor's hint speaks of a
+setting in general (a drop probability of 1, a temperature annealed to 0); the bundle holds the
+origin's number attributes as the step closed, so the hint names those its source line reads
+that are 0, or equal to each other (their difference is the 0), and where they come from.
+"""
+
+from __future__ import annotations
+
+import re
+from itertools import combinations
+from typing import Any
+
+from .cause_text import DO
+from .domains import g
+from .grown_number import number_attributes
+from .load import Step
+
+
+def zero_number_hint(report: dict[str, Any], step: Step) -> None:
+    """Append the origin's number attributes that made its divisor 0 to such a hint."""
+    o = report.get("origin") or {}
+    if report.get("cause") != "invalid" or DO["divide_number"] not in (report.get("hint")
+                                                                          or ""):
+        return
+    line = (report.get("source_lines") or {}).get(o.get("source") or "") or ""
+    read = {k: v for k, v in number_attributes(step, o.get("module")).items()
+            if type(v) in (int, float) and re.search(rf"\b{re.escape(k)}\b", line)}
+    owner = "the loss" if o.get("module") == "<loss>" else o.get("module") or "the model"
+    equal = [(a, b) for a, b in combinations(read, 2)
+             if read[a] == read[b] and (_minus(line, b, a) or _minus(line, a, b))]
+    zero = [k for k, v in read.items() if v == 0]
+    if equal:
+        a, b = equal[0] if _minus(line, *reversed(equal[0])) else reversed(equal[0])
+        report["hint"] = (
+            f"{report['hint']}. Here {owner}'s attributes {a} and {b} are both "
+            f"{g(read[a])} as the step closed, and the line divides by their difference: a "
+            "range fitted where the minimum equals the maximum (min-max normalisation of labels "
+            "that are all one value, as a training set of a single query template; a feature "
+            "that never moved), so every value divides by 0. Fit the range on data that "
+            f"varies, or divide by max({b} - {a}, eps) and map a constant range to 0")
+    elif zero:
+        report["hint"] = (f"{report['hint']}. Here {owner}'s attribute {zero[0]} is 0 as the "
+                          "step closed, and the line divides by it: that is the setting to "
+                          "find where it was computed")
+
+
+def _minus(line: str, x: str, y: str) -> bool:
+    """Whether ``line`` subtracts the attribute ``y`` from ``x`` (``self.hi - self.lo``)."""
+    return re.search(rf"\b{re.escape(x)}\s*-\s*(?:\w+\.)?{re.escape(y)}\b", line) is not None
