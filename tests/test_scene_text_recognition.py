@@ -126,13 +126,16 @@ def test_an_stn_head_with_a_zero_bias_names_the_bias_of_the_singular_theta(tmp_p
 
 def test_an_identity_pull_on_an_identity_started_theta_is_nan_in_backward_only(tmp_path):
     """The tutorial's init makes theta exactly the identity at step 0; the regulariser's
-    ``sqrt(sum (theta - I)^2)`` is 0 forward, and sqrt's derivative at 0 is +inf."""
+    ``sqrt(sum (theta - I)^2)`` is 0 forward, and sqrt's derivative at 0 is +inf. The hint
+    listed points coinciding in the data (padded vectors, an entity paired with itself); it
+    now names the zero-initialised head whose start the distance is measured to."""
     rep, o = report(ctc_run, tmp_path, "make_stn_crnn", M.RectifiedCTCLoss(),
                     step=0, phase="backward")
     assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == (
         "<loss>", "SqrtBackward0", "+inf", list(range(B)), "invalid"), json.dumps(rep, indent=1)
     assert o["source"] == line_of("dist = ((theta - self.identity) ** 2).sum((1, 2)).sqrt()")
     assert "torch.linalg.vector_norm" in rep["hint"], rep["hint"]
+    assert "because parameter rectifier.fc.weight is all 0 as the step began" in rep["hint"]
 
 
 def test_an_empty_word_under_per_word_smoothed_ce_names_its_row(tmp_path):
