@@ -57,10 +57,10 @@ def ctc_run(out, make="make_crnn", loss=None, loader=None, fp16=False, record=Tr
     return losses, model
 
 
-def attn_run(out, loader, loss=None, widths=None):
+def attn_run(out, loader, loss=None, widths=None, eps=1e-8):
     """Attention decoding, teacher-forced; ``widths(i, lens)``: each crop's width in pixels."""
     model, loss = M.make_attn(), loss or M.SmoothedCE()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=eps)
     with FlightRecorder(model, opt, loss_fn=loss, out_dir=out,
                         factory="scene_text_recognition_models:make_attn") as rec:
         for i, (x, labels, lens) in enumerate(loader):
@@ -175,3 +175,16 @@ def test_a_16_bit_crop_never_scaled_overflows_float16_autocast(tmp_path):
     assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == (
         "backbone.conv.0", "aten._to_copy", "+inf", [4], "overflow"), json.dumps(rep, indent=1)
     assert "the data of these samples is out of scale" in rep["hint"], rep["hint"]
+
+
+def test_adamw_with_eps_0_makes_dead_filters_0_over_0(tmp_path):
+    """eps=0: a conv filter whose ReLU is dead on every crop has a gradient of exactly 0, m = v
+    = 0, and Adam's m / (sqrt(v) + eps) is 0/0 at the first update."""
+    with pytest.raises(NonFiniteError) as info:
+        attn_run(tmp_path, data(), eps=0.0)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (0, "optimizer"), ev
+    rep = nanreplay_json(info.value.bundle_path, code=1)
+    assert (rep["reproduced"], rep["cause"]) == (False, "optimizer"), json.dumps(rep, indent=1)
+    assert "backbone.conv.0.weight" in ev["params"], ev["params"]
+    assert "with eps=0 an element whose gradients have all been exactly 0" in rep["hint"]
