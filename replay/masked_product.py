@@ -88,10 +88,14 @@ def mask_after_pole(first, name: str, args, hit) -> None:
 def _mask_like(factor) -> bool:
     """A 0/1 mask (bool, or every element 0 or 1), not data that is 0 where the pole's input
     is: RMSNorm's ``x * rsqrt(mean(x²))`` of an all-zero row multiplies the infinity by x's
-    own 0, and the fix is the pole's eps, not masking earlier."""
+    own 0, and the fix is the pole's eps, not masking earlier. A float factor of 0 everywhere
+    drops nothing in particular: it is a zero state (an LSTM cell written out, ``sigmoid(f) *
+    c`` at its first step's ``c = zeros``, met by NaN gates), not a mask."""
     if not isinstance(factor, torch.Tensor):
         return True  # (a number, 0 there)
-    return factor.dtype == torch.bool or zero_one(factor)
+    if factor.dtype == torch.bool:
+        return True
+    return zero_one(factor) and (factor.numel() == 1 or bool(factor.any()))
 
 
 def _met(x, factor, bad=torch.isnan) -> bool:

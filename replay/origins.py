@@ -76,6 +76,7 @@ from .twice_differentiated import twice_hint
 from .weight_readers import bad_row_fields, first_reader, rows_text
 from .written_forward import report_forward_wrote
 from .zero_head import zero_head_hint
+from .zero_start_distance import zero_start_hint
 
 
 def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
@@ -468,6 +469,7 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
     cause.hint = looked_up_divisor_hint(runner, b, cause) or cause.hint  # (alphas_cumprod[t])
     cause = steep_power_cause(b, cause)
     cause.hint = twice_hint(b, cause.hint)
+    cause.hint = zero_start_hint(runner, b, cause.name, cause.hint)  # (an STN's theta = I)
     cause.hint = hook_hint(b, cause.hint) if b.hook is not None else cause.hint
     if cause.name == "underflow" and (said := _exp_parameter(runner.model, b.exp_of)):
         cause.hint = f"{cause.hint}; {said}"

@@ -68,6 +68,8 @@ def zero_state_hint(runner: Runner, origin, hit, samples=None) -> str | None:
                 # (a layer at any constant still leaves the compared values equal: other
                 # parameters started alike, ka = ke in a Bateman function, are the pole)
                 if not _finite_with(runner, origin, module, t, torch.ones_like(t)):
+                    if bias := _zero_bias(runner, origin, module, t, (what, prefix), zero):
+                        return ZERO_BIAS.format(op=hit.op, what=what, bias=bias)
                     return EQUAL_TERMS.format(op=hit.op, what=what)
                 return ZERO_LAYER.format(op=hit.op, what=what)
             # (state the forward fills from a zero-initialised weight: an FP8 amax history)
@@ -149,12 +151,57 @@ def finite_without_zeros(runner: Runner, origin, module, t: torch.Tensor) -> boo
         _finite_with(runner, origin, module, t, noise.abs() + 0.5)
 
 
-def _finite_with(runner: Runner, origin, module, t: torch.Tensor, noise) -> bool:
+def _zero_bias(runner: Runner, origin, module, t: torch.Tensor, named, zero) -> str | None:
+    """The name of a trained parameter of ``t``'s own layer (its bias), all 0 too, with which
+    at random values and ``t`` at ones the origin's call is finite, while the module's other
+    trained parameters moved apart leave it non-finite: the layer's outputs are equal because
+    both its weight and its bias started at 0, the bias the part that sets them apart (an
+    STN's head started at weight 0 and a bias of 0 instead of the identity), not parameters
+    outside it started alike (a Bateman function's ka = ke, fed a zero random-effects
+    head). ``named``: ``t``'s name and the module's prefix."""
+    what, prefix = named
+    layer = what.rsplit(".", 1)[0]
+    g = torch.Generator().manual_seed(0)
+    for other, p in zero:
+        if p is t or not p.requires_grad or other.rsplit(".", 1)[0] != layer:
+            continue
+        noise = torch.randn(p.shape, generator=g).to(p)
+        if not _finite_with(runner, origin, module, t, torch.ones_like(t), ((p, noise),)):
+            continue
+        # (a trial's values stay in trained parameters: the re-run's reset restores buffers)
+        kept = [(q, q.detach().clone()) for n, q in module.named_parameters()
+                if q.requires_grad and f"parameter {prefix}{n}".rsplit(".", 1)[0] != layer]
+        moved = [(q, v * (1 + 0.1 * torch.randn(q.shape, generator=g).to(q))
+                  + 0.01 * torch.randn(q.shape, generator=g).to(q)) for q, v in kept]
+        equal = not _finite_with(runner, origin, module, t, torch.zeros_like(t),
+                                 [(p, torch.zeros_like(p)), *moved])
+        with torch.no_grad():
+            for q, v in [(t, torch.zeros_like(t)), (p, torch.zeros_like(p)), *kept]:
+                q.copy_(v)
+        if equal:
+            return other.removeprefix("parameter ")
+    return None
+
+
+# (a layer of zeros whose bias is 0 too: its outputs are all equal, 0, whatever its weight)
+ZERO_BIAS = (
+    "{op}'s divisor is 0 in every sample because the values it compares are equal: they come "
+    "from {what} and {bias}, both all 0 as the step began, so that layer outputs 0 in every "
+    "sample (a matrix it predicts is the zero matrix, singular: its determinant is 0); with "
+    "the weight at a constant the outputs are still all equal, but with {bias} at random "
+    "values the call is finite: a layer zero-initialised to start the model at a fixed "
+    "output needs that output in its bias (a spatial transformer's localisation head: weight "
+    "0, bias the identity transform [1, 0, 0, 0, 1, 0]), not 0")
+
+
+def _finite_with(runner: Runner, origin, module, t: torch.Tensor, noise, also=()) -> bool:
     state = {"calls": 0, "finite": False}
 
     def pre(m, args):
         with torch.no_grad():
             t.copy_(noise)
+            for other, value in also:
+                other.copy_(value)
 
     def post(m, args, out):
         if runner.micro_batch != origin.micro_batch:

@@ -1,0 +1,62 @@
+"""A sqrt at 0 in every sample, in backward, because a layer of the model started at zeros.
+
+A spatial transformer's localisation head is zero-initialised with the identity transform in
+its bias, so theta is exactly the identity for every crop at the first step; a regulariser
+pulling theta towards the identity written as ``sqrt(((theta - I) ** 2).sum())`` is then 0 in
+every sample: finite forward, but sqrt's derivative at 0 is +inf and the backward NaN. The
+generic sqrt-at-0 hint lists points that coincide in the data; here no sample is to blame: the
+distance is to the value the layer's bias starts the output at. Told apart as
+:mod:`replay.zero_head` tells a loss's division: one forward and backward more with that weight
+at small random values, whose gradients are finite.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .recorded import samples
+from .rerun import Runner
+from .zero_state import some_rows
+
+ZERO_START = (
+    "; here it is 0 in every sample because parameter {name} is all 0 as the step began: that "
+    "layer outputs its bias for every input, and the distance is to the very value that bias "
+    "starts it at (a regulariser pulling a spatial transformer's theta towards the identity "
+    "its head is initialised to); with small random values in that weight the backward is "
+    "finite, so it is no sample's data: use torch.linalg.vector_norm or the squared distance, "
+    "whose gradients at 0 are 0")
+
+
+def zero_start_hint(runner: Runner, b, cause_name: str, hint: str) -> str:
+    """``hint``, with the zero-initialised weight matrix that puts backward origin ``b``'s
+    sqrt at 0 in every sample (see the module doc), when one does."""
+    if cause_name != "invalid" or b.node != "SqrtBackward0" or b.saved_zero != "0" \
+            or runner.model is None or not b.samples \
+            or some_rows(b.samples, samples(runner.step, b.micro_batch or 0)):
+        return hint
+    runner.reset()
+    zero = [(n, p) for n, p in runner.model.named_parameters() if p.requires_grad
+            and p.is_floating_point() and p.dim() > 1 and not p.any()]
+    for name, p in zero:  # (a matrix: a zero bias alone does not make a layer's output 0)
+        if _finite_without(runner, p):
+            return hint + ZERO_START.format(name=name)
+    return hint
+
+
+def _finite_without(runner: Runner, p: torch.Tensor) -> bool:
+    """Are the step's loss and gradients finite with ``p`` at small random values? (``p`` is
+    put back to its zeros after: the re-run's reset restores buffers, not trained weights.)"""
+    noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(0)).to(p) * 0.1
+
+    def fill(m, args):
+        with torch.no_grad():
+            p.copy_(noise)
+
+    try:
+        run = runner.run(backward=True, instrument=False,
+                         hooks=lambda model: [model.register_forward_pre_hook(fill)])
+    finally:
+        with torch.no_grad():
+            p.zero_()
+        runner.reset()
+    return bool(run.loss_finite) and all(run.loss_finite) and not run.bad_grads
