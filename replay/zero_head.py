@@ -14,7 +14,7 @@ import torch
 
 from .recorded import samples
 from .rerun import Runner
-from .zero_state import ZERO_LAYER, some_rows
+from .zero_state import ZERO_LAYER, put_back, some_rows
 
 _DIVIDES = {"aten.div", "aten.reciprocal", "aten.rsqrt"}
 
@@ -43,7 +43,8 @@ def _finite_without(runner: Runner, mb: int, p: torch.Tensor) -> bool:
         with torch.no_grad():
             p.copy_(noise)
 
-    run = runner.run(backward=False, instrument=False,
-                     hooks=lambda model: [model.register_forward_pre_hook(fill)])
+    with put_back([p]):
+        run = runner.run(backward=False, instrument=False,
+                         hooks=lambda model: [model.register_forward_pre_hook(fill)])
     runner.reset()
     return mb in run.loss_micro_batches and run.loss_finite[run.loss_micro_batches.index(mb)]

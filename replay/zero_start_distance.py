@@ -16,7 +16,7 @@ import torch
 
 from .recorded import samples
 from .rerun import Runner
-from .zero_state import some_rows
+from .zero_state import put_back, some_rows
 
 ZERO_START = (
     "; here it is 0 in every sample because parameter {name} is all 0 as the step began: that "
@@ -44,19 +44,15 @@ def zero_start_hint(runner: Runner, b, cause_name: str, hint: str) -> str:
 
 
 def _finite_without(runner: Runner, p: torch.Tensor) -> bool:
-    """Are the step's loss and gradients finite with ``p`` at small random values? (``p`` is
-    put back to its zeros after: the re-run's reset restores buffers, not trained weights.)"""
+    """Are the step's loss and gradients finite with ``p`` at small random values?"""
     noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(0)).to(p) * 0.1
 
     def fill(m, args):
         with torch.no_grad():
             p.copy_(noise)
 
-    try:
+    with put_back([p]):
         run = runner.run(backward=True, instrument=False,
                          hooks=lambda model: [model.register_forward_pre_hook(fill)])
-    finally:
-        with torch.no_grad():
-            p.zero_()
-        runner.reset()
+    runner.reset()
     return bool(run.loss_finite) and all(run.loss_finite) and not run.bad_grads

@@ -18,6 +18,8 @@ zero-initialised layer's ``w / sigma`` under a spectral norm), where an eps keep
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from recorder.compat import is_norm_layer
@@ -168,16 +170,12 @@ def _zero_bias(runner: Runner, origin, module, t: torch.Tensor, named, zero) -> 
         noise = torch.randn(p.shape, generator=g).to(p)
         if not _finite_with(runner, origin, module, t, torch.ones_like(t), ((p, noise),)):
             continue
-        # (a trial's values stay in trained parameters: the re-run's reset restores buffers)
-        kept = [(q, q.detach().clone()) for n, q in module.named_parameters()
+        kept = [q for n, q in module.named_parameters()
                 if q.requires_grad and f"parameter {prefix}{n}".rsplit(".", 1)[0] != layer]
-        moved = [(q, v * (1 + 0.1 * torch.randn(q.shape, generator=g).to(q))
-                  + 0.01 * torch.randn(q.shape, generator=g).to(q)) for q, v in kept]
+        moved = [(q, q.detach() * (1 + 0.1 * torch.randn(q.shape, generator=g).to(q))
+                  + 0.01 * torch.randn(q.shape, generator=g).to(q)) for q in kept]
         equal = not _finite_with(runner, origin, module, t, torch.zeros_like(t),
                                  [(p, torch.zeros_like(p)), *moved])
-        with torch.no_grad():
-            for q, v in [(t, torch.zeros_like(t)), (p, torch.zeros_like(p)), *kept]:
-                q.copy_(v)
         if equal:
             return other.removeprefix("parameter ")
     return None
@@ -211,10 +209,26 @@ def _finite_with(runner: Runner, origin, module, t: torch.Tensor, noise, also=()
             raise StopRun
         state["calls"] += 1
 
-    runner.run(backward=False, instrument=False,
-               hooks=lambda model: [module.register_forward_pre_hook(pre),
-                                    module.register_forward_hook(post)])
+    with put_back([t, *(other for other, _ in also)]):
+        runner.run(backward=False, instrument=False,
+                   hooks=lambda model: [module.register_forward_pre_hook(pre),
+                                        module.register_forward_hook(post)])
     return state["finite"]
+
+
+@contextlib.contextmanager
+def put_back(tensors):
+    """Inside the block a trial may fill ``tensors`` (the model's): after it, their values
+    as it began. The re-run's reset restores buffers and frozen parameters, not trained
+    ones (a re-run of the step never writes them), so a trial's values would stay in a
+    trained weight for every later trial and re-run of the replay."""
+    saved = [(t, t.detach().clone()) for t in tensors]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, value in saved:
+                t.copy_(value)
 
 
 def _tensors(out) -> list[torch.Tensor]:
