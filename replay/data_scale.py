@@ -82,14 +82,17 @@ def _drop_would_clear(step: Step, report: dict[str, Any], rows: list[int]) -> bo
     comes back finite, or cannot tell. A batch whose every row overflowed alike may hold
     rows that stand out in data the op never read (a q-error's true cardinalities, spanning
     decades by design, beside ``exp`` of a float16 prediction): the event coming back
-    without them says those rows are not what overflowed. An origin of those samples alone
-    is not re-run: its own rows standing out say it."""
+    without them says those rows are not what overflowed; one of another kind (a NaN where
+    the origin made an infinity: a group's mean left with no record) says the overflow went
+    with them. An origin of those samples alone is not re-run: its own rows say it."""
     o = report["origin"]
     if not o.get("all_samples") and o.get("samples"):
         return True
     tried = run_tries(step, report, ["drop=" + ",".join(str(r) for r in rows)])
     first = tried[0] if tried else {}
-    return first.get("finite") is not False or bool(first.get("inconclusive"))
+    back = (first.get("origin") or {}).get("kind")
+    return first.get("finite") is not False or bool(first.get("inconclusive")) \
+        or (back is not None and (back == "nan") != (o.get("made") == "nan"))
 
 
 def _singular_of_outliers(report: dict[str, Any], step: Step) -> bool:
