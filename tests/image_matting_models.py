@@ -23,7 +23,7 @@ from torch import nn
 def trimap_onehot(trimap: torch.Tensor) -> torch.Tensor:
     """``(B, 1, H, W)`` trimap (0 background, 0.5 unknown, 1 foreground) as GCA's three
     one-hot channels ``(B, 3, H, W)``: background, unknown, foreground."""
-    return torch.cat([(trimap == 0), (trimap == 0.5), (trimap == 1)], 1).float()
+    return torch.cat([(trimap == 0), (trimap == 0.5), (trimap == 1)], 1).to(trimap.dtype)
 
 
 def composited_crops(n: int = 8, size: int = 8, seed: int = 0):
@@ -139,6 +139,11 @@ class MattingNet(nn.Module):
 def make_matting_net() -> nn.Module:
     torch.manual_seed(0)
     return MattingNet()
+
+
+def make_half_matting_net() -> nn.Module:
+    """The net in float16 throughout (``model.half()``: pure half-precision training)."""
+    return make_matting_net().half()
 
 
 def make_dim_net() -> nn.Module:

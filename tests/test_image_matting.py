@@ -77,6 +77,30 @@ def test_charbonnier_with_eps_0_is_a_backward_nan_of_the_sqrt_at_the_known_pixel
     assert "the eps added to that input is exactly 0" in rep["hint"], rep["hint"]
 
 
+def test_charbonnier_eps_lost_in_pure_float16_training_drops_the_stable_formula_advice(out_dir):
+    """The same loss with its ``eps = 1e-6`` kept, trained in float16 throughout
+    (``model.half()``, half crops, SGD with momentum): ``eps ** 2 = 1e-12`` is 0 in float16,
+    so at crop 3's known pixels ``sqrt(0 + 1e-12)`` is ``sqrt(0)`` again, and its backward is
+    NaN. The hint said the eps is lost, but led with "use a numerically stable formula
+    (torch.var ...; logsigmoid ...)" and "put an eps under the root (torch.sqrt(x + 1e-8))",
+    an eps float16 loses too, to a loss that has one under the root: it says the eps is lost
+    only."""
+    crops = M.composite(M.with_known_band(M.composited_crops(), 3, value=0.0))
+    crops = {k: v.half() for k, v in crops.items()}
+    model = M.make_half_matting_net()
+    err = _train(out_dir, model, torch.optim.SGD(model.parameters(), 1e-2, momentum=0.9),
+                 M.CharbonnierAlphaLoss(eps=1e-6), crops, _alpha_step,
+                 "image_matting_models:make_half_matting_net")
+    assert (err.event["step"], err.event["phase"]) == (1, "backward"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    assert _origin(rep) == ("backward", "<loss>", "SqrtBackward0", "nan", [1], "precision"), \
+        json.dumps(rep, indent=1)
+    assert rep["origin"]["source"] == source_line(MODELS, "torch.sqrt((alpha - gt) ** 2")
+    assert "the eps 1e-12 added to that input is 0 in float16" in rep["hint"], rep["hint"]
+    assert "stable formula" not in rep["hint"], rep["hint"]
+    assert "torch.sqrt(x + 1e-8)" not in rep["hint"], rep["hint"]
+
+
 def test_a_crop_with_an_empty_unknown_region_is_a_0_by_0_of_its_unknown_count(out_dir):
     """GCA's regression loss divided per crop by that crop's unknown count: crop 5 is all
     foreground (a random crop inside the subject), its count is 0 and its L1 sum 0, 0/0. The
