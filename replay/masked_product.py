@@ -64,7 +64,7 @@ def _bad(x: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(x)
 
 
-def mask_after_pole(first, name: str, args, hit) -> None:
+def mask_after_pole(first, name: str, args, hit, lineage=None) -> None:
     """When the first NaN (``hit``, of op ``name`` on ``args``) is a product of an infinity
     by a mask's exact 0, and the op blamed (``first``) made that infinity at a pole
     (``1 / gt`` of a depth map's holes, masked by ``* valid`` after the division), note the
@@ -82,7 +82,7 @@ def mask_after_pole(first, name: str, args, hit) -> None:
     if met:
         ev.masked_after = f"{hit.op}" + (f" ({hit.source})" if hit.source else "")
     else:
-        xlogx.note(first, args, hit, _met)
+        xlogx.note(first, args, hit, _met, lineage)
 
 
 def _mask_like(factor) -> bool:

@@ -240,3 +240,26 @@ class MattingLoss(nn.Module):
         loss = loss + self.w_comp * composition_loss(alpha, fg, bg, image, trimap, self.eps)
         loss = loss + self.w_grad * sobel_loss(alpha, gt, trimap)
         return loss + self.w_lap * laplacian_loss(alpha, gt)
+
+
+class AlphaBCELoss(nn.Module):
+    """A binary cross-entropy on alpha written out (as MODNet-style ports write it, on the
+    fused alpha), the unknown region weighted 1 and the known pixels ``known_weight``."""
+
+    def __init__(self, known_weight: float = 0.1):
+        super().__init__()
+        self.known_weight = known_weight
+
+    def forward(self, alpha, gt, trimap):
+        w = unknown_mask(trimap) + self.known_weight * (1 - unknown_mask(trimap))
+        bce = -(gt * torch.log(alpha) + (1 - gt) * torch.log(1 - alpha))
+        return (bce * w).sum() / w.sum()
+
+
+class RegressionL1Loss(nn.Module):
+    """GCA's ``regression_loss``: the L1 over the unknown region divided by the batch's unknown
+    count, ``(|a - gt| * w).sum() / w.sum()``."""
+
+    def forward(self, alpha, gt, trimap):
+        w = unknown_mask(trimap)
+        return ((alpha - gt).abs() * w).sum() / w.sum()

@@ -200,6 +200,55 @@ def test_a_foreground_left_nan_where_alpha_is_0_is_input_kept_by_the_composite(o
     assert "no 0/1 mask but a weight that is 0 there" in rep["hint"], rep["hint"]
 
 
+def test_a_bce_written_out_on_the_fused_alpha_names_the_target_s_0_and_the_torch_loss(out_dir):
+    """An alpha BCE written out, ``-(gt log a + (1 - gt) log(1 - a))``, with the known pixels
+    weighted 0.1: crop 5 reaches known foreground, where the fused alpha is exactly 1, so
+    ``log(1 - a)`` is -inf and ``(1 - gt)`` is 0 there: 0 * -inf. The hint called it an
+    entropy's ``p * log(p)`` and advised ``xlogy(p, p.clamp_min(tiny))``; the 0 is the
+    target's and the -inf the prediction's log, and it names the BCE torch writes for it."""
+    crops = M.composite(M.with_known_band(M.composited_crops(), 5, value=1.0))
+    model = M.make_matting_net()
+    err = _train(out_dir, model, torch.optim.Adam(model.parameters(), 1e-3), M.AlphaBCELoss(),
+                 crops, _alpha_step, NET)
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (2, "loss", "<loss>")
+    rep = nanreplay_json(err.bundle_path)
+    assert _origin(rep) == ("loss", "<loss>", "aten.log", "-inf", [1], "invalid"), \
+        json.dumps(rep, indent=1)
+    assert rep["origin"]["source"] == source_line(MODELS, "bce = -(gt * torch.log(alpha)")
+    assert "by a target's 0 at the same entries" in rep["hint"], rep["hint"]
+    assert "F.binary_cross_entropy_with_logits" in rep["hint"], rep["hint"]
+    assert "p * log(p)" not in rep["hint"], rep["hint"]
+
+
+def test_a_micro_batch_with_no_unknown_pixel_is_a_0_by_0_of_the_batch_count(out_dir):
+    """GCA's regression loss divides by the batch's unknown count; with gradient accumulation
+    over two micro-batches of 2, the first micro-batch of step 1 holds two crops inside the
+    subject and the background (all known): 0/0 over one 0-d count, no row to blame."""
+    crops = M.composited_crops()
+    for i in (4, 5):
+        crops["alpha"][i], crops["trimap"][i] = float(i == 4), float(i == 4)
+    crops = M.composite(crops)
+    model = M.make_matting_net()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    loader = torch.utils.data.DataLoader(M.MattingCrops(crops), batch_size=2)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.RegressionL1Loss(), out_dir=out_dir,
+                            factory=NET) as rec:
+            for i, d in enumerate(loader):
+                (_alpha_step(rec, model, d) / 2).backward()
+                if i % 2 == 1:
+                    opt.step()
+                    opt.zero_grad()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (1, "loss", "<loss>", [])
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["micro_batch"], rep["cause"]) == \
+        ("aten.div", "nan", 0, "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == source_line(MODELS, "return ((alpha - gt).abs() * w).sum() / w.sum()")
+    assert "no row is to blame" in rep["hint"], rep["hint"]
+
+
 def _healthy_run(recorded: bool, out_dir):
     """Crops reaching known background and foreground, the full objective with its eps's,
     bfloat16 autocast, gradient clipping, two epochs; returns the model."""
