@@ -263,3 +263,16 @@ class RegressionL1Loss(nn.Module):
     def forward(self, alpha, gt, trimap):
         w = unknown_mask(trimap)
         return ((alpha - gt).abs() * w).sum() / w.sum()
+
+
+class GradMagLoss(nn.Module):
+    """The gradient loss on Sobel magnitudes, ``|sqrt(gx^2 + gy^2)|`` of prediction against
+    ground truth, over the unknown region (the magnitude written without an eps)."""
+
+    def forward(self, alpha, gt, trimap):
+        k = torch.stack([_SOBEL, _SOBEL.t()]).unsqueeze(1).to(alpha.dtype)
+        gp = F.conv2d(F.pad(alpha, (1, 1, 1, 1), mode="replicate"), k)
+        gg = F.conv2d(F.pad(gt, (1, 1, 1, 1), mode="replicate"), k)
+        mp, mg = torch.sqrt((gp ** 2).sum(1, keepdim=True)), torch.sqrt((gg ** 2).sum(1, keepdim=True))
+        w = unknown_mask(trimap)
+        return ((mp - mg).abs() * w).sum() / w.sum().clamp_min(1)

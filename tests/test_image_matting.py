@@ -101,6 +101,22 @@ def test_charbonnier_eps_lost_in_pure_float16_training_drops_the_stable_formula_
     assert "torch.sqrt(x + 1e-8)" not in rep["hint"], rep["hint"]
 
 
+def test_a_sobel_magnitude_without_eps_is_a_backward_nan_on_the_flat_known_band(out_dir):
+    """The gradient loss on Sobel magnitudes ``sqrt(gx^2 + gy^2)``, written without an eps:
+    crop 3's known background band is flat in the fused alpha, its magnitude exactly 0, and
+    sqrt's derivative there infinite: a backward NaN on that crop only."""
+    crops = M.composite(M.with_known_band(M.composited_crops(), 3, value=0.0))
+    model = M.make_matting_net()
+    err = _train(out_dir, model, torch.optim.Adam(model.parameters(), 1e-3), M.GradMagLoss(),
+                 crops, _alpha_step, NET)
+    assert (err.event["step"], err.event["phase"]) == (1, "backward"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    assert _origin(rep) == ("backward", "<loss>", "SqrtBackward0", "nan", [1], "invalid"), \
+        json.dumps(rep, indent=1)
+    assert rep["origin"]["source"] == source_line(MODELS, "mp, mg = torch.sqrt(")
+    assert "torch.linalg.vector_norm" in rep["hint"], rep["hint"]
+
+
 def test_a_crop_with_an_empty_unknown_region_is_a_0_by_0_of_its_unknown_count(out_dir):
     """GCA's regression loss divided per crop by that crop's unknown count: crop 5 is all
     foreground (a random crop inside the subject), its count is 0 and its L1 sum 0, 0/0. The
@@ -116,6 +132,26 @@ def test_a_crop_with_an_empty_unknown_region_is_a_0_by_0_of_its_unknown_count(ou
         json.dumps(rep, indent=1)
     assert rep["origin"]["source"] == source_line(MODELS, "return (l1 / w.sum(dim=(1, 2, 3)))")
     assert "no valid entry" in rep["hint"] and "count.clamp(min=1)" in rep["hint"], rep["hint"]
+
+
+def test_a_trimap_decoded_as_128_over_255_selects_no_unknown_pixel_in_any_crop(out_dir):
+    """The trimaps read from 8-bit PNGs and divided by 255: the unknown value is 128 / 255,
+    never the 0.5 the loss compares with, so every crop's unknown count is 0 and the per-crop
+    loss 0/0 in every sample at the first step. The hint said to add an eps to the denominator
+    or skip those rows (an eps would train on nothing in silence); it says the comparison's
+    mask selects nothing in any sample, a value the data does not hold."""
+    crops = M.composite(M.composited_crops())
+    crops["trimap"] = torch.full_like(crops["trimap"], 128 / 255)
+    model = M.make_matting_net()
+    err = _train(out_dir, model, torch.optim.Adam(model.parameters(), 1e-3), M.PerCropL1Loss(),
+                 crops, _alpha_step, NET)
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (0, "loss", "<loss>")
+    rep = nanreplay_json(err.bundle_path)
+    assert _origin(rep) == ("loss", "<loss>", "aten.div", "nan", [0, 1], "invalid"), \
+        json.dumps(rep, indent=1)
+    assert rep["origin"]["source"] == source_line(MODELS, "return (l1 / w.sum(dim=(1, 2, 3)))")
+    assert "0 in every sample of the batch: the mask selects nothing" in rep["hint"], rep["hint"]
+    assert "128 / 255" in rep["hint"], rep["hint"]
 
 
 def test_foreground_divided_by_an_alpha_of_0_is_a_0_by_0_in_the_foreground_head(out_dir):
