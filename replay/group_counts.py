@@ -21,6 +21,10 @@ Code counts over the batch and divides by the count in two ways, told apart by w
   from the training set applies, and a floor makes that group's mean 0 in silence: leave the
   empty groups out.
 
+- a count per sample of a mask a comparison made that is 0 in every sample of the batch
+  (``(trimap == 0.5).float().sum((1, 2, 3))`` over trimaps decoded as 128 / 255): no record is
+  empty, the comparison selects nothing; the hint says to check it, not to floor the count.
+
 :class:`GroupCounts` watches the ops (fed by :class:`~replay.lineage.Lineage`) for such counts,
 as they are, converted, viewed or multiplied by a positive number, and for the first pole op
 that went non-finite at a 0 of one; :func:`class_counts_hint` (labels) and
@@ -49,6 +53,8 @@ _ACCUMULATE = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatte
 # ops that keep the counts as they are (a dtype conversion, a view, a copy)
 _SAME = {"_to_copy", "to", "float", "clone", "alias", "view", "reshape", "_unsafe_view",
          "contiguous", "detach", "slice", "squeeze", "unsqueeze", "unsqueeze_", "expand"}
+# ops that make a mask by comparing values
+_COMPARISONS = {"eq", "ne", "lt", "le", "gt", "ge", "isclose", "logical_and", "logical_or"}
 # ops with a pole at an operand of 0, and which operand that is
 _POLES = {"reciprocal": 0, "div": 1, "rsqrt": 0, "log": 0, "log2": 0, "log10": 0}
 _DIVISIONS = {"div", "reciprocal"}
@@ -68,6 +74,7 @@ class Found(NamedTuple):
     count: Count
     groups: list[int]  # the entries along the count's first dim that are 0
     mean: bool = False  # its numerator a total over a 0/1 membership matrix: a mean per group
+    every: bool = False  # 0 at every entry: a mask a comparison made that selects nothing
 
 
 class GroupCounts:
@@ -78,10 +85,13 @@ class GroupCounts:
         # 0/1 membership matrices a count summed; values masked by one ("masked"), their
         # sums over the batch ("total")
         self._members = TensorMarks()
+        self._compared = TensorMarks()  # masks a comparison made (trimap == 0.5), converted
 
     def track(self, name: str, args, out) -> None:
         if self.found is not None or not args or not isinstance(out, torch.Tensor):
             return
+        if name in _COMPARISONS or name in _SAME and self._compared.get(args[0]):
+            self._compared.put(out, True)
         count = self._counted(name, args, out)
         if count is not None:
             self._made.put(out, count)
@@ -102,7 +112,8 @@ class GroupCounts:
             groups = torch.nonzero((x == 0).reshape(x.shape[0], -1).any(1)).flatten().tolist() \
                 if x.dim() else []
             mean = at == 1 and self._members.get(args[0]) == "total"
-            self.found = Found(f"aten.{name}", count, groups, mean)
+            every = x.dim() > 0 and len(groups) == x.shape[0] > 1 and not bool(x.any())
+            self.found = Found(f"aten.{name}", count, groups, mean, every)
 
     def _masked(self, name: str, args, out) -> None:
         """Mark ``out`` when it multiplies by a membership matrix (``p[:, None] * onehot``) or
@@ -120,7 +131,7 @@ class GroupCounts:
             return Count(name, True)
         if self._label_sum(name, args, out):
             return Count("sum", True)
-        if name == "sum" and len(args) > 1 and _zero_one(first):
+        if name == "sum" and len(args) > 1 and (_zero_one(first) or self._mask_of_none(first)):
             # (the row counts of a 0/1 matrix: a node's degree; of a (B, T, C) one over T:
             # each sample's active frames per speaker or class)
             return Count("sum", False, out.dim() >= 2 and out.numel() > out.shape[0])
@@ -132,6 +143,13 @@ class GroupCounts:
         if name == "mul":
             return self._scaled(args)
         return None
+
+    def _mask_of_none(self, x) -> bool:
+        """``x`` is a mask a comparison made (bool, or converted to 0/1) over a batch, 0 at every
+        entry: it selects nothing (``trimap == 0.5`` of a trimap decoded as 128 / 255), a
+        count of none, unlike exp's values that underflowed to 0 (:func:`_zero_one`)."""
+        return isinstance(x, torch.Tensor) and bool(self._compared.get(x)) and x.dim() >= 2 \
+            and x.shape[0] > 1 and not bool(x.any())
 
     def _label_sum(self, name: str, args, out) -> bool:
         """``args`` sum labels over dim 0 and keep their class dim: values in [0, 1], not
@@ -230,6 +248,8 @@ def with_empty_groups(hint: str | None, cause: str | None, hit,
         return hint
     if found.count.per_class and hit.rows and hit.rows == groups:
         return f"{hint}; but here {PER_SAMPLE_CLASS.format(rows=groups[:8])}"
+    if op == "sum" and hit.rows and hit.rows == groups and found.every:
+        return f"{hint}; but here " + NO_SAMPLE_SELECTED
     if op == "sum" and hit.rows and hit.rows == groups:  # (its rows the batch's samples)
         return (f"{hint}; but here the divisor is each sample's sum of its 0/1 weights (a "
                 f"count of its valid entries), 0 in sample(s) {groups[:8]}: they have no valid "
@@ -253,3 +273,13 @@ def with_empty_groups(hint: str | None, cause: str | None, hit,
             "absent from the batch). No record is to blame, and an eps would make those "
             "groups' terms 0 in silence: leave the empty groups out (count > 0), or make "
             "the sampler put members of every group in each batch")
+
+
+# every sample's count of a comparison's mask is 0: no record is empty, the mask selects nothing
+NO_SAMPLE_SELECTED = (
+    "the divisor is each sample's count of a mask a comparison made, and it is 0 in every "
+    "sample of the batch: the mask selects nothing anywhere, which reads as a comparison with "
+    "a value the data does not hold (an exact == on floats decoded from 8-bit: a trimap's "
+    "128 / 255 is 0.502, not 0.5; a label id or threshold of another encoding), not as empty "
+    "records: check the mask's values (compare against the encoded value, or use a "
+    "tolerance); a floor or an eps would make the loss 0 in silence")

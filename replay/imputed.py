@@ -69,8 +69,8 @@ def made_from_imputed(report, step: Step, origin: dict[str, Any]) -> dict[str, A
         origin.update(leaked)  # (the caller's input origin: the input that leaked)
     if finder.first_nan is None and finder.masked_nan is not None:  # (nan * mask)
         leaked = ALLOWED_NAN_GOT_PAST.format(tensor=origin.get("tensor"))
-        return finish(report, origin, "input", reproduced=True,
-                      hint=leaked + masked_hint(origin, finder.masked_nan))
+        kept = masked_hint(origin, finder.masked_nan, finder.masked_by_mask)
+        return finish(report, origin, "input", reproduced=True, hint=leaked + kept)
     if finder.first_nan is None or hit is None:
         return None
     module, call = hit.within or ("", 0)

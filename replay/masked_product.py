@@ -64,7 +64,7 @@ def _bad(x: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(x)
 
 
-def mask_after_pole(first, name: str, args, hit) -> None:
+def mask_after_pole(first, name: str, args, hit, lineage=None) -> None:
     """When the first NaN (``hit``, of op ``name`` on ``args``) is a product of an infinity
     by a mask's exact 0, and the op blamed (``first``) made that infinity at a pole
     (``1 / gt`` of a depth map's holes, masked by ``* valid`` after the division), note the
@@ -82,7 +82,7 @@ def mask_after_pole(first, name: str, args, hit) -> None:
     if met:
         ev.masked_after = f"{hit.op}" + (f" ({hit.source})" if hit.source else "")
     else:
-        xlogx.note(first, args, hit, _met)
+        xlogx.note(first, args, hit, _met, lineage)
 
 
 def _mask_like(factor) -> bool:
@@ -112,13 +112,26 @@ def _met(x, factor, bad=torch.isnan) -> bool:
     return bool(zero[nan].all())
 
 
-def masked_hint(origin: dict, hit) -> str:
-    """The hint for ``origin``'s NaN that product ``hit`` (an OpHit, or (op, source)) kept;
-    ``origin`` is given the product's line as its source."""
+# the product's 0 is no 0/1 mask's but a weight's own (an alpha of 0 on a foreground left NaN
+# where it is 0): "a mask's 0" would send the user looking for a mask that is not there
+_WEIGHTED_BY_ZERO = (
+    "{op}{at} multiplied the NaN of {tensor} (rows {rows}) by an exact 0 of its other factor, "
+    "no 0/1 mask but a weight that is 0 there (an alpha, a mixing or attention weight), and "
+    "NaN * 0 is NaN: a term weighted by 0 still carries the NaN. The data holds NaN where that "
+    "weight is 0 (values left undefined there: a foreground divided by an alpha of 0 when the "
+    "data was made); make them finite where the data is made (torch.where(alpha > 0, x, 0)) "
+    "or before the first op that reads them (torch.nan_to_num(x))")
+
+
+def masked_hint(origin: dict, hit, by_mask: bool = True) -> str:
+    """The hint for ``origin``'s NaN that product ``hit`` (an OpHit, or (op, source)) kept,
+    multiplying it by a 0/1 mask's 0 (``by_mask``) or by another factor's own 0; ``origin``
+    is given the product's line as its source."""
     op, source = (hit.op, hit.source) if hasattr(hit, "op") else hit
     origin["source"] = origin.get("source") or source
-    return MASKED_BY_PRODUCT.format(op=op, at=f" ({source})" if source else "",
-                                    tensor=origin.get("tensor"), rows=origin.get("samples"))
+    text = MASKED_BY_PRODUCT if by_mask else _WEIGHTED_BY_ZERO
+    return text.format(op=op, at=f" ({source})" if source else "",
+                       tensor=origin.get("tensor"), rows=origin.get("samples"))
 
 
 def masked_row_product_hint(hint: str | None, finder, hit) -> str | None:

@@ -14,16 +14,17 @@ from .ops import OpFinder
 from .rerun import Runner
 
 
-def masked_in_loss(step: Step, origin: dict) -> tuple[str, str | None] | None:
-    """(op, source) of the product in the loss that multiplied the NaN of a loss argument by
-    0 (missing targets masked by ``nll * observed``), re-running the model and the loss under
-    the op finder; None when it met none, or the event is another one."""
+def masked_in_loss(step: Step, origin: dict) -> tuple[str, str | None, bool] | None:
+    """(op, source, by_mask) of the product in the loss that multiplied the NaN of a loss
+    argument by 0 (missing targets masked by ``nll * observed``; ``by_mask``: that 0 a 0/1
+    mask's, not a weight's own, an alpha's), re-running the model and the loss under the op
+    finder; None when it met none, or the event is another one."""
     if not (origin.get("tensor") or "").startswith("loss_") or origin.get("made") != "nan" \
             or step.model is None or step.loss_fn is None:
         return None
     finder = watched_loss_rerun(step, origin.get("micro_batch") or 0, accept=_holds_nan)
     hit = finder and finder.masked_nan
-    return (hit.op, hit.source) if hit is not None else None
+    return (hit.op, hit.source, finder.masked_by_mask) if hit is not None else None
 
 
 def _holds_nan(args, kwargs) -> bool:
@@ -53,4 +54,4 @@ def watched_loss_rerun(step: Step, mb: int, accept=None) -> OpFinder | None:
 def masked_loss_hint(step: Step, origin: dict) -> str | None:
     """:func:`masked_hint` of a loss argument's NaN (missing targets), None without one."""
     hit = masked_in_loss(step, origin)
-    return masked_hint(origin, hit) if hit is not None else None
+    return masked_hint(origin, hit[:2], hit[2]) if hit is not None else None

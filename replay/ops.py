@@ -147,7 +147,8 @@ def _nan_hit(f: OpFinder, func, given, ins, outs, in_finite: bool, hit: OpHit) -
         hit.rows = nan_rows(f.batch_rows, outs, hit.rows)
     hit.lead_rows = None if hit.rows else lead_rows(outs[0])
     empty_rows.mark(hit, f.first is None and bool(f.intentional), ins, outs[0])
-    mask_after_pole(f.first, func.overloadpacket.__name__, given[0], hit)  # (inf * mask's 0)
+    # (inf * a mask's 0; a log's -inf times its own 0 or a target's)
+    mask_after_pole(f.first, func.overloadpacket.__name__, given[0], hit, f.lineage)
     if in_finite and taken_back_exactly(f):
         try:
             hit.evidence = f.of_records(op_evidence(func, given, outs, f), ins, hit.rows)

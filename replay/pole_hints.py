@@ -11,7 +11,8 @@ of 0) that the op should not run at all; for a learned divisor a ReLU cut to 0 (
 hyperprior's predicted scales, :mod:`replay.clamped_divisor`) that it needs a lower bound;
 for xlogy's ``x / y`` at x = y = 0 (:mod:`replay.xlogy_pole`) that y must stay off 0;
 and, for a guard's eps that the type rounded to 0 (``sqrt(x + 1e-12)`` in float16), that the
-eps was lost.
+eps was lost, in place of the rounding cause's stable-formula and eps-under-the-root advice
+(the formula has its eps; the ``1e-8`` that advice proposes is lost in float16 too).
 """
 
 from __future__ import annotations
@@ -139,4 +140,21 @@ def _pole_hint(b, cause: Cause) -> str:
         return cause.hint + said_bound(b.lost_eps) if b.saved_zero == "1" else cause.hint
     if b.lost_eps is None or b.saved_zero != "0" or b.dtype is None:
         return cause.hint
-    return cause.hint + lost_eps.said(b.lost_eps, b.dtype)
+    return _without_formula_advice(cause.hint, b.lost_eps) + lost_eps.said(b.lost_eps, b.dtype)
+
+
+# the rounding cause's generic advice, which an eps the type rounded to 0 makes wrong: the
+# formula already adds one (BasicSR's Charbonnier sqrt(d ** 2 + 1e-12) in float16), and the
+# "torch.sqrt(x + 1e-8)" it proposes is lost in float16 too
+_FORMULA_ADVICE = ("; " + DO["stable"] + "; " + DO["root"], "; " + DO["stable"])
+
+
+def _without_formula_advice(hint: str, eps) -> str:
+    """``hint`` without its stable-formula and eps-under-the-root advice when ``eps`` is a
+    positive eps the type lost (not one that is exactly 0, nor a clamp's floor)."""
+    if type(eps) is not float or eps <= 0:  # (a Floor, a CarriedEps: their own words)
+        return hint
+    for advice in _FORMULA_ADVICE:
+        if hint.endswith(advice):
+            return hint[:-len(advice)]
+    return hint

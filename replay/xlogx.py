@@ -6,6 +6,12 @@ product it is ``0 * -inf = NaN``. The data's own 0, not a 0/1 mask applied after
 (:func:`replay.masked_product.mask_after_pole`), so the fix is the form with that limit built
 in, not an eps or an earlier mask. That form's gradient must be finite at 0 too: xlogy(p, p)'s
 with respect to its second argument is p / p, NaN there, and entr's is -log(0) - 1.
+
+A cross-entropy written out, ``-(t * log(p) + (1 - t) * log(1 - p))``, is that product too
+where the prediction is exactly 0 or 1 and its target agrees (a matting net's alpha that the
+trimap fuses to the known pixels' 0 and 1, a saturated sigmoid): but the 0 is the target's,
+data (the op finder's lineage: no learned input), and the -inf a learned prediction's log;
+the fix is the loss torch writes for it, not an entropy's xlogy.
 """
 
 from __future__ import annotations
@@ -23,21 +29,37 @@ TEXT = ("; then {op} multiplied that -inf by a 0 at the same entries (p * log(p)
         "that the backward of a p with gradients spreads")
 
 
-def note(first, args, hit, met) -> None:
+# the 0 is a target's (data), the -inf a learned prediction's log: a cross-entropy written out
+TARGET_TEXT = (
+    "; then {op} multiplied that -inf by a target's 0 at the same entries (a cross-entropy "
+    "written out, t * log(p) + (1 - t) * log(1 - p), where the prediction is exactly 0 or 1 "
+    "and its target agrees: a saturated sigmoid, an output fused with or clamped to the known "
+    "values), and 0 * -inf is NaN though the term is 0: use "
+    "F.binary_cross_entropy_with_logits on the logits (or F.binary_cross_entropy, which "
+    "clamps its logs at -100), or clamp the prediction into [eps, 1 - eps] before the log")
+
+
+def note(first, args, hit, met, lineage=None) -> None:
     """Note ``hit``'s product on ``first``'s evidence when ``first`` is a log that made -inf
-    and the product's other factor is 0 wherever that -inf is (``met(x, factor, bad)``)."""
+    and the product's other factor is 0 wherever that -inf is (``met(x, factor, bad)``); with
+    the op finder's ``lineage``, whether that factor is data and the -inf learned."""
     ev = first.evidence if first is not None else None
     if ev is None or first.op not in _LOGS or first.made != "-inf" or len(args) < 2:
         return
     with torch.no_grad():
         try:
-            own = met(args[0], args[1], torch.isneginf) or met(args[1], args[0], torch.isneginf)
+            ends = [(a, b) for a, b in (args[:2], args[1::-1]) if met(a, b, torch.isneginf)]
         except RuntimeError:
             return
-    if own:
+    if ends:
         ev.own_zero_after = f"{hit.op}" + (f" ({hit.source})" if hit.source else "")
+        inf, factor = ends[0]
+        ev.target_zero = lineage is not None and isinstance(factor, torch.Tensor) \
+            and lineage.of_data([factor]) and not lineage.of_data([inf])
 
 
 def context(ev) -> str:
     """The hint's addition for a log whose -inf a product took by a 0 (``""`` when none)."""
-    return TEXT.format(op=ev.own_zero_after) if ev.own_zero_after else ""
+    if not ev.own_zero_after:
+        return ""
+    return (TARGET_TEXT if ev.target_zero else TEXT).format(op=ev.own_zero_after)
