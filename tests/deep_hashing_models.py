@@ -237,3 +237,13 @@ def decorrelated_loss(u, y):
     z = (u - u.mean(0)) / u.std(0)
     corr = z.T @ z / (len(u) - 1)
     return (F.softplus(dot) - S * dot).mean() + 0.01 * (corr - torch.eye(BITS)).pow(2).mean()
+
+
+def entropy_balanced_loss(u, y, gamma: float = 0.1):
+    """A pairwise loss plus bit balance as each bit's entropy over the batch: the fraction of
+    +1s ``p = (mean + 1) / 2`` pushed to one half."""
+    S = similarity(y, y)
+    dot = 0.5 * u @ u.T
+    p = (u.mean(0) + 1) / 2
+    entropy = -(p * torch.log(p) + (1 - p) * torch.log(1 - p))
+    return (F.softplus(dot) - S * dot).mean() - gamma * entropy.mean()

@@ -194,3 +194,19 @@ def test_learned_centres_of_absent_classes_under_adam_eps_0(tmp_path):
     assert (rep["reproduced"], rep["cause"], rep["origin"]["samples"]) == (
         False, "optimizer", []), rep
     assert "centres" in rep["hint"] and "set eps > 0" in rep["hint"], rep["hint"]
+
+
+def test_bit_balance_entropy_of_a_saturated_bit_is_a_rounded_mean_of_tanh(tmp_path):
+    # the fraction of +1s of a bit, (1 + u.mean(0)) / 2, is inside (0, 1) for tanh codes in
+    # exact arithmetic; a bit rounded to -1 in every row makes it 0, and log(p) -inf. The
+    # entropy is per bit: no sample
+    rep = replayed(tmp_path, "make_hashnet", M.entropy_balanced_loss, 8, "loss", epochs=4,
+                   beta=lambda e: 4.0 ** (e + 1))
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["samples"]) == (
+        True, "precision", "<loss>", "aten.log", []), rep
+    assert o["source"] == line_of("entropy = -(p * torch.log(p) + (1 - p) * torch.log(1 - p))")
+    hint = rep["hint"]
+    # (was: "catastrophic cancellation, as in a variance E[x²] − E[x]²": no variance there)
+    assert "a mean of such values" in hint and "rounded to 1 in float32" in hint, hint
+    assert "cancellation" not in hint, hint
