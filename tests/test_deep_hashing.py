@@ -210,3 +210,34 @@ def test_bit_balance_entropy_of_a_saturated_bit_is_a_rounded_mean_of_tanh(tmp_pa
     # (was: "catastrophic cancellation, as in a variance E[x²] − E[x]²": no variance there)
     assert "a mean of such values" in hint and "rounded to 1 in float32" in hint, hint
     assert "cancellation" not in hint, hint
+
+
+def test_dpsh_code_bank_read_before_its_rows_are_written_names_the_bank(tmp_path):
+    # DPSH scores the batch against the bank of every record's code; made with NaN for "not
+    # seen" (as torch.empty's garbage may be), the rows of the batches not yet seen are NaN
+    model = M.make_hashnet()
+    X, Y = M.images(torch.Generator().manual_seed(0), 32)
+    U = torch.full((32, M.BITS), float("nan"))
+    loader = DataLoader(TensorDataset(X, Y, torch.arange(32)), batch_size=M.BATCH)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with pytest.raises(NonFiniteError) as info, FlightRecorder(
+            model, opt, loss_fn=M.dpsh_bank_loss, out_dir=tmp_path,
+            factory="deep_hashing_models:make_hashnet") as rec:
+        for x, y, idx in loader:
+            u = model(x)
+            U[idx] = u.detach()
+            loss = rec.loss_fn(u, y, U, Y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (0, "input"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["tensor"], o["samples"]) == (
+        True, "input", "loss_args[2]", []), rep
+    hint = rep["hint"]
+    # (was: "the loop sliced or rearranged the output ... a sharpened guess p ** (1 / T)")
+    assert "a row per record of the data set, not per sample of the batch of 8" in hint, hint
+    assert "[8, 9, 10, 11, 12, 13, 14, 15, '...'] NaN in every entry and the other 8" in hint
+    assert "torch.zeros" in hint and "sharpen" not in hint, hint
