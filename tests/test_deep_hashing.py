@@ -10,7 +10,7 @@ import functools
 import deep_hashing_models as M
 import pytest
 import torch
-from bundles import nanreplay_json, source_line
+from bundles import invoke_cli, nanreplay_json, source_line
 from torch.utils.data import DataLoader, TensorDataset
 
 from recorder import FlightRecorder, NonFiniteError
@@ -183,6 +183,22 @@ def test_corrupted_record_is_an_input_event_of_its_sample(tmp_path):
     assert (rep["reproduced"], rep["cause"], o["tensor"], o["samples"]) == (
         True, "input", "batch", [5]), rep
     assert "sample 5 at feature(s) 3" in rep["hint"], rep["hint"]
+
+
+def test_corrupted_record_in_the_second_micro_batch_says_which_micro_batch(tmp_path):
+    # GreedyHash in two micro-batches of 4 a step (pairs within a micro-batch of 4 would
+    # hold no similar one): record 13 is row 1 of step 1's second micro-batch
+    with pytest.raises(NonFiniteError) as info:
+        train(tmp_path, "make_greedy", M.greedy_loss, nan_row=13, accum=2)
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (1, "input"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["micro_batch"], o["samples"]) == ("input", 1, [1]), rep
+    lines = invoke_cli(err.bundle_path).stdout.splitlines()
+    # (was: "made by the input batch" and "samples [1]": row 1 of which micro-batch?)
+    assert lines[1:3] == ["  origin     input: nan made by the input batch, micro-batch 1",
+                          "  samples    [1]"], lines
 
 
 def test_learned_centres_of_absent_classes_under_adam_eps_0(tmp_path):
