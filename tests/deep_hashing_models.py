@@ -247,3 +247,16 @@ def entropy_balanced_loss(u, y, gamma: float = 0.1):
     p = (u.mean(0) + 1) / 2
     entropy = -(p * torch.log(p) + (1 - p) * torch.log(1 - p))
     return (F.softplus(dot) - S * dot).mean() - gamma * entropy.mean()
+
+
+def dch_loss(u, y, gamma: float = 20.0, lam: float = 0.1):
+    """Deep Cauchy Hashing (DeepHash-pytorch's ``DCHLoss``): the normalised Hamming distance
+    ``d = bits / 2 * (1 - cos(u_i, u_j))`` under a Cauchy kernel, over every pair of the batch,
+    the similar pairs weighted by the batch's balance."""
+    S = similarity(y, y)
+    cos = (u @ u.T) / (u.norm(dim=1, keepdim=True) * u.norm(dim=1, keepdim=True).T)
+    d = BITS / 2 * (1 - cos)
+    w = torch.where(S > 0, S.numel() / S.sum(), S.numel() / (1 - S).sum())
+    cauchy = S * torch.log(d / gamma) + torch.log(1 + gamma / d)
+    quantization = torch.log(1 + (u.abs() - 1).abs().sum(1) / gamma)
+    return (w * cauchy).mean() + lam * quantization.mean()

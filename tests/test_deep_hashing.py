@@ -257,3 +257,22 @@ def test_dpsh_code_bank_read_before_its_rows_are_written_names_the_bank(tmp_path
     assert "a row per record of the data set, not per sample of the batch of 8" in hint, hint
     assert "[8, 9, 10, 11, 12, 13, 14, 15, '...'] NaN in every entry and the other 8" in hint
     assert "torch.zeros" in hint and "sharpen" not in hint, hint
+
+
+def test_cauchy_distance_of_each_code_to_itself_names_the_diagonal(tmp_path):
+    # DCH over every pair of the batch: a code's cosine with itself rounds above 1, its
+    # Hamming distance bits / 2 * (1 - cos) is -5e-8 on the diagonal, and log(d / gamma) NaN
+    # (which diagonal entries round below 0, and which to exactly 0, is the CPU's matmul's
+    # rounding: here all 8 below; a 0 would be log's pole, invalid, with the same advice)
+    rep = replayed(tmp_path, "make_hashnet", M.dch_loss, 0, "loss")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"]) == (True, "<loss>", "aten.log"), rep
+    assert o["samples"] and set(o["samples"]) <= set(range(8)), o
+    assert o["source"] == line_of("cauchy = S * torch.log(d / gamma)"), o
+    hint = rep["hint"]
+    if rep["cause"] == "precision":  # (was: the cancelled difference alone, "clamp the
+        # difference at 0 before the op", which keeps log(0) of the self-pairs)
+        assert "1 − cos(u_i, u_j) of a code with itself" in hint, hint
+    assert rep["cause"] in ("precision", "invalid"), rep
+    assert "exactly the diagonal of a square pairwise matrix" in hint, hint
+    assert "paired with itself" in hint and "triu_indices" in hint, hint
