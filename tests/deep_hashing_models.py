@@ -260,3 +260,24 @@ def dch_loss(u, y, gamma: float = 20.0, lam: float = 0.1):
     cauchy = S * torch.log(d / gamma) + torch.log(1 + gamma / d)
     quantization = torch.log(1 + (u.abs() - 1).abs().sum(1) / gamma)
     return (w * cauchy).mean() + lam * quantization.mean()
+
+
+class DPSHLoss(nn.Module):
+    """DeepHash-pytorch's ``DPSHLoss``: the bank of every training code ``U`` and its labels
+    ``Y`` held by the loss as plain tensors, the batch's rows written in ``forward``."""
+
+    def __init__(self, num_train: int, eta: float = 0.1, fill: float = 0.0):
+        super().__init__()
+        self.U = torch.full((num_train, BITS), fill)
+        self.Y = torch.zeros(num_train, CLASSES)
+        self.eta = eta
+
+    def forward(self, u, y, ind):
+        self.U[ind] = u.data
+        self.Y[ind] = y.float()
+        s = (y @ self.Y.t() > 0).float()
+        inner_product = u @ self.U.t() * 0.5
+        likelihood_loss = (1 + (-(inner_product.abs())).exp()).log() \
+            + inner_product.clamp(min=0) - s * inner_product
+        quantization_loss = self.eta * (u - u.sign()).pow(2).mean()
+        return likelihood_loss.mean() + quantization_loss

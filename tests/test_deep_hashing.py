@@ -276,3 +276,33 @@ def test_cauchy_distance_of_each_code_to_itself_names_the_diagonal(tmp_path):
     assert rep["cause"] in ("precision", "invalid"), rep
     assert "exactly the diagonal of a square pairwise matrix" in hint, hint
     assert "paired with itself" in hint and "triu_indices" in hint, hint
+
+
+def test_dpsh_loss_holding_its_bank_names_the_rows_not_yet_written(tmp_path):
+    # DeepHash-pytorch's DPSHLoss keeps the bank itself and writes the batch's rows in forward;
+    # made with NaN for "not seen", the rows of later batches are NaN at the first step
+    model = M.make_hashnet()
+    X, Y = M.images(torch.Generator().manual_seed(0), 32)
+    criterion = M.DPSHLoss(32, fill=float("nan"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loader = DataLoader(TensorDataset(X, Y, torch.arange(32)), batch_size=M.BATCH)
+    with pytest.raises(NonFiniteError) as info, FlightRecorder(
+            model, opt, loss_fn=criterion, out_dir=tmp_path,
+            factory="deep_hashing_models:make_hashnet"):
+        for x, y, idx in loader:
+            loss = criterion(model(x), y, idx)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (0, "loss"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["samples"]) == (
+        True, "weights", "<loss>", "aten.index_put_", []), rep
+    assert o["source"] == line_of("self.U[ind] = u.data"), o
+    hint = rep["hint"]
+    # (was: "a value made before the step (class weights 1/count with a class absent ...)")
+    assert "writes rows of the loss's 'U' (shape (32, 16))" in hint, hint
+    assert "24 of its 32 rows are NaN in every entry ([8, 9, 10, 11, 12, 13, 14, 15, '...'])" \
+        in hint and "torch.zeros(num_train, bit)" in hint and "class weights" not in hint, hint
