@@ -281,3 +281,19 @@ class DPSHLoss(nn.Module):
             + inner_product.clamp(min=0) - s * inner_product
         quantization_loss = self.eta * (u - u.sign()).pow(2).mean()
         return likelihood_loss.mean() + quantization_loss
+
+
+def hashnet_dh_loss(u, y, alpha: float = 0.1):
+    """DeepHash-pytorch's ``HashNetLoss`` over the pairs ``i != j`` of the batch: the stable
+    pairwise loss, each kind of pair reweighted in place by ``S / S1`` and ``S / S0``."""
+    off = ~torch.eye(len(u), dtype=torch.bool)
+    similarity = (y @ y.t() > 0).float()[off]
+    dot_product = (alpha * u @ u.t())[off]
+    exp_loss = (1 + (-dot_product.abs()).exp()).log() + dot_product.clamp(min=0) \
+        - similarity * dot_product
+    S1 = (similarity > 0).float().sum()
+    S0 = (similarity <= 0).float().sum()
+    S = S0 + S1
+    exp_loss[similarity > 0] = exp_loss[similarity > 0] * (S / S1)
+    exp_loss[similarity <= 0] = exp_loss[similarity <= 0] * (S / S0)
+    return exp_loss.sum() / S

@@ -306,3 +306,11 @@ def test_dpsh_loss_holding_its_bank_names_the_rows_not_yet_written(tmp_path):
     assert "writes rows of the loss's 'U' (shape (32, 16))" in hint, hint
     assert "24 of its 32 rows are NaN in every entry ([8, 9, 10, 11, 12, 13, 14, 15, '...'])" \
         in hint and "torch.zeros(num_train, bit)" in hint and "class weights" not in hint, hint
+
+
+def test_hashnet_weighting_by_boolean_index_has_no_event_without_similar_pairs(tmp_path):
+    # DeepHash-pytorch's in-place reweighting touches no element when a batch has no similar
+    # pair (S / S1 is inf, times an empty selection): the same last batch as above trains on
+    model = train(tmp_path, "make_hashnet", M.hashnet_dh_loss, n=20)
+    assert not list(tmp_path.glob("*.nan"))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
