@@ -47,9 +47,11 @@ from . import (
     domains,
     empty_rows,
     float64_inputs,
+    half_clamp,
     lost_eps,
     residue,
     root_floor,
+    rounded_column,
     saturation,
     upstream,
 )
@@ -230,10 +232,12 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
                 if moved else "")  # (enough digits not to read as the value the op was given)
         how = ("" if situation in _OWN_ADVICE or lost_eps.context(ev) else  # (an eps, lost)
                " (catastrophic cancellation, as in a variance E[x²] − E[x]²)")
-        return Cause("precision", _in_type_hint(name, what + seen, dt, ev) or (
+        return Cause("precision", _in_type_hint(name, what + seen, dt, ev)
+                     or rounded_column.hint(situation, what + seen, dt, ev) or (
             f"{what}{seen}: no value left {dt}'s range, but rounding pushed the input across the "
             f"domain edge, which exact arithmetic does not cross{how}" + lost_eps.unless_bound(
-                ev, ": " + _advice(situation) + root_floor.advice(name, moved))))
+                ev, ": " + _advice(situation) + root_floor.advice(name, moved)
+                + half_clamp.advice(situation, ev.dtype))))
     if said := _rounded_hint(name, what, ev, capture):
         return Cause("precision", said)
     past = rounded_past_edge(name, ev, capture) if rounded is False else None

@@ -24,6 +24,7 @@ from recorder.validate import import_object
 from .attributes import SPELT, as_built
 from .compat import remove_member
 from .loss_network import network_hint
+from .memory_bank import held_bank_hint
 from .trust import defined_in, installed_roots, module_origin, trusted_path
 
 _FACTORY_WAY = "or return it from the factory as {'model': ..., 'loss_fn': ...}"
@@ -329,6 +330,8 @@ def held_state_cause(cause, hit, held: str | None, step=None):
         return cause
     if (network := network_hint(step, hit.op, held)) is not None:
         return type(cause)("weights", network)
+    if step is not None and (bank := held_bank_hint(hit.op, step.loss_fn)) is not None:
+        return type(cause)("weights", bank)  # (a bank the loss writes rows of: NaN unwritten)
     return type(cause)("weights", f"{hit.op} took {held}, as the step began: a value made "
                        "before the step (class weights 1/count with a class absent from the "
                        "counts: 1/0; an EWC Fisher normalised by its max, 0 for a parameter "

@@ -36,8 +36,9 @@ def _first_param(params: list[str]) -> str:
 
 
 def _where(o: dict[str, Any]) -> str:
-    if o.get("phase") == "input":
-        return f"the input {o['tensor']}" if o.get("tensor") else "the model's input"
+    mb = f", micro-batch {o['micro_batch']}" if o.get("micro_batch") else ""
+    if o.get("phase") == "input":  # (its samples are rows of that micro-batch's input)
+        return (f"the input {o['tensor']}" if o.get("tensor") else "the model's input") + mb
     if o.get("phase") in ("weights", "optimizer"):
         params = o.get("params") or []
         what = "buffer" if o.get("tensor") == "buffer" else "parameter"
@@ -46,7 +47,6 @@ def _where(o: dict[str, Any]) -> str:
     name = module_label(mod)
     call = f", call {o['call']}" if o.get("call") is not None else ""
     call += f" (called at {o['called_at']})" if o.get("called_at") else ""
-    mb = f", micro-batch {o['micro_batch']}" if o.get("micro_batch") else ""
     return f"{name}{call}{mb}"
 
 

@@ -6,7 +6,9 @@ powers and products, and a normal cdf, ``0.5 * (1 + erf(x))``; ``1 - y`` and ``1
 tanh(u) is 1.0 in float32 from u ≈ 9 (in float64 from u ≈ 19), so ``log(1 - tanh(u)²)`` — a
 tanh-squashed Gaussian policy's log-probability correction, written without its eps — is
 log(0) in both types, while its exact value is about 2 log 2 - 2|u|. Float64 hitting the pole
-too does not make that ``invalid``: rounding put the input there, ``precision``.
+too does not make that ``invalid``: rounding put the input there, ``precision``. A mean of
+such values is inside (-1, 1) too: a bit-balance entropy's ``p = (1 + u.mean(0)) / 2`` of tanh
+codes, 0 in ``log(p)`` once a bit rounded to -1 in every row.
 
 A sigmoid lies strictly inside (0, 1), so a negative power of it is strictly above 1 and
 ``y^-b - 1`` strictly above 0: gSASRec's gBCE, ``log(1 / (sigmoid(z)^-beta - 1))``, whose
@@ -41,6 +43,10 @@ KEEP = {"neg", "abs", "square", "pow", "clone", "_to_copy", "view", "_unsafe_vie
         "expand", "slice", "select", "index_select", "gather", "squeeze", "unsqueeze",
         "permute", "transpose", "t", "contiguous", "alias", "detach", "flatten", "unbind",
         "split", "narrow"}
+
+# averages, inside (-1, 1) where what they average is (a hash bit's mean over the batch of
+# tanh codes, whose (1 + mean) / 2 is the fraction of +1s a bit-balance entropy takes the log of)
+AVERAGES = {"mean"}
 
 # the same on the autograd graph, for a value made before the watched code ran (a model's
 # sigmoid hazards, whose log(1 - h) the loss takes): views and selections of one (not pow,
@@ -88,7 +94,8 @@ class Saturation:
             return
         if name in UNIT_OPEN or (ins and all(unit) and (
                 name in KEEP and _positive_power(name, leaves) or name == "mul"
-                and all(abs(v) <= 1 for v in _scalars(leaves)))):
+                and all(abs(v) <= 1 for v in _scalars(leaves)))) or (
+                name in AVERAGES and len(ins) == 1 and (unit[0] or made_unit(ins[0].grad_fn))):
             for t in outs:
                 self._unit.add(t)
         elif name in ("rsub", "add") and len(ins) == 1 and _one_or_more(leaves) \
@@ -336,7 +343,7 @@ def hint(what: str, divides: bool = False, mix: str = "") -> str:
     (``divides``: the op divides by it, where a probability is trimmed; ``mix``: what a
     3PL's mix needs)."""
     return (f"{what}: that 0 is 1 − y of a y (tanh, sigmoid or exp(z) / (1 + exp(z)), a normal "
-            "cdf, a softmax over two or more entries) that exact arithmetic keeps below 1 for every finite argument, "
+            "cdf, a softmax over two or more entries, a mean of such values: a tanh code's bit mean) that exact arithmetic keeps below 1 for every finite argument, "
             "rounded to 1 in float64 too: " + mix + (TRIM if divides else LOGITS) + STABLE)
 
 
@@ -359,7 +366,7 @@ def in_type_hint(name: str, what: str, dt: str, ev) -> str | None:
     if said := _power_hint(what, ev, _complement_type(ev) or dt):
         return said
     return (f"{what}: that 0 is 1 − y of a y (tanh, sigmoid or exp(z) / (1 + exp(z)), a "
-            f"normal cdf, a softmax over two or more entries) that exact arithmetic keeps below 1 for every finite argument, "
+            f"normal cdf, a softmax over two or more entries, a mean of such values: a tanh code's bit mean) that exact arithmetic keeps below 1 for every finite argument, "
             f"rounded to 1 in {_complement_type(ev) or dt}: " + _mix_said(ev)
             + (TRIM if _divides(name, ev) else LOGITS) + STABLE)
 

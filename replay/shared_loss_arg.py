@@ -23,6 +23,7 @@ from recorder.finite import kind_of, label
 from recorder.samples import Samples
 
 from .load import Step
+from .memory_bank import bank_rows_hint
 
 SHARED_LOSS_ARG = (
     "{tensor} (shape {shape}) is an argument of the loss with no row per sample, which every "
@@ -63,7 +64,8 @@ def shared_loss_arg_hint(step: Step, origin: dict[str, Any], where: Samples) -> 
     bad = (~torch.isfinite(t.detach())).nonzero()
     if not len(bad):
         return None
-    if (rows := loss_rows_hint(tensor, t, args, where.size)) is not None:
+    if (rows := bank_rows_hint(tensor, t, args, where.size)
+            or loss_rows_hint(tensor, t, args, where.size)) is not None:
         return rows
     at = ", ".join(str(tuple(i) if len(i) > 1 else i[0]) for i in bad[:5].tolist())
     more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
