@@ -13,7 +13,9 @@ from .run_result import Call, Run
 
 # (the end of an overflow's hint; a report says it once)
 _ADVICE = ("which a wider type only postpones: take smaller or adaptive solver steps (a smaller "
-           "dt, a smaller inference step size), bound the dynamics (a tanh or a clamp on the "
+           "dt, a smaller inference step size; an explicit finite-difference scheme stepping a "
+           "wave equation is stable only below its CFL limit, v_max dt / dx ≤ 1/√2 on a 2-D "
+           "5-point stencil), bound the dynamics (a tanh or a clamp on the "
            "vector field, spectral normalisation; a fixed-point map must be a contraction: "
            "weight normalisation, a Jacobian penalty) or lower the learning rate that made "
            "them unstable")
