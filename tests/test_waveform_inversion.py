@@ -151,15 +151,17 @@ def test_a_time_step_above_the_cfl_limit_names_the_simulation_not_the_misfit(tmp
 def test_a_time_step_far_above_the_cfl_limit_overflows_in_the_time_loop(tmp_path):
     """dt = 8 ms: the wavefield itself overflows in forward, first in the illumination's
     square of a snapshot; the report names that line in ``prop``, the loop's growth run
-    after run, and the CFL limit among the remedies."""
+    after run, and the CFL limit among the remedies, saying once that a wider type only
+    postpones it (the op's growth and the line's loop each said it)."""
     ev, rep = fire(tmp_path, factory="make_fwi_field_dt_8ms")
     assert (ev["step"], ev["phase"]) == (0, "forward")
     o = rep["origin"]
     assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
         True, "overflow", "prop", "aten.pow", "+inf", [0, 1, 2, 3]), rep
     assert o["source"] == line_of("illum = illum + (snap ** 2).sum((0, 1)).float()"), o
-    assert "loop running that line was diverging" in rep["hint"] and "CFL" in rep["hint"], \
-        rep["hint"]
+    hint = rep["hint"]
+    assert "loop running that line was diverging" in hint and "CFL" in hint, hint
+    assert hint.count("which a wider type only postpones") == 1, hint  # (said once)
     assert any("run after run" in p for p in rep["problems"]), rep["problems"]
 
 
