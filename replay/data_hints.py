@@ -7,7 +7,8 @@ a target distribution the loop built with no mass in a row (``replay.massless_ro
 a loss argument normalised by an infinite total (``replay.inf_normalised``);
 a NaN the loss made that a mask's 0 then met (``replay.masked_after``); an overflow in
 entries a mask's 0 then met (``replay.masked_overflow``); an overflow of an op
-that took the loss's data alone (``replay.data_overflow``); the samples a loss argument of a
+that took the loss's data alone (``replay.data_overflow``), or a model output already near the
+type's range (``replay.output_overflow``); the samples a loss argument of a
 value per pair or group reaches (``replay.grouped_arg``); a loss made non-finite by a
 micro-batch of one sample (``replay.single_sample``); a 0/0 over records with nothing in them
 (``replay.empty_records``), or over a class one-hot labels hold none of in those records
@@ -57,6 +58,7 @@ from .nan_attribute import nan_attribute_hint
 from .nan_cast import nan_cast_hint
 from .negative_rows import negative_hint
 from .other_inputs import other_inputs_note
+from .output_overflow import huge_output_hint
 from .padded_units import padded_units_hint
 from .padding_batch import padding_batch_hint
 from .sentinel_inputs import sentinel_inputs_hint
@@ -76,6 +78,7 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     masked_after_hint(report, step)  # (an invisible keypoint's 0/0, weighted by 0 after)
     masked_overflow_hint(report, step)  # (padded steps' overflow, masked by nll * mask)
     data_overflow_hint(report, step)  # (a loss's pow of its targets alone: 0..255 heatmaps)
+    huge_output_hint(report, step)  # (mse of traces a CFL-unstable simulation made 1e35)
     grouped_arg_hint(report, step)  # (a preference pair's NaN rating gap: the pair's rows)
     single_sample_hint(report, step)  # (InfoLOOB's negatives of a last batch of one)
     padding_batch_hint(report, step)  # (a segment past every piece's end: mean of none)

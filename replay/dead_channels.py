@@ -9,7 +9,9 @@ every other sample's same channel holds a signal, so the user sees the dead sens
 mask or drop it where the data is made. The channel is looked for in each dim after the
 samples' (ROIs last, ``(B, T, R)``, or first, ``(B, C, T)``), all 0 over every other dim;
 0/1 data is :mod:`replay.absent_channels`', samples all 0 everywhere
-:mod:`replay.zero_records`'.
+:mod:`replay.zero_records`'. The loss's real-valued data arguments are read too: a shot
+gather given as the target of a normalized cross-correlation, ``obs / obs.norm(dim=1)``, is
+0/0 at a receiver that recorded nothing (a dead geophone's trace of zeros).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from recorder.finite import zero_one
 
 from .drop import undroppable
-from .empty_counts import root_inputs
+from .empty_records import batch_data
 from .load import Step
 
 _DIVIDING = {"aten.div", "aten.div_", "aten.reciprocal"}
@@ -29,14 +31,15 @@ _SAID = (" records: ", "hold no entry of", "Sample(s) ", "sample(s) ")  # (the d
 
 
 def dead_channels_hint(report: dict[str, Any], step: Step) -> None:
-    """Append the real-valued model inputs' channels all 0 in exactly the samples of a 0/0
-    (not the loss's data: a target's empty class is a label, not a dead sensor)."""
+    """Append the real-valued model inputs' and loss data's channels all 0 in exactly the
+    samples of a 0/0 (a target's empty class is 0/1 data, a label, no dead sensor: left to
+    :mod:`replay.absent_channels`)."""
     o, hint = report.get("origin") or {}, report.get("hint") or ""
     rows, mb = o.get("samples") or [], o.get("micro_batch") or 0
     if report.get("cause") != "invalid" or o.get("op") not in _DIVIDING or not rows \
             or o.get("all_samples") or "0 by 0" not in hint or any(s in hint for s in _SAID):
         return
-    found = [(name, dim, cs) for name, t, d in root_inputs(step, mb)
+    found = [(name, dim, cs) for name, t, d in batch_data(step, mb)
              for dim, cs in dead_channels_of(t, d, rows)]
     if not found:
         return
@@ -48,9 +51,10 @@ def dead_channels_hint(report: dict[str, Any], step: Step) -> None:
     report["hint"] = (
         f"{hint}. Sample(s) {which} read exactly 0 throughout {said} while every other "
         "sample's same channel holds a signal: a dead channel of the record (a ROI out of the "
-        "field of view, an electrode disconnected, a sensor that dropped out), which a "
-        "per-channel normalisation by its own baseline or spread (dF/F = (F - F0) / F0, a "
-        "z-score) makes 0/0; mask or drop such channels where the data is made (a validity "
+        "field of view, an electrode disconnected, a sensor that dropped out, a dead "
+        "receiver's trace of zeros), which a "
+        "per-channel normalisation by its own baseline, spread or energy (dF/F = (F - F0) / "
+        "F0, a z-score, a trace over its norm) makes 0/0; mask or drop such channels where the data is made (a validity "
         "mask per channel and record), or floor the denominator (F0.clamp_min(eps)) so they "
         f"read 0{how}")
 

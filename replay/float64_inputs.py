@@ -2,7 +2,8 @@
 non-finite: an input 0 in the step whose float64 value is below the smallest normal number of a
 type it went through (its own, or a narrower one ops before the op computed in: float16
 autocast's sigmoid of a rare class's logit, 0 in float16, summed in float32 into a soft-F1's
-denominator) is an underflow; else the first input that differs is rounding (precision).
+denominator; for a loss's op, the type the forward's autocast computed its inputs in: a float16
+conv2d's flush of a weak wavefield, carried into float32 traces) is an underflow; else the first input that differs is rounding (precision).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ def smallest(dtype: torch.dtype, before: bool) -> float:
 def made_in(ev: Evidence, i: int) -> list[torch.dtype]:
     """The types input ``i`` went through: its own, and the narrower type ops before the op
     computed in (float16 autocast's sigmoid whose 0 a float32 sum then carried)."""
-    own, narrow = ev.input_dtypes[i], ev.narrowest
+    own = ev.input_dtypes[i]
+    # (a loss's inputs also went through the forward's autocast type: a float16 conv's 0)
+    narrow = min((d for d in (ev.narrowest, ev.given_in) if d is not None),
+                 key=lambda d: torch.finfo(d).bits, default=None)
     wider = narrow is None or torch.finfo(narrow).bits >= torch.finfo(own).bits
     return [own] if wider else [own, narrow]

@@ -92,6 +92,7 @@ class Evidence:
     # a decomposition's values: "cholesky", "eigenvalues" or None each (replay.factors)
     factor: list[str | None] = field(default_factory=list)
     narrowest: torch.dtype | None = None  # the narrowest type an op before it made
+    given_in: torch.dtype | None = None  # a loss's: the forward's autocast (float64_inputs)
     sizes: list[float] = field(default_factory=list)  # its earlier finite calls' absmax
     # per input, the eps it was guarded by that its type rounded to 0 (replay.lost_eps)
     lost_eps: list[float | None] = field(default_factory=list)

@@ -66,7 +66,7 @@ def last_update_text(step, hit, below: float = 0.0) -> str:
         return ""
     info = step.meta["optimizer"]
     group = next(g for g in info["param_groups"] if name in g["params"])
-    index = ", ".join(map(str, torch.unravel_index(torch.tensor(i), w.shape))) \
+    index = ", ".join(str(int(k)) for k in torch.unravel_index(torch.tensor(i), w.shape)) \
         if w.dim() > 1 else str(i)
     return LAST_UPDATE.format(cls=info["class"].rpartition(".")[2], lr=group["lr"],
                               t=int(float(step.tensors[f"optim/{name}/step"])), name=name,

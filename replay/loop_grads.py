@@ -12,6 +12,7 @@ from .findings import finish, origin_fields
 from .kept_terms import kept_terms_text
 from .load import Step
 from .nan_skips import nan_skips_text
+from .rescaled_grads import entrywise_divisor_text
 from .shared_factor import shared_factor_text
 from .zero_grad import normalised_zero_gradient
 from .zero_rows import empty_batch_text, zero_gradient_rows, zero_rows_text
@@ -71,6 +72,8 @@ def gradients_from_the_loop(report, step: Step, reached: bool = False,
         report["hint"] = kept
     elif reached and (normed := normalised_zero_gradient(step, runner, params)):
         report["cause"], report["hint"] = "invalid", normed  # (the loop's 0/0, shown)
+    elif reached and (scaled := entrywise_divisor_text(step, runner, params)):
+        report["hint"] = scaled  # (the loop's code is not re-run: its divisor is inferred)
     if zero:  # (the first micro-batch's: the origin names one)
         report["origin"]["micro_batch"], report["origin"]["samples"] = next(iter(zero.items()))
     return report

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .load import Step, differentiates_model, loss_inputs
+from .load import Step, autocast_dtype, differentiates_model, loss_inputs
 from .moved import Moved
 from .ops import OpFinder
 from .recorded import samples
@@ -32,6 +32,10 @@ def loss_args(step: Step, run: Run, mb: int, finder: OpFinder | None = None,
                     finder.moved.follow(d, place)
     derived: list = []  # (a cast of an output: out.float() of a bfloat16 autocast forward)
     args, kwargs = loss_inputs(step, mb, outputs, objects=run.objects, made=derived)
+    if finder is not None and (cast := autocast_dtype(step.micro_batches[mb])) is not None:
+        # (the outputs were computed under the forward's autocast: a float16 conv's flush to
+        # 0 that a float32 output carried is an underflow the float64 re-run tells apart)
+        finder.given_in = cast
     if finder is not None and finder.lineage is not None:
         trained = [d for made, cut in zip(run.outputs, outputs) for t, d in zip(made, cut)
                    if t.requires_grad]

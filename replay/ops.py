@@ -165,6 +165,7 @@ class OpFinder:
     """
 
     masked_by_mask = False  # (``masked_nan``'s 0 a 0/1 mask's, not data's own)
+    given_in: torch.dtype | None = None  # a loss's: the autocast its inputs were made in
 
     def __init__(self, samples: Samples | None = None, mask_buffers: dict[int, str] | None = None):
         self.first: OpHit | None = None
@@ -386,6 +387,7 @@ class OpFinder:
             [t for t in (ins if leaves is None else leaves) if isinstance(t, torch.Tensor)
              and (t.is_floating_point() or t.is_complex())])
         ev.narrowest = min(self.made_in, key=lambda d: torch.finfo(d).bits, default=None)
+        ev.given_in = self.given_in
         return ev
 
     def batch_rows(self, outs: list[torch.Tensor]) -> list[int] | None:

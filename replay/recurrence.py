@@ -12,11 +12,14 @@ from .chain_product import PRODUCT_OPS, RUNNING
 from .run_result import Call, Run
 
 # (the end of an overflow's hint; a report says it once)
-_ADVICE = ("which a wider type only postpones: take smaller or adaptive solver steps (a smaller "
-           "dt, a smaller inference step size), bound the dynamics (a tanh or a clamp on the "
-           "vector field, spectral normalisation; a fixed-point map must be a contraction: "
-           "weight normalisation, a Jacobian penalty) or lower the learning rate that made "
-           "them unstable")
+_STEPS = ("take smaller or adaptive solver steps (a smaller "
+          "dt, a smaller inference step size; an explicit finite-difference scheme stepping a "
+          "wave equation is stable only below its CFL limit, v_max dt / dx ≤ 1/√2 on a 2-D "
+          "5-point stencil), bound the dynamics (a tanh or a clamp on the "
+          "vector field, spectral normalisation; a fixed-point map must be a contraction: "
+          "weight normalisation, a Jacobian penalty) or lower the learning rate that made "
+          "them unstable")
+_ADVICE = "which a wider type only postpones: " + _STEPS
 MIN_CALLS = 8  # earlier calls of the module in the micro-batch: fewer is no recurrence
 GROWTH = 100.0  # its last finite output's largest magnitude over its first call's
 STEADY = 0.5  # the least share of its calls whose output is no smaller than the one before
@@ -91,8 +94,13 @@ def add_line_note(report: dict[str, Any], sizes: list[float]) -> dict[str, Any]:
         f"{o.get('module') or '<root>'}, run after run: a loop in its own code (an inference "
         "or fixed-point loop, an unrolled optimiser) was diverging")
     if report.get("cause") == "overflow":
-        report["hint"] = (f"{report.get('hint') or ''}; but the loop running that line was "
-                          f"diverging, {_ADVICE}"
+        hint = report.get("hint") or ""
+        # (the op's own growth said already that a wider type only postpones it: its
+        # remedies were an iteration's, this loop's steps add a solver's, said once)
+        said = "the iterates of a loop were diverging, which a wider type only postpones" in hint
+        report["hint"] = (f"{hint}; {'if ' if said else 'but '}the loop running that line was "
+                          "diverging" + (" because it steps dynamics in time: " + _STEPS if said
+                                         else f", {_ADVICE}")
                           + (RUNNING if o.get("op") in PRODUCT_OPS else ""))
     return report
 
@@ -109,7 +117,7 @@ def add_iterates_note(report: dict[str, Any], run: Run) -> dict[str, Any]:
         return report
     d = diverging_iterates(run, o["module"], math.inf if backward else o["call"],
                            o.get("micro_batch") or 0)
-    if d is None or _ADVICE in (report.get("hint") or ""):  # (the line's loop said it)
+    if d is None or _STEPS in (report.get("hint") or ""):  # (the line's loop said it)
         return report
     name = o["module"] or "<root>"
     where = ("in the forward, and the backward took those values" if backward else
