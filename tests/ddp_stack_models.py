@@ -186,7 +186,7 @@ def digest(model: nn.Module) -> str:
 
 def _forward(ddp, batch, step):
     partner = None
-    if step % 2 == 1:  # the pair branch: every other step (find_unused_parameters=True)
+    if step % 2 == 1 and not ddp.static_graph:  # the pair branch: every other step (find_unused_parameters=True)
         n = len(batch["y"])
         partner = batch.get("partner", (torch.arange(n) + 1) % n)
     return ddp(batch["x"], batch["mask"], batch["domain"], partner)
@@ -205,7 +205,8 @@ def train(ddp, opt, crit, loader, sampler, rank, mode, out_dir, steps=None):
             for j, batch in enumerate(micro):
                 plant(mode, rank, step, j, batch, crit)
                 last = j == len(micro) - 1
-                with (ddp.no_sync() if not last else _nothing()):
+                # (static_graph's first step may not run under no_sync: torch asserts)
+                with (ddp.no_sync() if not last and not ddp.static_graph else _nothing()):
                     loss = crit(_forward(ddp, batch, step), batch["y"]) / len(micro)
                     loss.backward()
                 total += loss.detach()
@@ -242,7 +243,10 @@ def plant(mode, rank, step, micro, batch, crit):
 
 def build(mode: str):
     model = make_model()
-    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    if mode == "static":  # the same parameters every step: static_graph, no pair branch
+        ddp = nn.parallel.DistributedDataParallel(model, static_graph=True)
+    else:
+        ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     eps = 0.0 if mode == "adam" else 1e-8
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, eps=eps)
     return model, ddp, opt

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 HERE = Path(__file__).parent
 MODELS = "ddp_stack_models.py"
-MODES = ("healthy", "healthy-bare", "shard", "cancel", "pair", "adam", "temperature",
+MODES = ("healthy", "healthy-bare", "static", "static-bare", "shard", "cancel", "pair", "adam", "temperature",
          "join-bare", "join", "joinbad")
 
 
@@ -56,12 +56,13 @@ def _both(lines, mode):
 
 def test_healthy_run_raises_nothing_and_trains_bit_identically(run):
     lines, _ = run
-    for mode in ("healthy", "join"):  # (join: uneven inputs, the recorder listed in Join)
+    for mode in ("healthy", "static", "join"):  # (join: uneven inputs, the recorder in Join)
         recorded, bare = _both(lines, mode), _both(lines, mode + "-bare")
         assert recorded == bare, (recorded, bare)
         assert recorded[0].startswith("done steps=") and recorded[0].split()[2] == \
             recorded[1].split()[2]  # (every rank holds the same weights)
     assert _both(lines, "healthy")[0].startswith("done steps=8 ")
+    assert _both(lines, "static")[0].startswith("done steps=8 ")
     assert [lines[(r, "join")].split()[1] for r in (0, 1)] == ["steps=10", "steps=6"]
 
 
