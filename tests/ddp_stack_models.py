@@ -2,7 +2,8 @@
 
 Run as ``python -m torch.distributed.run --nproc_per_node=2 ddp_stack_models.py OUT MODE...``
 (gloo, CPU): each MODE trains a fresh model under its own recorder in ``OUT/MODE`` and prints
-one line per rank (``rank R MODE event step=.. phase=..`` or ``rank R MODE done ...``).
+one line per rank (``rank R MODE event step=.. phase=..`` or ``rank R MODE done ...``), also
+into ``OUT/rankR.txt``.
 
 The model is a tabular encoder with a classification head, a projection for a contrastive loss
 that all-gathers every rank's embeddings (negatives from the whole world), and a pair branch
@@ -328,7 +329,10 @@ def main(out: str, *modes: str) -> None:
         for mode in modes:
             record = not mode.endswith("-bare")
             name = mode.removesuffix("-bare")
-            print(f"rank {rank} {mode} {run_mode(out, name, record)}", flush=True)
+            said = f"rank {rank} {mode} {run_mode(out, name, record)}"
+            print(said, flush=True)
+            with open(os.path.join(out, f"rank{rank}.txt"), "a") as f:  # (the ranks' prints
+                f.write(said + "\n")  # may run into each other)
     finally:
         dist.destroy_process_group()
     sys.stdout.flush()
