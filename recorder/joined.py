@@ -79,11 +79,19 @@ class _Shadow(JoinHook):
                      "ranks": {"rank": ranks.rank, "world_size": ranks.world,
                                "run_id": ranks.run_id, "seen_by": seen, "first": first}}
             raise NonFiniteError(text + "; every rank stopped at this step.", event=event)
+        # warn mode: this rank's report of the event, as the others' alarm fired with theirs
+        # (else, at detach, the weights the last joiner's update left would be its own event)
+        rec.alarm.fired = True
         if not self.warned:
             self.warned = True
             log.warning("%s; every rank trains on (on_event=\"warn\").", text)
 
 
 def joinable(recorder) -> RecorderJoinable:
-    """The recorder as a ``Join`` joinable (list it after the DDP model)."""
+    """The recorder as a ``Join`` joinable (list it after the DDP model). Refused with
+    ``guard_optimizer=True``, whose second read per step a joined rank cannot tell from the
+    next step's (it would shadow one collective too few)."""
+    if recorder.settings.guard_optimizer:
+        raise ValueError("nanreplay: joinable(recorder) cannot shadow guard_optimizer=True's "
+                         "second read per step; record with guard_optimizer=False under Join")
     return RecorderJoinable(recorder)

@@ -295,15 +295,16 @@ def run_mode(out: str, mode: str, record: bool) -> str:
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, seed=0)
     loader = DataLoader(data, batch_size=MICRO, sampler=sampler)
     crit = ContrastiveLoss()
-    if mode in ("join", "joinbad"):
+    if mode in ("join", "joinbad", "joinwarn"):
         crit = _ClassLoss()
         model.norm.sync = False  # Join shadows DDP's collectives only
         if not record:
             return f"done steps={train_uneven(ddp, opt, crit, rank)} digest={digest(model)}"
         try:
             with FlightRecorder(ddp, opt, loss_fn=crit, out_dir=out_dir,
-                                factory="ddp_stack_models:make_model") as rec:
-                steps = train_uneven(ddp, opt, crit, rank, rec, bad=mode == "joinbad")
+                                factory="ddp_stack_models:make_model",
+                                on_event="warn" if mode == "joinwarn" else "raise") as rec:
+                steps = train_uneven(ddp, opt, crit, rank, rec, bad=mode != "join")
             return f"done steps={steps} digest={digest(model)}"
         except NonFiniteError as e:
             return f"event step={e.event['step']} phase={e.event['phase']}"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import ddp_stack_models as M
 import pytest
+import torch
 from bundles import nanreplay_json, source_line
 
 pytestmark = pytest.mark.usefixtures("in_tests_dir")
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("in_tests_dir")
 HERE = Path(__file__).parent
 MODELS = "ddp_stack_models.py"
 MODES = ("healthy", "healthy-bare", "static", "static-bare", "shard", "cancel", "pair", "adam", "temperature",
-         "join-bare", "join", "joinbad")
+         "join-bare", "join", "joinbad", "joinwarn")
 
 
 def _free_port() -> int:
@@ -140,3 +141,22 @@ def test_a_nan_after_the_other_rank_joined_stops_both(run):
     assert sorted(p.name for p in (out / "joinbad").iterdir()) == ["step00000008-rank0.nan"]
     rep = nanreplay_json(out / "joinbad" / "step00000008-rank0.nan")
     assert (rep["cause"], rep["origin"]["samples"], rep["event"]["step"]) == ("input", [3], 8)
+    # on_event="warn": rank 0 writes its bundle at step 8 and both ranks train to the end
+    assert [lines[(r, "joinwarn")].split()[:2] for r in (0, 1)] == [["done", "steps=10"],
+                                                                     ["done", "steps=6"]]
+    assert sorted(p.name for p in (out / "joinwarn").iterdir()) == ["step00000008-rank0.nan"]
+
+
+def test_joinable_refuses_guard_optimizer():
+    """guard_optimizer=True reads a second time per step: a joined rank would shadow one
+    collective too few, so the joinable is refused in one line rather than hang."""
+    from torch import nn
+
+    from recorder import FlightRecorder
+    from recorder.joined import joinable
+
+    model = nn.Linear(2, 2)
+    rec = FlightRecorder(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         guard_optimizer=True)
+    with pytest.raises(ValueError, match="guard_optimizer=True"):
+        joinable(rec)
