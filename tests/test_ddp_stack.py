@@ -160,3 +160,25 @@ def test_joinable_refuses_guard_optimizer():
                          guard_optimizer=True)
     with pytest.raises(ValueError, match="guard_optimizer=True"):
         joinable(rec)
+
+
+def test_syncbatchnorm_is_found_below_the_diverging_module():
+    """torch's SyncBatchNorm refuses CPU tensors, so no CPU run records one; the fidelity
+    check finds it all the same, at or below the first module whose values differ, in a bundle
+    of several ranks only."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from replay.world_forward import world_forward
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.SyncBatchNorm(4))
+    step = SimpleNamespace(meta={"env": {"world_size": 4}}, model=model)
+    assert world_forward(step, "") == {"class": "SyncBatchNorm", "world_size": 4,
+                                       "source": "torch.nn.SyncBatchNorm.forward"}
+    assert world_forward(step, "0") is None  # (the Linear before it)
+    assert world_forward(SimpleNamespace(meta={"env": {"world_size": 1}}, model=model),
+                         "") is None
+    plain = SimpleNamespace(meta={"env": {"world_size": 4}},
+                            model=nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)))
+    assert world_forward(plain, "") is None
