@@ -24,10 +24,11 @@ from torch import nn
 from .load import Step
 from .source import is_torch_file, short_path
 
-# a forward that asks for, or calls, the process group
+# a forward that asks for the process group (not torch.cuda.is_initialized), or calls a
+# collective (dist.all_reduce, an imported all_gather, functional collectives)
 _READS_GROUP = re.compile(
-    r"\b(?:is_initialized|get_world_size|all_reduce|all_gather\w*|reduce_scatter\w*|"
-    r"broadcast|get_rank)\s*\(")
+    r"\bdist\w*\.(?:is_initialized|get_world_size|get_rank)\s*\(|"
+    r"\b(?:all_reduce|all_gather\w*|reduce_scatter\w*|broadcast)\s*\(")
 
 
 def world_forward(step: Step, module: str | None) -> dict[str, Any] | None:
