@@ -180,6 +180,29 @@ class Agreement:
                           "seen_by": seen, "first": first}
         return event
 
+    def shadow(self) -> tuple[list[int], list[int], int | None]:
+        """This rank ran out of inputs (``torch.distributed.algorithms.join.Join``) while the
+        others still step: their step's exchange is matched with a flag of 0 and, when a rank
+        saw a non-finite value, their slow path's all-reduce with a row of no event (see
+        ``recorder.joined``). Returns the ranks that saw it, the first ones and their step."""
+        if self.left:
+            return [], [], None
+        flags = torch.zeros(self.world, dtype=torch.float32, device=self.device)
+        torch.distributed.all_reduce(flags, group=self.group)
+        self._keep(flags.tolist())
+        seen, self.seen = self.seen or [], None
+        if self.stopped:  # (a peer's recorder stopped: no rank exchanges again)
+            self.left = True
+        if not seen or self.stopped:
+            return [], [], None
+        row = torch.zeros(self.world, 5, dtype=torch.int64, device=self.device)
+        row[self.rank, 1] = _LATE
+        torch.distributed.all_reduce(row, group=self.group)
+        keys = [tuple(k) for k in row.tolist()]
+        with_event = [r for r, k in enumerate(keys) if k[1] < _LATE]
+        first = [r for r in with_event if keys[r] == min(keys[q] for q in with_event)]
+        return seen, first, keys[first[0]][0] if first else None
+
     def alone(self) -> dict[str, Any]:
         """``event.ranks`` of a step checked on this rank alone (cut short by an exception,
         no agreement): the run id lets the replay find the other ranks' bundles of the step,

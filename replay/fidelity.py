@@ -26,6 +26,9 @@ from recorder.finite import matches, pair_ok
 from .cause_text import module_label
 from .load import Step, recorded_device
 from .run_result import Run
+from .world_forward import MISMATCH as WORLD_MISMATCH
+from .world_forward import describe as world_describe
+from .world_forward import world_forward
 
 # Float tolerance (relative, absolute). The same device may still differ a little: thread
 # counts reorder reductions, training may have run float32 matmuls as TF32 (about 1e-3
@@ -64,6 +67,8 @@ def compare(step: Step, run: Run, written: list[str] = ()) -> dict[str, Any] | N
         found = _after_change(step, run, rows[-1], names, fields, found)
     if not found["matches"] and step.built_otherwise:  # (first: the re-run took another path)
         found["built_otherwise"] = step.built_otherwise
+    elif rows and not found["matches"] and (world := world_forward(step, found["module"])):
+        found["world"] = world  # (statistics over every rank's batch: SyncBatchNorm's)
     elif rows and not found["matches"] and not found["changed"] and written:
         # (the recorder bundles parameters as the step left them: these, one write later)
         found["frozen_written"] = list(written)
@@ -229,6 +234,8 @@ def mismatch(fid: dict[str, Any]) -> str:
                 "them")
     if fid.get("within_step"):
         return "a forward of the step ran with other weights than the bundle holds"
+    if fid.get("world"):
+        return WORLD_MISMATCH
     return "the factory builds a different model"
 
 
@@ -262,6 +269,8 @@ def describe(fid: dict[str, Any]) -> str:
         return head + _changed_params(fid["frozen_written"]) + FROZEN_WRITTEN
     if fid.get("within_step"):
         return head + WITHIN_STEP
+    if fid.get("world"):
+        return head + world_describe(fid["world"])
     return head + ("the factory builds a different model than the one recorded (it cannot see "
                    "run-time configuration: command-line flags, globals, config files); record "
                    "with FlightRecorder(..., factory_kwargs={...}) or pass --factory-kwargs "
