@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-VOCAB, PAD, CLS, SEP, LABELS = 96, 0, 1, 2, 3
+VOCAB, PAD, CLS, SEP, MASK, LABELS = 96, 0, 1, 2, 3, 3
 
 
 def bert_config(**kw):
@@ -172,6 +172,13 @@ class PadTo:
     tokenizer download: pads ``input_ids`` with ``PAD``, ``attention_mask`` with 0."""
 
     padding_side, model_input_names, pad_token_id = "right", ["input_ids", "attention_mask"], PAD
+    mask_token, pad_token = "[MASK]", "[PAD]"
+
+    def convert_tokens_to_ids(self, token):
+        return MASK if token == "[MASK]" else PAD
+
+    def get_special_tokens_mask(self, ids, already_has_special_tokens=True):
+        return [int(t in (PAD, CLS, SEP)) for t in ids]
 
     def pad(self, features, padding=True, max_length=None, pad_to_multiple_of=None,
             return_tensors="pt", **kw):
@@ -205,11 +212,26 @@ def lm_rows(n: int, seed: int = 0):
                                                generator=g).tolist(), SEP]} for _ in range(n)]
 
 
-def lm_collator():
-    """``DataCollatorForLanguageModeling(mlm=False)``: pads, labels = ids with -100 on pads."""
+def lm_collator(mlm: bool = False):
+    """``DataCollatorForLanguageModeling``: pads; labels = ids with -100 on pads (causal), or
+    15 % of the tokens masked and every other label -100 (``mlm``)."""
     from transformers import DataCollatorForLanguageModeling
 
-    return DataCollatorForLanguageModeling(PadTo(), mlm=False)
+    return DataCollatorForLanguageModeling(PadTo(), mlm=mlm)
+
+
+def make_bert_mlm():
+    from transformers import BertForMaskedLM
+
+    torch.manual_seed(0)
+    return BertForMaskedLM(bert_config())
+
+
+def short_texts(n: int, seed: int = 0, short=()):
+    """Unlabelled sentences for masked-LM pretraining; rows in ``short`` hold one word."""
+    rows = sentences(n, seed)
+    return [{"input_ids": [CLS, r["input_ids"][1], SEP] if i in short else r["input_ids"]}
+            for i, r in enumerate(rows)]
 
 
 def s2s_rows(n: int, seed: int = 0):
@@ -354,3 +376,29 @@ def triplet_collator(items):
     batch = with_padding()([{"input_ids": r["input_ids"], "attention_mask": r["attention_mask"]}
                             for r in flat])
     return dict(batch)
+
+
+def sft_rows(n: int, seed: int = 0, long_prompt=(), max_length: int = 24):
+    """Instruction tuning rows: prompt ids then answer ids, ``labels`` -100 on the prompt (only
+    the answer is learned), cut to ``max_length`` as a tokenizer's ``truncation=True`` does.
+    Rows in ``long_prompt`` have a prompt longer than ``max_length``: truncation cuts their
+    whole answer, and every label left is -100."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        k = max_length + 4 if i in long_prompt else int(torch.randint(3, 10, (1,), generator=g))
+        prompt = [CLS, *torch.randint(4, VOCAB, (k,), generator=g).tolist()]
+        answer = [*torch.randint(4, VOCAB, (6,), generator=g).tolist(), SEP]
+        ids, labels = (prompt + answer)[:max_length], ([-100] * len(prompt) + answer)[:max_length]
+        rows.append({"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels})
+    return rows
+
+
+def sft_collator(rows):
+    """``DataCollatorForSeq2Seq``-style padding for a decoder: ids with ``PAD``, labels -100."""
+    width = max(len(r["input_ids"]) for r in rows)
+    pad = [width - len(r["input_ids"]) for r in rows]
+    return {"input_ids": torch.tensor([r["input_ids"] + [PAD] * p for r, p in zip(rows, pad)]),
+            "attention_mask": torch.tensor([r["attention_mask"] + [0] * p
+                                            for r, p in zip(rows, pad)]),
+            "labels": torch.tensor([r["labels"] + [-100] * p for r, p in zip(rows, pad)])}

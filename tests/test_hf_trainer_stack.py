@@ -10,6 +10,8 @@ names against the HF model's."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 transformers = pytest.importorskip("transformers")
@@ -171,7 +173,8 @@ def test_a_triplet_whose_positive_is_its_anchor_is_a_distance_at_0(tmp_path):
     """A deduplication miss pairs a sentence with itself: the distance written as sqrt of a
     sum of squares is 0 there and its backward infinite. The anchor and the positive are
     chunks of one batch, which is no deviation from a mean: the hint speaks of two points
-    that coincide (before: of a standard deviation written out)."""
+    that coincide (before: of a standard deviation written out), and the two rows named are
+    the same record (before: not said)."""
     t, _ = trainer(tmp_path, M.triplet_trainer(), M.make_encoder_no_dropout(),
                    M.triplets(12, copied={2 * K + 1}), M.triplet_collator,
                    "make_encoder_no_dropout", loss=M.TripletLoss(),
@@ -182,3 +185,45 @@ def test_a_triplet_whose_positive_is_its_anchor_is_a_distance_at_0(tmp_path):
     assert rep["origin"]["samples"] == [1, 3]  # the anchor's row and its positive's
     assert rep["origin"]["source"] == line_of("d_ap = (a - p).pow(2).sum(-1).sqrt()")
     assert "two points coincide" in rep["hint"] and "own mean" not in rep["hint"]
+    assert ('same record in pairs (1 and 3: kwargs["input_ids"], kwargs["attention_mask"] '
+            "equal row for row)") in rep["hint"]
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_prompts_whose_answers_truncation_cut_off_are_named_as_labels_masked_out(
+        tmp_path, accumulate):
+    """Instruction tuning with the prompt labelled -100: a step of long prompts, their answers
+    cut by ``max_length``, leaves no label, and the Trainer's ``num_items_in_batch`` (its count
+    of labels that are not -100 over the step) is 0, the divisor of transformers' loss. Before,
+    the hint read it as a record's missing value filled with 0 ("a price, volume or count of
+    0 ... in the samples named", with no sample named); now it is a number given with the
+    batch, and the labels beside real tokens are named as masked out."""
+    per_step = B * accumulate
+    t, _ = trainer(tmp_path, M.trainer_classes()["plain"], M.make_gpt2(),
+                   M.sft_rows(48, long_prompt=range(K * per_step, (K + 1) * per_step)),
+                   M.sft_collator, "make_gpt2", gradient_accumulation_steps=accumulate)
+    rep, ev = fire(t)
+    assert t.state.global_step == K and ev["step"] == K
+    assert origin(rep) == ("forward", "", "aten.div", K, "invalid")
+    path, _, line = rep["origin"]["source"].rpartition(":")
+    assert path.endswith("transformers/loss/loss_utils.py")
+    assert "/ num_items_in_batch" in Path(path).read_text().splitlines()[int(line) - 1]
+    hint = rep["hint"]
+    assert 'number given with the batch (kwargs["num_items_in_batch"]' in hint
+    assert "a price, volume or count" not in hint
+    assert 'kwargs["labels"] is -100 at all' in hint and "answer a max_length truncation" in hint
+
+
+def test_a_masked_lm_batch_the_collator_masked_nothing_in_is_named(tmp_path):
+    """``DataCollatorForLanguageModeling(mlm=True)`` on one-word texts: 15 % masking picks no
+    position in some batch, every label is -100 and ``BertForMaskedLM``'s mean is 0/0."""
+    t, _ = trainer(tmp_path, M.trainer_classes()["plain"], M.make_bert_mlm(),
+                   M.short_texts(48, short=range(48)), M.lm_collator(mlm=True),
+                   "make_bert_mlm", max_steps=12)
+    rep, ev = fire(t)
+    step = t.state.global_step
+    assert ev["step"] == step and 0 < step < 12  # (the seed's first batch with no mask)
+    assert origin(rep) == ("forward", "", "aten.nll_loss_forward", step, "invalid")
+    assert "ignore_index (-100)" in rep["hint"]
+    assert 'kwargs["labels"] is -100 at all 12 positions of the batch' in rep["hint"]
+    assert "masked-LM collator's random choice" in rep["hint"]
