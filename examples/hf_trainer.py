@@ -1,11 +1,11 @@
-"""A Hugging Face ``Trainer`` run with the flight recorder's callback, a batch of padding, and the
-replay. Needs ``pip install transformers accelerate`` (the test extras have them).
+"""A Hugging Face ``Trainer`` run with the flight recorder's callback, a batch with every label
+-100, and the replay. Needs ``pip install transformers accelerate`` (the test extras have them).
 
 Run from the repository root:  python examples/hf_trainer.py
 
-A tiny GPT-2 (built from a config, nothing downloaded) trains on random tokens. Batch 3 is all
-padding (every label -100): transformers divides the summed loss by the number of labelled
-tokens, 0 / 0. The recorder stops the step before the optimizer applies it, writes the bundle,
+A tiny GPT-2 (built from a config, nothing downloaded) trains on random tokens. Batch 3 has
+every label -100 (as prompts whose answers were truncated away have): transformers divides the
+summed loss by the number of labelled tokens, 0 / 0. The recorder stops the step before the optimizer applies it, writes the bundle,
 and ``nanreplay`` names the op and the line in transformers' loss code.
 """
 
@@ -34,8 +34,8 @@ class Tokens(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         ids = torch.randint(0, VOCAB, (CTX,), generator=torch.Generator().manual_seed(i))
-        padding = i // BATCH == BAD_STEP  # a batch the collator filled with padding only
-        return {"input_ids": ids, "labels": torch.full_like(ids, -100) if padding else ids}
+        unlabelled = i // BATCH == BAD_STEP  # a batch with no token to learn
+        return {"input_ids": ids, "labels": torch.full_like(ids, -100) if unlabelled else ids}
 
 
 def main() -> int:
@@ -48,7 +48,7 @@ def main() -> int:
     from recorder import NonFiniteError
     from recorder.huggingface import FlightRecorderCallback
 
-    class InOrder(Trainer):  # batches in dataset order, so the padding batch is step 3
+    class InOrder(Trainer):  # batches in dataset order, so the unlabelled batch is step 3
         def _get_train_sampler(self, *args, **kwargs):
             return torch.utils.data.SequentialSampler(self.train_dataset)
 

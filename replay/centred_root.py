@@ -4,7 +4,9 @@ a hand-written layer norm's), 0 where every value equals the mean — a sequence
 valid frame, a constant input — where the derivative of sqrt is infinite. The generic advice
 for a sqrt of a sum of squares speaks of a distance between two points and offers
 ``torch.linalg.vector_norm``, which a spread is not; ``torch.std`` has the same pole. Told
-from a distance by the graph: the subtrahend is made of the minuend (its mean); or the
+from a distance by the graph: the subtrahend is made of the minuend (its mean), not another
+output of the node that made the minuend (a chunk of the same batch: a triplet's anchor and
+positive rows, which coincide where the data pairs a sentence with itself); or the
 variance is written with the moments, E[x²] − E[x]² clamped at 0 against rounding (a graph
 readout's std per graph, by ``index_add_`` over the batch vector), 0 exactly where a graph's
 nodes are alike (an elemental crystal's equivalent atoms)."""
@@ -120,7 +122,10 @@ def centred_root(node) -> bool:
         (first, _), (second, _) = sub.next_functions[:2]
     except (ValueError, AttributeError):
         return False
-    return first is not None and second is not None and _reaches(second, first, 5)
+    # one node's two outputs (``a, p = z.chunk(3)``: a triplet's anchor and positive rows of
+    # one batch) are paired values, not values and their mean: a distance, named as one
+    return (first is not None and second is not None and second is not first
+            and _reaches(second, first, 5))
 
 
 def centred_hint(b, hint: str, sqrt_pole: str) -> str:

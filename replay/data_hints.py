@@ -27,7 +27,9 @@ barrier's bound the batch holds as 0 (``replay.zero_bound``); other
 tensors of an input event's micro-batch bad in other rows (``replay.other_inputs``); a model
 input coded -999 where its mask is 0 (``replay.sentinel_inputs``); an input's NaN the forward
 cast to an integer type, its outputs finite (``replay.nan_cast``); a mean loss over no target
-in one micro-batch of several, every target ignored (``replay.ignored_micro_batch``)."""
+in one micro-batch of several, every target ignored (``replay.ignored_micro_batch``), or
+token labels ignored at every position beside real tokens (``replay.unselected_targets``); a
+distance at 0 between samples that are one record in pairs (``replay.same_record_pairs``)."""
 
 from __future__ import annotations
 
@@ -61,8 +63,10 @@ from .other_inputs import other_inputs_note
 from .output_overflow import huge_output_hint
 from .padded_units import padded_units_hint
 from .padding_batch import padding_batch_hint
+from .same_record_pairs import same_record_pairs_hint
 from .sentinel_inputs import sentinel_inputs_hint
 from .single_sample import single_sample_hint
+from .unselected_targets import unselected_targets_hint
 from .zero_bound import zero_bound_hint
 from .zero_number import zero_number_hint
 from .zero_records import zero_records_hint
@@ -81,7 +85,9 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     huge_output_hint(report, step)  # (mse of traces a CFL-unstable simulation made 1e35)
     grouped_arg_hint(report, step)  # (a preference pair's NaN rating gap: the pair's rows)
     single_sample_hint(report, step)  # (InfoLOOB's negatives of a last batch of one)
+    same_record_pairs_hint(report, step)  # (a triplet whose positive is its anchor's text)
     padding_batch_hint(report, step)  # (a segment past every piece's end: mean of none)
+    unselected_targets_hint(report, step)  # (an SFT answer truncated away: labels all -100)
     empty_records_hint(report, step)  # (a per-line mean over an empty stroke file's mask)
     absent_channels_hint(report, step)  # (a Dice of a structure absent from a scan's labels)
     dead_channels_hint(report, step)  # (dF/F of a ROI reading 0 all trial)

@@ -15,7 +15,9 @@ A norm of the batch's records (DAGMM's relative distance ``|x - x'| / |x|``; a r
 norm of part of each, a noise power from a guard band's bins, for an all-zero part: a
 noise-free frame's): a divisor made so points at blank records (or parts); a difference of
 two of its values (a rate ``diff(I) / diff(t)``) is 0 where the record repeats one: a
-duplicated row.
+duplicated row. A 0-d tensor given with the batch (the Hugging Face Trainer's
+``num_items_in_batch``, the step's count of labels that are not -100) is no record's value: its
+0 is a count of nothing, said as such (the records' advice named samples there are none of).
 """
 
 from __future__ import annotations
@@ -46,6 +48,14 @@ _COMPLEX_MAKERS = {"complex": 2, "polar": 1}
 _SAME_VALUES = {"slice", "select", "view", "_unsafe_view", "reshape", "unsqueeze", "squeeze",
                 "permute", "transpose", "t", "expand", "clone", "contiguous", "alias"}
 
+# the pole's operand is a 0-d tensor given with the batch: a number of the batch, no record's
+SCALAR = (
+    "{op} {what} is a number given with the batch ({held}a 0-d tensor, the model's input as "
+    "given: no sample's value), exactly 0: a count or total the loop computed over the batch "
+    "(the Hugging Face Trainer's num_items_in_batch counts the step's labels that are not "
+    "-100, summed over its micro-batches) whose batch holds none of what it counts; find why "
+    "the batch has none, and skip a step whose count is 0 (or divide by count.clamp_min(1))")
+
 
 class RawPole:
     """The batch's floating tensors (``(args, kwargs)`` of the root call) and the first pole
@@ -70,6 +80,7 @@ class RawPole:
         self.part = False  # the pole's operand is a norm of such a part
         self.diffed = False  # the pole's operand is such a difference
         self.complex = False  # the pole's operand is a complex number made of the batch's
+        self.scalar = False  # the pole's operand is one number given with the batch (0-d)
 
     def _raw(self, x) -> bool:
         # (a view of the batch's storage at the version it was given: no in-place op since)
@@ -138,7 +149,7 @@ class RawPole:
         if bool(at_zero.any()) and not (
                 name == "div" and x in self._summed and _zero_by_zero(args[0], at_zero)):
             self.op, self.blank, self.diffed = f"aten.{name}", x in self._normed, x in self._diffed
-            self.complex = x.is_complex()
+            self.complex, self.scalar = x.is_complex(), x.dim() == 0
             self.input, self.part = self._name_of(x), x in self._part
             self.padding = padding_mask(at_zero, self._masks)
 
@@ -152,6 +163,8 @@ def raw_pole_hint(watch: RawPole | None, cause: str | None, hit) -> str | None:
     if watch.padding:  # (a padded set's elements, 0 by the collate_fn: no record is bad)
         return padded_hint(hit.op, what, watch.padding)
     held = f"{watch.input}: " if watch.input else ""
+    if watch.scalar:
+        return SCALAR.format(op=hit.op, what=what, held=held)
     if watch.blank and watch.part:
         return (f"{hit.op} {what} is a norm of part of the batch's own records ({held}the "
                 "model's input as given, some of each record's values), exactly 0 in the "
