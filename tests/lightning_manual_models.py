@@ -72,12 +72,21 @@ class Generator(nn.Module):
 
 
 class Discriminator(nn.Module):
-    def __init__(self):
+    """``mbstd``: ProGAN's minibatch standard deviation, the batch's mean feature std fed to
+    the last layer as one more feature (it tells the discriminator a collapsed batch)."""
+
+    def __init__(self, mbstd: bool = False):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(D, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+        self.body = nn.Sequential(nn.Linear(D, 32), nn.LeakyReLU(0.2))
+        self.head = nn.Linear(33 if mbstd else 32, 1)
+        self.mbstd = mbstd
 
     def forward(self, x):
-        return self.net(x)
+        h = self.body(x)
+        if self.mbstd:
+            s = h.std(0).mean()
+            h = torch.cat([h, s.expand(h.shape[0], 1)], 1)
+        return self.head(h)
 
 
 def make_generator() -> Generator:
@@ -106,6 +115,10 @@ def make_discriminator() -> Discriminator:
     return Discriminator()
 
 
+def make_mbstd_discriminator() -> Discriminator:
+    return Discriminator(mbstd=True)
+
+
 class DiscriminatorLoss(nn.Module):
     """Binary cross-entropy written out from the probabilities, over real and fake rows."""
 
@@ -119,10 +132,11 @@ class GAN(L.LightningModule):
     in one batch), then the generator; a recorder watches ``watch`` ("gen" or "disc", None: no
     recorder) and its optimizer."""
 
-    def __init__(self, out_dir=None, diversity: float = 0.0, watch: str | None = "gen"):
+    def __init__(self, out_dir=None, diversity: float = 0.0, watch: str | None = "gen",
+                 mbstd: bool = False):
         super().__init__()
         self.automatic_optimization = False
-        self.gen, self.disc = Generator(), Discriminator()
+        self.gen, self.disc = Generator(), Discriminator(mbstd)
         self.g_loss = GeneratorLoss(self.disc, diversity)
         self.d_loss = DiscriminatorLoss()
         self.out_dir, self.watch = out_dir, watch

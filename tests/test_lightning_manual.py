@@ -121,6 +121,24 @@ def test_a_nan_feature_from_the_datamodule_is_an_input_event_at_its_step(tmp_pat
     assert "missing values coded as" not in rep["hint"], rep["hint"]
 
 
+def test_a_nan_validation_row_stops_the_fit_before_early_stopping_sees_a_nan_metric(tmp_path):
+    """Validation item 10 (row 2 of the second batch) holds NaN; ``EarlyStopping`` on
+    ``val_loss`` would stop on its NaN metric with no word of where it came from. The recorder
+    checks the validation forward (after 4 steps: ``val_check_interval=4``) and names the
+    row."""
+
+    class Data(M.RowsData):
+        def setup(self, stage=None):
+            super().setup(stage)
+            self.val = M.rows(16, seed=1, nan_at=[10])
+
+    rep, o = report(fit_regressor, tmp_path, M.Regressor(), Data(), "make_mlp", step=4,
+                    phase="input")
+    assert rep["event"]["evaluation"] is True
+    assert (o["samples"], o["made"], rep["cause"]) == ([2], "nan", "input"), rep
+    assert "sample 2 at feature(s) 2 (of 16)" in rep["hint"], rep["hint"]
+
+
 def test_a_relu_variance_head_is_log_of_0_in_the_loss_of_two_outputs(tmp_path):
     """The Gaussian NLL takes the model's mean and variance; the variance head is a ReLU,
     exactly 0 for rows 0, 1, 3, 5, 6 and 7 at the first step."""
@@ -169,3 +187,19 @@ def test_raw_pixels_round_the_discriminators_probability_to_1(tmp_path):
         "<loss>", "aten.log", "-inf", [0, 2, 4, 5, 6, 7], "precision"), json.dumps(rep, indent=1)
     assert o["source"] == line_of("return -(labels * torch.log(p) + (1 - labels)")
     assert "binary_cross_entropy_with_logits" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.filterwarnings("ignore:std\\(\\): degrees of freedom")  # torch's, at the bug
+def test_a_minibatch_std_over_the_last_batch_of_one_is_named_with_drop_last(tmp_path):
+    """65 images in batches of 8: the ninth batch holds one image, and the discriminator's
+    minibatch-std layer, inside the generator's loss, takes ``std`` of one row (n - 1 = 0).
+    Step 8 is the generator's ninth update; Lightning's ``global_step``, which counts both
+    optimizers' steps, is 17 there."""
+    module = M.GAN(tmp_path, mbstd=True)
+    rep, o = report(fit_gan, module, M.real_images(n=65), step=8, phase="loss")
+    assert module.steps[-1] == (17, 8)
+    assert (o["module"], o["op"], o["made"], rep["cause"]) == (
+        "<loss>", "aten.std", "nan", "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == line_of("s = h.std(0).mean()")
+    assert "the micro-batch holds 1 sample" in rep["hint"]
+    assert "drop_last=True" in rep["hint"], rep["hint"]
