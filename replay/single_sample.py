@@ -11,6 +11,9 @@ batch of one is why. A statistic over the batch (a Pearson or concordance correl
 variance, a std over the samples) is 0 over copies of one sample too: where the loss (of a
 backward event, its gradient: Pearson's ``sqrt(vx)`` with the eps after the root) is finite
 only beside a second, different sample (the copy's float values halved), that is the reason.
+An unbiased ``std`` or ``var`` over the batch (ProGAN's minibatch-std layer in a discriminator
+the generator's loss runs) is NaN over one sample and finite over two copies: named as the
+batch's spread, not as a sum over the other samples.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ import torch
 from .compat import tree_map
 from .load import Step, autocast_as_recorded, loss_inputs
 from .rerun import Runner
+
+# reductions with a correction (Bessel's n - 1): over one sample a division by 0
+CORRECTED = {"aten.std", "aten.var", "aten.std_mean", "aten.var_mean"}
 
 
 def _twice(v, scale: float = 1.0):
@@ -77,6 +83,14 @@ def single_sample_hint(report: dict[str, Any], step: Step) -> None:
             "last incomplete batch (DataLoader(..., drop_last=True)) or skip batches of fewer "
             "than 2 samples")
     if not same:
+        return
+    if o.get("op") in CORRECTED:  # (given twice, its n - 1 is 1: the reduction is the batch's)
+        report["hint"] = (report.get("hint") or "") + (
+            f"; but the micro-batch holds 1 sample, and the loss is finite on that sample given "
+            f"twice: {o['op']} reduces over the batch's samples (a minibatch-std layer of a GAN "
+            "discriminator, a spread of the batch's outputs), whose unbiased form divides by "
+            "n - 1 = 0 for one sample, and correction=0 would give 0, no spread: drop the last "
+            "incomplete batch (DataLoader(..., drop_last=True)) or skip batches of one sample")
         return
     report["hint"] = (report.get("hint") or "") + (
         "; but the micro-batch holds 1 sample, and the loss is finite on that sample given "

@@ -149,7 +149,9 @@ class GAN(L.LightningModule):
             self.recorder = FlightRecorder(
                 self.gen if gen else self.disc, self.optimizers()[0 if gen else 1],
                 loss_fn=self.g_loss if gen else self.d_loss, out_dir=self.out_dir,
-                factory=f"lightning_manual_models:make_{'generator' if gen else 'discriminator'}"
+                factory="lightning_manual_models:" + (
+                    "make_generator" if gen else
+                    "make_mbstd_discriminator" if self.disc.mbstd else "make_discriminator"),
             ).attach()
 
     def on_train_end(self):

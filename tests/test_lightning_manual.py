@@ -189,12 +189,13 @@ def test_raw_pixels_round_the_discriminators_probability_to_1(tmp_path):
     assert "binary_cross_entropy_with_logits" in rep["hint"], rep["hint"]
 
 
-@pytest.mark.filterwarnings("ignore:std\\(\\): degrees of freedom")  # torch's, at the bug
 def test_a_minibatch_std_over_the_last_batch_of_one_is_named_with_drop_last(tmp_path):
     """65 images in batches of 8: the ninth batch holds one image, and the discriminator's
     minibatch-std layer, inside the generator's loss, takes ``std`` of one row (n - 1 = 0).
     Step 8 is the generator's ninth update; Lightning's ``global_step``, which counts both
-    optimizers' steps, is 17 there."""
+    optimizers' steps, is 17 there. The hint listed sums over the batch's other samples
+    (InfoLOOB's negatives, a leave-one-out mean) as what a batch of one empties; it now names
+    the std as the batch's spread."""
     module = M.GAN(tmp_path, mbstd=True)
     rep, o = report(fit_gan, module, M.real_images(n=65), step=8, phase="loss")
     assert module.steps[-1] == (17, 8)
@@ -202,4 +203,5 @@ def test_a_minibatch_std_over_the_last_batch_of_one_is_named_with_drop_last(tmp_
         "<loss>", "aten.std", "nan", "invalid"), json.dumps(rep, indent=1)
     assert o["source"] == line_of("s = h.std(0).mean()")
     assert "the micro-batch holds 1 sample" in rep["hint"]
+    assert "aten.std reduces over the batch's samples" in rep["hint"], rep["hint"]
     assert "drop_last=True" in rep["hint"], rep["hint"]
