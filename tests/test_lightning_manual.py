@@ -205,3 +205,19 @@ def test_a_minibatch_std_over_the_last_batch_of_one_is_named_with_drop_last(tmp_
     assert "the micro-batch holds 1 sample" in rep["hint"]
     assert "aten.std reduces over the batch's samples" in rep["hint"], rep["hint"]
     assert "drop_last=True" in rep["hint"], rep["hint"]
+
+
+def test_a_nan_real_image_breaks_the_discriminator_the_generators_loss_holds(tmp_path):
+    """Real image 20 (the third batch) holds a NaN pixel: the discriminator's own update, which
+    the generator's recorder does not watch, writes NaN into its weights; the generator's loss
+    through it is NaN at that same batch's generator step, and the report names the
+    discriminator's parameters and who can record them."""
+    data = M.real_images()
+    data.tensors[0][20, 3] = float("nan")
+    module = M.GAN(tmp_path)
+    rep, o = report(fit_gan, module, data, step=2, phase="loss")
+    assert module.steps[-1] == (5, 2)
+    assert (o["module"], o["op"], o["made"], rep["cause"]) == (
+        "<loss>", "aten.t", "nan", "weights"), json.dumps(rep, indent=1)
+    assert "the loss's 'disc.body.0.weight' holding nan" in rep["hint"], rep["hint"]
+    assert "FlightRecorder(disc, its optimizer, ...)" in rep["hint"], rep["hint"]
