@@ -221,3 +221,19 @@ def test_a_nan_real_image_breaks_the_discriminator_the_generators_loss_holds(tmp
         "<loss>", "aten.t", "nan", "weights"), json.dumps(rep, indent=1)
     assert "the loss's 'disc.body.0.weight' holding nan" in rep["hint"], rep["hint"]
     assert "FlightRecorder(disc, its optimizer, ...)" in rep["hint"], rep["hint"]
+
+
+def test_the_minibatch_std_in_the_recorded_discriminators_own_forward(tmp_path):
+    """The same last batch of one, the discriminator recorded itself: its forward in the
+    generator's loss of batch 8 opens its step 9 (after its 9th update) and makes the NaN. The
+    hint gave only the op's advice; it now says the output is finite on the sample given
+    twice, and drop_last."""
+    module = M.GAN(tmp_path, mbstd=True, watch="disc")
+    rep, o = report(fit_gan, module, M.real_images(n=65), step=9, phase="forward")
+    assert module.steps[-1] == (17, 9)
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "", "aten.std", "nan", [0], "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == line_of("s = h.std(0).mean()")
+    assert "the model's output is finite on that sample given twice: aten.std reduces over " \
+           "the batch's samples" in rep["hint"], rep["hint"]
+    assert "drop_last=True" in rep["hint"], rep["hint"]
