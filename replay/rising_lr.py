@@ -15,12 +15,15 @@ import math
 from typing import Any
 
 MIN_RISES = 6  # consecutive steps each with a higher rate than the one before
-MIN_GROWTH = 100.0  # the rate at the event against the rate the rise started from
+# the rate at the event against the rate the rise started from: above what a warmup meant to
+# end does (from 1e-3 or 1e-4 of the base rate; a linear one grows at most 64x in the ring)
+MIN_GROWTH = 1e4
 
 
 def rising_lr_text(hist: dict[str, Any]) -> str | None:
     """The advice for the first parameter group whose rate rose at each of the last
-    MIN_RISES or more recorded steps (up to the event), MIN_GROWTH-fold or more, else None."""
+    MIN_RISES or more recorded steps (up to the event), MIN_GROWTH-fold or more, else None.
+    A warmup that ends on time is still rising at an event inside it, but by less."""
     event = hist.get("event_step")
     rows = [(s, row) for s, row in zip(hist.get("steps") or [], hist.get("lr") or [])
             if event is None or s <= event]
@@ -44,7 +47,7 @@ def _text(g: int, groups: int, s0: int, v0: float, s1: int, v1: float, rises: in
     per = (v1 / v0) ** (1.0 / rises)
     return (f"the learning rate{which} rose at each of the {rises} steps from step {s0} to "
             f"step {s1}, about {per:.3g}x per step, to {v1:.4g} ({v1 / v0:.3g}x its {v0:.4g} "
-            "at the start) and was still rising: a schedule whose rise never ends, a warmup "
+            f"at step {s0}) and was still rising: a schedule whose rise never ends, a warmup "
             "whose factor is not capped at its last step (min(step, warmup_steps) left out of a "
             "LambdaLR's lambda) or ExponentialLR with gamma > 1; cap the schedule at the base "
             "rate, as a lower base rate or clipping only delays this")

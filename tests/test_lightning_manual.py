@@ -237,3 +237,21 @@ def test_the_minibatch_std_in_the_recorded_discriminators_own_forward(tmp_path):
     assert "the model's output is finite on that sample given twice: aten.std reduces over " \
            "the batch's samples" in rep["hint"], rep["hint"]
     assert "drop_last=True" in rep["hint"], rep["hint"]
+
+
+def test_a_warmup_that_ends_on_time_is_not_named_as_still_rising():
+    """``replay.rising_lr`` on ring histories: an exponential warmup from 1e-3 of the base
+    rate over 10 steps is still rising at an event inside it (1000x), which is no fault of
+    the schedule; the same warmup uncapped reaches 1e5x by step 15."""
+    from replay.rising_lr import rising_lr_text
+
+    def hist(event, clamp):
+        lam = M.warmup_lambda(10, start=1e-3, clamp=clamp)
+        steps = list(range(event + 1))
+        return {"steps": steps, "lr": [[lam(s)] for s in steps], "event_step": event}
+
+    assert rising_lr_text(hist(9, clamp=True)) is None
+    assert rising_lr_text(hist(30, clamp=True)) is None
+    assert rising_lr_text(hist(15, clamp=False)).startswith(
+        "the learning rate rose at each of the 15 steps from step 0 to step 15, about 2x per "
+        "step, to 31.62 (3.16e+04x its 0.001 at step 0)")
