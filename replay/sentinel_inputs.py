@@ -53,14 +53,16 @@ def _zero_one(v: torch.Tensor) -> bool:
 
 def _coded(x: torch.Tensor, m: torch.Tensor) -> tuple[float, set[int]] | None:
     """(the one value ``x`` holds wherever ``m`` is 0, the rows holding it) when that value is
-    FACTOR times larger than every entry where ``m`` is 1, else None."""
+    FACTOR times larger than every finite entry where ``m`` is 1, else None (also for 0: a
+    batch already masked, ``x * mask``, whose NaN made ``max`` NaN and every code "larger")."""
     if x.shape != m.shape:
         return None
     off, on = x[m == 0], x[m == 1]
+    on = on[on.isfinite()]  # a NaN observed entry (the event's own) compares with nothing
     if not off.numel() or not on.numel() or not bool((off == off[0]).all()):
         return None
-    code = float(off[0])
-    if abs(code) < FACTOR * max(float(on.abs().max()), 1.0):
+    code = float(off[0])  # 0 (or the -0 of x * mask): the entries are zeroed already
+    if code == 0 or abs(code) < FACTOR * max(float(on.abs().max()), 1.0):
         return None
     return code, {int(r) for r in (m == 0).any(1).nonzero().flatten()}
 

@@ -11,10 +11,16 @@ batch of one is why. A statistic over the batch (a Pearson or concordance correl
 variance, a std over the samples) is 0 over copies of one sample too: where the loss (of a
 backward event, its gradient: Pearson's ``sqrt(vx)`` with the eps after the root) is finite
 only beside a second, different sample (the copy's float values halved), that is the reason.
+An unbiased ``std`` or ``var`` over the batch (ProGAN's minibatch-std layer in a discriminator
+the generator's loss runs) is NaN over one sample and finite over two copies: named as the
+batch's spread, not as a sum over the other samples; so is one the model's own forward takes
+(that discriminator recorded itself), when its output is finite with the batch's tensors
+holding the one sample twice.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -22,6 +28,9 @@ import torch
 from .compat import tree_map
 from .load import Step, autocast_as_recorded, loss_inputs
 from .rerun import Runner
+
+# reductions with a correction (Bessel's n - 1): over one sample a division by 0
+CORRECTED = {"aten.std", "aten.var", "aten.std_mean", "aten.var_mean"}
 
 
 def _twice(v, scale: float = 1.0):
@@ -56,6 +65,8 @@ def single_sample_hint(report: dict[str, Any], step: Step) -> None:
     statistic over the batch, 0 over one sample and over copies of it)."""
     o = report["origin"]
     backward = o.get("phase") == "backward"
+    if o.get("phase") == "forward":
+        return _forward_spread(report, step)
     if report.get("cause") != "invalid" or o.get("phase") not in ("loss", "backward") \
             or o.get("module") != "<loss>" or o.get("batch_size") != 1 \
             or step.model is None or step.loss_fn is None:
@@ -78,6 +89,9 @@ def single_sample_hint(report: dict[str, Any], step: Step) -> None:
             "than 2 samples")
     if not same:
         return
+    if o.get("op") in CORRECTED:  # (given twice, its n - 1 is 1: the reduction is the batch's)
+        report["hint"] = (report.get("hint") or "") + _spread_text(o["op"], "loss")
+        return
     report["hint"] = (report.get("hint") or "") + (
         "; but the micro-batch holds 1 sample, and the loss is finite on that sample given "
         "twice: the 0 comes from the batch's size, not an eps missing: a sum over the "
@@ -86,3 +100,31 @@ def single_sample_hint(report: dict[str, Any], step: Step) -> None:
         "small-loss samples, a top-k), empty in a batch of one: drop the last incomplete "
         "batch (DataLoader(..., drop_last=True)) or skip batches of one sample (a share: keep "
         "at least one, max(1, int(rate * n)))")
+
+
+def _spread_text(op: str, what: str) -> str:
+    return (f"; but the micro-batch holds 1 sample, and the {what} is finite on that sample "
+            f"given twice: {op} reduces over the batch's samples (a minibatch-std layer of a GAN "
+            "discriminator, a spread of the batch's outputs), whose unbiased form divides by "
+            "n - 1 = 0 for one sample, and correction=0 would give 0, no spread: drop the last "
+            "incomplete batch (DataLoader(..., drop_last=True)) or skip batches of one sample")
+
+
+def _forward_spread(report: dict[str, Any], step: Step) -> None:
+    """A forward origin at an unbiased std or var, in a micro-batch of one sample whose model
+    output is finite when the batch's tensors hold that sample twice: the same advice."""
+    o = report["origin"]
+    if report.get("cause") != "invalid" or o.get("op") not in CORRECTED \
+            or o.get("batch_size") != 1 or step.model is None:
+        return
+    mb = o.get("micro_batch") or 0
+    prefix = f"batch/{mb}/"
+    twin = dataclasses.replace(step, tensors={
+        k: _twice(v) if k.startswith(prefix) else v for k, v in step.tensors.items()})
+    try:
+        run = Runner(twin).run(backward=False, instrument=False)
+        outs = run.outputs[mb]
+    except Exception:  # (the op's own advice stands)
+        return
+    if outs and all(bool(torch.isfinite(t).all()) for t in outs if t.is_floating_point()):
+        report["hint"] = (report.get("hint") or "") + _spread_text(o["op"], "model's output")

@@ -22,6 +22,8 @@ from .cause_text import DO
 from .compat import FOREACH_MUL_, TorchDispatchMode
 from .grown_state import grown_state_advice
 from .line_search import no_line_search_advice
+from .precursors import history
+from .rising_lr import rising_lr_text
 from .source import user_source
 from .unscaled_update import unscaled_update_advice
 
@@ -123,14 +125,17 @@ def probed_scale(step) -> dict[str, Any] | None:
 def diverging_advice(step, windowed: bool) -> str:
     """The growth hint's remedy: a weight-multiplying update's (probed without a window), a
     buffer's the model carries across steps that grew (``replay.grown_state``), else the
-    learning rate's and clipping's; before them, an update that took the GradScaler's scaled
+    learning rate's and clipping's; a schedule still raising the rate at the event
+    (``replay.rising_lr``) named first; before them, an update that took the GradScaler's scaled
     gradients (``opt.step()`` without ``scaler.step``)."""
     if unscaled := unscaled_update_advice(step):
         return unscaled
+    rising = rising_lr_text(history(step.meta, step.tensors))
+    lead = f"{rising}; with it, " if rising else ""
     found = None if windowed else probed_scale(step)
     if found:
-        return scale_text(found, probed=True)
-    return grown_state_advice(step) or no_line_search_advice(step) \
+        return lead + scale_text(found, probed=True)
+    return rising or grown_state_advice(step) or no_line_search_advice(step) \
         or DO["diverging_window" if windowed else "diverging"]
 
 
