@@ -10,6 +10,7 @@ keeps their hooks' handles.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -26,6 +27,7 @@ from .cycle import StepCycle
 from .grads import reread_changed_grads
 from .guard import OptimizerGuard
 from .hooks import Health
+from .joined import ddp_in, join_along
 from .settings import SETTINGS, Settings
 from .snapshot import Sources, build_bundle
 from .tape import Tape
@@ -151,6 +153,7 @@ class FlightRecorder:
             fn = getattr(loss_fn, "func", loss_fn)  # (a functools.partial: its function's name)
             self.guard.loss_function = getattr(fn, "__qualname__", None) or type(fn).__name__
         self._handles: list = []
+        self._ddp = weakref.ref(ddp) if (ddp := ddp_in(model)) is not None else None
         self._attached = False
         self._commit = git_commit()
 
@@ -186,6 +189,7 @@ class FlightRecorder:
         self.cycle.buffers.bind(target.buffer_homes + target.loss_buffer_homes,
                                 target.norm_buffers)
         self._handles += self.calls.register()
+        self._handles += join_along(self._ddp and self._ddp(), self)  # (uneven inputs: Join)
         opt = target.optimizer()
         if opt is not None:
             self._handles += self.guard.register(opt)

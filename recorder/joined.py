@@ -1,67 +1,91 @@
-"""Uneven inputs under ``torch.distributed.algorithms.join.Join``: the recorder as a joinable.
+"""Uneven inputs under ``torch.distributed.algorithms.join.Join``: the recorder's agreement
+shadowed beside DDP's all-reduce.
 
 ``Join([ddp])`` lets a rank that ran out of batches shadow DDP's collectives until every rank
 is done. The recorder's own per-step all-reduce (each step's verdict, agreed across the ranks,
 see ``recorder.ranks``) is not DDP's: a joined rank never ran it, so the ranks still training
-waited for it in their first step after the join, or met DDP's shadowed all-reduce in its
-place (gloo: a size mismatch). List the recorder after the model:
-
->>> with FlightRecorder(ddp, opt, loss_fn=crit) as rec:          # doctest: +SKIP
-...     with Join([ddp, joinable(rec)]):
-...         for x, y in loader: ...
+waited for it in their first step after the join (training hung), or met DDP's shadowed
+all-reduce in its place (gloo: a size mismatch). So while the recorder is attached to a DDP
+model with more than one rank, that DDP instance's ``join_hook`` (which ``Join`` calls as it is
+built) returns DDP's own hook followed by the recorder's: the user's ``Join([ddp])`` stays as
+it is, and detach puts DDP's method back.
 
 A joined rank then matches each step's exchange of the ranks still training (and their slow
-path's, when one of them saw a non-finite value: in raise mode it raises ``NonFiniteError``
-at that step too, naming them, as a peer whose own values were finite; their bundles hold
-the step).
+path's, when one of them saw a non-finite value: in raise mode it raises ``NonFiniteError`` at
+that step too, naming them, as a peer whose own values were finite; their bundles hold the
+step). ``guard_optimizer=True`` reads a second time per step, which a joined rank cannot tell
+from the next step's: ``Join`` is refused there in one line instead of hanging.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+import weakref
 
-import torch
-from torch.distributed.algorithms.join import Joinable, JoinHook
+from torch import nn
+from torch.distributed.algorithms.join import JoinHook
 
+from .compiled import compiled_module, is_compile_wrapper
 from .errors import NonFiniteError
 
 log = logging.getLogger("nanreplay")
 
-
-class RecorderJoinable(Joinable):
-    """A :class:`~recorder.FlightRecorder`'s agreement across ranks, for ``Join``."""
-
-    def __init__(self, recorder):
-        super().__init__()
-        self.recorder = recorder
-
-    def agreement(self):
-        return self.recorder.target.ranks
-
-    def join_hook(self, **kwargs) -> JoinHook:
-        return _Shadow(self)
-
-    @property
-    def join_device(self) -> torch.device:
-        ranks = self.agreement()
-        return ranks.device if ranks is not None else torch.device("cpu")
-
-    @property
-    def join_process_group(self) -> Any:
-        ranks = self.agreement()  # (Join compares it with DDP's: the default group's object)
-        group = ranks.group if ranks is not None else None
-        return group if group is not None else torch.distributed.group.WORLD
+REFUSED = ("nanreplay: Join cannot shadow guard_optimizer=True's second read per step (the "
+           "ranks still training would wait for it); record with guard_optimizer=False under "
+           "Join")
 
 
-class _Shadow(JoinHook):
-    def __init__(self, joinable: RecorderJoinable):
-        self.joinable = joinable
+def ddp_in(model: nn.Module) -> nn.parallel.DistributedDataParallel | None:
+    """The DistributedDataParallel instance ``model`` is or wraps (under ``torch.compile`` or
+    DataParallel), else None."""
+    while not isinstance(model, nn.parallel.DistributedDataParallel):
+        if is_compile_wrapper(model):
+            model = compiled_module(model)
+        elif isinstance(model, nn.DataParallel):
+            model = model.module
+        else:
+            return None
+    return model
+
+
+def join_along(ddp: nn.parallel.DistributedDataParallel | None, recorder) -> list:
+    """Make ``ddp``'s ``Join`` hook shadow ``recorder``'s agreement too (see the module doc),
+    when it runs under torch.distributed with more than one rank; returns the handles whose
+    ``remove()`` undoes it."""
+    if ddp is None or recorder.target.ranks is None:
+        return []
+    own = ddp.join_hook
+
+    def join_hook(**kwargs) -> JoinHook:
+        if recorder.settings.guard_optimizer:
+            raise ValueError(REFUSED)
+        return _Shadowed(own(**kwargs), recorder)
+
+    ddp.join_hook = join_hook  # (the instance's: DDP's class and other instances unchanged)
+    return [_Restore(ddp, join_hook)]
+
+
+class _Restore:
+    def __init__(self, ddp: nn.Module, hook):
+        self.ddp, self.hook = weakref.ref(ddp), hook
+
+    def remove(self) -> None:
+        ddp = self.ddp()
+        if ddp is not None and vars(ddp).get("join_hook") is self.hook:
+            del vars(ddp)["join_hook"]
+
+
+class _Shadowed(JoinHook):
+    """DDP's join hook, then the shadow of the recorder's step agreement."""
+
+    def __init__(self, ddp_hook: JoinHook, recorder):
+        self.ddp_hook, self.recorder = ddp_hook, recorder
         self.warned = False
 
     def main_hook(self) -> None:
-        ranks = self.joinable.agreement()
-        rec = self.joinable.recorder
+        self.ddp_hook.main_hook()
+        rec = self.recorder
+        ranks = rec.target.ranks
         if ranks is None or not rec.health.active:
             return
         seen, first, step = ranks.shadow()
@@ -86,12 +110,5 @@ class _Shadow(JoinHook):
             self.warned = True
             log.warning("%s; every rank trains on (on_event=\"warn\").", text)
 
-
-def joinable(recorder) -> RecorderJoinable:
-    """The recorder as a ``Join`` joinable (list it after the DDP model). Refused with
-    ``guard_optimizer=True``, whose second read per step a joined rank cannot tell from the
-    next step's (it would shadow one collective too few)."""
-    if recorder.settings.guard_optimizer:
-        raise ValueError("nanreplay: joinable(recorder) cannot shadow guard_optimizer=True's "
-                         "second read per step; record with guard_optimizer=False under Join")
-    return RecorderJoinable(recorder)
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.ddp_hook.post_hook(is_last_joiner)

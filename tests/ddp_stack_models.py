@@ -263,17 +263,15 @@ def dataset(mode: str, rank: int) -> Rows:
     return Rows(offset=offset, domains=domains, bad=bad)
 
 
-def train_uneven(ddp, opt, crit, rank, rec=None, bad=False):
+def train_uneven(ddp, opt, crit, rank, bad=False):
     """Uneven inputs: rank 0 holds more rows than rank 1; ``Join`` shadows the collectives of
     the rank that ran out (DDP's gradient all-reduce) until every rank is done."""
     from torch.distributed.algorithms.join import Join
 
-    from recorder.joined import joinable
-
     data = Rows()
     part = torch.utils.data.Subset(data, range(0, 40) if rank == 0 else range(40, 64))
     steps = 0
-    with Join([ddp] if rec is None else [ddp, joinable(rec)]):
+    with Join([ddp]):  # (as without the recorder: it shadows its own collective there)
         for batch in DataLoader(part, batch_size=MICRO):
             if bad and rank == 0 and steps == 8:  # past rank 1's last batch
                 batch["x"][3, 5] = float("inf")
@@ -295,6 +293,14 @@ def run_mode(out: str, mode: str, record: bool) -> str:
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, seed=0)
     loader = DataLoader(data, batch_size=MICRO, sampler=sampler)
     crit = ContrastiveLoss()
+    if mode == "joinguard":  # (guard_optimizer's second read per step: Join refused)
+        try:
+            with FlightRecorder(ddp, opt, loss_fn=_ClassLoss(), out_dir=out_dir,
+                                guard_optimizer=True):
+                train_uneven(ddp, opt, _ClassLoss(), rank)
+        except ValueError as e:
+            return f"refused {e}"
+        return "not refused"
     if mode in ("join", "joinbad", "joinwarn"):
         crit = _ClassLoss()
         model.norm.sync = False  # Join shadows DDP's collectives only
@@ -303,8 +309,8 @@ def run_mode(out: str, mode: str, record: bool) -> str:
         try:
             with FlightRecorder(ddp, opt, loss_fn=crit, out_dir=out_dir,
                                 factory="ddp_stack_models:make_model",
-                                on_event="warn" if mode == "joinwarn" else "raise") as rec:
-                steps = train_uneven(ddp, opt, crit, rank, rec, bad=mode != "join")
+                                on_event="warn" if mode == "joinwarn" else "raise"):
+                steps = train_uneven(ddp, opt, crit, rank, bad=mode != "join")
             return f"done steps={steps} digest={digest(model)}"
         except NonFiniteError as e:
             return f"event step={e.event['step']} phase={e.event['phase']}"

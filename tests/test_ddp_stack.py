@@ -15,7 +15,6 @@ from pathlib import Path
 
 import ddp_stack_models as M
 import pytest
-import torch
 from bundles import nanreplay_json, source_line
 
 pytestmark = pytest.mark.usefixtures("in_tests_dir")
@@ -23,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("in_tests_dir")
 HERE = Path(__file__).parent
 MODELS = "ddp_stack_models.py"
 MODES = ("healthy", "healthy-bare", "static", "static-bare", "shard", "cancel", "pair", "adam", "temperature",
-         "join-bare", "join", "joinbad", "joinwarn")
+         "join-bare", "join", "joinbad", "joinwarn", "joinguard")
 
 
 def _free_port() -> int:
@@ -131,10 +130,11 @@ def test_a_forward_over_every_ranks_statistics_is_named_not_a_different_factory(
 
 
 def test_a_nan_after_the_other_rank_joined_stops_both(run):
-    """Uneven inputs under Join: rank 1 runs out after 6 steps; at step 8 rank 0's batch holds
-    an Inf. Without the recorder in Join, rank 0's per-step agreement waited for rank 1 (which
-    only shadowed DDP's all-reduce): training hung. Now rank 1 matches it and raises at the
-    same step, naming rank 0, whose bundle replays to the sample."""
+    """Uneven inputs under the user's own ``Join([ddp])``: rank 1 runs out after 6 steps; at
+    step 8 rank 0's batch holds an Inf. Rank 0's per-step agreement used to wait for rank 1
+    (which only shadowed DDP's all-reduce): training hung. The recorder's hook behind DDP's
+    join hook makes rank 1 match it and raise at the same step, naming rank 0, whose bundle
+    replays to the sample."""
     lines, out = run
     assert _both(lines, "joinbad") == ("event step=8 phase=input",
                                        "event step=8 phase=peer")
@@ -147,19 +147,14 @@ def test_a_nan_after_the_other_rank_joined_stops_both(run):
     assert sorted(p.name for p in (out / "joinwarn").iterdir()) == ["step00000008-rank0.nan"]
 
 
-def test_joinable_refuses_guard_optimizer():
-    """guard_optimizer=True reads a second time per step: a joined rank would shadow one
-    collective too few, so the joinable is refused in one line rather than hang."""
-    from torch import nn
-
-    from recorder import FlightRecorder
-    from recorder.joined import joinable
-
-    model = nn.Linear(2, 2)
-    rec = FlightRecorder(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                         guard_optimizer=True)
-    with pytest.raises(ValueError, match="guard_optimizer=True"):
-        joinable(rec)
+def test_join_with_guard_optimizer_is_refused_in_one_line(run):
+    """guard_optimizer=True reads a second time per step, which a joined rank cannot tell from
+    the next step's: the user's ``Join([ddp])`` is refused on every rank as it is built, in
+    one line, rather than hang at the first step after a rank ran out."""
+    lines, _ = run
+    for said in _both(lines, "joinguard"):
+        assert said.startswith("refused nanreplay: Join cannot shadow guard_optimizer=True"), said
+        assert "\n" not in said
 
 
 def test_syncbatchnorm_is_found_below_the_diverging_module():
