@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .compat import own_slots
+from .compat import compiled_module, is_compile_wrapper, own_slots
 from .validate import import_object, script_module
 
 
@@ -39,7 +39,10 @@ def describe_loss(loss_fn: nn.Module, tensors: dict[str, torch.Tensor],
     submodule the loss shares with the model (``modules``: its modules by id, named, as
     ``Target.module_ids`` gives them; a perceptual loss given the model's own ``self.vgg``;
     the model itself, ``Loss(model)``, as ``""``) is named by its name in the model too
-    (``"model": "vgg"``), for the replay to give the rebuilt loss the rebuilt model's."""
+    (``"model": "vgg"``), for the replay to give the rebuilt loss the rebuilt model's. A
+    ``torch.compile``'d loss module is described as the module it wraps (the replay runs the
+    loss eagerly, as it runs the model)."""
+    loss_fn = _eager(loss_fn)
     fn = getattr(loss_fn, "fn", None)
     if fn is not None and type(loss_fn).__name__ == "_CallableLoss":
         return {"kind": "function", **(_describe_method(fn) or describe_callable(fn))}
@@ -246,11 +249,20 @@ def _describe_module(m: nn.Module, prefix: str, tensors: dict[str, torch.Tensor]
                 node["frozen"].append(k)
         node["params"][k] = key
     for k, c in children.items():
+        c = None if c is None else _eager(c)
         node["children"][k] = None if c is None else _describe_module(c, f"{prefix}{k}.",
                                                                       tensors, shared)
         if c is not None and id(c) in shared:  # (described too: a replay that predates it)
             node["children"][k]["model"] = shared[id(c)]
     return node
+
+
+def _eager(m: nn.Module) -> nn.Module:
+    """``m`` without its ``torch.compile`` wrappers (``OptimizedModule``, whose class cannot be
+    rebuilt from attributes: its ``__getattr__`` reads the module it wraps)."""
+    while is_compile_wrapper(m):
+        m = compiled_module(m)
+    return m
 
 
 def _plain(v: Any) -> bool:
