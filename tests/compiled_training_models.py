@@ -93,7 +93,8 @@ def compile_blocks(model: TinyLM, **kw) -> TinyLM:
 
 class SphereClassifier(nn.Module):
     """Mean of the real tokens' embeddings through a block, projected onto the unit sphere (the
-    pooled vector divided by its norm), a cosine classifier with a learned scale."""
+    pooled vector divided by its norm), a cosine classifier with a learned scale. It counts the
+    real tokens it trained on for the logs (``.item()``: a graph break under dynamo)."""
 
     def __init__(self):
         super().__init__()
@@ -102,8 +103,10 @@ class SphereClassifier(nn.Module):
         self.pool = SpherePool()
         self.head = nn.Linear(D, CLASSES, bias=False)
         self.scale = nn.Parameter(torch.tensor(10.0))
+        self.tokens_seen = 0
 
     def forward(self, ids, keep):
+        self.tokens_seen += int(keep.sum().item())
         x = self.block(self.embed(ids), keep)
         z = self.pool(x, keep)
         return self.scale * self.head(z)
@@ -141,21 +144,24 @@ class ShiftNorm(nn.Module):
 
 
 class FeatureNet(nn.Module):
-    """A regression MLP over dense features: a linear layer, the hand-written norm, a head."""
+    """A regression MLP over a window of sensor readings, trained in bfloat16 (the whole model
+    cast, the batch cast in ``forward``): each window standardised by the hand-written norm,
+    a linear layer, a head."""
 
     def __init__(self, d_in: int = 8):
         super().__init__()
+        self.norm = ShiftNorm(d_in)
         self.inp = nn.Linear(d_in, D)
-        self.norm = ShiftNorm(D)
         self.head = nn.Linear(D, 1)
 
     def forward(self, x):
-        return self.head(F.gelu(self.norm(self.inp(x)))).squeeze(-1)
+        x = x.to(self.inp.weight.dtype)
+        return self.head(F.gelu(self.inp(self.norm(x)))).squeeze(-1)
 
 
 def make_feature_net() -> FeatureNet:
     torch.manual_seed(0)
-    return FeatureNet()
+    return FeatureNet().to(torch.bfloat16)
 
 
 def lm_cross_entropy(logits, targets, keep):
@@ -221,3 +227,9 @@ def warmup_cosine(step: int, base: float, warmup: int, total: int) -> float:
         return base * (step + 1) / warmup
     progress = (step - warmup) / (total - warmup)
     return 0.5 * base * (1.0 + math.cos(math.pi * progress))
+
+
+def warmup_lr(step: torch.Tensor, base: float, warmup: int) -> torch.Tensor:
+    """Linear warm-up ``base * min(step / warmup, 1)`` computed on the step held as a tensor
+    (no Python number reaches the compiled ``opt.step``: no recompile as it changes)."""
+    return base * torch.clamp(step / warmup, max=1.0)
