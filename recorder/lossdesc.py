@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .compat import compiled_module, is_compile_wrapper, own_slots
+from .compat import compiled_module, compiled_original, is_compile_wrapper, own_slots
+from .compiled import compiled_loss
 from .validate import import_object, script_module
 
 
@@ -41,11 +42,15 @@ def describe_loss(loss_fn: nn.Module, tensors: dict[str, torch.Tensor],
     the model itself, ``Loss(model)``, as ``""``) is named by its name in the model too
     (``"model": "vgg"``), for the replay to give the rebuilt loss the rebuilt model's. A
     ``torch.compile``'d loss module is described as the module it wraps (the replay runs the
-    loss eagerly, as it runs the model)."""
+    loss eagerly, as it runs the model), a compiled function as the function it compiled;
+    either is marked ``"compiled": true``."""
+    compiled = {"compiled": True} if compiled_loss(loss_fn) else {}
     loss_fn = _eager(loss_fn)
     fn = getattr(loss_fn, "fn", None)
     if fn is not None and type(loss_fn).__name__ == "_CallableLoss":
-        return {"kind": "function", **(_describe_method(fn) or describe_callable(fn))}
+        fn = compiled_original(fn)
+        return {"kind": "function", **(_describe_method(fn) or describe_callable(fn)),
+                **compiled}
     shared = dict(modules or {})  # (the root too, as "": a loss given the model itself)
     tree = _describe_module(loss_fn, "", tensors, shared)
     # the flat fields older replays read (a torch.nn built-in rebuilt from its arguments)
@@ -55,7 +60,7 @@ def describe_loss(loss_fn: nn.Module, tensors: dict[str, torch.Tensor],
         accepted = set()
     return {"kind": "module", "class": tree["class"], "config": tree["config"],
             "init_args": sorted(accepted - {"self", "args", "kwargs"}),
-            "buffers": [n for n, _ in loss_fn.named_buffers()], "tree": tree}
+            "buffers": [n for n, _ in loss_fn.named_buffers()], "tree": tree, **compiled}
 
 
 def describe_callable(fn) -> dict[str, Any]:
@@ -173,7 +178,8 @@ def _not_importable(fn, module: str | None, qual: str) -> str | None:
         found = import_object(module, qual)
     except Exception:
         return "not importable"
-    return None if found is fn else "not importable"
+    # (a function compiled where it is defined, @torch.compile: the name holds the compiled one)
+    return None if found is fn or compiled_original(found) is fn else "not importable"
 
 
 def _in_main(fn, qual: str) -> bool:

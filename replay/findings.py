@@ -45,7 +45,9 @@ def base_report(step: Step) -> dict[str, Any]:
                   "kind": ev.get("kind"), "params": ev.get("params", []),
                   "tensor": ev.get("tensor"), "samples": ev.get("samples", []),
                   "detail": ev.get("detail"), "evaluation": bool(ev.get("evaluation")),
-                  "compiled": bool(ev.get("compiled"))},
+                  "compiled": bool(ev.get("compiled")) or (  # (a compiled loss function)
+                      ev.get("module") == "<loss>" and bool((meta.get("loss") or {}).get(
+                          "compiled")))},
         "reproduced": False,
         "not_rerun": None,  # why the step, or its loss, was not re-run ("weights stripped")
         "origin": origin_fields(),

@@ -233,3 +233,12 @@ def warmup_lr(step: torch.Tensor, base: float, warmup: int) -> torch.Tensor:
     """Linear warm-up ``base * min(step / warmup, 1)`` computed on the step held as a tensor
     (no Python number reaches the compiled ``opt.step``: no recompile as it changes)."""
     return base * torch.clamp(step / warmup, max=1.0)
+
+
+def shifted_cross_entropy(logits, ids, keep):
+    """The loss as a function: next-token cross-entropy over the real tokens, z-loss added
+    (PaLM's ``1e-4 * log(Z)^2``, keeping the softmax normaliser near 1)."""
+    logits, targets, w = logits[:, :-1], ids[:, 1:], keep[:, 1:].to(logits.dtype)
+    log_z = torch.logsumexp(logits, -1)
+    nll = log_z - logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return ((nll + 1e-4 * log_z ** 2) * w).sum() / w.sum()

@@ -67,6 +67,7 @@ def train_lm(out_dir, make: str = "make_lm", loss=None, plant=None, record: bool
     rec = FlightRecorder(model, opt, loss_fn=criterion, out_dir=out_dir,
                          factory=f"compiled_training_models:{make}") if record else None
     with rec if rec is not None else contextlib.nullcontext():
+        criterion = rec.loss_fn if rec is not None else criterion  # (a function's: hooked)
         for ids, keep, _ in M.loader(data):
             loss = criterion(model(ids, keep), ids, keep)
             loss.backward()
@@ -263,3 +264,31 @@ def test_one_pass_variance_in_bfloat16_cancels_below_zero_in_the_compiled_model(
     assert rep["cause"] == "precision" and rep["reproduced"] is True
     assert o["source"] == line_of("return (x - mean) * torch.rsqrt(var + 1e-6) * self.weight")
     assert "torch.var" in rep["hint"]
+
+
+def single_token_batch(data):
+    """BUG: the second batch holds only one-token sequences (a length-bucketing sampler's
+    shortest bucket): no next token to predict, every target weight 0."""
+    for i in range(M.B, 2 * M.B):
+        data.seqs[i] = data.seqs[i][:1]
+
+
+def test_compiled_loss_function_is_replayed_as_the_function_it_compiled(tmp_path):
+    """``torch.compile(shifted_cross_entropy)`` given as ``loss_fn``: the bundle described the
+    compiled wrapper, whose ``module:qualname`` imports the eager function, not the wrapper,
+    so the loss was "not importable" and never re-run (no op, no cause). Described as the
+    function it compiled (and marked compiled), the replay names the 0/0 of the masked mean
+    over a batch with no target."""
+    ev, bundle = fire(train_lm, tmp_path, loss=M.shifted_cross_entropy,
+                      plant=single_token_batch)
+    assert (ev["step"], ev["phase"], ev["module"]) == (1, "loss", "<loss>")
+    loss = read_bundle(bundle)[0]["loss"]
+    assert (loss["import"], loss["compiled"]) == \
+        ("compiled_training_models:shifted_cross_entropy", True)
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"]) == ("loss", "<loss>", "aten.div")
+    assert rep["cause"] == "invalid" and rep["reproduced"] is True
+    assert rep["event"]["compiled"] is True
+    assert o["source"] == line_of("return ((nll + 1e-4 * log_z ** 2) * w).sum() / w.sum()")
+    assert "count.clamp_min(1)" in rep["hint"]
