@@ -186,6 +186,19 @@ class MaskedLM(nn.Module):
         return lm_cross_entropy(logits[:, :-1], ids[:, 1:], keep[:, 1:])
 
 
+class LearnedTemperatureLM(nn.Module):
+    """The loss with a learned temperature (a parameter the optimizer trains with the model),
+    started at a value from the config."""
+
+    def __init__(self, temperature: float = 1.0):
+        super().__init__()
+        self.temperature = nn.Parameter(torch.tensor(float(temperature)))
+
+    def forward(self, logits, ids, keep):
+        scaled = logits / self.temperature
+        return lm_cross_entropy(scaled[:, :-1], ids[:, 1:], keep[:, 1:])
+
+
 class Sequences(Dataset):
     """Token sequences of lengths 3..12 (ids 1..VOCAB-1), with a class label."""
 

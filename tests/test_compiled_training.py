@@ -292,3 +292,32 @@ def test_compiled_loss_function_is_replayed_as_the_function_it_compiled(tmp_path
     assert rep["event"]["compiled"] is True
     assert o["source"] == line_of("return ((nll + 1e-4 * log_z ** 2) * w).sum() / w.sum()")
     assert "count.clamp_min(1)" in rep["hint"]
+
+
+def test_compiled_loss_with_a_trained_temperature_started_at_zero(tmp_path):
+    """A loss module with a learned temperature, compiled and trained with the model, started
+    at 0 from the config: x/0 at step 0. The recorder names the loss's parameter through the
+    compile wrapper (``<loss>._orig_mod.temperature``), which the eagerly rebuilt loss lacks:
+    the replay stopped ("the rebuilt loss has no parameter '_orig_mod.temperature'"). It now
+    looks the parameter up without the wrapper and names the division by it."""
+    model = M.compile_blocks(M.make_lm(), backend=BACKEND, dynamic=True)
+    loss = M.LearnedTemperatureLM(temperature=0.0)
+    criterion = torch.compile(loss, backend=BACKEND, dynamic=True)
+    opt = torch.optim.AdamW([{"params": model.parameters()},
+                             {"params": loss.parameters(), "weight_decay": 0.0}], lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=criterion, out_dir=tmp_path,
+                            factory="compiled_training_models:make_lm"):
+            for ids, keep, _ in M.loader(M.Sequences(STEPS * M.B)):
+                criterion(model(ids, keep), ids, keep).backward()
+                opt.step()
+                opt.zero_grad()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["compiled"]) == (0, "loss", "<loss>", True)
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"]) == \
+        ("loss", "<loss>", "aten.div", list(range(M.B)))
+    assert rep["cause"] == "invalid" and rep["reproduced"] is True
+    assert o["source"] == line_of("scaled = logits / self.temperature")
+    assert "temperature" in rep["hint"] and "learn its log" in rep["hint"]
