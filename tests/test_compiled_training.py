@@ -196,6 +196,27 @@ def test_backward_only_nan_of_a_zero_pooled_vector_through_the_compiled_model(tm
     assert rep["cause"] == "invalid" and rep["reproduced"] is True
     assert o["source"] == line_of("norm = torch.sqrt((z * z).sum(-1, keepdim=True))")
     assert "torch.linalg.vector_norm" in rep["hint"]
+    assert rep["event"]["through_compiled"] is True
+
+
+def test_a_backward_nan_only_the_compiled_graphs_made_is_said_as_such(tmp_path):
+    """A backward event of a compiled model that the eager replay does not make again (here
+    simulated: the recorded batch put back as the loader gave it, every document with a real
+    token) was "not reproduced" with no word of compilation: the note of a compiled region's
+    forward event did not cover the gradients its backward graphs made. The report now says
+    the gradients came from compiled backward graphs that the replay ran eagerly."""
+    from bundles import rewrite
+
+    ev, bundle = fire(train_sphere, tmp_path, plant=empty_document)
+    data = M.Sequences(STEPS * M.B, seed=1)
+    ids, keep, _ = M.collate([data[i] for i in range(M.B, 2 * M.B)])
+    healthy = rewrite(bundle, tmp_path / "x" / "healthy.nan",
+                      tensors=lambda t: {**t, "batch/0/0": ids, "batch/0/1": keep})
+    rep = nanreplay_json(healthy, code=1)
+    assert rep["event"]["step"] == 1 and rep["event"]["through_compiled"] is True
+    assert rep["reproduced"] is False and rep["cause"] == "not_reproduced"
+    assert any("backward graphs of torch.compile'd modules" in p for p in rep["problems"]), \
+        rep["problems"]
 
 
 def test_compiled_optimizer_step_with_a_tensor_lr_from_a_zero_warmup(tmp_path):
