@@ -258,24 +258,29 @@ def raw_readings(x) -> list[int]:
     return torch.nonzero(var < 0).flatten().tolist()
 
 
+def train_features(out_dir, x, y):
+    """The bfloat16 regression model compiled whole, SGD with momentum, batches of 16."""
+    model = torch.compile(M.make_feature_net(), backend=BACKEND)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    crit = torch.nn.MSELoss()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                        factory="compiled_training_models:make_feature_net"):
+        for xb, yb in data:
+            crit(model(xb).float(), yb).backward()
+            opt.step()
+            opt.zero_grad()
+
+
 def test_one_pass_variance_in_bfloat16_cancels_below_zero_in_the_compiled_model(tmp_path):
     """The model trained in bfloat16 and compiled whole; raw readings around 300 make
     ``E[x^2] - E[x]^2`` cancel to -512 on some windows and ``rsqrt`` NaN there. The float64
     re-run has a positive variance: precision, with the stable formula as the hint."""
-    model = torch.compile(M.make_feature_net(), backend=BACKEND)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     x, y = M.features(STEPS * 16)
     rows = raw_readings(x)
     assert rows  # (the planted batch does cancel)
-    crit = torch.nn.MSELoss()
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
     with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
-                            factory="compiled_training_models:make_feature_net"):
-            for xb, yb in data:
-                crit(model(xb).float(), yb).backward()
-                opt.step()
-                opt.zero_grad()
+        train_features(tmp_path, x, y)
     ev = info.value.event
     assert (ev["step"], ev["phase"], ev["module"], ev["compiled"], ev["samples"]) == \
         (1, "forward", "", True, rows)
@@ -342,3 +347,18 @@ def test_compiled_loss_with_a_trained_temperature_started_at_zero(tmp_path):
     assert rep["cause"] == "invalid" and rep["reproduced"] is True
     assert o["source"] == line_of("scaled = logits / self.temperature")
     assert "temperature" in rep["hint"] and "learn its log" in rep["hint"]
+
+
+def test_a_missing_reading_is_the_batch_not_the_compiled_model(tmp_path):
+    """A NaN reading (a sensor's dropout the pipeline never imputed) in the second batch: the
+    input guard of the compiled model names the sample and the feature before any op runs."""
+    x, y = M.features(STEPS * 16)
+    x[16 + 6, 2] = float("nan")
+    with pytest.raises(NonFiniteError) as info:
+        train_features(tmp_path, x, y)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (1, "input", "", [6])
+    rep = nanreplay_json(info.value.bundle_path)
+    assert (rep["origin"]["phase"], rep["origin"]["samples"]) == ("input", [6])
+    assert rep["cause"] == "input" and rep["reproduced"] is True
+    assert "sample 6 at feature(s) 2 (of 8)" in rep["hint"]
