@@ -21,6 +21,7 @@ import torch
 
 from . import bundle, event_text, events, ranks
 from .capture import distributed_rank
+from .compiled import compiled_loss
 from .errors import NonFiniteError, first_line
 from .events import Event, StepEvidence
 from .finite import tensors_kind
@@ -113,7 +114,8 @@ class Alarm:
             return
         if tape.evaluation:
             event.evaluation = True
-        if event.module in target.compiled:
+        if event.module in target.compiled or (event.module == "<loss>"
+                                               and compiled_loss(target.loss_module())):
             event.compiled = True  # its layers were not recorded (see recorder.compiled)
         self._write_and_report(tape, event)
 

@@ -202,6 +202,18 @@ def compiled_in_place(m: nn.Module) -> bool:
         hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable")
 
 
+def compiled_function(fn: Any) -> bool:
+    """``fn`` is what ``torch.compile(fn)`` returned for a function."""
+    return hasattr(fn, "_torchdynamo_orig_callable")
+
+
+def compiled_original(fn: Any) -> Any:
+    """The function ``torch.compile`` compiled into ``fn``; ``fn`` itself if it is none."""
+    while compiled_function(fn):
+        fn = fn._torchdynamo_orig_callable
+    return fn
+
+
 def undo_in_place_compile(m: nn.Module) -> None:
     """Make ``m`` run eagerly again after :func:`compiled_in_place` compilation."""
     m._compiled_call_impl = None

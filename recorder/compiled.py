@@ -22,6 +22,7 @@ from torch import nn
 
 from .compat import (
     WRAPPER,
+    compiled_function,
     compiled_in_place,
     compiled_module,
     dynamo_disabled,
@@ -104,6 +105,17 @@ def decompile(model: nn.Module) -> nn.Module:
             if is_compile_wrapper(child):
                 setattr(m, child_name, decompile(child))
     return model
+
+
+def compiled_loss(loss: nn.Module | None) -> bool:
+    """The loss the recorder was given is ``torch.compile``'d: a wrapped or in-place compiled
+    loss module, or a compiled function (held by the recorder's module around a function, as
+    ``fn``). An event in it names no region of the model, but the replay runs it eagerly too."""
+    if loss is None:
+        return False
+    if is_compile_wrapper(loss) or compiled_in_place(loss):
+        return True
+    return type(loss).__name__ == "_CallableLoss" and compiled_function(getattr(loss, "fn", None))
 
 
 def disabled(hook):

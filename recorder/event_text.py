@@ -19,7 +19,9 @@ def summary(event: dict[str, Any], path: Path | None) -> str:
         return constraint_summary(event, path)
     where = ""
     if event.get("module") == "<loss>":
-        where = f" Made in the loss of micro-batch {event.get('micro_batch')}."
+        where = f" Made in the loss of micro-batch {event.get('micro_batch')}." + (
+            " The loss is torch.compile'd: the replay runs it eagerly." if event.get("compiled")
+            else "")
     elif event.get("phase") == "input" and event.get("module") is not None:
         # (the batch brought it: no module made it, and "whose inputs were finite" is moot)
         name = event["module"] or "<root>"

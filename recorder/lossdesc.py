@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .compat import own_slots
+from .compat import compiled_module, compiled_original, is_compile_wrapper, own_slots
+from .compiled import compiled_loss
 from .validate import import_object, script_module
 
 
@@ -39,10 +40,17 @@ def describe_loss(loss_fn: nn.Module, tensors: dict[str, torch.Tensor],
     submodule the loss shares with the model (``modules``: its modules by id, named, as
     ``Target.module_ids`` gives them; a perceptual loss given the model's own ``self.vgg``;
     the model itself, ``Loss(model)``, as ``""``) is named by its name in the model too
-    (``"model": "vgg"``), for the replay to give the rebuilt loss the rebuilt model's."""
+    (``"model": "vgg"``), for the replay to give the rebuilt loss the rebuilt model's. A
+    ``torch.compile``'d loss module is described as the module it wraps (the replay runs the
+    loss eagerly, as it runs the model), a compiled function as the function it compiled;
+    either is marked ``"compiled": true``."""
+    compiled = {"compiled": True} if compiled_loss(loss_fn) else {}
+    loss_fn = _eager(loss_fn)
     fn = getattr(loss_fn, "fn", None)
     if fn is not None and type(loss_fn).__name__ == "_CallableLoss":
-        return {"kind": "function", **(_describe_method(fn) or describe_callable(fn))}
+        fn = compiled_original(fn)
+        return {"kind": "function", **(_describe_method(fn) or describe_callable(fn)),
+                **compiled}
     shared = dict(modules or {})  # (the root too, as "": a loss given the model itself)
     tree = _describe_module(loss_fn, "", tensors, shared)
     # the flat fields older replays read (a torch.nn built-in rebuilt from its arguments)
@@ -52,7 +60,7 @@ def describe_loss(loss_fn: nn.Module, tensors: dict[str, torch.Tensor],
         accepted = set()
     return {"kind": "module", "class": tree["class"], "config": tree["config"],
             "init_args": sorted(accepted - {"self", "args", "kwargs"}),
-            "buffers": [n for n, _ in loss_fn.named_buffers()], "tree": tree}
+            "buffers": [n for n, _ in loss_fn.named_buffers()], "tree": tree, **compiled}
 
 
 def describe_callable(fn) -> dict[str, Any]:
@@ -170,7 +178,8 @@ def _not_importable(fn, module: str | None, qual: str) -> str | None:
         found = import_object(module, qual)
     except Exception:
         return "not importable"
-    return None if found is fn else "not importable"
+    # (a function compiled where it is defined, @torch.compile: the name holds the compiled one)
+    return None if found is fn or compiled_original(found) is fn else "not importable"
 
 
 def _in_main(fn, qual: str) -> bool:
@@ -246,11 +255,20 @@ def _describe_module(m: nn.Module, prefix: str, tensors: dict[str, torch.Tensor]
                 node["frozen"].append(k)
         node["params"][k] = key
     for k, c in children.items():
+        c = None if c is None else _eager(c)
         node["children"][k] = None if c is None else _describe_module(c, f"{prefix}{k}.",
                                                                       tensors, shared)
         if c is not None and id(c) in shared:  # (described too: a replay that predates it)
             node["children"][k]["model"] = shared[id(c)]
     return node
+
+
+def _eager(m: nn.Module) -> nn.Module:
+    """``m`` without its ``torch.compile`` wrappers (``OptimizedModule``, whose class cannot be
+    rebuilt from attributes: its ``__getattr__`` reads the module it wraps)."""
+    while is_compile_wrapper(m):
+        m = compiled_module(m)
+    return m
 
 
 def _plain(v: Any) -> bool:

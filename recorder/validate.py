@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .compat import is_grad_scaler
+from .compat import compiled_module, is_compile_wrapper, is_grad_scaler
 from .shards import check_supported
 
 log = logging.getLogger("nanreplay")
@@ -81,7 +81,11 @@ def _warn_no_forward(model: nn.Module) -> None:
     """A container with no forward of its own (an RL agent holding its actor, critics and
     target critics, which the loop calls one by one) never opens a step: the recorder opens
     one at the recorded model's forward. Said when the recorder is built, not after the first
-    update (when only the submodule that ran is named), with what to record instead."""
+    update (when only the submodule that ran is named), with what to record instead. A
+    ``torch.compile`` wrapper (``OptimizedModule``, whose class has no forward) is judged by
+    the module it compiled."""
+    while is_compile_wrapper(model):
+        model = compiled_module(model)
     if type(model).forward is not nn.Module.forward:
         return
     parts = [n for n, m in model.named_children() if any(True for _ in m.parameters())]

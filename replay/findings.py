@@ -45,7 +45,12 @@ def base_report(step: Step) -> dict[str, Any]:
                   "kind": ev.get("kind"), "params": ev.get("params", []),
                   "tensor": ev.get("tensor"), "samples": ev.get("samples", []),
                   "detail": ev.get("detail"), "evaluation": bool(ev.get("evaluation")),
-                  "compiled": bool(ev.get("compiled"))},
+                  "compiled": bool(ev.get("compiled")) or (  # (a compiled loss function)
+                      ev.get("module") == "<loss>" and bool((meta.get("loss") or {}).get(
+                          "compiled"))),
+                  # (gradients the compiled regions' backward graphs made)
+                  "through_compiled": ev.get("phase") == "backward"
+                  and bool(meta.get("compiled_regions"))},
         "reproduced": False,
         "not_rerun": None,  # why the step, or its loss, was not re-run ("weights stripped")
         "origin": origin_fields(),
@@ -76,7 +81,12 @@ def _ranks(step: Step) -> dict[str, Any]:
 
 def finish(report, origin, cause, *, reproduced: bool, hint: str | None = None
            ) -> dict[str, Any]:
-    if report["event"].get("compiled") and not reproduced:
+    if report["event"].get("through_compiled") and not reproduced:
+        report["problems"].append(
+            "the gradients were made by the backward graphs of torch.compile'd modules ("
+            "the bundle's compiled_regions) and the replay runs them eagerly: values only the "
+            "compiled kernels make (fused arithmetic, a reordered reduction) do not come back")
+    elif report["event"].get("compiled") and not reproduced:
         report["problems"].append(
             "the event was recorded inside a torch.compile'd module and the replay runs it "
             "eagerly: values only the compiled kernels make (fused arithmetic, inductor's own "

@@ -6,13 +6,16 @@ temperature, a multi-task loss's log-variances) among the model's, named ``<loss
 and lists them after the model's own in the rebuilt model's ``named_parameters()``, so that
 the optimizer, the rewind window, the what-ifs and the float64 re-run treat them as the run's
 update did. The loss stays no submodule of the model: no forward hook sees its call as a
-module's.
+module's. The recorded names of a ``torch.compile``'d loss module hold the wrapper
+(``<loss>._orig_mod.temperature``); the loss is rebuilt eagerly, so each is looked up without
+it and listed under the name the bundle gives it.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from recorder.compiled import eager_name
 from recorder.target import LOSS_PREFIX
 
 from .errors import ReplayError
@@ -34,15 +37,13 @@ def attach_loss_params(step) -> None:
                           + _FACTORY_WAY)
     for name in names:
         _load(step, loss, name)
-    wanted = set(names)
     model_params = type(step.model).named_parameters.__get__(step.model)
 
     def named_parameters(prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         yield from model_params(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
         if recurse and not prefix:  # (the model's whole listing only, not a submodule's)
             for n, p in loss.named_parameters(prefix=LOSS_PREFIX[:-1]):
-                if n in wanted:
-                    yield n, p
+                yield from ((name, p) for name in names if _in_loss(name) == n)
 
     # (an instance attribute: Module.parameters() and zero_grad() go through it too)
     object.__setattr__(step.model, "named_parameters", named_parameters)
@@ -53,12 +54,17 @@ def trained_loss_params(step) -> list[nn.Parameter]:
     loss = step.loss_fn
     if not isinstance(loss, nn.Module):
         return []
-    return [loss.get_parameter(n[len(LOSS_PREFIX):]) for n in step.meta.get("params", [])
-            if n.startswith(LOSS_PREFIX)]
+    return [loss.get_parameter(_in_loss(n)[len(LOSS_PREFIX):])
+            for n in step.meta.get("params", []) if n.startswith(LOSS_PREFIX)]
+
+
+def _in_loss(name: str) -> str:
+    """A recorded ``<loss>.NAME`` as the eagerly rebuilt loss names it (no compile wrapper)."""
+    return eager_name(name)
 
 
 def _load(step, loss: nn.Module, name: str) -> None:
-    attr = name[len(LOSS_PREFIX):]
+    attr = _in_loss(name)[len(LOSS_PREFIX):]
     try:
         p = loss.get_parameter(attr)
     except AttributeError:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from recorder.compat import compiled_original
 from recorder.validate import import_object
 
 from .attributes import SPELT, as_built
@@ -87,8 +88,8 @@ def _function(info: dict[str, Any]):
     spec = info.get("import")
     if isinstance(spec, str) and isinstance(info.get("method"), str):
         return _method(_import(spec, f"class of the loss method {name}"), info)
-    if isinstance(spec, str):
-        fn = _import(spec, f"loss function {name}")
+    if isinstance(spec, str):  # (run eagerly: the name may hold a @torch.compile'd function)
+        fn = compiled_original(_import(spec, f"loss function {name}"))
         bound = info.get("partial")
         if isinstance(bound, dict):
             return functools.partial(fn, *bound.get("args", []), **bound.get("keywords", {}))
