@@ -1,5 +1,6 @@
 """What the data did, said once the report is made: the rows of the loop's batch a chunk's
-samples are (``replay.chunk_rows``); values far outside the batch's scale
+samples are (``replay.chunk_rows``); the dataset records they are, by the identifiers the batch
+carries (``replay.record_ids``); values far outside the batch's scale
 (``replay.data_scale``), also where they drove an op out of its domain
 (``replay.domain_outliers``), or negative in a few records alone (``replay.negative_rows``);
 a propensity of 0 or 1 given as data (``replay.edge_probability``);
@@ -59,6 +60,7 @@ from .negative_rows import negative_hint
 from .other_inputs import other_inputs_note
 from .padded_units import padded_units_hint
 from .padding_batch import padding_batch_hint
+from .record_ids import record_ids_note
 from .sentinel_inputs import sentinel_inputs_hint
 from .single_sample import single_sample_hint
 from .zero_bound import zero_bound_hint
@@ -68,6 +70,7 @@ from .zero_records import zero_records_hint
 
 def data_hints(report: dict[str, Any], step: Step) -> None:
     chunk_note(step, report)  # (a chunk of the loop's batch: its rows there)
+    record_ids_note(report, step)  # (a shuffled loader's batch["id"] at the samples)
     data_scale_hint(report, step)
     domain_outlier_hint(report, step)  # (log1p of a gap after a timestamp in ms)
     edge_probability_hint(report, step)  # (a propensity of 0 or 1 given as data)
