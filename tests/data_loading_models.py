@@ -326,3 +326,32 @@ class RowsMSE(nn.Module):
 def make_mlp() -> nn.Module:
     torch.manual_seed(0)
     return TabularMLP()
+
+
+class BatchStandardised(nn.Module):
+    """An MLP that standardises its input over the batch (each column by the batch's mean and
+    std), as a loop without a fitted scaler does."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = BatchScale()
+        self.mlp = TabularMLP()
+
+    def forward(self, x):
+        return self.mlp(self.scale(x))
+
+
+class BatchScale(nn.Module):
+    def forward(self, x):
+        return (x - x.mean(0)) / (x.std(0) + 1e-6)
+
+
+def make_batch_standardised() -> nn.Module:
+    torch.manual_seed(0)
+    return BatchStandardised()
+
+
+def class_weights(labels, classes: int = CLASSES) -> torch.Tensor:
+    """Inverse class frequency over the training labels, normalised to sum to 1."""
+    w = 1.0 / torch.bincount(labels, minlength=classes).float()
+    return w / w.sum()

@@ -260,3 +260,69 @@ def test_a_value_in_the_wrong_unit_overflows_float16_and_names_its_record(tmp_pa
         "fc1", "aten._to_copy", "+inf", [row], "overflow"), o
     assert "out of scale" in rep["hint"], rep["hint"]
     assert o["records"] == {"loss_args[1].row_id": [21]}, o
+
+
+def test_a_nan_target_in_the_dataclass_batch_names_its_record(tmp_path):
+    """Record 30's regression target is NaN; the loss is given the dataclass batch whole. The
+    input event names ``loss_args[1].target`` at the record's row, and the report gives
+    ``row_id`` 30 from the same batch."""
+    data = M.CsvStream()
+    data.y[30] = float("nan")
+    step, row = where(M.stream_loader(data), 30, lambda b: b.row_id)
+    ev, bundle = fire(train_stream, tmp_path, data)
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == (
+        step, "input", "loss_args[1].target", [row]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["tensor"], o["samples"], rep["cause"]) == (
+        "input", "loss_args[1].target", [row], "input"), o
+    assert o["records"] == {"loss_args[1].row_id": [30]}, o
+
+
+def test_a_last_batch_of_one_row_names_the_batch_std(tmp_path):
+    """65 rows over two workers: one worker's last batch holds a single row, whose std over
+    the batch (correction 1) divides by n - 1 = 0. The replay names ``aten.std`` in
+    ``scale`` and the batch of one."""
+    data = M.CsvStream(n=65)
+    model = M.make_batch_standardised()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.RowsMSE(), out_dir=tmp_path,
+                            factory="data_loading_models:make_batch_standardised") as rec:
+            for b in M.stream_loader(data):
+                opt.zero_grad()
+                rec.loss_fn(model(b.features), b).backward()
+                opt.step()
+    ev, bundle = info.value.event, info.value.bundle_path
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (8, "forward", "scale", [0])
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], o["batch_size"], rep["cause"]) == (
+        "scale", "aten.std", [0], 1, "invalid"), o
+    assert o["source"] == line_of("return (x - x.mean(0)) / (x.std(0) + 1e-6)"), o
+    assert "a batch of 1" in rep["hint"], rep["hint"]
+
+
+def test_class_weights_of_a_class_absent_from_the_dataset_are_named_as_the_loss_s(tmp_path):
+    """Inverse-frequency class weights over a training set with no image of class 2:
+    ``1 / 0`` is inf, normalised by the sum it is NaN. The loss event is named in
+    ``aten.nll_loss_forward``, the loss's ``weight`` non-finite before the step."""
+    data = M.Images()
+    data.labels[data.labels == 2] = 1
+    model = M.make_plain_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    criterion = torch.nn.CrossEntropyLoss(weight=M.class_weights(data.labels))
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=criterion, out_dir=tmp_path,
+                            factory="data_loading_models:make_plain_cnn") as rec:
+            for x, y, _ in M.image_loader(data):
+                opt.zero_grad()
+                rec.loss_fn(model(x), y).backward()
+                opt.step()
+    ev, bundle = info.value.event, info.value.bundle_path
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "loss", "<loss>"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == (
+        "<loss>", "aten.nll_loss_forward", [], "weights"), o
+    assert "class weights 1/count with a class absent" in rep["hint"], rep["hint"]
