@@ -61,6 +61,9 @@ class Records(Dataset):
             elif kind == "empty":
                 self.seqs[i] = torch.zeros(0, F_IN)
                 self.lengths[i] = 0
+            elif kind == "one_step":  # an utterance of a single frame
+                self.seqs[i] = self.seqs[i][:1]
+                self.lengths[i] = 1
             elif kind == "zero_weight":
                 self.weights[i] = 0.0
 
@@ -355,3 +358,29 @@ def class_weights(labels, classes: int = CLASSES) -> torch.Tensor:
     """Inverse class frequency over the training labels, normalised to sum to 1."""
     w = 1.0 / torch.bincount(labels, minlength=classes).float()
     return w / w.sum()
+
+
+class UtteranceCMVN(nn.Module):
+    """Per-utterance mean and variance normalisation over its valid frames (the unbiased
+    variance: the squared deviations summed over the mask, divided by the count less one)."""
+
+    def forward(self, x, mask):
+        m = mask.unsqueeze(-1)
+        n = m.sum(1, keepdim=True)
+        mean = (x * m).sum(1, keepdim=True) / n
+        var = (((x - mean) * m) ** 2).sum(1, keepdim=True) / (n - 1)
+        return (x - mean) / (var + 1e-5).sqrt() * m
+
+
+class CMVNClassifier(SeqClassifier):
+    def __init__(self):
+        super().__init__()
+        self.cmvn = UtteranceCMVN()
+
+    def forward(self, x, mask):
+        return super().forward(self.cmvn(x, mask), mask)
+
+
+def make_cmvn() -> nn.Module:
+    torch.manual_seed(0)
+    return CMVNClassifier()

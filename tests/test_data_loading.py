@@ -279,6 +279,7 @@ def test_a_nan_target_in_the_dataclass_batch_names_its_record(tmp_path):
     assert o["records"] == {"loss_args[1].row_id": [30]}, o
 
 
+@pytest.mark.filterwarnings("ignore:std... degrees of freedom:UserWarning")  # (torch's, once)
 def test_a_last_batch_of_one_row_names_the_batch_std(tmp_path):
     """65 rows over two workers: one worker's last batch holds a single row, whose std over
     the batch (correction 1) divides by n - 1 = 0. The replay names ``aten.std`` in
@@ -326,3 +327,31 @@ def test_class_weights_of_a_class_absent_from_the_dataset_are_named_as_the_loss_
     assert (o["module"], o["op"], o["samples"], rep["cause"]) == (
         "<loss>", "aten.nll_loss_forward", [], "weights"), o
     assert "class weights 1/count with a class absent" in rep["hint"], rep["hint"]
+
+
+def test_an_utterance_of_one_frame_names_the_unbiased_variance_of_its_cmvn(tmp_path):
+    """Record 11 is an utterance of a single frame; per-utterance mean and variance
+    normalisation divides its squared deviations (0) by the count less one (0). The replay
+    names that ``aten.div`` in ``cmvn`` at the record's row, a record of a single step, and
+    the variance's n - 1 as the 0 (not only a next-step target's count)."""
+    data = M.Records(corrupt={11: "one_step"})
+    step, row = where(M.bucket_loader(data, workers=0), 11, lambda b: b["id"])
+    model = M.make_cmvn()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.WeightedCE(), out_dir=tmp_path,
+                            factory="data_loading_models:make_cmvn") as rec:
+            for b in M.bucket_loader(data):
+                opt.zero_grad()
+                rec.loss_fn(model(b["x"], b["mask"]), b["label"], b["weight"]).backward()
+                opt.step()
+    ev, bundle = info.value.event, info.value.bundle_path
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (
+        step, "forward", "cmvn", [row]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == (
+        "cmvn", "aten.div", [row], "invalid"), o
+    assert o["source"] == line_of("var = (((x - mean) * m) ** 2).sum(1, keepdim=True) / (n - 1)")
+    assert f"Sample(s) {row} are records of a single step" in rep["hint"], rep["hint"]
+    assert "an unbiased variance's n - 1" in rep["hint"], rep["hint"]
