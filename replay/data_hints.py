@@ -27,7 +27,8 @@ barrier's bound the batch holds as 0 (``replay.zero_bound``); other
 tensors of an input event's micro-batch bad in other rows (``replay.other_inputs``); a model
 input coded -999 where its mask is 0 (``replay.sentinel_inputs``); an input's NaN the forward
 cast to an integer type, its outputs finite (``replay.nan_cast``); a mean loss over no target
-in one micro-batch of several, every target ignored (``replay.ignored_micro_batch``)."""
+in one micro-batch of several, every target ignored (``replay.ignored_micro_batch``); a loss's
+weighted mean over a batch whose weights are all 0 (``replay.zero_weights_batch``)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ from .single_sample import single_sample_hint
 from .zero_bound import zero_bound_hint
 from .zero_number import zero_number_hint
 from .zero_records import zero_records_hint
+from .zero_weights_batch import zero_weights_hint
 
 
 def data_hints(report: dict[str, Any], step: Step) -> None:
@@ -82,6 +84,7 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     grouped_arg_hint(report, step)  # (a preference pair's NaN rating gap: the pair's rows)
     single_sample_hint(report, step)  # (InfoLOOB's negatives of a last batch of one)
     padding_batch_hint(report, step)  # (a segment past every piece's end: mean of none)
+    zero_weights_hint(report, step)  # (a last short batch of records all weighted 0)
     empty_records_hint(report, step)  # (a per-line mean over an empty stroke file's mask)
     absent_channels_hint(report, step)  # (a Dice of a structure absent from a scan's labels)
     dead_channels_hint(report, step)  # (dF/F of a ROI reading 0 all trial)

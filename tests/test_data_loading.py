@@ -165,18 +165,22 @@ def test_an_empty_sequence_names_the_masked_mean_and_the_empty_record(tmp_path):
 
 
 def test_a_last_short_batch_of_zero_weight_records_names_the_weighted_mean(tmp_path):
-    """The dataset's last 8 records carry sample weight 0 (excluded from the loss), and with
-    ``drop_last=False`` the last batch is all of them: the weighted mean divides by a weight
-    sum of 0. The replay names the loss's ``aten.div`` of a 0-d count of 0, no sample."""
-    data = M.Records(corrupt={i: "zero_weight" for i in range(40, 48)})
+    """44 records, the last 4 carrying sample weight 0 (excluded from the loss); with
+    ``drop_last=False`` the last batch is those 4 alone, and the weighted mean divides by a
+    weight sum of 0. The replay names the loss's ``aten.div`` of a 0-d divisor, no sample;
+    the hint named no data (a generic 'no row is to blame'): it now names the loss's
+    ``weight`` argument, 0 in every one of the batch's 4 samples."""
+    data = M.Records(n=44, corrupt={i: "zero_weight" for i in range(40, 44)})
     ev, bundle = fire(train_seq, tmp_path, data, M.ordered_loader)
     assert (ev["step"], ev["phase"], ev["module"]) == (5, "loss", "<loss>"), ev
     rep = nanreplay_json(bundle)
     o = rep["origin"]
-    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == (
-        "<loss>", "aten.div", "nan", [], "invalid"), o
+    assert (o["module"], o["op"], o["made"], o["samples"], o["batch_size"], rep["cause"]) == (
+        "<loss>", "aten.div", "nan", [], 4, "invalid"), o
     assert o["source"] == line_of("return (per * weight).sum() / weight.sum()"), o
     assert "skip such batches" in rep["hint"], rep["hint"]
+    assert "Here loss_args[2] (weight), which the loss's line reads, is 0 in every one of " \
+        "the batch's 4 samples" in rep["hint"], rep["hint"]
 
 
 def test_a_constant_image_standardised_in_the_worker_is_the_batch_s_input(tmp_path):
