@@ -72,12 +72,12 @@ class Records(Dataset):
 
     def __getitem__(self, i):
         return {"x": self.seqs[i], "label": self.labels[i], "id": i,
-                "weight": self.weights[i]}
+                "weight": self.weights[i], "path": f"shard-{i // 16}/rec-{i:04d}.pt"}
 
 
 def pad_collate(items):
     """Pads to the batch's longest sequence (at least one step), with the 0/1 mask, lengths,
-    record ids and sample weights beside the features."""
+    record ids, sample weights and the files read (a list of strings) beside the features."""
     longest = max(1, max(len(it["x"]) for it in items))
     x = torch.zeros(len(items), longest, F_IN)
     mask = torch.zeros(len(items), longest)
@@ -87,6 +87,7 @@ def pad_collate(items):
     return {"x": x, "mask": mask, "length": mask.sum(1).long(),
             "id": torch.tensor([it["id"] for it in items]),
             "weight": torch.tensor([it["weight"] for it in items]),
+            "path": [it["path"] for it in items],
             "label": torch.tensor([it["label"] for it in items])}
 
 

@@ -132,7 +132,8 @@ def test_healthy_pipelines_raise_nothing_and_train_bit_identically(tmp_path):
 def test_a_nan_feature_names_the_row_and_the_record_id_the_batch_carries(tmp_path):
     """Record 17 holds a feature its parser read as NaN. The bucketing sampler puts it at some
     row of some step; the model is given the collated dict whole, so the input event names
-    ``batch["x"]`` at that row and the report gives the record id, 17, from ``batch["id"]``."""
+    ``batch["x"]`` at that row and the report gives the record id, 17, from ``batch["id"]``,
+    and the file it was read from, from the collated list of strings ``batch["path"]``."""
     data = M.Records(corrupt={17: "nan"})
     step, row = where(M.bucket_loader(data, workers=0), 17, lambda b: b["id"])
     ev, bundle = fire(train_seq, tmp_path, data, whole=True)
@@ -142,8 +143,9 @@ def test_a_nan_feature_names_the_row_and_the_record_id_the_batch_carries(tmp_pat
     o = rep["origin"]
     assert (rep["reproduced"], o["phase"], o["tensor"], o["samples"], rep["cause"]) == (
         True, "input", 'batch["x"]', [row], "input"), o
-    assert o["records"] == {'batch["id"]': [17]}, o
-    assert any('are batch["id"] = [17]' in p for p in rep["problems"]), rep["problems"]
+    assert o["records"] == {'batch["id"]': [17], 'batch["path"]': ["shard-1/rec-0017.pt"]}, o
+    assert any('are batch["id"] = [17]; batch["path"] = ["shard-1/rec-0017.pt"]' in p
+               for p in rep["problems"]), rep["problems"]
 
 
 def test_an_empty_sequence_names_the_masked_mean_and_the_empty_record(tmp_path):
