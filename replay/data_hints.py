@@ -1,6 +1,7 @@
 """What the data did, said once the report is made: the rows of the loop's batch a chunk's
 samples are (``replay.chunk_rows``); the dataset records they are, by the identifiers the batch
-carries (``replay.record_ids``); values far outside the batch's scale
+carries (``replay.record_ids``); the rows out of scale in the batch of the step where a rewind
+window shows the trouble began (``replay.began_batch``); values far outside the batch's scale
 (``replay.data_scale``), also where they drove an op out of its domain
 (``replay.domain_outliers``), or negative in a few records alone (``replay.negative_rows``);
 a propensity of 0 or 1 given as data (``replay.edge_probability``);
@@ -35,6 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 from .absent_channels import absent_channels_hint
+from .began_batch import began_batch_note
 from .chunk_rows import chunk_note
 from .column_scale import column_scale_hint
 from .constant_columns import constant_columns_hint
@@ -73,6 +75,7 @@ from .zero_weights_batch import zero_weights_hint
 def data_hints(report: dict[str, Any], step: Step) -> None:
     chunk_note(step, report)  # (a chunk of the loop's batch: its rows there)
     record_ids_note(report, step)  # (a shuffled loader's batch["id"] at the samples)
+    began_batch_note(report, step)  # (a target of 1e17 at the step the loss jumped)
     data_scale_hint(report, step)
     domain_outlier_hint(report, step)  # (log1p of a gap after a timestamp in ms)
     edge_probability_hint(report, step)  # (a propensity of 0 or 1 given as data)

@@ -43,25 +43,26 @@ def record_ids_note(report: dict[str, Any], step: Step) -> None:
     if not samples or not n or o.get("all_samples") or not 0 <= i < len(step.micro_batches) \
             or max(samples) >= n:
         return
-    found = {name: [values[s] for s in samples] for name, values in _identifiers(step, i, n)}
+    found = {name: [values[s] for s in samples]
+             for name, values in identifiers(step, step.micro_batches[i], n)}
     if not found:
         return
     o["records"] = found
-    said = "; ".join(f"{name} = {_short(v)}" for name, v in found.items())
+    said = "; ".join(f"{name} = {short(v)}" for name, v in found.items())
     report["problems"].append(
-        f"the batch carries the records' identifiers: samples {_short(samples)} are {said} "
+        f"the batch carries the records' identifiers: samples {short(samples)} are {said} "
         f"(the dataset's records to look at; a shuffled loader's rows say nothing of them)")
 
 
-def _short(values: list) -> str:
+def short(values: list) -> str:
     shown = ", ".join(json.dumps(v) if isinstance(v, str) else str(v) for v in values[:_SHOWN])
     return f"[{shown}" + (f", ... (+{len(values) - _SHOWN})]" if len(values) > _SHOWN else "]")
 
 
-def _identifiers(step: Step, i: int, n: int):
-    """(readable name, values) of micro-batch ``i``'s model inputs and loss arguments that
-    are a per-sample identifier of ``n`` samples."""
-    entry = step.micro_batches[i]
+def identifiers(step: Step, entry: dict, n: int):
+    """(readable name, values) of a micro-batch's model inputs and loss arguments (``entry``:
+    the bundle's, or a rewind window step's) that are a per-sample identifier of ``n``
+    samples."""
     n_args = _n_args(entry.get("inputs"))
     seen = set()
     for tree, name_of in ((entry.get("inputs"), lambda raw: batch_path(raw, n_args)),

@@ -361,3 +361,35 @@ def test_an_utterance_of_one_frame_names_the_unbiased_variance_of_its_cmvn(tmp_p
     assert o["source"] == line_of("var = (((x - mean) * m) ** 2).sum(1, keepdim=True) / (n - 1)")
     assert f"Sample(s) {row} are records of a single step" in rep["hint"], rep["hint"]
     assert "an unbiased variance's n - 1" in rep["hint"], rep["hint"]
+
+
+def test_a_corrupt_target_steps_before_the_overflow_is_named_in_the_window(tmp_path):
+    """Record 30's target is 1e17 (a corrupt value): its step's loss is finite but enormous,
+    plain SGD's update blows the weights up, and the loss overflows on clean batches later.
+    With ``rewind=8`` the replay names the loss's overflow, says the trouble began at the
+    record's step, and its note names that step's out-of-scale target row and ``row_id`` 30
+    (the hint said only "fix what happened there (a bad batch, ...)")."""
+    data = M.CsvStream()
+    data.y[30] = 1e17
+    step, row = where(M.stream_loader(data), 30, lambda b: b.row_id)
+    model = M.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.RowsMSE(), out_dir=tmp_path, rewind=8,
+                            factory="data_loading_models:make_mlp") as rec:
+            for b in M.stream_loader(data):
+                opt.zero_grad()
+                rec.loss_fn(model(b.features), b).backward()
+                opt.step()
+    ev, bundle = info.value.event, info.value.bundle_path
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (7, "loss", "<loss>", "+inf")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], rep["cause"]) == ("<loss>", "aten.mse_loss", "overflow"), o
+    assert rep["window"]["precursors_began"]["step"] == step, rep["window"]
+    assert "fix what happened there (a bad batch" in rep["hint"], rep["hint"]
+    note = next(p for p in rep["problems"] if "fed rows out of scale" in p)
+    assert note.startswith(f"step {step}, where the rewind window shows the trouble began, "
+                           f"fed rows out of scale: loss_args[1].target rows [{row}] reach "
+                           "1e+17"), note
+    assert "(the records: loss_args[1].row_id = [30])" in note, note
