@@ -128,7 +128,21 @@ def centred_root(node) -> bool:
             and _reaches(second, first, 5))
 
 
-def centred_hint(b, hint: str, sqrt_pole: str) -> str:
+def centred_hint(b, hint: str, sqrt_pole: str, cause: str = "invalid") -> str:
     """``hint`` of backward origin ``b``, its distance clause ``sqrt_pole`` replaced by
-    :data:`CENTRED` where ``b`` is such a root."""
-    return hint.replace(sqrt_pole, CENTRED) if b.centred_root and sqrt_pole in hint else hint
+    :data:`CENTRED` where ``b`` is such a root; a ``precision`` hint, which has no such
+    clause (rounding made the values equal: a float16 or bfloat16 convolution's output of a
+    near-constant image), gets it added."""
+    if not b.centred_root:
+        return hint
+    if sqrt_pole in hint:
+        return hint.replace(sqrt_pole, CENTRED)
+    return hint + CENTRED if cause == "precision" and CENTRED not in hint else hint
+
+
+def zero_deviations(b) -> bool:
+    """Whether a 0 gradient entering backward origin ``b`` is its own values' doing, no mask:
+    a std written out and divided into the deviations it measures (``(x - mu) / (std +
+    eps)``, a hand-written instance or layer norm) gets from them a gradient of 0 exactly
+    where they are all 0, where its root is at 0."""
+    return bool(b.centred_root)

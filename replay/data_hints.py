@@ -1,5 +1,7 @@
 """What the data did, said once the report is made: the rows of the loop's batch a chunk's
-samples are (``replay.chunk_rows``); values far outside the batch's scale
+samples are (``replay.chunk_rows``); the dataset records they are, by the identifiers the batch
+carries (``replay.record_ids``); the rows out of scale in the batch of the step where a rewind
+window shows the trouble began (``replay.began_batch``); values far outside the batch's scale
 (``replay.data_scale``), also where they drove an op out of its domain
 (``replay.domain_outliers``), or negative in a few records alone (``replay.negative_rows``);
 a propensity of 0 or 1 given as data (``replay.edge_probability``);
@@ -29,13 +31,15 @@ input coded -999 where its mask is 0 (``replay.sentinel_inputs``); an input's Na
 cast to an integer type, its outputs finite (``replay.nan_cast``); a mean loss over no target
 in one micro-batch of several, every target ignored (``replay.ignored_micro_batch``), or
 token labels ignored at every position beside real tokens (``replay.unselected_targets``); a
-distance at 0 between samples that are one record in pairs (``replay.same_record_pairs``)."""
+distance at 0 between samples that are one record in pairs (``replay.same_record_pairs``); a
+loss's weighted mean over a batch whose weights are all 0 (``replay.zero_weights_batch``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from .absent_channels import absent_channels_hint
+from .began_batch import began_batch_note
 from .chunk_rows import chunk_note
 from .column_scale import column_scale_hint
 from .constant_columns import constant_columns_hint
@@ -63,6 +67,7 @@ from .other_inputs import other_inputs_note
 from .output_overflow import huge_output_hint
 from .padded_units import padded_units_hint
 from .padding_batch import padding_batch_hint
+from .record_ids import record_ids_note
 from .same_record_pairs import same_record_pairs_hint
 from .sentinel_inputs import sentinel_inputs_hint
 from .single_sample import single_sample_hint
@@ -70,10 +75,13 @@ from .unselected_targets import unselected_targets_hint
 from .zero_bound import zero_bound_hint
 from .zero_number import zero_number_hint
 from .zero_records import zero_records_hint
+from .zero_weights_batch import zero_weights_hint
 
 
 def data_hints(report: dict[str, Any], step: Step) -> None:
     chunk_note(step, report)  # (a chunk of the loop's batch: its rows there)
+    record_ids_note(report, step)  # (a shuffled loader's batch["id"] at the samples)
+    began_batch_note(report, step)  # (a target of 1e17 at the step the loss jumped)
     data_scale_hint(report, step)
     domain_outlier_hint(report, step)  # (log1p of a gap after a timestamp in ms)
     edge_probability_hint(report, step)  # (a propensity of 0 or 1 given as data)
@@ -88,6 +96,7 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     same_record_pairs_hint(report, step)  # (a triplet whose positive is its anchor's text)
     padding_batch_hint(report, step)  # (a segment past every piece's end: mean of none)
     unselected_targets_hint(report, step)  # (an SFT answer truncated away: labels all -100)
+    zero_weights_hint(report, step)  # (a last short batch of records all weighted 0)
     empty_records_hint(report, step)  # (a per-line mean over an empty stroke file's mask)
     absent_channels_hint(report, step)  # (a Dice of a structure absent from a scan's labels)
     dead_channels_hint(report, step)  # (dF/F of a ROI reading 0 all trial)

@@ -67,8 +67,10 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
             f"{' and '.join(names)} (0/1 data) {'has' if len(names) == 1 else 'have'} one "
             "entry set in their rows and two or more in every other sample's (a student "
             "with one interaction, a track of one point), so a count over the steps that "
-            "have a next one (a next-step target's mask[:, 1:], consecutive pairs) is the 0 "
-            "divided here; filter records shorter than 2 steps where the data is made (the "
+            "have a next one (a next-step target's mask[:, 1:], consecutive pairs), or the "
+            "count less one (an unbiased variance's n - 1: per-utterance mean and variance "
+            "normalisation), is the 0 divided here; filter records shorter than 2 steps "
+            "where the data is made (the "
             "dataset, the collate_fn) or floor the count (count.clamp_min(1)) "
             f"(--try drop={which} re-runs the step without them)")
         return

@@ -2,13 +2,16 @@
 
 A loss called with six tensors (GRPO's ``loss(logits, ids, mask, old_logps, ref_logps,
 advantages)``) had its NaN argument named ``loss_args[5]`` only, leaving the user to count the
-call's arguments; the rebuilt loss's signature names it: ``loss_args[5] (advantages)``.
+call's arguments; the rebuilt loss's signature names it: ``loss_args[5] (advantages)``; an
+``nn.Module`` loss's by its ``forward``.
 """
 
 from __future__ import annotations
 
 import inspect
 import re
+
+from torch import nn
 
 __all__ = ["with_param_name"]
 
@@ -22,8 +25,11 @@ def with_param_name(tensor: str, loss_fn) -> str:
     m = _POSITIONAL.match(tensor)
     if m is None or not callable(loss_fn):
         return tensor
+    # (an nn.Module's own signature is its __call__'s, (*args, **kwargs): its forward names
+    # them, as a loss class's forward(logits, target, weight) does)
+    fn = loss_fn.forward if isinstance(loss_fn, nn.Module) else loss_fn
     try:
-        params = list(inspect.signature(loss_fn).parameters.values())
+        params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return tensor
     i = int(m.group(1))

@@ -22,7 +22,7 @@ import torch
 from . import lost_eps
 from .cause import Cause
 from .cause_text import DO
-from .centred_root import centred_hint
+from .centred_root import centred_hint, zero_deviations
 from .clamped_divisor import clamped_to_zero
 from .compat import saved_value
 from .hypot_pole import hypot_hint
@@ -111,12 +111,13 @@ def zero_divisor(node) -> str | None:
 def pole_hint(b, cause: Cause) -> str:
     """``cause``'s hint for backward origin ``b`` (a :class:`~replay.backward.BackwardOrigin`),
     with what a 0 incoming gradient says of a mask after the op (replay.masked_grad)."""
-    hint = centred_hint(b, _pole_hint(b, cause), DO["sqrt_pole"])
+    hint = centred_hint(b, _pole_hint(b, cause), DO["sqrt_pole"], cause.name)
     hint = hypot_hint(b.node, b.saved_zero, hint)  # (torch.hypot(re, im) at 0 + 0j)
     if cause.name == "precision" and not isinstance(b.lost_eps, RoundedBound):
         hint += narrow_eps(b.node, b.dtype)  # (float32's eps, rounded away in float16; a
         # clamp's bound rounded onto the edge says so itself: replay.rounded_bound)
     if not b.masked or cause.name not in ("invalid", "precision") or "both branches" in hint \
+            or zero_deviations(b) \
             or b.zero_divisor in ("constant", "clamped", "xlogy", "xlogy_of_x"):  # (their hints say the
         # forward hid it)
         return hint
