@@ -75,7 +75,7 @@ def loss_params(loss_fn, optimizer, params: list) -> list[tuple[str, torch.Tenso
         return []
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
     own = {id(p) for _, p in params}
-    return [(LOSS_PREFIX + n, p) for n, p in loss_fn.named_parameters()
+    return [(LOSS_PREFIX + eager_name(n), p) for n, p in loss_fn.named_parameters()
             if id(p) in held and id(p) not in own]
 
 

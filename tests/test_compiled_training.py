@@ -11,6 +11,7 @@ counters) with and without the recorder."""
 from __future__ import annotations
 
 import contextlib
+import json
 
 import compiled_training_models as M
 import pytest
@@ -322,10 +323,11 @@ def test_compiled_loss_function_is_replayed_as_the_function_it_compiled(tmp_path
 
 def test_compiled_loss_with_a_trained_temperature_started_at_zero(tmp_path):
     """A loss module with a learned temperature, compiled and trained with the model, started
-    at 0 from the config: x/0 at step 0. The recorder names the loss's parameter through the
+    at 0 from the config: x/0 at step 0. The recorder named the loss's parameter through the
     compile wrapper (``<loss>._orig_mod.temperature``), which the eagerly rebuilt loss lacks:
-    the replay stopped ("the rebuilt loss has no parameter '_orig_mod.temperature'"). It now
-    looks the parameter up without the wrapper and names the division by it."""
+    the replay stopped ("the rebuilt loss has no parameter '_orig_mod.temperature'"). The
+    parameter is named as the user wrote it (``<loss>.temperature``), in the bundle and in
+    the report, and the replay names the division by it."""
     model = M.compile_blocks(M.make_lm(), backend=BACKEND, dynamic=True)
     loss = M.LearnedTemperatureLM(temperature=0.0)
     criterion = torch.compile(loss, backend=BACKEND, dynamic=True)
@@ -347,6 +349,7 @@ def test_compiled_loss_with_a_trained_temperature_started_at_zero(tmp_path):
     assert rep["cause"] == "invalid" and rep["reproduced"] is True
     assert o["source"] == line_of("scaled = logits / self.temperature")
     assert "temperature" in rep["hint"] and "learn its log" in rep["hint"]
+    assert "_orig_mod" not in json.dumps(rep), rep
 
 
 def test_a_missing_reading_is_the_batch_not_the_compiled_model(tmp_path):
