@@ -1,0 +1,113 @@
+"""End to end on protein-ligand docking (``molecular_docking_models``): a pose scorer over
+``torch.cdist`` of ligand and pocket coordinates with a learned Lennard-Jones 12-6 term, a
+bond angle by ``acos`` of normalised bond vectors, message passing with a distance cutoff
+averaged over each atom's neighbours, trained on pKd labels with a censored MSE by AdamW with
+gradient clipping over a ``DataLoader``. Each planted failure fires under the recorder at step
+K in complex BAD and is replayed with the CLI; the healthy run raises nothing and trains
+bit-identically with and without the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import molecular_docking_models as M
+import pytest
+import torch
+from bundles import nanreplay_json, source_line
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+K, BAD = 2, 1
+FACTORY = "molecular_docking_models:make_scorer"
+
+
+def line_of(text: str) -> str:
+    return source_line("molecular_docking_models.py", text)
+
+
+def train(plant: str, out_dir, kw: dict | None = None, record: bool = True) -> torch.nn.Module:
+    kw = kw or {}
+    model = M.make_scorer(**kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    crit = M.CensoredMSE()
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, factory=FACTORY,
+                         factory_kwargs=kw)
+    with rec if record else contextlib.nullcontext():
+        for b in M.loader(plant, K, BAD):
+            opt.zero_grad()
+            pred = model(b["lig_pos"], b["prot_pos"], b["lig_feat"], b["prot_feat"],
+                         b["lig_mask"], b["torsion"])
+            loss = crit(pred, b["pkd"], b["censored"])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    return model
+
+
+def fire(plant: str, out_dir, **kw):
+    with pytest.raises(NonFiniteError) as info:
+        train(plant, out_dir, **kw)
+    ev = info.value.event
+    assert ev["step"] == K, ev
+    return ev, nanreplay_json(info.value.bundle_path)
+
+
+def origin(rep: dict) -> tuple:
+    o = rep["origin"]
+    return o["phase"], o["module"], o["op"], o["source"], o["samples"], rep["cause"]
+
+
+def test_nan_coordinates_from_a_bad_sdf_parse_are_an_input_event(tmp_path):
+    """A ligand coordinate the SDF parser left as NaN: an input event on that complex."""
+    ev, rep = fire("nan_coords", tmp_path)
+    assert (ev["phase"], ev["samples"]) == ("input", [BAD]), ev
+    assert (rep["cause"], rep["origin"]["samples"]) == ("input", [BAD]), rep
+    assert "data pipeline" in rep["hint"]
+
+
+def test_an_atom_on_a_pocket_atom_is_the_lennard_jones_pole(tmp_path):
+    """A ligand atom placed exactly on a pocket atom: its cdist distance is 0 and the 12-6
+    term's sigma / r is +inf (then inf - inf = NaN)."""
+    ev, rep = fire("overlap", tmp_path)
+    assert origin(rep) == ("forward", "lj", "aten.div", line_of("x = sigma / d"), [BAD],
+                           "invalid"), rep
+    assert "by 0" in rep["hint"], rep["hint"]
+
+
+def test_a_straight_angle_rounds_its_cosine_past_minus_one(tmp_path):
+    """Three collinear atoms: the normalised bond vectors' dot rounds to -1.0000002 and acos
+    is NaN; the cause is rounding (float64 has -1), the hint says clamp or atan2."""
+    ev, rep = fire("straight", tmp_path, kw={"angle_clamp": False})
+    assert origin(rep) == ("forward", "angle", "aten.acos", line_of("theta = torch.acos(cos)"),
+                           [BAD], "precision"), rep
+    assert "clamp" in rep["hint"] and "atan2" in rep["hint"], rep["hint"]
+
+
+def test_a_ligand_out_of_its_pocket_has_no_neighbour_in_the_cutoff(tmp_path):
+    """A ligand 50 A from its pocket (a wrong frame): no pocket atom within the cutoff, and
+    the neighbour mean is 0/0 under an eps of 0."""
+    ev, rep = fire("far", tmp_path, kw={"msg_eps": 0.0})
+    assert origin(rep) == ("forward", "messages", "aten.div",
+                           line_of("return h_lig + msg / (count + self.eps)"), [BAD],
+                           "invalid"), rep
+    assert "0 by 0" in rep["hint"] and "exactly 0" in rep["hint"], rep["hint"]
+
+
+def test_a_clash_overflows_r_minus_12_in_float16(tmp_path):
+    """A clash 0.3 A from a pocket atom with pair energies kept in float16: (sigma/r)^12
+    passes 65504."""
+    ev, rep = fire("close", tmp_path, kw={"lj_half": True})
+    assert origin(rep) == ("forward", "lj", "aten.pow",
+                           line_of("return (eps * (x ** 12 - 2.0 * x ** 6)).float()"), [BAD],
+                           "overflow"), rep
+    assert "float16" in rep["hint"] and "float32" in rep["hint"], rep["hint"]
+
+
+def test_healthy_run_raises_nothing_and_trains_the_same(tmp_path):
+    with_rec = train("", tmp_path)
+    without = train("", tmp_path, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), (_, b) in zip(with_rec.state_dict().items(), without.state_dict().items()):
+        assert torch.equal(a, b), name
