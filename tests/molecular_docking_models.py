@@ -113,8 +113,9 @@ class PoseScorer(nn.Module):
     messages with a cutoff, masked pooling to a pKd."""
 
     def __init__(self, hidden: int = 16, lj_half: bool = False, angle_clamp: bool = True,
-                 msg_eps: float = 1.0, intra_safe: bool = True):
+                 msg_eps: float = 1.0, intra_safe: bool = True, refine_steps: int = 0):
         super().__init__()
+        self.refine_steps, self.refine_lr = refine_steps, 0.05
         self.lig = nn.Linear(F, hidden)
         self.rbf = RBF()
         self.pair = nn.Sequential(nn.Linear(8, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
@@ -125,7 +126,22 @@ class PoseScorer(nn.Module):
         self.head = nn.Sequential(nn.Linear(hidden, hidden), nn.SiLU(), nn.Linear(hidden, 1))
         self.lj_scale = nn.Parameter(torch.tensor(0.01))
 
+    def refine(self, lig_pos, prot_pos):
+        """The pose optimisation inner loop: gradient descent on the ligand's coordinates
+        under the intra-ligand and LJ energies, differentiable (create_graph) so the scorer
+        learns through the refined pose; the intra term's unsafe sqrt at the diagonal's 0 makes
+        the inner gradient NaN (intra_safe=False)."""
+        pos = lig_pos.requires_grad_(True) if not lig_pos.requires_grad else lig_pos
+        for _ in range(self.refine_steps):
+            d = (pos[:, :, None] - prot_pos[:, None]).norm(dim=-1)  # (cdist: no double backward)
+            energy = self.intra(pos).sum() + self.lj_scale * self.lj(self.pair(self.rbf(d)), d).sum()
+            (g,) = torch.autograd.grad(energy, pos, create_graph=True)
+            pos = pos - self.refine_lr * g
+        return pos
+
     def forward(self, lig_pos, prot_pos, lig_feat, prot_feat, lig_mask, torsion):
+        if self.refine_steps:
+            lig_pos = self.refine(lig_pos, prot_pos)
         d = torch.cdist(lig_pos, prot_pos)  # (B, L, P)
         pair = self.pair(self.rbf(d))
         lj = self.lj(pair, d)

@@ -69,11 +69,16 @@ def test_nan_coordinates_from_a_bad_sdf_parse_are_an_input_event(tmp_path):
 
 def test_an_atom_on_a_pocket_atom_is_the_lennard_jones_pole(tmp_path):
     """A ligand atom placed exactly on a pocket atom: its cdist distance is 0 and the 12-6
-    term's sigma / r is +inf (then inf - inf = NaN)."""
+    term's sigma / r is +inf (then inf - inf = NaN). The hint said the divisor was a value of
+    the data like a diffusion time t = 0 or a duplicated timestamp's dt; now it names the two
+    coordinate inputs whose points coincide exactly at the NaN pairs, and to drop or repair
+    those records (or floor the distance)."""
     ev, rep = fire("overlap", tmp_path)
     assert origin(rep) == ("forward", "lj", "aten.div", line_of("x = sigma / d"), [BAD],
                            "invalid"), rep
     assert "by 0" in rep["hint"], rep["hint"]
+    assert "exactly the pairs of points at one position in args[0] and args[1]" in rep["hint"]
+    assert "diffusion time" not in rep["hint"], rep["hint"]
 
 
 def test_a_straight_angle_rounds_its_cosine_past_minus_one(tmp_path):
@@ -105,9 +110,32 @@ def test_a_clash_overflows_r_minus_12_in_float16(tmp_path):
     assert "float16" in rep["hint"] and "float32" in rep["hint"], rep["hint"]
 
 
-def test_healthy_run_raises_nothing_and_trains_the_same(tmp_path):
-    with_rec = train("", tmp_path)
-    without = train("", tmp_path, record=False)
+def test_pose_refinement_through_an_unsafe_sqrt_is_named_in_its_derivative(tmp_path):
+    """The pose optimisation inner loop differentiates the intra-ligand energy w.r.t. the
+    coordinates (create_graph) through sqrt of squared distances whose diagonal is 0: the
+    forward is finite but SqrtBackward0's 0/0 makes the inner gradient NaN at step 0 in every
+    complex. The report names the root module (""), the sqrt's line, the autograd.grad that ran it and the
+    diagonal of the pairwise matrix."""
+    with pytest.raises(NonFiniteError) as info:
+        train("", tmp_path, kw={"intra_safe": False, "refine_steps": 1})
+    assert info.value.event["step"] == 0, info.value.event
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["source"], o["samples"], rep["cause"]) == (
+        "forward", "", "aten.div",
+        line_of("(g,) = torch.autograd.grad(energy, pos, create_graph=True)"), [0, 1, 2, 3],
+        "invalid"), rep
+    assert "SqrtBackward0" in rep["hint"] and "d = sq.sqrt()" in rep["hint"], rep["hint"]
+    assert "the diagonal of a square pairwise matrix" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.parametrize("kw", [{}, {"refine_steps": 1}])
+def test_healthy_run_raises_nothing_and_trains_the_same(tmp_path, kw):
+    """No plant (with and without the differentiable pose refinement): no event, and the
+    weights after four AdamW steps with clipping equal those of the run without the
+    recorder, bit for bit."""
+    with_rec = train("", tmp_path, kw=kw)
+    without = train("", tmp_path, kw=kw, record=False)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), (_, b) in zip(with_rec.state_dict().items(), without.state_dict().items()):
         assert torch.equal(a, b), name
