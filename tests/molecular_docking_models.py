@@ -74,14 +74,19 @@ class CutoffMessages(nn.Module):
     """Invariant message passing ligand <- pocket: messages from pocket atoms within the
     cutoff, weighted by a radial MLP, averaged over each ligand atom's neighbours."""
 
-    def __init__(self, hidden: int, eps: float = 1.0):
+    def __init__(self, hidden: int, eps: float = 1.0, soft: bool = False):
         super().__init__()
+        self.soft = soft
         self.rbf = RBF()
         self.radial = nn.Sequential(nn.Linear(8, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
         self.prot = nn.Linear(F, hidden)
         self.eps = eps
 
     def forward(self, h_lig, prot_feat, d):
+        if self.soft:  # a soft neighbourhood: Gaussian weights of width 2 A, normalised
+            w = torch.exp(-d ** 2 / 8.0)
+            w = w / w.sum(2, keepdim=True)  # the bug: far from every pocket atom all underflow
+            return h_lig + (w[..., None] * self.prot(prot_feat)[:, None]).sum(2)
         within = (d < CUTOFF).float()  # (B, L, P)
         w = self.radial(self.rbf(d)) * within[..., None]
         msg = (w * self.prot(prot_feat)[:, None]).sum(2)
@@ -113,7 +118,8 @@ class PoseScorer(nn.Module):
     messages with a cutoff, masked pooling to a pKd."""
 
     def __init__(self, hidden: int = 16, lj_half: bool = False, angle_clamp: bool = True,
-                 msg_eps: float = 1.0, intra_safe: bool = True, refine_steps: int = 0):
+                 msg_eps: float = 1.0, intra_safe: bool = True, refine_steps: int = 0,
+                 soft: bool = False):
         super().__init__()
         self.refine_steps, self.refine_lr = refine_steps, 0.05
         self.lig = nn.Linear(F, hidden)
@@ -121,7 +127,7 @@ class PoseScorer(nn.Module):
         self.pair = nn.Sequential(nn.Linear(8, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
         self.lj = LennardJones(hidden, half=lj_half)
         self.angle = AngleTerm(clamp=angle_clamp)
-        self.messages = CutoffMessages(hidden, eps=msg_eps)
+        self.messages = CutoffMessages(hidden, eps=msg_eps, soft=soft)
         self.intra = IntraLigand(safe=intra_safe)
         self.head = nn.Sequential(nn.Linear(hidden, hidden), nn.SiLU(), nn.Linear(hidden, 1))
         self.lj_scale = nn.Parameter(torch.tensor(0.01))
@@ -155,7 +161,9 @@ class PoseScorer(nn.Module):
 class CensoredMSE(nn.Module):
     """MSE on pKd; a censored label ("pKd > y") costs only where the prediction is below it."""
 
-    def forward(self, pred, pkd, censored):
+    def forward(self, pred, pkd, censored, kd_nm=None):
+        if kd_nm is not None:  # the label as measured, Kd in nM: pKd = 9 - log10(Kd)
+            pkd = 9.0 - torch.log10(kd_nm)
         err = pred - pkd
         err = torch.where(censored.bool(), err.clamp(max=0.0), err)
         return (err ** 2).mean()
@@ -184,6 +192,7 @@ class Complexes(Dataset):
                 "torsion": torch.tensor([0, 1, 2, 3]),
                 "pkd": 4.0 + 6.0 * torch.rand((), generator=g),
                 "censored": torch.tensor(float(i % 5 == 0))}
+        item["kd_nm"] = 10.0 ** (9.0 - item["pkd"])
         if i == self.k * self.batch + self.bad:
             plant_item(item, self.plant)
         return item
@@ -200,6 +209,8 @@ def plant_item(item: dict, plant: str) -> None:
         item["lig_pos"][:3] = v * torch.tensor([[1.0], [2.0], [3.0]])
     elif plant == "far":  # a ligand placed far from its pocket (wrong frame in the input)
         item["lig_pos"][:] += 50.0
+    elif plant == "kd_zero":  # an assay's "below detection" written as Kd = 0
+        item["kd_nm"] = torch.tensor(0.0)
     elif plant == "close":  # a clash in the docked pose: 0.3 A from a pocket atom
         item["lig_pos"][2] = item["prot_pos"][4] * 0.95
 

@@ -27,7 +27,9 @@ def line_of(text: str) -> str:
     return source_line("molecular_docking_models.py", text)
 
 
-def train(plant: str, out_dir, kw: dict | None = None, record: bool = True) -> torch.nn.Module:
+def train(plant: str, out_dir, kw: dict | None = None, record: bool = True,
+          kd: bool = False) -> torch.nn.Module:
+    """AdamW with gradient clipping; ``kd``: the loss takes the measured Kd (nM) as label."""
     kw = kw or {}
     model = M.make_scorer(**kw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -39,7 +41,7 @@ def train(plant: str, out_dir, kw: dict | None = None, record: bool = True) -> t
             opt.zero_grad()
             pred = model(b["lig_pos"], b["prot_pos"], b["lig_feat"], b["prot_feat"],
                          b["lig_mask"], b["torsion"])
-            loss = crit(pred, b["pkd"], b["censored"])
+            loss = crit(pred, b["pkd"], b["censored"], b["kd_nm"] if kd else None)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -129,13 +131,34 @@ def test_pose_refinement_through_an_unsafe_sqrt_is_named_in_its_derivative(tmp_p
     assert "the diagonal of a square pairwise matrix" in rep["hint"], rep["hint"]
 
 
-@pytest.mark.parametrize("kw", [{}, {"refine_steps": 1}])
-def test_healthy_run_raises_nothing_and_trains_the_same(tmp_path, kw):
-    """No plant (with and without the differentiable pose refinement): no event, and the
+def test_soft_neighbour_weights_underflow_far_from_the_pocket(tmp_path):
+    """Gaussian neighbour weights exp(-d^2 / 8) normalised by their sum: a ligand ~86 A from
+    its pocket underflows every weight of its atoms' rows, 0/0. The cause is underflow, the
+    hint says softmax (subtract the max) and names the out-of-scale sample."""
+    ev, rep = fire("far", tmp_path, kw={"soft": True})
+    assert origin(rep) == ("forward", "messages", "aten.div",
+                           line_of("w = w / w.sum(2, keepdim=True)"), [BAD], "underflow"), rep
+    assert "torch.softmax" in rep["hint"] and "sample(s) 1 of args[0]" in rep["hint"]
+
+
+def test_a_kd_of_zero_is_a_log_pole_in_the_loss(tmp_path):
+    """The loss converts the measured Kd (nM) to pKd = 9 - log10(Kd); an assay's "below
+    detection" written as 0 is log10(0) = -inf in the loss, on that complex's label."""
+    ev, rep = fire("kd_zero", tmp_path, kd=True)
+    o = rep["origin"]
+    assert (o["phase"], o["op"], o["source"], o["samples"], rep["cause"]) == (
+        "loss", "aten.log10", line_of("pkd = 9.0 - torch.log10(kd_nm)"), [BAD], "invalid"), rep
+    assert "loss_args[3] is 0 everywhere in sample(s) 1" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.parametrize("kw, kd", [({}, False), ({"refine_steps": 1}, False),
+                                   ({"soft": True}, True)])
+def test_healthy_run_raises_nothing_and_trains_the_same(tmp_path, kw, kd):
+    """No plant (also with the pose refinement, the soft neighbourhood and Kd labels): no event, the
     weights after four AdamW steps with clipping equal those of the run without the
     recorder, bit for bit."""
-    with_rec = train("", tmp_path, kw=kw)
-    without = train("", tmp_path, kw=kw, record=False)
+    with_rec = train("", tmp_path, kw=kw, kd=kd)
+    without = train("", tmp_path, kw=kw, record=False, kd=kd)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), (_, b) in zip(with_rec.state_dict().items(), without.state_dict().items()):
         assert torch.equal(a, b), name
