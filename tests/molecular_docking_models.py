@@ -123,6 +123,7 @@ class PoseScorer(nn.Module):
         super().__init__()
         self.refine_steps, self.refine_lr = refine_steps, 0.05
         self.lig = nn.Linear(F, hidden)
+        self.types = nn.Embedding(10, hidden)  # element types; the batch uses types 0..4 only
         self.rbf = RBF()
         self.pair = nn.Sequential(nn.Linear(8, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
         self.lj = LennardJones(hidden, half=lj_half)
@@ -145,14 +146,15 @@ class PoseScorer(nn.Module):
             pos = pos - self.refine_lr * g
         return pos
 
-    def forward(self, lig_pos, prot_pos, lig_feat, prot_feat, lig_mask, torsion):
+    def forward(self, lig_pos, prot_pos, lig_feat, prot_feat, lig_mask, torsion, lig_type=None):
         if self.refine_steps:
             lig_pos = self.refine(lig_pos, prot_pos)
         d = torch.cdist(lig_pos, prot_pos)  # (B, L, P)
         pair = self.pair(self.rbf(d))
         lj = self.lj(pair, d)
         lj = (lj * lig_mask[..., None]).sum((1, 2))
-        h = self.messages(torch.relu(self.lig(lig_feat)), prot_feat, d)
+        h = self.lig(lig_feat) if lig_type is None else self.lig(lig_feat) + self.types(lig_type)
+        h = self.messages(torch.relu(h), prot_feat, d)
         pooled = (h * lig_mask[..., None]).sum(1) / lig_mask.sum(1, keepdim=True)
         return (self.head(pooled).squeeze(-1) - self.lj_scale * lj
                 + self.angle(lig_pos, torsion) + self.intra(lig_pos))
@@ -190,6 +192,7 @@ class Complexes(Dataset):
         item = {"lig_pos": lig, "prot_pos": prot, "lig_feat": torch.randn(L, F, generator=g),
                 "prot_feat": torch.randn(P, F, generator=g), "lig_mask": torch.ones(L),
                 "torsion": torch.tensor([0, 1, 2, 3]),
+                "lig_type": torch.randint(0, 5, (L,), generator=g),
                 "pkd": 4.0 + 6.0 * torch.rand((), generator=g),
                 "censored": torch.tensor(float(i % 5 == 0))}
         item["kd_nm"] = 10.0 ** (9.0 - item["pkd"])

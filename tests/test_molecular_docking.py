@@ -28,11 +28,12 @@ def line_of(text: str) -> str:
 
 
 def train(plant: str, out_dir, kw: dict | None = None, record: bool = True,
-          kd: bool = False) -> torch.nn.Module:
-    """AdamW with gradient clipping; ``kd``: the loss takes the measured Kd (nM) as label."""
+          kd: bool = False, adam_eps: float = 1e-8) -> torch.nn.Module:
+    """AdamW with gradient clipping; ``kd``: the loss takes the measured Kd (nM) as label;
+    the element types are passed to forward by keyword."""
     kw = kw or {}
     model = M.make_scorer(**kw)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=adam_eps)
     crit = M.CensoredMSE()
     rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, factory=FACTORY,
                          factory_kwargs=kw)
@@ -40,7 +41,7 @@ def train(plant: str, out_dir, kw: dict | None = None, record: bool = True,
         for b in M.loader(plant, K, BAD):
             opt.zero_grad()
             pred = model(b["lig_pos"], b["prot_pos"], b["lig_feat"], b["prot_feat"],
-                         b["lig_mask"], b["torsion"])
+                         b["lig_mask"], b["torsion"], lig_type=b["lig_type"])
             loss = crit(pred, b["pkd"], b["censored"], b["kd_nm"] if kd else None)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -149,6 +150,19 @@ def test_a_kd_of_zero_is_a_log_pole_in_the_loss(tmp_path):
     assert (o["phase"], o["op"], o["source"], o["samples"], rep["cause"]) == (
         "loss", "aten.log10", line_of("pkd = 9.0 - torch.log10(kd_nm)"), [BAD], "invalid"), rep
     assert "loss_args[3] is 0 everywhere in sample(s) 1" in rep["hint"], rep["hint"]
+
+
+def test_adamw_with_eps_0_makes_unused_element_types_nan(tmp_path):
+    """AdamW(eps=0): the element-type embedding's rows of types no complex holds get a
+    gradient of exactly 0, m = v = 0, and the update is 0/0 at step 0. The report names the
+    optimizer, the parameter and eps."""
+    with pytest.raises(NonFiniteError) as info:
+        train("", tmp_path, adam_eps=0.0)
+    assert (info.value.event["step"], info.value.event["phase"]) == (0, "optimizer")
+    rep = nanreplay_json(info.value.bundle_path, code=1)  # (not re-run: weights after it)
+    assert (rep["origin"]["phase"], rep["origin"]["param"], rep["cause"]) == (
+        "optimizer", "types.weight", "optimizer"), rep
+    assert "eps=0" in rep["hint"] and "set eps > 0" in rep["hint"], rep["hint"]
 
 
 @pytest.mark.parametrize("kw, kd", [({}, False), ({"refine_steps": 1}, False),
