@@ -19,6 +19,7 @@ from .buffer_divisor import buffer_divisor_hint
 from .called_at import note_called_at
 from .caller_picks import CallerPicks
 from .cause import Cause, classify
+from .coincident_points import coincident_hint
 from .cumsum_diff import cumsum_diff_hint
 from .dropped_branch import dropped_branch_hint
 from .errors import StopRun
@@ -166,7 +167,8 @@ def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin,
     # (then in the forces' backward, where the model's output does not hold it)
     hint = dropped_branch_hint(hint, hit, finder.first_nan, run, o, finder.differentiated)
     hint = kept_divisor_hint(hint, finder, hit)  # (whole columns of x / (self.std + eps))
-    return self_edge_hint(hint, cause.name, hit, step, o.micro_batch)  # (i == j in edge_index)
+    hint = self_edge_hint(hint, cause.name, hit, step, o.micro_batch)  # (i == j in edge_index)
+    return coincident_hint(hint, cause.name, hit, step, o.micro_batch)  # (cdist(a, b) of 0)
 
 
 def _node_of(runner: Runner, o, hit) -> tuple[str, str | None, str] | None:
