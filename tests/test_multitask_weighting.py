@@ -72,7 +72,9 @@ def test_a_log_variance_driven_down_overflows_exp_in_uncertainty_weighting(tmp_p
     assert (o["module"], o["op"], o["made"], rep["cause"]) == ("<loss>", "aten.exp", "+inf",
                                                                 "overflow"), rep
     assert o["source"] == line_of("return (torch.exp(-self.log_vars) * losses")
-    assert "bound a learned exponent" in rep["hint"], rep["hint"]
+    hint = rep["hint"]  # (before: only the generic 'subtract the row max, bound the exponent')
+    assert "input is -<loss>.log_vars, the trained parameter <loss>.log_vars negated" in hint
+    assert "96.49 at flat index 1" in hint and "drifted down" in hint, hint
 
 
 def test_dwa_weights_from_a_zero_epoch_loss_are_nan_and_named_as_such(tmp_path):
