@@ -1,7 +1,8 @@
 """What an exp that overflowed in the forward or the loss was part of, from one forward re-run: a
 softplus written by hand, ``log(1 + exp(z))`` (``replay.softplus_overflow``), an exp of a
 cumulative sum taken as is (``replay.cumsum_exp``), or a softmax written by hand,
-``exp(s) / exp(s).sum(dim)`` (``replay.softmax_overflow``). Each has a form finite by construction, which the
+``exp(s) / exp(s).sum(dim)`` (``replay.softmax_overflow``), or an exp of a trained parameter
+(``replay.exp_param_overflow``: Kendall's ``exp(-s)``). Each has a form finite by construction, which the
 generic advice for an exp's overflow (subtract the row max, bound the exponent, float64)
 misses."""
 
@@ -12,6 +13,7 @@ import torch
 from .compat import TorchDispatchMode
 from .cumsum_exp import CumsumFollowed, cumsum_exp_text
 from .dispatch import run_op
+from .exp_param_overflow import ParamExpFollowed, param_exp_text, trained_params
 from .softmax_overflow import SoftmaxFollowed, softmax_text
 from .softplus_overflow import SoftplusFollowed, softplus_text
 
@@ -45,12 +47,15 @@ def exp_overflow_hint(runner, hint: str | None, cause: str, hit) -> str | None:
     at = (hit.op, hit.source)
     soft, sums, ratio = SoftplusFollowed(at), CumsumFollowed(at), SoftmaxFollowed(at)
     try:
+        param = ParamExpFollowed(at, trained_params(runner))
         runner.run(backward=False, instrument=False,
-                   forward_ctx=lambda: _Following(soft, sums, ratio))
+                   forward_ctx=lambda: _Following(soft, sums, ratio, param))
     except Exception:  # (the hint as it is: this only says what the exp was given, or in)
         return hint
     if sums.found is not None:
         return cumsum_exp_text(hit, sums.found)
     if soft.found is not None:
         return softplus_text(hit, soft.found)
-    return softmax_text(hint, ratio.found) if ratio.found is not None else hint
+    if ratio.found is not None:
+        return softmax_text(hint, ratio.found)
+    return param_exp_text(hit, param.hit) if param.hit is not None else hint

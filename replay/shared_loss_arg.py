@@ -32,6 +32,12 @@ SHARED_LOSS_ARG = (
     "1 / count with a class absent from the counts (an empty cluster) are 1/0, and "
     "normalising them (w / w.sum()) makes inf / inf, NaN; make it finite where it is made "
     "(count.clamp_min(1), a smoothing constant, a weight of 0 for an absent class)")
+EVERY_VALUE = (
+    ". Every one of its values is NaN, as a normalisation over the whole vector (a softmax, "
+    "w / w.sum()) of one entry that was inf or NaN makes them: task weights made of ratios of "
+    "earlier losses (DWA's softmax of L_t(e-1) / L_t(e-2), GradNorm's L_t / L_0) are x/0 or "
+    "0/0 for a task whose loss was 0 (an epoch or first batch without a labelled sample for "
+    "it); clamp the ratio's denominator (L.clamp_min(eps)) or leave such a task at weight 1")
 
 
 LOSS_ROWS = (
@@ -69,8 +75,9 @@ def shared_loss_arg_hint(step: Step, origin: dict[str, Any], where: Samples) -> 
         return rows
     at = ", ".join(str(tuple(i) if len(i) > 1 else i[0]) for i in bad[:5].tolist())
     more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+    every = EVERY_VALUE if t.numel() > 1 and bool(torch.isnan(t).all()) else ""
     return SHARED_LOSS_ARG.format(tensor=tensor, shape=tuple(t.shape), at=at + more,
-                                  kind=label(kind_of(t)), n=t.numel())
+                                  kind=label(kind_of(t)), n=t.numel()) + every
 
 
 def loss_rows_hint(tensor: str, t: torch.Tensor, args: dict[str, Any], batch: int
