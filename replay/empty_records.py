@@ -88,17 +88,16 @@ def _empty_text(hint: str, which: str, names: list[str], fix: str, blank: list[s
     """The empty-records sentence; ``blank``: real-valued data 0 everywhere in just those rows
     too (a padding slice: its k-space and its target all 0), whose max, norm or sum may be
     the 0 divided as much as a count over the mask."""
-    data = f"{' and '.join(blank)} {'is' if len(blank) == 1 else 'are'} 0 everywhere in " \
-        "their rows, and " if blank else ""
-    over = "a count, a sum, a max or a norm over their data" if blank else \
-        "a count or a sum over them"
+    also = f" (or, as {' and '.join(blank)} {'is' if len(blank) == 1 else 'are'} 0 " \
+        "everywhere in their rows too, a max, a norm or a sum of that data: a padding " \
+        "slice or frame)" if blank else ""
     return (
-        f"{hint}. Sample(s) {which} are empty records: {data}{' and '.join(names)} "
+        f"{hint}. Sample(s) {which} are empty records: {' and '.join(names)} "
         f"(0/1 data) {'has' if len(names) == 1 else 'have'} no entry set in their rows "
         "and one in every other sample's (a "
         "mask with no valid position, a sequence of length 0, a transcription with no "
-        f"character{', a padding slice or frame' if blank else ''}), so {over} is the 0 "
-        f"divided here; {fix} (--try drop={which} re-runs the step without them)")
+        f"character), so a count or a sum over them{also} is the 0 divided here; {fix} "
+        f"(--try drop={which} re-runs the step without them)")
 
 
 def _length_zero(report: dict[str, Any], data: list, rows: list[int]) -> bool:

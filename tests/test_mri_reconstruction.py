@@ -70,8 +70,8 @@ def test_padding_slice_normalised_by_its_max_names_the_division_and_the_blank_ks
     assert o["source"] == line_of("k = k / (scale + self.eps)"), o
     h = rep["hint"]
     assert rep["cause"] == "invalid" and "0 by 0" in h and EPS_ZERO in h, h
-    assert "args[0] is 0 everywhere in their rows, and args[2] (0/1 data)" in h, h
-    assert "a max or a norm over their data" in h, h
+    assert "Sample(s) 5 are empty records: args[2] (0/1 data)" in h, h
+    assert "(or, as args[0] is 0 everywhere in their rows too, a max, a norm" in h, h
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
@@ -116,7 +116,7 @@ def test_ssim_with_a_per_slice_data_range_is_0_over_0_on_a_padding_slice(tmp_pat
     assert o["source"] == line_of("s = ((2 * ux * uy + c1) * (2 * vxy + c2)) / ((ux"), o
     h = rep["hint"]
     assert rep["cause"] == "invalid" and "0 by 0" in h, h
-    assert "loss_args[1] are 0 everywhere in their rows" in h, h
+    assert "as args[0] and loss_args[1] are 0 everywhere in their rows too" in h, h
 
 
 def test_ssim_std_of_a_uniform_phantom_names_precision_at_the_sqrt(tmp_path):
@@ -160,3 +160,30 @@ def test_healthy_run_raises_nothing_and_trains_the_same(tmp_path, three_term):
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_accumulated_bf16_step_names_the_padding_slice_in_its_micro_batch(tmp_path):
+    """Micro-batches of 4 under bf16 autocast, two per optimizer step: the padding slice (29)
+    is row 1 of the last step's second micro-batch, and the replay names that micro-batch."""
+    model = M.make_varnet_no_eps()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = M.SSIMLoss()
+    loader = torch.utils.data.DataLoader(M.slices(padding=29), batch_size=4)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="mri_reconstruction_models:make_varnet_no_eps") as rec:
+            for i, (kspace, mask, body, target) in enumerate(loader):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = model(kspace, mask, body)
+                (rec.loss_fn(out.float(), target) / 2).backward()
+                if i % 2 == 1:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    opt.step()
+                    opt.zero_grad()
+    ev = info.value.event
+    assert (ev["step"], ev["micro_batch"], ev["module"], ev["samples"]) == (3, 1, "", [1]), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["micro_batch"], o["module"], o["op"], o["samples"]) == (1, "", "aten.div", [1]), o
+    assert o["source"] == line_of("k = k / (scale + self.eps)"), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
