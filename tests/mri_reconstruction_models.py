@@ -8,7 +8,8 @@ root-sum-of-squares over coils, then unrolled cascades each take a data-consiste
 step with a learned step size (``x - eta * A^H(A x - k)``, FFT/iFFT with ``norm="ortho"``) and a
 small CNN refiner; the magnitude image ``sqrt(re^2 + im^2)`` is cut to the body outline. The
 loss is SSIM written out (local means/variances by ``avg_pool2d``, ``C1``/``C2`` from the data
-range) plus L1.
+range) plus L1. ``MoDL``: a CNN denoiser alternating with closed-form data consistency per
+coil, ``(mask * k + lam * F(S z)) / (mask + lam)``, with a learned weight ``lam``.
 """
 
 from __future__ import annotations
@@ -227,3 +228,36 @@ def slices(n: int = 32, padding: int | None = None, nan_at: int | None = None,
     if raw is not None:
         kspace[raw] *= 1e6
     return torch.utils.data.TensorDataset(kspace, mask, body, target)
+
+
+class MoDL(nn.Module):
+    """MoDL-style unrolling: a CNN denoiser, then data consistency in closed form per coil,
+    ``k_dc = (mask * k + lam * F(S z)) / (mask + lam)`` with a learned weight ``lam``."""
+
+    def __init__(self, iters: int = 2, lam: float = 0.05):
+        super().__init__()
+        self.sens = SensitivityModel()
+        self.denoiser = Refiner()
+        self.lam = nn.Parameter(torch.tensor(lam))  # the bug at 0 ("hard" DC): 0/0 off the mask
+        self.iters = iters
+
+    def forward(self, kspace, mask, body):
+        k = kspace * mask
+        k = k / (k.abs().amax(dim=(1, 2, 3, 4), keepdim=True) + 1e-8)
+        maps = self.sens(k)
+        x = complex_mul(complex_conj(maps), ifft2c(k)).sum(1)
+        for _ in range(self.iters):
+            z = x + self.denoiser(x)
+            k_dc = (mask * k + self.lam * fft2c(complex_mul(maps, z[:, None]))) / (mask + self.lam)
+            x = complex_mul(complex_conj(maps), ifft2c(k_dc)).sum(1)
+        return torch.sqrt(x[..., 0] ** 2 + x[..., 1] ** 2 + 1e-12) * body
+
+
+def make_modl():
+    torch.manual_seed(0)
+    return MoDL()
+
+
+def make_modl_hard_dc():
+    torch.manual_seed(0)
+    return MoDL(lam=0.0)

@@ -187,3 +187,26 @@ def test_accumulated_bf16_step_names_the_padding_slice_in_its_micro_batch(tmp_pa
     assert (o["micro_batch"], o["module"], o["op"], o["samples"]) == (1, "", "aten.div", [1]), o
     assert o["source"] == line_of("k = k / (scale + self.eps)"), o
     assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+
+
+def test_modl_hard_data_consistency_weight_of_0_is_0_over_0_off_the_mask(tmp_path):
+    """MoDL's closed-form data consistency ``(mask * k + lam * F(S z)) / (mask + lam)`` with
+    the learned weight started at 0 ("hard" DC): at every unsampled k-space entry it is 0/0,
+    in every slice at step 0. The replay names the division on its line."""
+    ev, bundle = fire("make_modl_hard_dc", tmp_path)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (
+        0, "forward", "", list(range(8))), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "", "aten.div", "nan", list(range(8))), o
+    assert o["source"] == line_of("k_dc = (mask * k + self.lam * fft2c("), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+
+
+def test_modl_with_a_positive_weight_raises_nothing_and_trains_the_same(tmp_path):
+    recorded = train("make_modl", tmp_path)
+    plain = train("make_modl", tmp_path, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
