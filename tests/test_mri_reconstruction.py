@@ -192,7 +192,8 @@ def test_accumulated_bf16_step_names_the_padding_slice_in_its_micro_batch(tmp_pa
 def test_modl_hard_data_consistency_weight_of_0_is_0_over_0_off_the_mask(tmp_path):
     """MoDL's closed-form data consistency ``(mask * k + lam * F(S z)) / (mask + lam)`` with
     the learned weight started at 0 ("hard" DC): at every unsampled k-space entry it is 0/0,
-    in every slice at step 0. The replay names the division on its line."""
+    in every slice at step 0. The replay names the division on its line and the weight as the
+    divisor's only eps, to keep positive by construction."""
     ev, bundle = fire("make_modl_hard_dc", tmp_path)
     assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (
         0, "forward", "", list(range(8))), ev
@@ -201,7 +202,10 @@ def test_modl_hard_data_consistency_weight_of_0_is_0_over_0_off_the_mask(tmp_pat
     assert (o["module"], o["op"], o["made"], o["samples"]) == (
         "", "aten.div", "nan", list(range(8))), o
     assert o["source"] == line_of("k_dc = (mask * k + self.lam * fft2c("), o
-    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+    h = rep["hint"]
+    assert rep["cause"] == "invalid" and "0 by 0" in h, h
+    assert "the divisor is the data plus the parameter lam, a learned weight exactly 0" in h, h
+    assert "softplus(lam) + eps" in h, h
 
 
 def test_modl_with_a_positive_weight_raises_nothing_and_trains_the_same(tmp_path):
