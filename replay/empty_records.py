@@ -9,7 +9,10 @@ lack, a 0/1 tensor of the batch (a mask, a one-hot sequence) with no entry set i
 while every other sample has one (not a right-padded batch's padding mask, True at the
 padding: its rows with none set are the longest records), or token ids holding in their rows nothing but the ids every
 sample holds (``<cls>``, ``<eos>``) and their padding, so the user can filter such records
-where they are made.
+where they are made. Where real-valued data of the batch is 0 everywhere in just those rows
+too (an MRI volume's padding slice: its k-space, its target and its body outline all 0), the
+hint names it beside the mask: the divided 0 may be that data's max or norm (k-space
+normalised by its max, SSIM's ``C1``/``C2`` from the target's range), not a count.
 """
 
 from __future__ import annotations
@@ -49,13 +52,8 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
             "they are no bad records" if "nothing is to drop" in report["hint"] else \
             "filter such records where the data is made (the dataset, the collate_fn) or " \
             "floor the count (count.clamp_min(1))"
-        report["hint"] = (
-            f"{report['hint']}. Sample(s) {which} are empty records: {' and '.join(names)} "
-            f"(0/1 data) {'has' if len(names) == 1 else 'have'} no entry set in their rows "
-            "and one in every other sample's (a "
-            "mask with no valid position, a sequence of length 0, a transcription with no "
-            f"character), so a count or a sum over them is the 0 divided here; {fix} "
-            f"(--try drop={which} re-runs the step without them)")
+        report["hint"] = _empty_text(report["hint"], which, names, fix, [
+            name for name, t, d in data if not zero_one(t) and zero_rows(t, d, rows)])
         return
     if _length_zero(report, data, rows):
         return
@@ -86,6 +84,22 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
             "count of their real tokens is the 0 divided here; filter such records where the "
             "data is made (the dataset, the crop, the collate_fn) or floor the count "
             f"(count.clamp_min(1)) (--try drop={which} re-runs the step without them)")
+
+
+def _empty_text(hint: str, which: str, names: list[str], fix: str, blank: list[str]) -> str:
+    """The empty-records sentence; ``blank``: real-valued data 0 everywhere in just those rows
+    too (a padding slice: its k-space and its target all 0), whose max, norm or sum may be
+    the 0 divided as much as a count over the mask."""
+    also = f" (or, as {' and '.join(blank)} {'is' if len(blank) == 1 else 'are'} 0 " \
+        "everywhere in their rows too, a max, a norm or a sum of that data: a padding " \
+        "slice or frame)" if blank else ""
+    return (
+        f"{hint}. Sample(s) {which} are empty records: {' and '.join(names)} "
+        f"(0/1 data) {'has' if len(names) == 1 else 'have'} no entry set in their rows "
+        "and one in every other sample's (a "
+        "mask with no valid position, a sequence of length 0, a transcription with no "
+        f"character), so a count or a sum over them{also} is the 0 divided here; {fix} "
+        f"(--try drop={which} re-runs the step without them)")
 
 
 def _length_zero(report: dict[str, Any], data: list, rows: list[int]) -> bool:

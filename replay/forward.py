@@ -39,6 +39,7 @@ from .masked_product import masked_row_product_hint
 from .masked_whole import masked_whole_hint
 from .negated_fill import negated, negated_hint
 from .never_updated import initial_value_hint
+from .offset_divisor import offset_divisor_hint
 from .ops import OpFinder
 from .other_rows import note_other_rows
 from .param_divisor import divisor_hint
@@ -167,6 +168,7 @@ def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin,
     # (then in the forces' backward, where the model's output does not hold it)
     hint = dropped_branch_hint(hint, hit, finder.first_nan, run, o, finder.differentiated)
     hint = kept_divisor_hint(hint, finder, hit)  # (whole columns of x / (self.std + eps))
+    hint = offset_divisor_hint(hint, cause.name, finder, hit, runner.model)  # (mask + lam)
     hint = self_edge_hint(hint, cause.name, hit, step, o.micro_batch)  # (i == j in edge_index)
     return coincident_hint(hint, cause.name, hit, step, o.micro_batch)  # (cdist(a, b) of 0)
 

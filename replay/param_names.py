@@ -81,6 +81,10 @@ class ParamNames:
         self._kept: dict[int, tuple[weakref.ref, tuple[str, ...]]] = {}
         self.hit_divisor_kept: tuple[str, ...] | None = None
         self.hit_divisor: torch.Tensor | None = None
+        # id of a sum of the batch's values and one parameter of one entry (``mask + lam``: a
+        # learned weight as the divisor's eps) -> (it, the name); the name at the last division
+        self._offsets: dict[int, tuple[weakref.ref, str]] = {}
+        self.hit_divisor_offset: str | None = None
 
     def index(self, named, buffers=()) -> None:
         """Name the parameters ``named`` yields (``model.named_parameters()``), by address
@@ -90,6 +94,7 @@ class ParamNames:
         self._table_copies, self.hit_buffer = {}, None
         self._of_buffer, self.hit_divisor_buffer, self.hit_divisor_held = {}, None, None
         self._kept, self.hit_divisor_kept, self.hit_divisor = {}, None, None
+        self._offsets, self.hit_divisor_offset = {}, None
         self._tables = {p: n for n, b in buffers
                         if b.is_floating_point() and (p := _storage(b)) is not None}
         storages: dict[int, str | None] = {}
@@ -117,6 +122,8 @@ class ParamNames:
             self.hit_divisor_held = held[0] if held is not None and not held[1] else None
             self.hit_divisor_kept = self._kept_of(div)
             self.hit_divisor = div.detach() if self.hit_divisor_kept else None
+            off = self._offsets.get(id(div))
+            self.hit_divisor_offset = off[1] if off is not None and off[0]() is div else None
         if op in _DIVISIONS and len(ins) == 2:
             return self.among(ins[1:]) or self._derived_from(ins[1])
         if not self.params or len(ins) != 1:
@@ -151,6 +158,12 @@ class ParamNames:
             self._table_copies[ptr] = (weakref.ref(outs[0]), b[0], b[1])
         self._track_buffer(name, ins, outs)
         self._track_kept(ins, outs)
+        if name == "add" and len(ins) == 2 and len(outs) == 1 and self.params:
+            # (one addend a parameter of one entry, the other bigger: ``mask + lam``)
+            found = [self.among([t]) if t.numel() == 1 else None for t in ins]
+            if sum(f is not None for f in found) == 1 and outs[0].numel() > 1:
+                param = found[0] or found[1]
+                self._offsets[id(outs[0])] = (weakref.ref(outs[0]), param)
         if not self.params or len(outs) != 1 or len(ins) != 1 or ins[0].is_nested \
                 or ins[0].layout != torch.strided:  # (no data pointer to name it by)
             return
