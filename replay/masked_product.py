@@ -71,7 +71,7 @@ def mask_after_pole(first, name: str, args, hit, lineage=None) -> None:
     product on ``first``'s evidence: the mask came after the pole, where ``inf * 0`` is NaN."""
     ev = first.evidence if first is not None else None
     if ev is None or first.made not in ("+inf", "-inf") or name not in _PRODUCTS \
-            or len(args) < 2:
+            or len(args) < 2 or _numbers(args[:2]):
         return
     with torch.no_grad():
         try:
@@ -83,6 +83,12 @@ def mask_after_pole(first, name: str, args, hit, lineage=None) -> None:
         ev.masked_after = f"{hit.op}" + (f" ({hit.source})" if hit.source else "")
     else:
         xlogx.note(first, args, hit, _met, lineage)
+
+
+def _numbers(args) -> bool:
+    """Both factors one number each (``L * log(L)`` of a setting of 0): no entries for a mask
+    to select, and the infinity may be another op's than the pole blamed."""
+    return all(not isinstance(a, torch.Tensor) or a.numel() == 1 for a in args)
 
 
 def _mask_like(factor) -> bool:

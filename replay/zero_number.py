@@ -24,8 +24,10 @@ from .load import Step
 def zero_number_hint(report: dict[str, Any], step: Step) -> None:
     """Append the origin's number attributes that made its divisor 0 to such a hint."""
     o = report.get("origin") or {}
-    if report.get("cause") != "invalid" or DO["divide_number"] not in (report.get("hint")
-                                                                          or ""):
+    if report.get("cause") != "invalid":
+        return
+    if DO["divide_number"] not in (report.get("hint") or ""):
+        _pole_at_zero_number(report, step, o)
         return
     line = (report.get("source_lines") or {}).get(o.get("source") or "") or ""
     read = {k: v for k, v in number_attributes(step, o.get("module")).items()
@@ -47,6 +49,29 @@ def zero_number_hint(report: dict[str, Any], step: Step) -> None:
         report["hint"] = (f"{report['hint']}. Here {owner}'s attribute {zero[0]} is 0 as the "
                           "step closed, and the line divides by it: that is the setting to "
                           "find where it was computed")
+
+
+def _pole_at_zero_number(report: dict[str, Any], step: Step, o: dict[str, Any]) -> None:
+    """A pole op (``lgamma(L)``, ``log(L)``) given only 0s where the origin's owner holds a
+    number attribute of 0 (a number of looks, a shape parameter set to 0): the op's input is
+    a constant, no record's value, so the clamp or eps the hint offers would hide a setting
+    that is out of its domain; name the attributes that are 0."""
+    head = (o.get("chain") or [{}])[0]
+    if o.get("made") not in ("+inf", "-inf") or head.get("input_min") != 0.0 \
+            or head.get("input_max") != 0.0:
+        return
+    zero = [k for k, v in number_attributes(step, o.get("module")).items()
+            if type(v) in (int, float) and v == 0 and not re.search(r"eps|offset", k)]
+    if not zero:
+        return
+    owner = "the loss" if o.get("module") == "<loss>" else o.get("module") or "the model"
+    report["hint"] = (
+        f"{report['hint']}. Every value {o.get('op')} was given is 0, and {owner}'s attribute"
+        f"{'s' if len(zero) > 1 else ''} {', '.join(zero)} "
+        f"{'are' if len(zero) > 1 else 'is'} 0 as the step closed: if the op's input is made "
+        "of it (lgamma(L) and log(L) of a number of looks or a shape parameter), the setting "
+        "is outside the formula's domain, not a value to clamp: find where it was computed "
+        "(an estimate rounded to 0, a config default of 0) and keep it positive")
 
 
 def _minus(line: str, x: str, y: str) -> bool:
