@@ -177,3 +177,15 @@ def make_crnn_amp():
     """The log-mel floor float16 keeps (1e-4, above its smallest normal), for float16 autocast."""
     torch.manual_seed(0)
     return CRNN(log_eps=1e-4)
+
+
+class MaskedDOALoss(nn.Module):
+    """SELDnet's DOA regression masked by the reference activity (DCASE 2019's baseline
+    multiplies the DOA output by the SED label), plus the ACCDOA norm of the masked output
+    against the activity, its norm written as ``sqrt`` of the sum of squares."""
+
+    def forward(self, pred, target):
+        active = (target.norm(dim=-1) > 0).float()                        # B, T
+        masked = pred * active.unsqueeze(-1)
+        norm = torch.sqrt((masked ** 2).sum(-1))
+        return F.mse_loss(masked, target) + ((norm - active) ** 2).mean()

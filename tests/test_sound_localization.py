@@ -25,11 +25,11 @@ def line_of(text: str) -> str:
 
 
 def train(make: str, out_dir, record: bool = True, amp: bool = False, loss_eps: float = 1e-8,
-          **plant):
+          crit=None, **plant):
     """Four steps of 8 clips (the planted clip 29 is row 5 of the last step)."""
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    crit = M.ACCDOALoss(eps=loss_eps)
+    crit = crit if crit is not None else M.ACCDOALoss(eps=loss_eps)
     loader = torch.utils.data.DataLoader(M.ClipDataset(**plant), batch_size=8)
     rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
                          factory=f"sound_localization_models:{make}") if record else None
@@ -142,6 +142,22 @@ def test_clip_with_no_event_normalised_in_the_angular_loss_is_0_over_0(tmp_path)
     h = rep["hint"]
     assert rep["cause"] == "invalid" and "0 by 0" in h and EPS_ZERO in h, h
     assert "multiplied that NaN by a mask's 0" in h, h
+
+
+def test_sed_masked_doa_norm_by_sqrt_is_a_backward_nan_on_the_clip_with_no_event(tmp_path):
+    """The DOA output masked by the reference activity (DCASE 2019's baseline), its ACCDOA
+    norm written ``sqrt((masked ** 2).sum(-1))``: 0 at the inactive frames of the clip with no
+    event, finite forward, but sqrt's gradient there is inf and times 0 NaN: a backward event
+    named at the loss's SqrtBackward0 on that clip, with vector_norm as the fix."""
+    ev, bundle = fire("make_crnn", tmp_path, crit=M.MaskedDOALoss(), no_event=29)
+    assert (ev["step"], ev["phase"]) == (3, "backward"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["made"], o["samples"]) == (
+        "backward", "<loss>", "SqrtBackward0", "nan", [5]), o
+    assert o["source"] == line_of("norm = torch.sqrt((masked ** 2).sum(-1))"), o
+    h = rep["hint"]
+    assert rep["cause"] == "invalid" and "torch.linalg.vector_norm(d, dim=-1)" in h, h
 
 
 def test_healthy_seld_training_raises_nothing_and_is_bit_identical(tmp_path):
