@@ -1,7 +1,9 @@
 """A batch tensor whose non-finite values fill whole slices of some samples (sample 6's
 electrode 3 at every time step) while the rest of each such sample is finite: the mark of a
 step of the data pipeline run per sample and per slice (a channel's standardisation by its own
-zero std: a flat, disconnected electrode; a blank image channel), not of a bad record. Slices
+zero std: a flat, disconnected electrode; a blank image channel), or of a record whose channel
+was captured bad (a microphone that failed during a recording, written as NaN), which the batch
+alone cannot tell apart: the hint gives both. Slices
 of a few values each (at most ``COORDS``) along a longer dim are no channels but the points of
 a set, each non-finite in every coordinate (a point cloud's point whose depth had no return,
 back-projected to NaN; a keypoint not detected): :func:`slices_hint` says so."""
@@ -13,9 +15,11 @@ import torch
 WHOLE_SLICES = (
     "the batch itself holds NaN/Inf, and {tensor} holds it in whole slices of its samples, "
     "each sample finite elsewhere: {where}, every value of each: a per-sample, per-slice step "
-    "of the data pipeline made them, not a bad record (a standardisation of each channel by "
-    "its own std, 0 for a flat channel: a disconnected electrode, a saturated sensor, a blank "
-    "image channel; add an eps to the std, or interpolate or drop the channel)")
+    "of the data pipeline made them (a standardisation of each channel by its own std, 0 for "
+    "a flat channel: a disconnected electrode, a saturated sensor, a blank image channel; add "
+    "an eps to the std, or interpolate or drop the channel), or the record holds that channel "
+    "bad as it was captured (a microphone or sensor that failed during the take, its samples "
+    "written as NaN): check the raw file; mask the channel, or drop the record")
 
 
 # a slice of at most this many values, along a dim with more indices, is one point's coordinates

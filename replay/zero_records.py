@@ -83,9 +83,14 @@ def zero_records_hint(report: dict[str, Any], step: Step) -> None:
     # (a 0/0 of a blank model input is a normaliser's, ``(x - mean) / std`` of a constant
     # row, which an eps fixes; of a blank target, a mean over none of its valid entries)
     zero_div, masked_row = _ZERO_BY_ZERO in hint, _MASKED_ROW in hint
+    # (a forward 0/0 whose own eps was set to 0 on a model input all 0 there: that input
+    # drove it, not the loss's data, which the forward never read: silent audio under
+    # GCC-PHAT's R / (|R| + eps), beside the clip's all-zero target)
+    names = [name for name, t, d in _records(step, mb, loss=False) if _zero_in(t, d, rows)] \
+        if zero_div and _GUARD_OFF in hint and o.get("phase") == "forward" else []
     # (every such tensor: a record's discharge and its std over the training period both 0)
-    names = [name for name, t, d in _records(step, mb, inputs=not zero_div)
-             if _zero_in(t, d, rows)]
+    names = names or [name for name, t, d in _records(step, mb, inputs=not zero_div)
+                      if _zero_in(t, d, rows)]
     if masked_row:  # (a softmax over no key: integer inputs too, token ids all padding)
         names += [name for name, t, d in batch_data(step, mb, loss=False)
                   if not t.is_floating_point() and t.dtype != torch.bool and zero_rows(t, d, rows)
@@ -127,14 +132,17 @@ def zero_records_hint(report: dict[str, Any], step: Step) -> None:
         f"records where the data is made{how}")
 
 
-def _records(step: Step, mb: int, inputs: bool = True
+def _records(step: Step, mb: int, inputs: bool = True, loss: bool = True
              ) -> Iterator[tuple[str, torch.Tensor, int]]:
     """(readable name, tensor, sample dim): the floating model inputs (with ``inputs``), then
     the loss's arguments that are data (a depth map; not made of the model output), also a
     model input the loss was given as its data (an autoencoder's target, its own input), where
-    the model inputs are not looked at: named as both."""
+    the model inputs are not looked at: named as both; without ``loss``, the model inputs
+    alone."""
     if inputs:
         yield from root_inputs(step, mb, scalars=True)
+    if not loss:  # (a forward origin's: the loss's data came after it)
+        return
     entry, where = step.micro_batches[mb], samples(step, mb)
     made = set(entry.get("loss_grad_args") or ())
     given = [(key, loss_path(raw)) for key, raw in (entry.get("loss_paths") or {}).items()]
