@@ -101,8 +101,9 @@ class Evidence:
     masked_after: str | None = None
     # the product that multiplied a log's -inf by that log's own 0 (p * log p: replay.xlogx)
     own_zero_after: str | None = None
-    # and that 0 a target's, the -inf a prediction's log (a BCE written out: replay.xlogx)
-    target_zero: bool = False
+    # and that 0 a target's, the -inf a prediction's log (a BCE written out: "target") or
+    # either that or the target's own log (a KL term: "either"; see replay.xlogx)
+    target_zero: str | None = None
     # a matrix product's square inputs' spectral radii (replay.operator_power)
     radii: list = field(default_factory=list)
     # a positive op's result plus a number, per input (replay.shifted_positive)

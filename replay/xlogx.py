@@ -39,6 +39,19 @@ TARGET_TEXT = (
     "clamps its logs at -100), or clamp the prediction into [eps, 1 - eps] before the log")
 
 
+# a target's 0 wherever the log is -inf, and nowhere else: the target's own log (a KL term
+# t * log(t / p)) or a prediction that agrees with it exactly (a fused output): both fixes
+EITHER_TEXT = (
+    "; then {op} multiplied that -inf by a target's 0 at the same entries, and 0 * -inf is "
+    "NaN though the term is 0. Where the log's 0 is that target's own (a KL or entropy term "
+    "over a target distribution with zeros, t * log(t / p)): compute it as "
+    "torch.special.xlogy(t, t.clamp_min(tiny)) (tiny = torch.finfo(t.dtype).tiny), 0 there "
+    "with a finite gradient; where it is a prediction exactly 0 or 1 beside a target that "
+    "agrees (a cross-entropy written out, t * log(p) + (1 - t) * log(1 - p), an output fused "
+    "with or clamped to the known values): F.binary_cross_entropy_with_logits on the logits, "
+    "or clamp the prediction into [eps, 1 - eps] before the log")
+
+
 def note(first, args, hit, met, lineage=None) -> None:
     """Note ``hit``'s product on ``first``'s evidence when ``first`` is a log that made -inf
     and the product's other factor is 0 wherever that -inf is (``met(x, factor, bad)``); with
@@ -54,12 +67,25 @@ def note(first, args, hit, met, lineage=None) -> None:
     if ends:
         ev.own_zero_after = f"{hit.op}" + (f" ({hit.source})" if hit.source else "")
         inf, factor = ends[0]
-        ev.target_zero = lineage is not None and isinstance(factor, torch.Tensor) \
-            and lineage.of_data([factor]) and not lineage.of_data([inf])
+        if lineage is not None and isinstance(factor, torch.Tensor) \
+                and lineage.of_data([factor]) and not lineage.of_data([inf]):
+            ev.target_zero = "target" if _finite_where_zero(inf, factor) else "either"
+
+
+def _finite_where_zero(logged: torch.Tensor, factor: torch.Tensor) -> bool:
+    """Whether the log is finite at some entry where the factor is 0: its -inf is not made
+    by the factor's own zeros (KL's t * log(t / p) is -inf wherever t is 0; a cross-entropy's
+    target is 0 beside predictions short of it too)."""
+    with torch.no_grad():
+        try:
+            return bool(((factor == 0) & ~torch.isneginf(logged)).any())
+        except RuntimeError:  # (shapes that do not broadcast)
+            return False
 
 
 def context(ev) -> str:
     """The hint's addition for a log whose -inf a product took by a 0 (``""`` when none)."""
     if not ev.own_zero_after:
         return ""
-    return (TARGET_TEXT if ev.target_zero else TEXT).format(op=ev.own_zero_after)
+    text = {"target": TARGET_TEXT, "either": EITHER_TEXT}.get(ev.target_zero, TEXT)
+    return text.format(op=ev.own_zero_after)
