@@ -87,10 +87,15 @@ class GroupCounts:
         self._members = TensorMarks()
         self._compared = TensorMarks()  # masks a comparison made (trimap == 0.5), converted
 
+    def compared(self, t: torch.Tensor) -> bool:
+        """Whether a comparison made ``t`` (as it is, converted or viewed): a mask."""
+        return bool(self._compared.get(t))
+
     def track(self, name: str, args, out) -> None:
         if self.found is not None or not args or not isinstance(out, torch.Tensor):
             return
-        if name in _COMPARISONS or name in _SAME and self._compared.get(args[0]):
+        if name in _COMPARISONS or name.startswith("bitwise_") and out.dtype == torch.bool \
+                or name in _SAME and self._compared.get(args[0]):
             self._compared.put(out, True)
         count = self._counted(name, args, out)
         if count is not None:

@@ -75,8 +75,8 @@ def mask_after_pole(first, name: str, args, hit, lineage=None) -> None:
         return
     with torch.no_grad():
         try:
-            met = (_met(args[0], args[1], torch.isinf) and _mask_like(args[1])) or (
-                _met(args[1], args[0], torch.isinf) and _mask_like(args[0]))
+            met = (_met(args[0], args[1], torch.isinf) and _mask_like(args[1], lineage)) or (
+                _met(args[1], args[0], torch.isinf) and _mask_like(args[0], lineage))
         except RuntimeError:
             return
     if met:
@@ -91,17 +91,19 @@ def _numbers(args) -> bool:
     return all(not isinstance(a, torch.Tensor) or a.numel() == 1 for a in args)
 
 
-def _mask_like(factor) -> bool:
+def _mask_like(factor, lineage=None) -> bool:
     """A 0/1 mask (bool, or every element 0 or 1), not data that is 0 where the pole's input
     is: RMSNorm's ``x * rsqrt(mean(x²))`` of an all-zero row multiplies the infinity by x's
     own 0, and the fix is the pole's eps, not masking earlier. A float factor of 0 everywhere
     drops nothing in particular: it is a zero state (an LSTM cell written out, ``sigmoid(f) *
-    c`` at its first step's ``c = zeros``, met by NaN gates), not a mask."""
+    c`` at its first step's ``c = zeros``, met by NaN gates), not a mask; unless a comparison
+    made it (CROWN's ``unstable = ((l < 0) & (u > 0)).float()``, nothing unstable at eps 0)."""
     if not isinstance(factor, torch.Tensor):
         return True  # (a number, 0 there)
     if factor.dtype == torch.bool:
         return True
-    return zero_one(factor) and (factor.numel() == 1 or bool(factor.any()))
+    return zero_one(factor) and (factor.numel() == 1 or bool(factor.any()) or (
+        lineage is not None and lineage.counts.compared(factor)))
 
 
 def _met(x, factor, bad=torch.isnan) -> bool:
