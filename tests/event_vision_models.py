@@ -98,14 +98,18 @@ class NonzeroNorm(nn.Module):
 class TimeSurface(nn.Module):
     """Exponential time surface ``exp(-(t_end - t_last) / tau)`` on the pixels with events."""
 
-    def __init__(self, tau: float = 0.03, by_max: bool = False, from_last: bool = False):
+    def __init__(self, tau: float = 0.03, by_max: bool = False, from_last: bool = False,
+                 ratio: bool = False):
         super().__init__()
-        self.tau, self.by_max, self.from_last = tau, by_max, from_last
+        self.tau, self.by_max, self.from_last, self.ratio = tau, by_max, from_last, ratio
 
     def forward(self, t_last, has_event, t_end):
         # decay from the window's end, or from its latest event (HOTS / HATS style)
         t_ref = t_last.amax((1, 2), keepdim=True) if self.from_last else t_end[:, None, None]
-        ts = torch.exp(-(t_ref - t_last) / self.tau) * has_event
+        if self.ratio:  # the same decay written as a ratio of two growths
+            ts = torch.exp(t_last / self.tau) / torch.exp(t_ref / self.tau) * has_event
+        else:
+            ts = torch.exp(-(t_ref - t_last) / self.tau) * has_event
         if self.by_max:  # scaled to [0, 1] by the window's freshest pixel
             ts = ts / ts.amax((1, 2), keepdim=True)
         return ts[:, None]
@@ -119,10 +123,11 @@ class FlowNet(nn.Module):
     """A two-level EV-FlowNet-style U-Net on the voxel grid and the time surface."""
 
     def __init__(self, safe: bool = True, tau: float = 0.03, by_max: bool = False,
-                 raw_counts: bool = False, from_last: bool = False, ch: int = 8):
+                 raw_counts: bool = False, from_last: bool = False, ratio: bool = False,
+                 ch: int = 8):
         super().__init__()
         self.norm = NonzeroNorm(safe)
-        self.surface = TimeSurface(tau, by_max, from_last)
+        self.surface = TimeSurface(tau, by_max, from_last, ratio)
         self.raw_counts = raw_counts
         self.enc1 = block(BINS + 1, ch)
         self.enc2 = block(ch, 2 * ch)
@@ -178,3 +183,8 @@ def make_flownet_by_max():
 def make_flownet_counts():
     torch.manual_seed(0)
     return FlowNet(raw_counts=True)
+
+
+def make_flownet_ratio():
+    torch.manual_seed(0)
+    return FlowNet(ratio=True)

@@ -114,6 +114,23 @@ def test_microsecond_timestamps_underflow_the_time_surface_before_its_max(tmp_pa
     assert "sample(s) 5 of args[1] reach 5e+04" in h and "out of scale" in h, h
 
 
+def test_microsecond_timestamps_overflow_exp_of_the_ratio_form(tmp_path):
+    """The same decay written ``exp(t / tau) / exp(t_ref / tau)``: microsecond timestamps make
+    both exps +inf on that window. The replay names the exp, overflow, and the out-of-scale
+    timestamps, without the exp's generic 'lower the learning rate' (nothing learned reaches
+    timestamps)."""
+    ev, bundle = fire("make_flownet_ratio", tmp_path, raw_us=29)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (
+        3, "forward", "surface", [5]), ev
+    rep = nanreplay_json(bundle)
+    assert origin(rep) == (True, "forward", "surface", "aten.exp", "+inf", [5]), rep["origin"]
+    assert rep["origin"]["source"] == line_of("ts = torch.exp(t_last / self.tau) / torch.exp"), rep
+    h = rep["hint"]
+    assert rep["cause"] == "overflow" and "clamp the exponent" in h, h
+    assert "made of the batch's data alone" in h and "out of scale" in h, h
+    assert "learning rate" not in h, h
+
+
 def test_nan_timestamp_from_a_bad_file_is_an_input_event(tmp_path):
     """A corrupt packet leaves a NaN timestamp in one recording: the latest-timestamp map
     holds it, an input event on that window before the model ran."""
