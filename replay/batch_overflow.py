@@ -21,6 +21,9 @@ import torch
 OF_DATA = ("; its inputs there were made of the batch's data alone (nothing the model learns "
            "reaches them)")
 
+_DATA_ALONE = "its inputs there were made of the batch's data alone"
+LOWER_LR = ", or lower the learning rate"  # (the op's own advice: cause_text's clamp_exp)
+
 ADVICE = (
     "; but its inputs there were made of the batch's data alone (nothing the model learns reaches "
     "them), large in the samples named only: those records hold values out of the scale of "
@@ -35,7 +38,27 @@ def without_advice(hint: str) -> str:
     samples whose data is out of scale, where ADVICE's generic records and its "or keep this
     op in float32" would repeat that sentence and contradict its "a wider type would only
     hide"."""
-    return hint.replace(ADVICE, OF_DATA)
+    return without_learning_rate(hint.replace(ADVICE, OF_DATA))
+
+
+def without_learning_rate(hint: str) -> str:
+    """``hint`` without the op's own ", or lower the learning rate" (``cause_text``'s clamp
+    advice: exp's "clamp the exponent ..., or lower the learning rate") before its sentence
+    that the op's inputs were the batch's data alone: nothing learned reaches them, so no
+    learning rate drove them there (an exponential time surface's ``exp(t / tau)`` of
+    timestamps left in microseconds)."""
+    at = hint.find(_DATA_ALONE)
+    head = hint[:at].rpartition(LOWER_LR)
+    if at < 0 or not head[1]:
+        return hint
+    return head[0] + head[2] + hint[at:]
+
+
+def data_alone_hint(report: dict[str, Any], step: Any = None) -> None:
+    """Cut the learning-rate advice an overflow's hint gives before it says the op's inputs
+    were the batch's data alone (:func:`without_learning_rate`)."""
+    if report.get("cause") == "overflow" and report.get("hint"):
+        report["hint"] = without_learning_rate(report["hint"])
 
 
 def unlearned(lineage, ins: list[torch.Tensor], rows: list[int] | None, where) -> bool:

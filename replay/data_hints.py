@@ -39,6 +39,7 @@ from __future__ import annotations
 from typing import Any
 
 from .absent_channels import absent_channels_hint
+from .batch_overflow import data_alone_hint
 from .began_batch import began_batch_note
 from .chunk_rows import chunk_note
 from .column_scale import column_scale_hint
@@ -83,6 +84,7 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     record_ids_note(report, step)  # (a shuffled loader's batch["id"] at the samples)
     began_batch_note(report, step)  # (a target of 1e17 at the step the loss jumped)
     data_scale_hint(report, step)
+    data_alone_hint(report, step)  # (exp of timestamps in microseconds: no learning rate)
     domain_outlier_hint(report, step)  # (log1p of a gap after a timestamp in ms)
     edge_probability_hint(report, step)  # (a propensity of 0 or 1 given as data)
     massless_rows_hint(report, step)  # (a projected target that lost its mass: C51)

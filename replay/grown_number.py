@@ -19,13 +19,15 @@ from .domains import g
 from .load import Step
 
 
-def number_attributes(step: Step, module: str | None) -> dict[str, Any]:
+def number_attributes(step: Step, module: str | None, built: bool = False) -> dict[str, Any]:
     """The origin's plain number attributes as the step closed: the loss's (a loss module's
-    config) or the recorded module's."""
+    config) or those the loop changed on the recorded module; with ``built``, also the
+    module's attributes as they were at attach, which the loop never changed (a time
+    constant or temperature built as 0)."""
     if module == "<loss>":
         return dict((step.meta.get("loss") or {}).get("config") or {})
     info = next((m for m in step.meta.get("modules") or () if m.get("name") == module), {})
-    return dict(info.get("attrs") or {})
+    return {**(info.get("attrs_at_attach") or {} if built else {}), **(info.get("attrs") or {})}
 
 
 def grown_number_hint(report: dict[str, Any], step: Step) -> None:

@@ -6,7 +6,9 @@ range was fitted on values all equal: a training set of one query template, whos
 log-cardinalities are one value, or a feature that never moved. The divisor's hint speaks of a
 setting in general (a drop probability of 1, a temperature annealed to 0); the bundle holds the
 origin's number attributes as the step closed, so the hint names those its source line reads
-that are 0, or equal to each other (their difference is the 0), and where they come from.
+that are 0, or equal to each other (their difference is the 0), and where they come from:
+set by the loop, or built so (a module's attributes at attach, which the loop never changed:
+an exponential time surface's ``exp(-(t_ref - t) / self.tau)`` with ``tau = 0``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def zero_number_hint(report: dict[str, Any], step: Step) -> None:
         _pole_at_zero_number(report, step, o)
         return
     line = (report.get("source_lines") or {}).get(o.get("source") or "") or ""
-    read = {k: v for k, v in number_attributes(step, o.get("module")).items()
+    read = {k: v for k, v in number_attributes(step, o.get("module"), built=True).items()
             if type(v) in (int, float) and re.search(rf"\b{re.escape(k)}\b", line)}
     owner = "the loss" if o.get("module") == "<loss>" else o.get("module") or "the model"
     equal = [(a, b) for a, b in combinations(read, 2)
@@ -45,10 +47,17 @@ def zero_number_hint(report: dict[str, Any], step: Step) -> None:
             "that are all one value, as a training set of a single query template; a feature "
             "that never moved), so every value divides by 0. Fit the range on data that "
             f"varies, or divide by max({b} - {a}, eps) and map a constant range to 0")
-    elif zero:
+    elif zero and zero[0] in number_attributes(step, o.get("module")):
         report["hint"] = (f"{report['hint']}. Here {owner}'s attribute {zero[0]} is 0 as the "
                           "step closed, and the line divides by it: that is the setting to "
                           "find where it was computed")
+    elif zero:
+        report["hint"] = (
+            f"{report['hint']}. Here {owner}'s attribute {zero[0]} is 0, as it was when the "
+            "recorder attached (the loop never changed it), and the line divides by it: the "
+            "model was built with it 0 (a constructor argument or config value, a time "
+            "constant or temperature of 0 meant as 'off'); build it positive, or check it is "
+            "> 0 where the module takes it")
 
 
 def _pole_at_zero_number(report: dict[str, Any], step: Step, o: dict[str, Any]) -> None:
