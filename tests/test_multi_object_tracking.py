@@ -69,6 +69,9 @@ def test_blank_crops_through_a_reid_head_normalised_without_eps(tmp_path):
     assert rep["origin"]["source"] == line_of("return e / (e.norm(dim=-1, keepdim=True)"), rep
     h = rep["hint"]
     assert rep["cause"] == "invalid" and "0 by 0" in h and "exactly 0" in h, h
+    # the blank crops are named beside the eps set to 0: a record to fix or filter too
+    assert "args[0] is 0 everywhere in sample(s) 5 and not in any other sample" in h, h
+    assert "--try drop=5" in h, h
 
 
 def test_frame_without_active_tracks_in_plain_sinkhorn_names_the_track_mask(tmp_path):
