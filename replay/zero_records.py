@@ -15,7 +15,9 @@ days) only the data's name, no advice to filter the record. At a
 (``(x - mean) / std``) is a normaliser's, which an eps fixes; but a model input the loss is
 given as its data is the loss's data too (an autoencoder's target is its input: a dead
 pixel's all-zero spectrum makes the spectral angle's cosine, or a sum-to-one layer after a
-bias-free encoder, 0/0), named as the model input and the loss's argument. Where the op's own eps was set to
+bias-free encoder, 0/0), named as the model input and the loss's argument; a blank model input is named at a forward
+0/0 too where the normaliser's own eps is 0 (a frame of black crops through a bias-free re-id
+head, ``e / (e.norm() + 0)``), beside that eps. Where the op's own eps was set to
 0 (``log(q + c)`` with ``c = 0``, NSE*'s ``1 / (std + eps)^2`` with ``eps = 0``), the code meant
 that eps for such zeros, which may be true values (an ephemeral stream's zero flow): the hint
 gives the eps and the record's fix side by side. A backward NaN the forward had masked out at
@@ -81,7 +83,9 @@ def zero_records_hint(report: dict[str, Any], step: Step) -> None:
             or any(said in hint for said in _SAID):
         return
     # (a 0/0 of a blank model input is a normaliser's, ``(x - mean) / std`` of a constant
-    # row, which an eps fixes; of a blank target, a mean over none of its valid entries)
+    # row, which an eps fixes; of a blank target, a mean over none of its valid entries;
+    # but where the normaliser's own eps is 0, the hint says so and the blank input is named
+    # beside it: a frame of black crops through a bias-free re-id head, ``e / (|e| + 0)``)
     zero_div, masked_row = _ZERO_BY_ZERO in hint, _MASKED_ROW in hint
     # (a forward 0/0 whose own eps was set to 0 on a model input all 0 there: that input
     # drove it, not the loss's data, which the forward never read: silent audio under
