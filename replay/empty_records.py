@@ -122,7 +122,16 @@ def _length_zero(report: dict[str, Any], data: list, rows: list[int]) -> bool:
 
 def batch_data(step: Step, mb: int, loss: bool = True):
     """(readable name, tensor, sample dim) of the micro-batch's real-valued model inputs, then
-    (``loss``) its loss arguments that are data (not made of the model output)."""
+    (``loss``) its loss arguments that are data (not made of the model output), with more
+    than one value per sample."""
+    # (a bool or integer mask too: to_dense_batch's, a tokenizer's attention_mask)
+    return ((name, t, d) for name, t, d in sample_tensors(step, mb, loss)
+            if not t.is_complex() and t.numel() > t.shape[d])
+
+
+def sample_tensors(step: Step, mb: int, loss: bool = True):
+    """(readable name, tensor, sample dim) of the micro-batch's model inputs, then (``loss``)
+    its loss arguments that are data, that have a dim of the samples."""
     if mb >= len(step.micro_batches):
         return
     entry, where = step.micro_batches[mb], samples(step, mb)
@@ -132,9 +141,7 @@ def batch_data(step: Step, mb: int, loss: bool = True):
               if loss and k not in made]
     for key, name in named:
         t = step.tensors.get(key)
-        # a bool or integer mask too (to_dense_batch's, a tokenizer's attention_mask)
-        if isinstance(t, torch.Tensor) and not t.is_complex() and t.numel() \
-                and (d := where.dim(t)) is not None and t.numel() > t.shape[d]:
+        if isinstance(t, torch.Tensor) and t.numel() and (d := where.dim(t)) is not None:
             yield name, t, d
 
 

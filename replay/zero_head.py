@@ -14,7 +14,7 @@ import torch
 
 from .recorded import samples
 from .rerun import Runner
-from .zero_state import ZERO_LAYER, put_back, some_rows
+from .zero_state import ZERO_LAYER, run_with_random, some_rows
 
 _DIVIDES = {"aten.div", "aten.reciprocal", "aten.rsqrt"}
 
@@ -37,14 +37,5 @@ def zero_head_hint(runner: Runner, mb: int, hit, cause: str, hint: str | None) -
 
 def _finite_without(runner: Runner, mb: int, p: torch.Tensor) -> bool:
     """Is micro-batch ``mb``'s loss finite with ``p`` filled with random values?"""
-    noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(0)).to(p) * 0.1
-
-    def fill(m, args):
-        with torch.no_grad():
-            p.copy_(noise)
-
-    with put_back([p]):
-        run = runner.run(backward=False, instrument=False,
-                         hooks=lambda model: [model.register_forward_pre_hook(fill)])
-    runner.reset()
+    run = run_with_random(runner, p, backward=False)
     return mb in run.loss_micro_batches and run.loss_finite[run.loss_micro_batches.index(mb)]

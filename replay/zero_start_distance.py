@@ -16,7 +16,7 @@ import torch
 
 from .recorded import samples
 from .rerun import Runner
-from .zero_state import put_back, some_rows
+from .zero_state import run_with_random, some_rows
 
 ZERO_START = (
     "; here it is 0 in every sample because parameter {name} is all 0 as the step began: that "
@@ -45,14 +45,5 @@ def zero_start_hint(runner: Runner, b, cause_name: str, hint: str) -> str:
 
 def _finite_without(runner: Runner, p: torch.Tensor) -> bool:
     """Are the step's loss and gradients finite with ``p`` at small random values?"""
-    noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(0)).to(p) * 0.1
-
-    def fill(m, args):
-        with torch.no_grad():
-            p.copy_(noise)
-
-    with put_back([p]):
-        run = runner.run(backward=True, instrument=False,
-                         hooks=lambda model: [model.register_forward_pre_hook(fill)])
-    runner.reset()
+    run = run_with_random(runner, p, backward=True)
     return bool(run.loss_finite) and all(run.loss_finite) and not run.bad_grads

@@ -216,6 +216,22 @@ def _finite_with(runner: Runner, origin, module, t: torch.Tensor, noise, also=()
     return state["finite"]
 
 
+def run_with_random(runner: Runner, p: torch.Tensor, backward: bool):
+    """A re-run of the step with ``p`` (a weight all 0) at small random values from every
+    forward on, put back after (see :func:`put_back`)."""
+    noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(0)).to(p) * 0.1
+
+    def fill(m, args):
+        with torch.no_grad():
+            p.copy_(noise)
+
+    with put_back([p]):
+        run = runner.run(backward=backward, instrument=False,
+                         hooks=lambda model: [model.register_forward_pre_hook(fill)])
+    runner.reset()
+    return run
+
+
 @contextlib.contextmanager
 def put_back(tensors):
     """Inside the block a trial may fill ``tensors`` (the model's): after it, their values

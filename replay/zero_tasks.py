@@ -49,16 +49,7 @@ def zero_outputs_text(step: Step, runner=None) -> str:
 def _names(runner, mb: int) -> list[str]:
     """The paths of micro-batch ``mb``'s output tensors (`` out["depth"]``), in the order the
     recorder keeps their gradients; [] without a re-run to read them from."""
-    if runner is None:
-        return []
-    try:
-        objects = runner.run(backward=False, instrument=False).objects
-    except Exception:  # (the name is a courtesy: the report stands without it)
-        return []
-    if mb >= len(objects):
-        return []
-    _, tensors, paths = flatten_tree(objects[mb], "o")
-    return [f" out{paths[k]}" if paths[k] else "" for k in tensors]
+    return [name for name, _ in _outputs(runner, mb)]
 
 
 def dead_outputs_text(step: Step, runner) -> str:

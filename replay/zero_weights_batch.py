@@ -15,13 +15,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import torch
-
-from recorder.capture import batch_path, loss_path
-
+from .empty_records import sample_tensors
 from .load import Step
 from .loss_arg_name import with_param_name
-from .recorded import n_args, samples
 from .source import statement
 
 _LAST = re.compile(r'(?:\["([^"]+)"\]|\.(\w+)|\((\w+)\))$')
@@ -57,18 +53,8 @@ def zero_weights_hint(report: dict[str, Any], step: Step) -> None:
 def _data(step: Step, mb: int, n: int):
     """The readable names of the micro-batch's real-valued model inputs and loss data
     arguments with a row per sample (a ``(B,)`` weight too) that are 0 everywhere."""
-    if mb >= len(step.micro_batches):
-        return
-    entry, where = step.micro_batches[mb], samples(step, mb)
-    count, made = n_args(entry.get("inputs")), set(entry.get("loss_grad_args") or ())
-    named = [(k, batch_path(raw, count)) for k, raw in (entry.get("paths") or {}).items()]
-    named += [(k, loss_path(raw)) for k, raw in (entry.get("loss_paths") or {}).items()
-              if k not in made]
-    for key, name in named:
-        t = step.tensors.get(key)
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() \
-                and (d := where.dim(t)) is not None and t.shape[d] == n \
-                and not bool(t.detach().ne(0).any()):
+    for name, t, d in sample_tensors(step, mb):
+        if t.is_floating_point() and t.shape[d] == n and not bool(t.detach().ne(0).any()):
             yield name
 
 
