@@ -117,6 +117,10 @@ def _train_imputing(tmp_path, *, record=True, leak=False, late_missing=None, **o
         rec.end_step()
     finally:
         rec.detach()
+        # (an event raised mid-epoch leaves this frame in a reference cycle with the
+        # exception; collected later, the persistent workers' queues close before the
+        # iterator's shutdown can reach them, and it waits 5 s per worker)
+        del loader
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
@@ -223,6 +227,7 @@ def test_a_corrupt_record_that_overflows_a_batch_norm_is_named_not_widened(tmp_p
                 opt.zero_grad()
                 crit(model(x), y).backward()
                 opt.step()
+    del loader  # (now, not when the cycle with ``info`` is collected: see _train_imputing)
     ev = info.value.event
     assert (ev["step"], ev["phase"], ev["module"]) == (step, "forward", "bn"), ev
     rep, code = replay_report(info.value.bundle_path, "--try", "auto")
