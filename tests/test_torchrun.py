@@ -8,8 +8,10 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
+from bundles import invoke_cli
 
 from recorder.bundle import read_bundle
 
@@ -63,9 +65,55 @@ def _torchrun(script: str, out: Path, pythonpath: Path, *args: str, **env_vars: 
     return proc
 
 
-def test_two_ranks_each_write_their_bundle_and_stop(tmp_path):
-    out = tmp_path / "bundles"
-    proc = _torchrun("ddp_train.py", out, HERE)
+class Run(NamedTuple):
+    out: Path  # the mode's bundle directory
+    stdout: str  # both ranks' output in that mode, rank 0's first
+    stderr: str
+
+
+def _launch_modes(tmp_path_factory, script: str, *modes: str) -> dict[str, Run]:
+    """Every mode of ``script`` in one launch (see tests/dist/modes.py): ``{mode: Run}``."""
+    out = tmp_path_factory.mktemp(script.removesuffix(".py"))
+    _torchrun(script, out, HERE, *modes)
+
+    def said(mode: str, stream: str) -> str:
+        return "".join((out / "logs" / f"{mode}-rank{r}.{stream}").read_text() for r in (0, 1))
+
+    return {m: Run(out / m, said(m, "out"), said(m, "err")) for m in modes}
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory) -> dict[str, Run]:
+    return _launch_modes(tmp_path_factory, "ddp_train.py", "input", "warn", "rewind",
+                         "internal", "loss", "eval", "eval0")
+
+
+@pytest.fixture(scope="module")
+def fsdp_update(tmp_path_factory) -> dict[str, Run]:
+    return _launch_modes(tmp_path_factory, "fsdp_update_train.py", "default", "guard", "exit")
+
+
+@pytest.fixture(scope="module")
+def frames(tmp_path_factory) -> dict[str, Run]:
+    return _launch_modes(tmp_path_factory, "ddp_frames_train.py", "plain", "clip")
+
+
+@pytest.fixture
+def nanreplay(monkeypatch):
+    """``nanreplay ARGS`` in this process, run from tests/dist as a user runs it from where
+    the training script (the bundles' factory) lives, as a finished process."""
+    monkeypatch.chdir(HERE)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+    def run(*args) -> subprocess.CompletedProcess:
+        r = invoke_cli(*args)
+        return subprocess.CompletedProcess(args, r.exit_code, r.stdout, r.stderr)
+
+    return run
+
+
+def test_two_ranks_each_write_their_bundle_and_stop(ddp):
+    out, proc = ddp["input"].out, ddp["input"]
     # the two ranks print concurrently: their lines may interleave
     events = dict(re.findall(r"rank (\d) event (step=\d+ phase=\w+ tensor=\S+ samples=\[[^\]]*\])",
                              proc.stdout))
@@ -96,11 +144,10 @@ def test_two_ranks_each_write_their_bundle_and_stop(tmp_path):
     assert report["reproduced"] is True
 
 
-def test_warn_mode_on_two_ranks_says_the_ranks_train_on(tmp_path):
+def test_warn_mode_on_two_ranks_says_the_ranks_train_on(ddp):
     """on_event="warn" under DDP: both ranks write their bundle at step 3 and train all 10
     steps. Their warnings said "every rank stopped at this step" (raise mode's words)."""
-    out = tmp_path / "bundles"
-    proc = _torchrun("ddp_train.py", out, HERE, "warn")
+    out, proc = ddp["warn"].out, ddp["warn"]
     assert "rank 0 no event steps=10" in proc.stdout and "rank 1 no event steps=10" in \
         proc.stdout, proc.stdout
     warned = re.findall(r"Rank (\d) of 2; first seen on rank\(s\) 1 \(non-finite on rank\(s\) "
@@ -113,13 +160,12 @@ def test_warn_mode_on_two_ranks_says_the_ranks_train_on(tmp_path):
                                                      "step00000003-rank1.nan"]
 
 
-def test_a_ddp_window_rerun_averages_every_ranks_gradients(tmp_path, monkeypatch):
+def test_a_ddp_window_rerun_averages_every_ranks_gradients(ddp, monkeypatch):
     """rewind=2 under DDP, rank 1's NaN sample at step 3: the window (steps 0-3) re-runs in one
     process from rank 1's bundle. Its updates used rank 1's gradients alone, not DDP's average
     over both ranks, so the re-run's losses drifted from the recorded ones from step 1 on; now
     every rank's batches are re-run and their gradients averaged, as training's were."""
-    out = tmp_path / "bundles"
-    _torchrun("ddp_train.py", out, HERE, "rewind")
+    out = ddp["rewind"].out
     import replay
 
     monkeypatch.chdir(HERE)  # where ddp_train's factory lives
@@ -167,13 +213,12 @@ def test_trainer_callback_on_two_ranks_in_warn_mode(tmp_path):
     assert report["event"]["step"] == 3
 
 
-def test_an_internal_error_on_one_rank_stops_every_rank_recorder_and_training_goes_on(tmp_path):
+def test_an_internal_error_on_one_rank_stops_every_rank_recorder_and_training_goes_on(ddp):
     """A recorder bug on rank 1 at step 3 (its RNG capture raises) switches its recorder off.
     Before, rank 1 then made no more per-step exchanges: rank 0's next one met DDP's gradient
     all-reduce and gloo aborted the training. Now rank 1 says so at that step's close, rank 0's
     recorder stops there too, and both ranks train all 10 steps, unrecorded from step 3."""
-    out = tmp_path / "bundles"
-    proc = _torchrun("ddp_train.py", out, HERE, "internal")
+    out, proc = ddp["internal"].out, ddp["internal"]
     ends = dict(re.findall(r"rank (\d) (no event steps=\d+ active=\w+ errors=\d+)", proc.stdout))
     assert ends == {"0": "no event steps=4 active=False errors=0",
                     "1": "no event steps=3 active=False errors=1"}, proc.stdout + proc.stderr
@@ -184,12 +229,11 @@ def test_an_internal_error_on_one_rank_stops_every_rank_recorder_and_training_go
     assert not out.exists() or not list(out.iterdir())
 
 
-def test_ddp_nan_loss_on_one_rank_stops_both_at_that_step(tmp_path):
+def test_ddp_nan_loss_on_one_rank_stops_both_at_that_step(ddp, nanreplay, tmp_path):
     """Rank 1's loss is 0/0 at step 3 with finite gradients: only rank 1 sees a NaN. The
     step's flags are all-reduced, so rank 0 raises at step 3 too (a peer event naming rank 1)
     instead of waiting in step 4's all-reduce for a rank that is gone."""
-    out = tmp_path / "bundles"
-    proc = _torchrun("ddp_train.py", out, HERE, "loss")
+    out, proc = ddp["loss"].out, ddp["loss"]
     events = dict(re.findall(r"rank (\d) event (step=\d+ phase=\w+)", proc.stdout))
     assert events == {"0": "step=3 phase=peer", "1": "step=3 phase=loss"}, proc.stdout
     assert len(re.findall(r"rank \d first=\[1\] loop_step=3 ", proc.stdout)) == 2
@@ -202,17 +246,14 @@ def test_ddp_nan_loss_on_one_rank_stops_both_at_that_step(tmp_path):
     assert m0["event"]["ranks"]["run_id"] == m1["event"]["ranks"]["run_id"]
     assert m0["event"]["ranks"]["seen_by"] == [1] and m0["event"]["ranks"]["first"] == [1]
     # rank 0's bundle replays rank 1's step: its loss of all-ignored targets
-    rep = subprocess.run([sys.executable, "-m", "replay", "--json", str(out / names[0])],
-                         capture_output=True, text=True, timeout=120, cwd=HERE)
-    report = json.loads(rep.stdout)
+    report = json.loads(nanreplay("--json", out / names[0]).stdout)
     assert report["bundle"]["rank"] == 1 and report["event"]["step"] == 3
     assert report["event"]["phase"] == "loss" and report["reproduced"] is True
     # rank 0's peer bundle alone has nothing of its own to replay: one line saying whose
     alone = tmp_path / "alone"
     alone.mkdir()
     (alone / names[0]).write_bytes((out / names[0]).read_bytes())
-    rep = subprocess.run([sys.executable, "-m", "replay", str(alone / names[0])],
-                         capture_output=True, text=True, timeout=120, cwd=HERE)
+    rep = nanreplay(alone / names[0])
     run_id = m0["event"]["ranks"]["run_id"]
     assert rep.returncode == 2 and rep.stderr == (
         f"nanreplay: {alone / names[0]}: rank 0's own values were finite at step 3; rank(s) [1] "
@@ -220,7 +261,7 @@ def test_ddp_nan_loss_on_one_rank_stops_both_at_that_step(tmp_path):
         f"into {alone}, or replay it directly\n")
 
 
-def test_fsdp2_nested_nan_on_rank_1_stops_both_ranks_and_replays_unsharded(tmp_path):
+def test_fsdp2_nested_nan_on_rank_1_stops_both_ranks_and_replays_unsharded(tmp_path, nanreplay):
     """FSDP2 (nested fully_shard, gloo, CPU): rank 1's blank record at step 3 makes 0/0 in
     UnsafeNorm; rank 0 only gets NaN gradient shards from the reduce-scatter. Both raise at
     step 3, each writes its bundle of local shards, and either bundle replays rank 1's step on
@@ -251,41 +292,35 @@ def test_fsdp2_nested_nan_on_rank_1_stops_both_ranks_and_replays_unsharded(tmp_p
     assert m0["model"]["class"] == "__main__.Net"
     assert m0["modules"][3]["type"] == "__main__.Block"
     for name in names:  # either rank's bundle: rank 1's step is replayed
-        rep = subprocess.run([sys.executable, "-m", "replay", "--json", str(out / name)],
-                             capture_output=True, text=True, timeout=300, cwd=HERE)
+        rep = nanreplay("--json", out / name)
         report = json.loads(rep.stdout)
         assert report["bundle"]["rank"] == 1 and report["event"]["step"] == 3
         assert report["reproduced"] is True and report["cause"] == "invalid"
         assert report["origin"]["module"] == "norm" and report["origin"]["op"] == "aten.div"
         assert report["origin"]["samples"] == [5]
-    info = subprocess.run([sys.executable, "-m", "replay", "--info", str(out / names[0])],
-                          capture_output=True, text=True, timeout=120, cwd=HERE).stdout
+    info = nanreplay("--info", out / names[0]).stdout
     run_id = m0["event"]["ranks"]["run_id"]
     assert (f"ranks      rank 0 of 2, run {run_id}, first seen on rank(s) [1], non-finite on "
             "[0, 1]; 24 sharded tensors; bundles of rank(s) 0, 1 beside it") in info
     # --strip copies the whole set: one stripped copy per rank, still a set
     shared = tmp_path / "shared"
-    strip = subprocess.run([sys.executable, "-m", "replay", str(out / names[1]), "--strip",
-                            "batch", "-o", str(shared / "share.nan")],
-                           capture_output=True, text=True, timeout=120, cwd=HERE)
+    strip = nanreplay(out / names[1], "--strip", "batch", "-o", shared / "share.nan")
     assert strip.returncode == 0, strip.stderr
     assert sorted(p.name for p in shared.iterdir()) == ["share-rank0.nan", "share-rank1.nan"]
-    info = subprocess.run([sys.executable, "-m", "replay", "--info", str(shared / "share-rank0.nan")],
-                          capture_output=True, text=True, timeout=120, cwd=HERE).stdout
+    info = nanreplay("--info", shared / "share-rank0.nan").stdout
     assert "bundles of rank(s) 0, 1 beside it" in info and "stripped   batch" in info
     # a rank's bundle alone: one line naming the ranks found and missing
     alone = tmp_path / "alone"
     alone.mkdir()
     (alone / names[0]).write_bytes((out / names[0]).read_bytes())
-    rep = subprocess.run([sys.executable, "-m", "replay", str(alone / names[0])],
-                         capture_output=True, text=True, timeout=120, cwd=HERE)
+    rep = nanreplay(alone / names[0])
     assert rep.returncode == 2 and rep.stdout == ""
     assert rep.stderr == (f"nanreplay: {alone / names[0]}: this bundle is one of 2 ranks' shards "
                           f"of run {run_id} step 3; found rank(s) [0] beside it, missing rank(s) "
                           f"[1]: copy every rank's bundle of that step into {alone}\n")
 
 
-def test_lightning_fsdp2_strategy_on_two_ranks_stops_both_and_replays(tmp_path):
+def test_lightning_fsdp2_strategy_on_two_ranks_stops_both_and_replays(tmp_path, nanreplay):
     """Lightning's ModelParallelStrategy (FSDP2 fully_shard in configure_model, gloo, CPU) with
     the recorder's callback: rank 1's blank record at step 3 stops both ranks at step 3, and
     rank 0's bundle replays rank 1's step to the op."""
@@ -301,24 +336,21 @@ def test_lightning_fsdp2_strategy_on_two_ranks_stops_both_and_replays(tmp_path):
     assert names == ["step00000003-rank0.nan", "step00000003-rank1.nan"]
     meta, _ = read_bundle(out / names[0])
     assert meta["recorder"]["integration"] == "lightning" and "shards" in meta
-    rep = subprocess.run([sys.executable, "-m", "replay", "--json", str(out / names[0])],
-                         capture_output=True, text=True, timeout=300, cwd=HERE)
-    report = json.loads(rep.stdout)
+    report = json.loads(nanreplay("--json", out / names[0]).stdout)
     assert report["bundle"]["rank"] == 1 and report["event"]["step"] == 3
     assert (report["origin"]["module"], report["origin"]["op"], report["cause"]) == \
         ("norm", "aten.div", "invalid")
 
 
 @pytest.mark.parametrize("mode", ["default", "guard", "exit"])
-def test_fsdp2_update_nan_in_one_ranks_shard_stops_both_ranks(tmp_path, mode):
+def test_fsdp2_update_nan_in_one_ranks_shard_stops_both_ranks(fsdp_update, nanreplay, mode):
     """A hand-written Adam without eps writes NaN into rows 5-9 of an embedding (rank 1's
     shard, rows never used so their gradient is 0: 0/sqrt(0)) at step 0. By default the
     update's evidence rides in step 1's check, with guard_optimizer in the update's own read,
     after a one-step loop in the with block's exit read: each carries the ranks' flags, so
     rank 0 stops at the same point with a peer event of step 0, and the two bundles are one
     set."""
-    out = tmp_path / "bundles"
-    proc = _torchrun("fsdp_update_train.py", out, HERE, mode)
+    out, proc = fsdp_update[mode].out, fsdp_update[mode]
     events = dict(re.findall(r"rank (\d) event (step=.*?loop_step=\d+)", proc.stdout))
     loop, after = {"default": ("1", "True"), "guard": ("0", "False"), "exit": ("0", "True")}[mode]
     assert events == {
@@ -332,8 +364,7 @@ def test_fsdp2_update_nan_in_one_ranks_shard_stops_both_ranks(tmp_path, mode):
     assert meta["state"] == ("before_update" if mode == "guard" else "after_update")
     assert tensors["weights/emb.weight"].shape == (5, 4)
     assert bool(tensors["weights/emb.weight"].isnan().all()) == (mode != "guard")
-    info = subprocess.run([sys.executable, "-m", "replay", "--info", str(out / names[0])],
-                          capture_output=True, text=True, timeout=120, cwd=HERE).stdout
+    info = nanreplay("--info", out / names[0]).stdout
     assert "first seen on rank(s) [1], non-finite on [1]" in info
     assert "bundles of rank(s) 0, 1 beside it" in info
 
@@ -355,13 +386,12 @@ def test_a_recorder_on_one_rank_only_fails_attach_quickly_in_one_line(tmp_path):
     assert not list(tmp_path.rglob("*.nan"))
 
 
-def test_ddp_evaluation_forward_nan_on_one_rank_is_that_ranks_own(tmp_path):
+def test_ddp_evaluation_forward_nan_on_one_rank_is_that_ranks_own(ddp):
     """An evaluation forward between steps (eval mode, no gradients) whose batch holds a NaN
     on rank 1 only, in warn mode: rank 1 writes its bundle there (evaluation, its input's
     sample 1), and both ranks train on. Evaluations are not agreed across ranks as steps are:
     one rank may run them alone (see the next test)."""
-    out = tmp_path / "bundles"
-    proc = _torchrun("ddp_train.py", out, HERE, "eval")
+    out, proc = ddp["eval"].out, ddp["eval"]
     assert "rank 0 no event steps=10" in proc.stdout and "rank 1 no event steps=10" in \
         proc.stdout, proc.stdout
     assert [p.name for p in out.iterdir()] == ["step00000003-rank1.nan"]
@@ -370,18 +400,17 @@ def test_ddp_evaluation_forward_nan_on_one_rank_is_that_ranks_own(tmp_path):
     assert (ev["evaluation"], ev["phase"], ev["samples"]) == (True, "input", [1]), ev
 
 
-def test_ddp_validation_on_rank_0_alone_does_not_hang(tmp_path):
+def test_ddp_validation_on_rank_0_alone_does_not_hang(ddp):
     """Rank 0 alone runs evaluation forwards before step 3 (validation on rank 0: the wrapped
     model in eval mode, the unwrapped one in train mode under no_grad). Each evaluation's check
     was an all-reduce that rank 1 never joined: both ranks hung at the first validation."""
-    out = tmp_path / "bundles"
-    proc = _torchrun("ddp_train.py", out, HERE, "eval0")
+    out, proc = ddp["eval0"].out, ddp["eval0"]
     assert "rank 0 no event steps=10" in proc.stdout and "rank 1 no event steps=10" in \
         proc.stdout, proc.stdout
     assert not out.exists() or not list(out.iterdir())
 
 
-def test_ddp_backward_nan_of_one_ranks_loss_is_first_seen_on_that_rank(tmp_path):
+def test_ddp_backward_nan_of_one_ranks_loss_is_first_seen_on_that_rank(tmp_path, nanreplay):
     """Rank 1's triplet loss makes NaN in backward (sqrt at 0) at step 3; DDP's all-reduce
     gives rank 0 the same NaN gradients. Both ranks' events were backward events of step 3,
     so both were "first": the replay took rank 0's step, finite on its own, and said
@@ -393,16 +422,14 @@ def test_ddp_backward_nan_of_one_ranks_loss_is_first_seen_on_that_rank(tmp_path)
                              r"loop_step=\d+)", proc.stdout))
     assert events == {"0": "step=3 phase=backward first=[1] loop_step=3",
                       "1": "step=3 phase=backward first=[1] loop_step=3"}, proc.stdout
-    rep = subprocess.run([sys.executable, "-m", "replay", "--json",
-                          str(out / "step00000003-rank0.nan")],
-                         capture_output=True, text=True, timeout=120, cwd=HERE)
+    rep = nanreplay("--json", out / "step00000003-rank0.nan")
     report = json.loads(rep.stdout)
     assert report["bundle"]["rank"] == 1 and report["reproduced"] is True, rep.stdout[-3000:]
     assert (report["origin"]["phase"], report["origin"]["module"], report["origin"]["op"],
             report["cause"]) == ("backward", "<loss>", "SqrtBackward0", "invalid")
 
 
-def test_fsdp2_mixed_precision_nan_replays_in_the_policys_dtype(tmp_path):
+def test_fsdp2_mixed_precision_nan_replays_in_the_policys_dtype(tmp_path, nanreplay):
     """FSDP2 with MixedPrecisionPolicy(param_dtype=bfloat16): rank 1's hand-written LayerNorm
     cancels to a negative variance in bfloat16 at step 0. The replay rebuilt the float32
     model and fed it the recorded bfloat16 input: 'replay failed (RuntimeError: mat1 and
@@ -419,9 +446,7 @@ def test_fsdp2_mixed_precision_nan_replays_in_the_policys_dtype(tmp_path):
     fsdp = {m["name"]: m["fsdp"] for m in meta["modules"] if "fsdp" in m}
     assert fsdp == {name: {"param_dtype": "bfloat16", "output_dtype": None,
                            "cast_forward_inputs": True} for name in ("", "body")}
-    rep = subprocess.run([sys.executable, "-m", "replay", "--json",
-                          str(out / "step00000000-rank0.nan")],
-                         capture_output=True, text=True, timeout=300, cwd=HERE)
+    rep = nanreplay("--json", out / "step00000000-rank0.nan")
     assert rep.returncode == 0, rep.stderr
     report = json.loads(rep.stdout)
     assert report["bundle"]["rank"] == 1 and report["reproduced"] is True
@@ -429,7 +454,7 @@ def test_fsdp2_mixed_precision_nan_replays_in_the_policys_dtype(tmp_path):
             report["cause"]) == ("norm", "aten.rsqrt", [5], "precision"), report["origin"]
 
 
-def test_a_loss_that_gathers_every_ranks_features_is_named_not_a_failed_replay(tmp_path):
+def test_a_loss_that_gathers_every_ranks_features_is_named_not_a_failed_replay(tmp_path, nanreplay):
     """A CLIP-style loss all-gathers the ranks' features; logit_scale overflows the logits at
     step 3 on both ranks. The one-process replay re-ran the loss, whose dist.all_gather has
     no process group there: 'replay failed (ValueError: Default process group has not been
@@ -439,9 +464,7 @@ def test_a_loss_that_gathers_every_ranks_features_is_named_not_a_failed_replay(t
     proc = _torchrun("ddp_clip_train.py", out, HERE)
     events = dict(re.findall(r"rank (\d) event (step=\d+ phase=\w+ loop_step=\d+)", proc.stdout))
     assert events == {"0": "step=3 phase=loss loop_step=3", "1": "step=3 phase=loss loop_step=3"}
-    rep = subprocess.run([sys.executable, "-m", "replay", "--json",
-                          str(out / "step00000003-rank1.nan")],
-                         capture_output=True, text=True, timeout=120, cwd=HERE)
+    rep = nanreplay("--json", out / "step00000003-rank1.nan")
     assert rep.returncode == 1, rep.stderr
     report = json.loads(rep.stdout)
     assert report["reproduced"] is False and report["event"]["step"] == 3
@@ -454,14 +477,13 @@ def test_a_loss_that_gathers_every_ranks_features_is_named_not_a_failed_replay(t
     assert "skip that call when torch.distributed.is_initialized() is False" in report["hint"]
 
 
-def test_ddp_backward_nan_made_inside_one_ranks_model_replays_that_ranks_step(tmp_path):
+def test_ddp_backward_nan_made_inside_one_ranks_model_replays_that_ranks_step(frames, nanreplay):
     """Rank 1's zero-padded frames make NaN inside the model's backward at step 3 (sqrt at 0,
     its loss and output gradient finite); the all-reduce gives rank 0 the same NaN gradient,
     so both ranks are first. nanreplay on either bundle replayed rank 0's step, finite alone:
     not_reproduced. The other first ranks' steps are now replayed too: rank 1's names
     SqrtBackward0 at the normalisation, sample 2, with a note saying why."""
-    out = tmp_path / "bundles"
-    proc = _torchrun("ddp_frames_train.py", out, HERE)
+    out, proc = frames["plain"].out, frames["plain"]
     events = dict(re.findall(r"rank (\d) event (step=\d+ phase=\w+ first=\[[\d, ]*\] "
                              r"loop_step=\d+)", proc.stdout))
     assert events == {"0": "step=3 phase=backward first=[0, 1] loop_step=3",
@@ -469,8 +491,7 @@ def test_ddp_backward_nan_made_inside_one_ranks_model_replays_that_ranks_step(tm
     line = next(i + 1 for i, text in enumerate((HERE / "ddp_frames_train.py").read_text()
                                                  .splitlines()) if "# BUG" in text)
     for name in ("step00000003-rank0.nan", "step00000003-rank1.nan"):
-        rep = subprocess.run([sys.executable, "-m", "replay", "--json", str(out / name)],
-                             capture_output=True, text=True, timeout=300, cwd=HERE)
+        rep = nanreplay("--json", out / name)
         report = json.loads(rep.stdout)
         assert rep.returncode == 0 and report["reproduced"] is True, rep.stdout[-3000:]
         assert report["bundle"]["rank"] == 1
@@ -483,22 +504,20 @@ def test_ddp_backward_nan_made_inside_one_ranks_model_replays_that_ranks_step(tm
             "finite, rank 1's makes it"]
 
 
-def test_ddp_step_cut_short_by_clip_error_on_every_rank_replays_the_rank_that_made_it(tmp_path):
+def test_ddp_step_cut_short_by_clip_error_on_every_rank_replays_the_rank_that_made_it(
+        frames, nanreplay):
     """The same NaN with clip_grad_norm_(error_if_nonfinite=True): every rank raises in the
     clip, so each checks the cut-short step alone and writes its bundle without the ranks'
     agreement. Rank 0's bundle (its NaN from the all-reduce) replayed its own step: 'NOT
     reproduced ... transient'. It now carries the run id and says it was checked alone; the
     replay tries the other ranks' bundles beside it and names rank 1's SqrtBackward0."""
-    out = tmp_path / "bundles"
-    proc = _torchrun("ddp_frames_train.py", out, HERE, "clip")
+    out, proc = frames["clip"].out, frames["clip"]
     assert "rank 0 clip error" in proc.stdout and "rank 1 clip error" in proc.stdout, \
         proc.stdout
     meta, _ = read_bundle(out / "step00000003-rank0.nan")
     ranks = meta["event"]["ranks"]
     assert (ranks["rank"], ranks["world_size"], ranks["first"], ranks["alone"]) == (0, 2, [], True)
-    rep = subprocess.run([sys.executable, "-m", "replay", "--json",
-                          str(out / "step00000003-rank0.nan")],
-                         capture_output=True, text=True, timeout=300, cwd=HERE)
+    rep = nanreplay("--json", out / "step00000003-rank0.nan")
     report = json.loads(rep.stdout)
     assert rep.returncode == 0 and report["reproduced"] is True, rep.stdout[-3000:]
     assert report["bundle"]["rank"] == 1 and report["origin"]["op"] == "SqrtBackward0"

@@ -10,13 +10,13 @@ ranks saw the backward event at once. Mode ``clip``: the loop clips with
 cut-short step alone).
 """
 
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+import modes
 from recorder import FlightRecorder, NonFiniteError
 
 
@@ -37,9 +37,8 @@ def make_model() -> nn.Module:
     return FrameEncoder()
 
 
-def main(out_dir: str, mode: str = "") -> None:
+def run(out_dir: str, mode: str) -> None:
     clip = mode == "clip"
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(make_model())
@@ -67,13 +66,7 @@ def main(out_dir: str, mode: str = "") -> None:
               f"first={ev['ranks']['first']} loop_step={step}", flush=True)
     except RuntimeError as e:  # (clip's error; the recorder wrote the bundle on the way out)
         print(f"rank {rank} clip error at loop step {step}: {str(e)[:60]}", flush=True)
-    finally:
-        dist.destroy_process_group()
-    # (leave before the teardown of main's locals, as ddp_train.py does)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    modes.main(run, *sys.argv[1:])

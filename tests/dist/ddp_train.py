@@ -1,6 +1,6 @@
 """Two-rank DDP training on CPU (gloo), launched by torchrun from tests/test_torchrun.py.
 
-Mode ``input`` (default): rank 1 gets a NaN feature in sample 2 at step 3. DDP averages
+Mode ``input``: rank 1 gets a NaN feature in sample 2 at step 3. DDP averages
 gradients, so both ranks see the bad step: each must write its own bundle and stop at that step,
 none may hang. Mode ``loss``: at step 3 every target of rank 1 is ``ignore_index``, so its mean
 loss is 0/0 while every gradient stays finite: only rank 1 sees a NaN, and rank 0 must still stop
@@ -10,16 +10,17 @@ batch holds a NaN on rank 1 only, with ``on_event="warn"``: rank 1 writes its bu
 both ranks train on. Mode ``eval0``: before step 3 rank 0 alone runs evaluation forwards (eval
 mode, and one in train mode under no_grad), as a validation on rank 0 does: no rank may hang.
 Mode ``warn``: mode ``input``'s NaN with ``on_event="warn"``: both ranks warn and train on.
-Mode ``rewind``: mode ``input``'s NaN with ``rewind=2``.
+Mode ``rewind``: mode ``input``'s NaN with ``rewind=2``. One launch runs the modes named on the
+command line in turn (tests/dist/modes.py).
 """
 
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+import modes
 from recorder import FlightRecorder, NonFiniteError
 
 
@@ -31,8 +32,7 @@ def _broken():
     raise RuntimeError("a bug in the recorder")
 
 
-def main(out_dir: str, mode: str = "input") -> None:
-    dist.init_process_group("gloo")
+def run(out_dir: str, mode: str) -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(make_model())
@@ -81,14 +81,7 @@ def main(out_dir: str, mode: str = "input") -> None:
         print(f"rank {rank} first={ev['ranks']['first']} loop_step={step} message {e}",
               flush=True)
         print(f"rank {rank} evaluation={ev.get('evaluation')}", flush=True)
-    finally:
-        dist.destroy_process_group()
-    # Leave before main's locals (the model, DDP's reducer, the process group) are torn down:
-    # that teardown hung a rank now and then under a loaded machine, after the run was done.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    modes.main(run, *sys.argv[1:])

@@ -8,7 +8,6 @@ step 0. Mode ``default``: the update's evidence is read with step 1's check; mod
 the ``with`` block's exit reads it. Either way both ranks must stop together.
 """
 
-import os
 import sys
 
 import torch
@@ -16,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
+import modes
 from recorder import FlightRecorder, NonFiniteError
 
 
@@ -52,8 +52,7 @@ def make_model() -> nn.Module:
     return Bag()
 
 
-def main(out_dir: str, mode: str) -> None:
-    dist.init_process_group("gloo")
+def run(out_dir: str, mode: str) -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = make_model()
@@ -79,14 +78,7 @@ def main(out_dir: str, mode: str) -> None:
         print(f"rank {rank} event step={ev['step']} phase={ev['phase']} params={ev['params']} "
               f"after_update={ev.get('after_update')} first={ev['ranks']['first']} "
               f"loop_step={step}", flush=True)
-    finally:
-        dist.destroy_process_group()
-    # Leave before main's locals (the model, the process group) are torn down: that teardown
-    # hung a rank now and then under a loaded machine, after the run was done.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    modes.main(run, *sys.argv[1:])
