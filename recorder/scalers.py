@@ -47,8 +47,15 @@ def scaler_left_open(phase: str, step: int, micro_batch: int | None) -> bool | d
 def unregistered_scalers() -> list:
     """The live, enabled ``GradScaler``s that have scaled a loss (they hold a scale). (A scaler
     of an earlier run that only a reference cycle still holds, a caught exception's frames, is
-    collected first: it is no longer in use.)"""
+    no longer in use: where one is found, a collection runs and the walk is taken again. A
+    collection costs more than the walk in a large process, and most runs have no scaler.)"""
+    if not _scalers():
+        return []
     gc.collect()
+    return _scalers()
+
+
+def _scalers() -> list:
     return [o for o in gc.get_objects() if type(o).__name__.endswith("GradScaler")
             and is_grad_scaler(o) and not disabled_scaler(o) and scaler_scale(o) is not None]
 
