@@ -166,13 +166,18 @@ def statement(path: str, line: int, most: int = 6) -> str:
         if not nxt:
             break
         parts.append(nxt)
-    if len(parts) == 1 or _continued("\n".join(parts)) is None:
+    still_open = _continued("\n".join(parts))
+    if len(parts) == 1 or still_open is None:
         return text
-    for tok in tokenize.generate_tokens(io.StringIO("\n".join(parts) + "\n").readline):
-        if tok.type == tokenize.COMMENT and tok.start[0] < len(parts):  # (not the last line's)
-            row = tok.start[0] - 1
-            parts[row] = parts[row][:tok.start[1]]
-    return " ".join(p.strip().removesuffix("\\").rstrip() for p in parts)
+    try:  # a statement longer than ``most`` lines is still open at the end: cut with " ..."
+        for tok in tokenize.generate_tokens(io.StringIO("\n".join(parts) + "\n").readline):
+            if tok.type == tokenize.COMMENT and (still_open or tok.start[0] < len(parts)):
+                row = tok.start[0] - 1  # (not the last line's, unless the statement goes on)
+                parts[row] = parts[row][:tok.start[1]]
+    except tokenize.TokenError:
+        pass
+    joined = " ".join(p.strip().removesuffix("\\").rstrip() for p in parts)
+    return joined + " ..." if still_open else joined
 
 
 def _continued(code: str) -> bool | None:
