@@ -377,8 +377,8 @@ DO = {
                  "sqrt(x + eps)",
     "few": "reduce over more than one value (a batch of 1, an empty selection), pass "
            "correction=0 to var/std, or skip such batches",
-    "wider": "compute this op in float32 (outside autocast, or .float() before it) or "
-             "rescale its inputs",
+    "wider": "compute this op in float32 (outside autocast, or .float() before it), "
+             "autocast to bfloat16 (float32's range) or rescale its inputs",
     "wider64": "rescale its inputs (subtract the row max before exp, normalise before a "
                "product or sum) or compute it in float64",
     "wider64_exp": "rescale its inputs (subtract the row max before exp), bound a learned "
