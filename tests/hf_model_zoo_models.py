@@ -279,6 +279,26 @@ class TokenMeanLoss(nn.Module):
         return (per_tok * m).sum() / m.sum()  # the bug: 0/0 when no token is masked
 
 
+class FocalLoss(nn.Module):
+    """Focal loss for imbalanced classes (Lin et al.), written from the paper's formula on
+    the softmax probability of the true class, sharpened by a temperature ``t``."""
+
+    def __init__(self, gamma=2.0, t=0.2):
+        super().__init__()
+        self.gamma, self.t = gamma, t
+
+    def forward(self, logits, labels):
+        pt = (logits / self.t).softmax(-1).gather(1, labels[:, None]).squeeze(1)
+        return (-(1 - pt) ** self.gamma * pt.log()).mean()  # the bug: log of a pt rounded to 0
+
+
+def new_head(model):
+    """The classifier re-initialised for the new label set with ``nn.init.normal_``'s
+    default std of 1 (the config's ``initializer_range`` is 0.02): logits in the tens."""
+    nn.init.normal_(model.classifier.weight)
+    return model
+
+
 # ---- the loop --------------------------------------------------------------------------------
 
 

@@ -126,3 +126,15 @@ def test_adamw_with_eps_0_makes_never_used_rows_nan(tmp_path):
     assert rep["origin"]["param"] == "bert.embeddings.position_embeddings.weight"
     assert "bert.encoder.layer.0.attention.self.key.bias" in rep["origin"]["params"]
     assert "eps=0" in rep["hint"] and "gradient was all 0" in rep["hint"]
+
+
+def test_focal_loss_log_of_a_float16_softmax_underflow_on_its_rows(tmp_path):
+    """ViT with a re-initialised head under float16 autocast: the focal loss's softmax of
+    sharpened logits rounds a true class's probability to 0 (2e-14 in float64) and its log is
+    -inf, an underflow (float32 holds it) on the rows where it happened."""
+    rep = run(tmp_path, "make_vit", M.images(2), M.FocalLoss(), dtype=torch.float16,
+              prep=M.new_head)
+    assert origin(rep) == (0, "loss", "<loss>", "aten.log", "underflow")
+    assert rep["origin"]["samples"] == [2, 3]
+    assert rep["origin"]["source"] == source_line("hf_model_zoo_models.py", "pt.log()")
+    assert "below float16's smallest normal" in rep["hint"] and "log_softmax" in rep["hint"]
