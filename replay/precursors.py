@@ -68,6 +68,7 @@ def history(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str,
         "absmax": absmax,
         "call_order": [seen.index(k) for k in order],  # indices into "layers"
         "event_step": meta.get("event", {}).get("step"),
+        "event_phase": meta.get("event", {}).get("phase"),
         "skipped": tensors["ring/skipped"].tolist(),
         "weight_norm": _weight_norms(tensors.get("ring/update_norms"),
                                      tensors["ring/param_norm"].tolist()),
@@ -120,8 +121,7 @@ def _weight_norms(update_norms: torch.Tensor | None, param_norm: list[float]
 
 def find_precursors(hist: dict[str, Any], *, factor: float = JUMP,
                     dtypes: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    steps = hist["steps"]
-    event = hist.get("event_step")
+    steps, event = hist["steps"], hist.get("event_step")
     out: list[dict[str, Any]] = []
 
     watched: dict[int, set[int]] = {}  # step -> layers with enough history to jump there
@@ -173,6 +173,7 @@ def find_precursors(hist: dict[str, Any], *, factor: float = JUMP,
         scan(col, "absmax_jump", f"absmax of {layer or '<root>'}", li)
         if dtypes and dtypes.get(hist.get("modules", hist["layers"])[li]) == "float16":
             out += _near_fp16_max(steps, col, layer, event)
+    out += _absorbed_fp16_overflow(hist, dtypes or {})
     for p in out:
         p["detail"] += _held(p)
     out = _one_line_per_jump(out, hist, watched)
@@ -221,6 +222,32 @@ def _near_fp16_max(steps: list[int], col: list, layer: str,
                      "detail": f"absmax of {layer} is {v:.4g}, past half the float16 maximum "
                                f"{FP16_MAX:g}"}]
     return []
+
+
+def _absorbed_fp16_overflow(hist: dict[str, Any], dtypes: dict[str, str]) -> list[dict[str, Any]]:
+    """The first float16 call (by step, then in the order the calls completed) whose output
+    held an infinity the event did not name: an overflow the model's own code absorbed (T5's
+    blocks clamp float16 infinities to 64504, a masked_fill drops them), so the values it
+    passed on were wrong from that step. At the event's step only when the event is not the
+    step's forward or loss (those name the overflowing call themselves)."""
+    event, phase = hist.get("event_step"), hist.get("event_phase")
+    order = hist.get("call_order") or list(range(len(hist["layers"])))
+    mods = hist.get("modules", hist["layers"])
+    for s, row in zip(hist["steps"], hist["absmax"]):
+        if event is not None and (s > event or s == event and phase in _NAMED_HERE):
+            break
+        li = next((li for li in order if li < len(row) and row[li] == math.inf
+                   and dtypes.get(mods[li]) == "float16"), None)
+        if li is not None:
+            return [{"step": s, "kind": "fp16_overflow_absorbed",
+                     "detail": f"{hist['layers'][li] or '<root>'}'s float16 output held an "
+                               f"infinity (past {FP16_MAX:g}) that no event named: the code "
+                               "after it absorbed it (a clamp, as T5's float16 blocks do; a "
+                               "masked_fill), so what it passed on was wrong from there"}]
+    return []
+
+
+_NAMED_HERE = ("forward", "loss", "input")
 
 
 def _one_line_per_jump(out: list[dict[str, Any]], hist: dict[str, Any],

@@ -138,3 +138,15 @@ def test_focal_loss_log_of_a_float16_softmax_underflow_on_its_rows(tmp_path):
     assert rep["origin"]["samples"] == [2, 3]
     assert rep["origin"]["source"] == source_line("hf_model_zoo_models.py", "pt.log()")
     assert "below float16's smallest normal" in rep["hint"] and "log_softmax" in rep["hint"]
+
+
+def test_t5_in_pure_float16_names_adamw_eps_and_the_overflow_t5_clamped(tmp_path):
+    """``model.half()`` (weights and AdamW state in float16): wo's +inf is clamped by T5's
+    float16 block (no event there), and AdamW's eps=1e-8, 0 in float16, makes the update 0/0.
+    The report names the optimizer and, as a precursor, the overflow the model absorbed."""
+    rep = run(tmp_path, "make_t5", M.seq2seq_batches(1), dtype=None,
+              prep=lambda m: M.hot_ff(m).half())
+    assert origin(rep) == (0, "optimizer", None, None, "optimizer")
+    assert "eps=1e-08 is 0 in float16" in rep["hint"]
+    assert [(p["step"], p["kind"], p["detail"].split("'s ")[0]) for p in rep["precursors"]] == \
+        [(0, "fp16_overflow_absorbed", "encoder.block.1.layer.1.DenseReluDense.wo")]
