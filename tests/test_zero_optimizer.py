@@ -8,7 +8,7 @@ either rank's bundle must name the step, parameter or module, op and cause, with
 import re
 
 import pytest
-from bundles import nanreplay_json, source_line
+from bundles import invoke_cli, nanreplay_json, source_line
 from test_torchrun import HERE, _torchrun
 
 from recorder.bundle import read_bundle
@@ -62,6 +62,10 @@ def test_each_rank_bundle_holds_its_shard_of_the_optimizer_state(zero):
         assert {k.split("/")[1] for k in tensors if k.startswith("optim/")} == set(inner["params"])
     assert sorted(held[0] + held[1]) == sorted(meta["params"])  # every parameter, once
     assert "emb.weight" in held[1] and "head.0.weight" in held[0], held
+    # --info said "unsharded (DDP)" of a set whose optimizer state is sharded
+    info = invoke_cli(bundles(zero, "eps0", 0)[0], "--info").stdout
+    assert ("weights unsharded (DDP), optimizer state sharded (ZeroRedundancyOptimizer: this "
+            f"rank holds the state of {len(held[0])} of 7 parameters)") in info, info
 
 
 @pytest.mark.parametrize("rank", [0, 1])
