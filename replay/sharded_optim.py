@@ -51,6 +51,17 @@ def unprefixed(state: dict[str, Any], attr: str) -> dict[str, Any]:
     return {k.removeprefix(pre): v for k, v in state.items() if k.startswith(pre)}
 
 
+def as_rebuilt(info: dict[str, Any] | None, opt, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` as recorded (the wrapper's keys) for ``opt``: unprefixed when ``opt`` is the
+    wrapper's inner built-in class rebuilt in its place (:func:`builtin_inner`), which would
+    drop the prefixed keys; else as it is."""
+    found = builtin_inner(info)
+    if found is None or type(opt) is not found[1] or str((info or {}).get("class", "")) \
+            .startswith("torch.optim."):
+        return state
+    return unprefixed(state, found[0])
+
+
 def gather_state(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor]
                  ) -> str | None:
     """Add to ``tensors`` (and ``meta``'s state scalars) the optimizer state the other ranks'
@@ -69,13 +80,17 @@ def gather_state(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tens
         m, t = read_bundle(other)
         theirs = sharded_inner(m.get("optimizer")) or (attr, {})
         holders[r] = list(theirs[1].get("params") or [])
-        for name in holders[r]:
-            prefix = f"optim/{name}/"
+        for name in holders[r]:  # (the step's state, and a rewind copy's: ``rewind/optim/``)
+            prefixes = (f"optim/{name}/", f"rewind/optim/{name}/")
             tensors.update({k: v for k, v in t.items()
-                            if k.startswith(prefix) and k not in tensors})
+                            if k.startswith(prefixes) and k not in tensors})
             for k, v in ((m.get("optimizer") or {}).get("state_scalars") or {}).get(
                     name, {}).items():
                 scalars.setdefault(name, {}).setdefault(k, v)
+            mine_rw = ((meta.get("rewind") or {}).get("optimizer") or {})
+            for k, v in ((((m.get("rewind") or {}).get("optimizer") or {})
+                          .get("state_scalars") or {}).get(name, {}).items()):
+                mine_rw.setdefault("state_scalars", {}).setdefault(name, {}).setdefault(k, v)
     return _note(info, attr, holders, meta, int(ranks_of(meta)["world_size"]))
 
 

@@ -16,7 +16,7 @@ from recorder.bundle import read_bundle
 pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 MODELS = "zero_optimizer_models.py"
-MODES = ("healthy", "bare", "eps0", "eps0guard", "sample", "loss", "scale", "empty")
+MODES = ("healthy", "bare", "eps0", "eps0guard", "sample", "loss", "scale", "empty", "rewind")
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +126,20 @@ def test_all_padding_record_makes_a_backward_only_nan(zero):
     assert (rep["event"]["step"], rep["cause"], o["phase"], o["op"], o["samples"]) == (
         1, "invalid", "backward", "SqrtBackward0", [3])
     assert o["source"] == source_line(MODELS, "norm = pooled.pow(2).sum(-1, keepdim=True)")
+
+
+def test_rewind_window_reads_every_ranks_state_copy(zero):
+    """rewind=2, a NaN sample on rank 1 at step 5: the window re-runs from the copy at step 2.
+    Each rank's copy holds only its shard of Adam's state, under ZeRO's ``optim::`` keys: the
+    re-run's Adam dropped those keys and the other rank's shard was never read, so the re-run's
+    update at the copy's step started from zero moments and the next step's loss drifted from
+    the recorded one."""
+    import replay
+
+    rep = replay.replay(bundles(zero, "rewind", 5)[0])
+    w = rep["window"]
+    assert (w["copy_step"], w["steps"], w["reproduced"]) == (2, [2, 5], True), w
+    recorded = dict(zip(rep["history"]["steps"], rep["history"]["loss"]))
+    for s in w["per_step"][:3]:  # steps 2-4: those after the copy's update drifted
+        assert s["loss"] == pytest.approx(recorded[s["step"]], rel=1e-6), (s, recorded)
+    assert rep["cause"] == "input" and rep["origin"]["samples"] == [2]

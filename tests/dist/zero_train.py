@@ -11,7 +11,8 @@ without the recorder), ``eps0`` (Adam with
 step 2 is weighted 0 throughout: the weighted mean is 0/0 on rank 1 only), ``scale`` (rank 0's
 sample 1 at step 1 holds features of 3e38: ``proj`` overflows), ``empty`` (rank
 0's sample 3 at step 1 is all padding: its pooled embedding is 0, whose norm's sqrt is finite
-and whose gradient is not: a backward-only NaN). Models and data:
+and whose gradient is not: a backward-only NaN), ``rewind`` (``rewind=2``; rank 1's sample 2
+holds a NaN at step 5: the window re-runs steps 2-5 from a copy of every rank's state shard). Models and data:
 tests/zero_optimizer_models.py.
 """
 
@@ -42,6 +43,8 @@ def run(out_dir: str, mode: str) -> None:
     records = M.Records(24, seed=rank)
     if rank == 1 and mode == "sample":
         records.feats[2 * 4 + 2, 1] = float("nan")  # step 2, sample 2
+    if rank == 1 and mode == "rewind":
+        records.feats[5 * 4 + 2, 1] = float("nan")  # step 5, sample 2, after sharded state
     if rank == 0 and mode == "scale":
         records.feats[1 * 4 + 1] = 3e38  # step 1, sample 1: a record in the wrong units
     if rank == 0 and mode == "empty":
@@ -52,7 +55,8 @@ def run(out_dir: str, mode: str) -> None:
     try:
         with contextlib.nullcontext() if mode == "bare" else FlightRecorder(
                 model, opt, loss_fn=crit, out_dir=out_dir,
-                factory="zero_optimizer_models:make_model", guard_optimizer=mode == "eps0guard"):
+                factory="zero_optimizer_models:make_model", guard_optimizer=mode == "eps0guard",
+                rewind=2 if mode == "rewind" else None):
             for step, (tokens, mask, feats, y, w) in enumerate(M.loader(records)):
                 opt.zero_grad()
                 loss = crit(model(tokens, mask, feats), y, w)
