@@ -6,6 +6,11 @@ keeps only its slow weights in its own ``state``; the base optimizer's moments (
 alone, a bundle and a rewind copy lacked them, and a re-run's Adam started from zero moments.
 Shared by both packages: each inner optimizer's per-parameter entries are keyed
 ``<attribute>::<key>`` beside the wrapper's own keys (``base::exp_avg``).
+
+An inner optimizer may hold fewer parameters than its wrapper: ``ZeroRedundancyOptimizer``'s
+``optim`` (its ``optimizer_class``) holds only this rank's shard of the parameters, and so its
+state (ZeRO-1). :func:`describe_inner` writes which class and which parameters, so that the
+replay rebuilds that class over every parameter with the shards of every rank's bundle.
 """
 
 from __future__ import annotations
@@ -26,6 +31,21 @@ def inner_optimizers(opt) -> list[tuple[str, torch.optim.Optimizer]]:
         return []
     return [(k, v) for k, v in attrs.items()
             if isinstance(v, torch.optim.Optimizer) and v is not opt and SEP not in k]
+
+
+def describe_inner(opt, names: dict[int, str]) -> dict[str, Any]:
+    """``{attribute: {"class", "params", "sharded"}}`` of each inner optimizer: its class's
+    import path, the names of the parameters it holds (``names``: id -> name) and whether
+    they are fewer than the wrapper's (its state is this process's shard)."""
+    outer = {id(p) for g in opt.param_groups for p in g["params"]}
+    out = {}
+    for attr, inner in inner_optimizers(opt):
+        held = [p for g in inner.param_groups for p in g["params"]]
+        cls = type(inner)
+        out[attr] = {"class": f"{cls.__module__}.{cls.__qualname__}",
+                     "params": [names[id(p)] for p in held if id(p) in names],
+                     "sharded": bool(outer - {id(p) for p in held})}
+    return out
 
 
 def full_state(opt, p) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from .compiled import hook_sites
 from .constants import unchanged
 from .entries import hyper_entry, jsonish, micro_batch_entry, named_params
 from .graph_reach import from_model
-from .inner_optim import full_state
+from .inner_optim import describe_inner, full_state
 from .lossdesc import describe_callable, describe_loss
 from .rewind import Rewind
 from .ring import RingBuffer
@@ -221,8 +221,11 @@ def _optimizer(opt, params, guard, tensors) -> dict[str, Any]:
                 scalars.setdefault(name, {})[k] = v
     defaults = {k: (list(v) if isinstance(v, tuple) else v) for k, v in opt.defaults.items()
                 if jsonish(v)}
-    return {"class": qualname(opt), "defaults": defaults, "param_groups": groups,
-            "state_scalars": scalars, "attrs": _optimizer_attrs(opt)}
+    out = {"class": qualname(opt), "defaults": defaults, "param_groups": groups,
+           "state_scalars": scalars, "attrs": _optimizer_attrs(opt)}
+    if inner := describe_inner(opt, names):  # (a wrapper's: ZeRO's local shard optimizer)
+        out["inner"] = inner
+    return out
 
 
 def _optimizer_attrs(opt) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from .factory import recorded_argv, resolve_factory
 from .loss_params import attach_loss_params
 from .losses import Unrebuildable, kept_defaults, rebuild_loss
 from .optim import build_optimizer
+from .sharded_optim import gather_state
 from .shards import resolve
 from .views import same_view
 from .weights import load_weights
@@ -89,7 +90,10 @@ def read_step(path: str | os.PathLike, rank: int | None = None) -> Step:
     # several), full tensors from the shards
     given, given_rank = Path(path), (meta.get("env") or {}).get("rank")
     path, meta, tensors = resolve(given, meta, tensors, check_meta, rank)
+    sharded = gather_state(path, meta, tensors)  # (ZeRO's optimizer state, one shard a rank)
     step = Step(path, meta, tensors)
+    if sharded:
+        step.problems.append(sharded)
     if path != given:
         step.given, step.given_rank = given, given_rank
     return step

@@ -15,6 +15,7 @@ from recorder.seq_state import load_seq
 
 from .eps_text import EPS0_CUSTOM_UPDATE, EPS_LOST_UPDATE, SQUARED_EPS_LOST
 from .optim_attrs import attrs_note, restore_attrs
+from .sharded_optim import builtin_inner, unprefixed
 
 
 def build_optimizer(step, model: nn.Module, opt_factory):
@@ -26,11 +27,13 @@ def build_optimizer(step, model: nn.Module, opt_factory):
     if not info:
         return None
     params = dict(model.named_parameters())
-    cls = None
+    cls = inner = None
     path = info["class"]
     if opt_factory is None:
         if path.startswith("torch.optim."):
             cls = getattr(torch.optim, path.rpartition(".")[2], None)
+        elif (found := builtin_inner(info)) is not None:  # (ZeRO's local Adam)
+            inner, cls = found
         if cls is None:
             step.problems.append(f"the optimizer {path} is not a torch.optim built-in; return "
                                  "{'model': ..., 'optimizer': lambda params: ...} from the factory")
@@ -52,7 +55,7 @@ def build_optimizer(step, model: nn.Module, opt_factory):
     except Exception as e:
         step.problems.append(f"the optimizer {path} could not be rebuilt ({type(e).__name__}: {e})")
         return None
-    if changed := restore_attrs(opt, info.get("attrs")):
+    if inner is None and (changed := restore_attrs(opt, info.get("attrs"))):
         step.problems.append(attrs_note(changed))
     scalars = info.get("state_scalars", {})
     for name, p in params.items():
@@ -63,6 +66,8 @@ def build_optimizer(step, model: nn.Module, opt_factory):
                 state[key[len(prefix):]] = t.to(step.device) if t.dim() else t
         state.update({k: load_seq(v, step.tensors, step.device)
                       for k, v in scalars.get(name, {}).items()})
+        if inner is not None:  # (the wrapper's keys for its inner optimizer, as its own)
+            state = unprefixed(state, inner)
         if state:
             put_state(opt, p, state)
     return opt

@@ -21,6 +21,7 @@ from .load import Step
 from .ops import OpFinder
 from .optim import eps_lost_text, per_parameter, stale_state
 from .quantised_state import zero_scale_why
+from .reduced_grads import use_reduced_grads
 from .rerun import Runner
 from .update_domain import (
     domain_why,
@@ -36,6 +37,7 @@ from .zero_input_columns import zero_input_columns_text
 def report_optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
     decode_non_finite_hyper(step.optimizer)
     runner.run(instrument=False)
+    use_reduced_grads(step, step.model)  # (every rank's, as DDP's all-reduce gave the update)
     _own_copies(step.model, step.optimizer)
     stale = stale_state(step.model, step.optimizer)
     quantised = zero_scale_why(step.model, step.optimizer)  # (before the update rewrites it)

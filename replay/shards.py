@@ -149,14 +149,29 @@ def describe(path: Path, meta: dict[str, Any]) -> dict[str, Any] | None:
     return {"run_id": ranks["run_id"], "rank": ranks["rank"], "world_size": world,
             "first": ranks.get("first"), "seen_by": ranks.get("seen_by"),
             "sharded_tensors": len(meta.get("shards", {})),
+            "optimizer_shard": _optimizer_shard(meta),
             "found": {str(r): str(p) for r, p in sorted(found.items())},
             "missing": [r for r in range(world) if r not in found]}
+
+
+def _optimizer_shard(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The optimizer whose inner optimizer holds this rank's shard of the parameters and their
+    state (ZeRO-1's, see ``replay.sharded_optim``): its class, and how many it holds of all."""
+    opt = meta.get("optimizer") or {}
+    for d in (opt.get("inner") or {}).values():
+        if isinstance(d, dict) and d.get("sharded"):
+            return {"class": str(opt.get("class", "?")).rpartition(".")[2],
+                    "held": len(d.get("params") or []), "of": len(meta.get("params") or [])}
+    return None
 
 
 def info_line(d: dict[str, Any]) -> str:
     """The ``--info`` line of a shard set."""
     what = (f"{d['sharded_tensors']} sharded tensors" if d["sharded_tensors"]
             else "unsharded (DDP)")
+    if o := d.get("optimizer_shard"):
+        what = (f"weights {what}, optimizer state sharded ({o['class']}: this rank holds the "
+                f"state of {o['held']} of {o['of']} parameters)")
     lost = f", missing rank(s) {d['missing']}" if d["missing"] else ""
     return (f"ranks      rank {d['rank']} of {d['world_size']}, run {d['run_id']}, first seen on "
             f"rank(s) {d['first']}, non-finite on {d['seen_by']}; {what}; bundles of rank(s) "

@@ -52,6 +52,7 @@ from .peers import average_gradients, peer_gradients
 from .quantised_state import zero_scale_why
 from .recorded import scale_of_the_step
 from .rerun import Runner, restorable
+from .sharded_optim import as_rebuilt
 from .update_domain import update_domain
 from .weight_scale import WeightScales
 
@@ -384,9 +385,9 @@ def _restore(step: Step, win: Window, dtype: torch.dtype | None) -> None:
     for name, st in scalars.items():  # (a tuple of tensors back as one, copied)
         states.setdefault(name, {}).update({k: load_seq(v, t, dev, copy=True)
                                             for k, v in st.items()})
-    for name, st in states.items():
+    for name, st in states.items():  # (ZeRO's ``optim::`` keys, for its local Adam rebuilt)
         if name in names:
-            put_state(opt, names[name], st)
+            put_state(opt, names[name], as_rebuilt(step.meta.get("optimizer"), opt, st))
 
 
 def _sub_step(step: Step, win: Window, record: dict[str, Any], change: Change) -> Step:
