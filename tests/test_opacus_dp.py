@@ -1,0 +1,150 @@
+"""Differentially private training with the real Opacus library: ``PrivacyEngine.make_private``
+wraps the model in a GradSampleModule (its own hooks computing per-sample gradients), the
+optimizer in a DPOptimizer (per-sample clipping, Gaussian noise, then the optimizer it holds)
+and the loader in a DPDataLoader (Poisson sampling, possibly empty batches). The recorder is
+given the model and the optimizer ``make_private`` returned, as a user would; each planted
+failure is trained until it raises, then replayed with the CLI."""
+
+from __future__ import annotations
+
+import warnings
+
+import opacus_dp_models as M
+import pytest
+import torch
+from bundles import invoke_cli, nanreplay_json, one_error_line, source_line
+from opacus import PrivacyEngine
+from torch import nn
+from torch.utils.data import DataLoader
+
+from recorder import FlightRecorder, NonFiniteError
+
+# (Opacus's full backward hooks on the first layer, whose input needs no gradient: torch warns
+# in every step, as it does for any Opacus user)
+pytestmark = [pytest.mark.usefixtures("in_tests_dir"),
+              pytest.mark.filterwarnings("ignore:Full backward hook is firing")]
+
+
+def _private(ds, model, *, batch_size=32, noise_multiplier=1.0, lr=0.1):
+    """make_private over ``ds`` with a seeded noise generator (and Poisson sampler)."""
+    torch.manual_seed(3)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    with warnings.catch_warnings():  # (secure_mode off, an empty first batch)
+        warnings.simplefilter("ignore")
+        return PrivacyEngine().make_private(
+            module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=batch_size),
+            noise_multiplier=noise_multiplier, max_grad_norm=1.0,
+            noise_generator=torch.Generator().manual_seed(5))
+
+
+def _epochs(dp_model, dp_opt, loader, crit, epochs=2):
+    for _ in range(epochs):
+        for x, y in loader:
+            dp_opt.zero_grad()
+            crit(dp_model(x), y).backward()
+            dp_opt.step()
+
+
+def _event(out_dir, ds, *, crit=None, factory="make_classifier", wrapped=False, **kw):
+    """Train a private model over ``ds`` under the recorder until it raises."""
+    crit = crit or nn.CrossEntropyLoss()
+    dp_model, dp_opt, loader = _private(ds, getattr(M, factory)(), **kw)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(dp_model if wrapped else dp_model._module, dp_opt, loss_fn=crit,
+                            out_dir=out_dir, factory=f"opacus_dp_models:{factory}"):
+            _epochs(dp_model, dp_opt, loader, crit)
+    return info.value
+
+
+def _weights(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _hooks(model):
+    return [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
+            for m in model.modules()]
+
+
+def test_healthy_private_training_raises_nothing_and_trains_bit_identically(out_dir):
+    """The DPOptimizer make_private returns crashed the recorder at attach ('DPOptimizer'
+    object has no attribute '_optimizer_step_pre_hooks': it never calls Optimizer.__init__);
+    the recorder now hooks the optimizer it holds (``original_optimizer``), whose step sees the
+    clipped, noised gradients. A healthy run raises nothing, trains bit-identically with and
+    without the recorder, and leaves Opacus's hooks as they were."""
+    bare = M.make_classifier()
+    _epochs(*_private(M.dataset(), bare), nn.CrossEntropyLoss())
+    model = M.make_classifier()
+    dp_model, dp_opt, loader = _private(M.dataset(), model)
+    before = _hooks(dp_model)
+    with FlightRecorder(dp_model._module, dp_opt, loss_fn=nn.CrossEntropyLoss(),
+                        out_dir=out_dir) as rec:
+        _epochs(dp_model, dp_opt, loader, nn.CrossEntropyLoss())
+    assert rec.health.internal_errors == 0 and not list(out_dir.glob("*.nan"))
+    assert all(torch.equal(a, b) for a, b in zip(_weights(bare), _weights(model)))
+    assert _hooks(dp_model) == before
+
+
+def test_a_nan_record_of_the_private_dataset_is_named(out_dir):
+    """A record of the private dataset holds NaN; the Poisson batch that draws it raises an
+    input event, and the replay names that record's row of the batch."""
+    ds = M.dataset()
+    ds.tensors[0][70, 3] = float("nan")
+    err = _event(out_dir, ds)
+    assert (err.event["step"], err.event["phase"], err.event["samples"]) == (3, "input", [10])
+    rep = nanreplay_json(err.bundle_path)
+    assert (rep["cause"], rep["origin"]["phase"], rep["origin"]["samples"]) == \
+        ("input", "input", [10])
+    assert "sample 10 at feature(s) 3" in rep["hint"], rep["hint"]
+
+
+def test_an_empty_poisson_batch_s_mean_loss_is_named(out_dir):
+    """Poisson sampling at q = 1/256 draws no record in the third batch (DPDataLoader yields
+    zero-row tensors); CrossEntropyLoss's mean over them is 0/0."""
+    err = _event(out_dir, M.dataset(), batch_size=1)
+    assert (err.event["step"], err.event["phase"], err.event["samples"]) == (2, "loss", [])
+    rep = nanreplay_json(err.bundle_path)
+    assert (rep["cause"], rep["origin"]["module"], rep["origin"]["op"]) == \
+        ("invalid", "<loss>", "aten.nll_loss_forward")
+    assert "a mean over no element is 0/0" in rep["hint"] and "skip such batches" in rep["hint"]
+
+
+def test_a_focal_loss_s_backward_nan_on_a_sure_record_is_named(out_dir):
+    """A record 50x the others' scale, labelled as the model predicts it: its probability
+    rounds to 1, and the focal loss's ``(1 - p) ** 0.5`` has an infinite derivative at 0.
+    The NaN is made in the backward alone; Opacus's per-sample norms and clip spread it to
+    every gradient the DPOptimizer hands its optimizer."""
+    ds = M.dataset()
+    ds.tensors[0][70] *= 50
+    ds.tensors[1][70] = 0
+    err = _event(out_dir, ds, crit=M.FocalLoss())
+    assert (err.event["step"], err.event["phase"]) == (3, "backward")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("backward", "<loss>", "PowBackward0", [10], "precision")
+    assert o["source"] == source_line("opacus_dp_models.py", "** self.gamma")
+    assert "clamp_min(eps) ** p" in rep["hint"], rep["hint"]
+
+
+def test_a_per_record_standardiser_s_constant_record_is_named(out_dir):
+    """A record whose features are all one value (a blank form filled with a default) meets a
+    per-record standardiser without an eps: 0/0 in the forward."""
+    ds = M.dataset()
+    ds.tensors[0][70] = 1.0
+    err = _event(out_dir, ds, factory="make_standardised")
+    assert (err.event["step"], err.event["phase"], err.event["samples"]) == (3, "forward", [10])
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == ("0", "aten.div", [10], "invalid")
+
+
+def test_the_grad_sample_module_recorded_is_refused_at_replay_in_one_line(out_dir):
+    """Recording the GradSampleModule make_private returned records the same calls (its
+    hooks fire beside the recorder's); a factory that builds the inner model is refused in one
+    line that says to record ``model._module``, which replays."""
+    ds = M.dataset()
+    ds.tensors[0][70, 3] = float("nan")
+    err = _event(out_dir / "w", ds, wrapped=True)
+    assert (err.event["step"], err.event["phase"], err.event["samples"]) == (3, "input", [10])
+    line = one_error_line(invoke_cli(err.bundle_path, "--json"))
+    assert "FlightRecorder(model._module, ...)" in line, line
