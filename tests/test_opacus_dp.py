@@ -126,16 +126,32 @@ def test_a_focal_loss_s_backward_nan_on_a_sure_record_is_named(out_dir):
     assert "clamp_min(eps) ** p" in rep["hint"], rep["hint"]
 
 
-def test_a_per_record_standardiser_s_constant_record_is_named(out_dir):
-    """A record whose features are all one value (a blank form filled with a default) meets a
-    per-record standardiser without an eps: 0/0 in the forward."""
+def test_a_layer_opacus_has_no_rule_for_is_recorded_and_its_0_over_0_named(out_dir):
+    """A hand-written layer norm without an eps, a layer Opacus's hooks have no per-sample
+    rule for (its functorch fallback runs the layer again under vmap in the backward hook):
+    a record whose features are one value (a blank form filled with a default) is 0/0."""
     ds = M.dataset()
     ds.tensors[0][70] = 1.0
-    err = _event(out_dir, ds, factory="make_standardised")
+    err = _event(out_dir, ds, factory="make_record_norm")
     assert (err.event["step"], err.event["phase"], err.event["samples"]) == (3, "forward", [10])
     rep = nanreplay_json(err.bundle_path)
     o = rep["origin"]
     assert (o["module"], o["op"], o["samples"], rep["cause"]) == ("0", "aten.div", [10], "invalid")
+    assert o["source"] == source_line("opacus_dp_models.py", "/ x.std(-1")
+
+
+def test_a_custom_layer_s_backward_only_nan_under_the_functorch_fallback_is_named(out_dir):
+    """A learned square-root activation computes sqrt of the negative entries too and
+    discards them with torch.where: finite forward, NaN in the backward at the first step;
+    Opacus's functorch fallback for the layer and its clip spread it to every gradient."""
+    err = _event(out_dir, M.dataset(), factory="make_sqrt_gate")
+    assert (err.event["step"], err.event["phase"]) == (0, "backward")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], rep["cause"], o["all_samples"]) == \
+        ("backward", "1", "SqrtBackward0", "invalid", True)
+    assert o["source"] == source_line("opacus_dp_models.py", ".sqrt(), torch.zeros_like")
+    assert "torch.where(mask, x, 1)" in rep["hint"], rep["hint"]
 
 
 def test_the_grad_sample_module_recorded_is_refused_at_replay_in_one_line(out_dir):
@@ -148,3 +164,22 @@ def test_the_grad_sample_module_recorded_is_refused_at_replay_in_one_line(out_di
     assert (err.event["step"], err.event["phase"], err.event["samples"]) == (3, "input", [10])
     line = one_error_line(invoke_cli(err.bundle_path, "--json"))
     assert "FlightRecorder(model._module, ...)" in line, line
+
+
+def test_a_huge_noise_multiplier_s_update_is_named_as_the_noise(out_dir):
+    """noise_multiplier=1e30: the DPOptimizer hands SGD gradients of about 1e28 from a loss of
+    0.69, and the update's weights overflow the next forward's second Linear. The report
+    named only the addmm overflow ('rescale its inputs'), with no precursor: the ring held the
+    gradient and weight norms as inf (their float32 sums of squares overflowed), which the
+    precursors skipped as non-finite. They are jumps now, and the hint names the noise added
+    after backward instead of a learning rate or clipping."""
+    err = _event(out_dir, M.dataset(), noise_multiplier=1e30)
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (1, "forward", "2")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], rep["cause"], o["all_samples"]) == \
+        ("2", "aten.addmm", "overflow", True)
+    kinds = [(p["step"], p["kind"]) for p in rep["precursors"]]
+    assert kinds == [(0, "grad_norm_jump"), (1, "weight_jump")], rep["precursors"]
+    assert "overflowed float32 (inf)" in rep["precursors"][0]["detail"]
+    assert "DP-SGD's Gaussian noise" in rep["hint"] and "clip the gradients" not in rep["hint"]
