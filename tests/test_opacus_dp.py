@@ -14,10 +14,12 @@ import pytest
 import torch
 from bundles import invoke_cli, nanreplay_json, one_error_line, source_line
 from opacus import PrivacyEngine
+from opacus.utils.batch_memory_manager import BatchMemoryManager
 from torch import nn
 from torch.utils.data import DataLoader
 
 from recorder import FlightRecorder, NonFiniteError
+from recorder.bundle import read_bundle
 
 # (Opacus's full backward hooks on the first layer, whose input needs no gradient: torch warns
 # in every step, as it does for any Opacus user)
@@ -78,10 +80,27 @@ def test_healthy_private_training_raises_nothing_and_trains_bit_identically(out_
     before = _hooks(dp_model)
     with FlightRecorder(dp_model._module, dp_opt, loss_fn=nn.CrossEntropyLoss(),
                         out_dir=out_dir) as rec:
+        assert _hooks(dp_model) != before  # (the recorder's beside Opacus's)
         _epochs(dp_model, dp_opt, loader, nn.CrossEntropyLoss())
     assert rec.health.internal_errors == 0 and not list(out_dir.glob("*.nan"))
     assert all(torch.equal(a, b) for a, b in zip(_weights(bare), _weights(model)))
     assert _hooks(dp_model) == before
+
+
+def test_make_private_with_epsilon_trains_under_the_recorder_without_an_event(out_dir):
+    """make_private_with_epsilon's noise multiplier (from the accountant) and its optimizer."""
+    torch.manual_seed(3)
+    model = M.make_classifier()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dp_model, dp_opt, loader = PrivacyEngine().make_private_with_epsilon(
+            module=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
+            data_loader=DataLoader(M.dataset(), batch_size=32), target_epsilon=3.0,
+            target_delta=1e-5, epochs=2, max_grad_norm=1.0)
+    with FlightRecorder(model, dp_opt, loss_fn=nn.CrossEntropyLoss(), out_dir=out_dir) as rec:
+        _epochs(dp_model, dp_opt, loader, nn.CrossEntropyLoss())
+    assert rec.health.internal_errors == 0 and not list(out_dir.glob("*.nan"))
+    assert dp_opt.original_optimizer.state  # (Adam stepped: the recorder hooked it)
 
 
 def test_a_nan_record_of_the_private_dataset_is_named(out_dir):
@@ -95,6 +114,30 @@ def test_a_nan_record_of_the_private_dataset_is_named(out_dir):
     assert (rep["cause"], rep["origin"]["phase"], rep["origin"]["samples"]) == \
         ("input", "input", [10])
     assert "sample 10 at feature(s) 3" in rep["hint"], rep["hint"]
+    # each module's call counted once per step beside Opacus's own hooks (4 modules)
+    calls = read_bundle(err.bundle_path)[1]["ring/call_module"]
+    assert [sorted(row.tolist()) for row in calls] == [[0, 1, 2, 3]] * 4
+
+
+def test_a_nan_record_in_a_physical_batch_of_batch_memory_manager_is_named(out_dir):
+    """BatchMemoryManager splits each Poisson batch into physical batches of at most 16; the
+    DPOptimizer skips the inner step until the logical batch ends, so the recorder's step is
+    the logical batch and each physical batch one of its micro-batches."""
+    ds = M.dataset()
+    ds.tensors[0][70, 3] = float("nan")
+    dp_model, dp_opt, loader = _private(ds, M.make_classifier(), batch_size=64)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(dp_model._module, dp_opt, loss_fn=crit, out_dir=out_dir,
+                            factory="opacus_dp_models:make_classifier"):
+            with BatchMemoryManager(data_loader=loader, max_physical_batch_size=16,
+                                    optimizer=dp_opt) as physical:
+                _epochs(dp_model, dp_opt, physical, crit, epochs=1)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"], ev["samples"]) == (3, "input", 1, [3])
+    rep = nanreplay_json(info.value.bundle_path)
+    assert (rep["cause"], rep["origin"]["micro_batch"], rep["origin"]["samples"]) == \
+        ("input", 1, [3])
 
 
 def test_an_empty_poisson_batch_s_mean_loss_is_named(out_dir):
