@@ -12,7 +12,7 @@ import warnings
 import opacus_dp_models as M
 import pytest
 import torch
-from bundles import invoke_cli, nanreplay_json, one_error_line, source_line
+from bundles import invoke_cli, nanreplay_json, one_error_line, replay_report, source_line
 from opacus import PrivacyEngine
 from opacus.utils.batch_memory_manager import BatchMemoryManager
 from torch import nn
@@ -226,3 +226,15 @@ def test_a_huge_noise_multiplier_s_update_is_named_as_the_noise(out_dir):
     assert kinds == [(0, "grad_norm_jump"), (1, "weight_jump")], rep["precursors"]
     assert "overflowed float32 (inf)" in rep["precursors"][0]["detail"]
     assert "DP-SGD's Gaussian noise" in rep["hint"] and "clip the gradients" not in rep["hint"]
+
+
+def test_noise_beyond_float32_is_named_as_the_loop_s_gradients(out_dir):
+    """noise_multiplier=1e39: the noise's std is beyond float32, the DPOptimizer writes +inf
+    into every gradient after backward; the replay's backward through the model is finite,
+    and the report says the loop's own code (a clip or noise) wrote them."""
+    err = _event(out_dir, M.dataset(), noise_multiplier=1e39)
+    assert (err.event["step"], err.event["phase"], err.event["kind"]) == (0, "backward", "+inf")
+    rep, code = replay_report(err.bundle_path)
+    assert code == 1 and not rep["reproduced"] and rep["cause"] == "not_reproduced"
+    assert rep["origin"]["params"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert "a hand-written clip or noise" in rep["hint"], rep["hint"]
