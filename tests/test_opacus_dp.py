@@ -238,3 +238,30 @@ def test_noise_beyond_float32_is_named_as_the_loop_s_gradients(out_dir):
     assert code == 1 and not rep["reproduced"] and rep["cause"] == "not_reproduced"
     assert rep["origin"]["params"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
     assert "a hand-written clip or noise" in rep["hint"], rep["hint"]
+
+
+def test_ghost_clipping_s_double_backward_is_recorded_as_one_step(out_dir):
+    """grad_sample_mode="ghost": make_private also wraps the criterion
+    (DPLossFastGradientClipping, whose backward runs twice: per-sample norms, then the
+    reweighted loss). The recorder is given the loss module make_private was given, which the
+    wrapper calls; a NaN record's Poisson batch is an input event named as without ghost
+    clipping."""
+    ds = M.dataset()
+    ds.tensors[0][70, 3] = float("nan")
+    model, crit = M.make_classifier(), nn.CrossEntropyLoss()
+    torch.manual_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dp_model, dp_opt, dp_crit, loader = PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            criterion=crit, data_loader=DataLoader(ds, batch_size=32), noise_multiplier=1.0,
+            max_grad_norm=1.0, noise_generator=torch.Generator().manual_seed(5),
+            grad_sample_mode="ghost")
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, dp_opt, loss_fn=crit, out_dir=out_dir,
+                            factory="opacus_dp_models:make_classifier"):
+            _epochs(dp_model, dp_opt, loader, dp_crit)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["samples"]) == (3, "input", [10])
+    rep = nanreplay_json(info.value.bundle_path)
+    assert (rep["cause"], rep["origin"]["samples"]) == ("input", [10])
