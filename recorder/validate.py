@@ -25,18 +25,24 @@ from .shards import check_supported
 log = logging.getLogger("nanreplay")
 
 
-# Wrappers whose step() only calls the optimizer they hold as ``.optimizer``: Lightning's (what
-# a LightningModule's ``self.optimizers()`` returns) and accelerate's (``prepare(optimizer)``)
-_DELEGATING = ("LightningOptimizer", "AcceleratedOptimizer")
+# Wrappers whose step() ends by calling the optimizer they hold, by the attribute that holds
+# it: Lightning's (what a LightningModule's ``self.optimizers()`` returns) and accelerate's
+# (``prepare(optimizer)``) as ``.optimizer``; Opacus's DPOptimizer (``make_private``, and its
+# per-layer, distributed, AdaClip and ghost-clipping subclasses) as ``.original_optimizer``,
+# after it clipped, noised and scaled the per-sample gradients into ``p.grad``: the inner
+# optimizer's step hooks see the gradients the update uses
+_DELEGATING = {"LightningOptimizer": "optimizer", "AcceleratedOptimizer": "optimizer",
+               "DPOptimizer": "original_optimizer"}
 
 
 def torch_optimizer(optimizer):
     """The optimizer a delegating wrapper steps (see ``_DELEGATING``), which the recorder hooks
     and records (the wrapper's own class, ``LightningAdam``, cannot be rebuilt); any other
     optimizer as it is."""
-    while optimizer is not None and any(c.__name__ in _DELEGATING
-                                        for c in type(optimizer).__mro__):
-        inner = getattr(optimizer, "optimizer", None)
+    while optimizer is not None:
+        attr = next((_DELEGATING[c.__name__] for c in type(optimizer).__mro__
+                     if c.__name__ in _DELEGATING), None)
+        inner = getattr(optimizer, attr, None) if attr else None
         if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
             break
         optimizer = inner

@@ -176,9 +176,43 @@ def find_precursors(hist: dict[str, Any], *, factor: float = JUMP,
     out += _absorbed_fp16_overflow(hist, dtypes or {})
     for p in out:
         p["detail"] += _held(p)
-    out = _one_line_per_jump(out, hist, watched)
+    out = _one_line_per_jump(out + overflowed_norms(hist), hist, watched)
     out.sort(key=lambda p: (p["step"], p["kind"]))
     return [{k: p[k] for k in ("step", "kind", "detail")} for p in out]
+
+
+# the norms the ring holds whose +inf the recorder's checks show to be an overflow of the norm
+# alone: each gradient is checked before the update (a step with a non-finite one is an event,
+# or a GradScaler's skipped step) and each weight after it, so +inf there means the float32 sum
+# of squares of finite values passed float32's largest: a norm of 1.8e19 or more, a jump whose
+# ratio no median measures (DP-SGD's noise at noise_multiplier 1e30 in one update; a learning
+# rate of 1e20). (column, kind, what, whether the event step's own value counts: the weights as
+# the update before the event left them do)
+_NORMS = (("grad_norm", "grad_norm_jump", "gradient norm", False),
+          ("weight_norm", "weight_jump", "weight norm (as the update before left them)", True))
+
+
+def overflowed_norms(hist: dict[str, Any]) -> list[dict[str, Any]]:
+    """A jump at the first step each norm of ``_NORMS`` is +inf (finite values whose float32
+    norm overflowed), not at a skipped step nor after the event."""
+    event, skipped = hist.get("event_step"), hist.get("skipped") or []
+    out = []
+    for col, kind, what, at_event in _NORMS:
+        values = hist.get(col) or []
+        for i, (s, v) in enumerate(zip(hist["steps"], values)):
+            if event is not None and (s > event or s == event and not at_event):
+                break
+            if v != math.inf or i < len(skipped) and skipped[i]:
+                continue
+            seen = [abs(x) for x in values[:i] if x is not None and math.isfinite(x)]
+            base = (f", from a median of {statistics.median(seen):.4g} over the {len(seen)} "
+                    f"step{'s' * (len(seen) > 1)} before") if seen else ""
+            out.append({"step": s, "kind": kind, "ratio": math.inf, "layer": None, "more": 0,
+                        "through": s, "top": math.inf,
+                        "detail": f"{what} overflowed float32 (inf){base}: its values were "
+                                  "finite, the norm 1.8e19 or more"})
+            break
+    return out
 
 
 def _added_groups(hist: dict[str, Any], factor: float, event) -> list[dict[str, Any]]:

@@ -22,6 +22,7 @@ from .cause_text import DO
 from .compat import FOREACH_MUL_, TorchDispatchMode
 from .grown_state import grown_state_advice
 from .line_search import no_line_search_advice
+from .noised_grads import noised_grads_advice
 from .precursors import history
 from .rising_lr import rising_lr_text
 from .source import user_source
@@ -127,8 +128,9 @@ def diverging_advice(step, windowed: bool) -> str:
     buffer's the model carries across steps that grew (``replay.grown_state``), else the
     learning rate's and clipping's; a schedule still raising the rate at the event
     (``replay.rising_lr``) named first; before them, an update that took the GradScaler's scaled
-    gradients (``opt.step()`` without ``scaler.step``)."""
-    if unscaled := unscaled_update_advice(step):
+    gradients (``opt.step()`` without ``scaler.step``), or gradients the loop added to after
+    backward (``replay.noised_grads``: DP-SGD's noise)."""
+    if unscaled := unscaled_update_advice(step) or noised_grads_advice(step):
         return unscaled
     rising = rising_lr_text(history(step.meta, step.tensors))
     lead = f"{rising}; with it, " if rising else ""
