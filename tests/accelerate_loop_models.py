@@ -50,6 +50,31 @@ class Tagger(nn.Module):
         return self.head(self.norm(h))
 
 
+class UnitTagger(Tagger):
+    """The token embeddings scaled to unit length (a cosine embedding), padding left at 0 with
+    ``torch.where``; its embedding table has no ``padding_idx``, so the pad id's row is a
+    learned vector held at 0 by its zero initialisation."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D)
+        with torch.no_grad():
+            self.embed.weight[0] = 0.0
+
+    def forward(self, input_ids, feats, attention_mask):
+        e = self.embed(input_ids)
+        real = attention_mask[..., None] > 0
+        e = torch.where(real, e / e.norm(dim=-1, keepdim=True), 0.0)
+        h = e + self.feat_proj(feats)
+        h = self.attn(h, attention_mask.to(h.dtype))
+        return self.head(self.norm(h))
+
+
+def make_unit_tagger() -> UnitTagger:
+    torch.manual_seed(0)
+    return UnitTagger()
+
+
 def make_tagger() -> Tagger:
     torch.manual_seed(0)
     return Tagger()

@@ -48,11 +48,11 @@ class Loop:
     """The documented custom loop; ``updates`` counts the optimizer updates that ran."""
 
     def __init__(self, data, *, mp="no", schedule=None, rec=True, out=None, before=None,
-                 at_update=None):
+                 at_update=None, factory="make_tagger"):
         self.acc = accelerate.Accelerator(gradient_accumulation_steps=ACC, mixed_precision=mp,
                                           cpu=True)
         accelerate.utils.set_seed(0)
-        model = M.make_tagger()
+        model = getattr(M, factory)()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         loader = torch.utils.data.DataLoader(data, batch_size=BS)
         self.crit = M.MaskedTokenLoss()
@@ -62,7 +62,7 @@ class Loop:
         if before:
             before(self.acc)
         self.rec = FlightRecorder(self.model, self.opt, loss_fn=self.crit, out_dir=out,
-                                  factory="accelerate_loop_models:make_tagger") if rec else None
+                                  factory=f"accelerate_loop_models:{factory}") if rec else None
         self.updates, self.at_update = 0, at_update or {}
 
     def train(self):
@@ -176,6 +176,17 @@ def test_an_inverse_sqrt_schedule_off_by_one_sets_lr_to_inf(tmp_path):
     assert (rep["event"]["step"], rep["origin"]["phase"], rep["cause"]) == (
         3, "optimizer", "optimizer")
     assert "its lr was inf in that update" in rep["hint"]
+
+
+def test_a_cosine_embedding_masked_with_where_is_a_backward_only_nan_at_padding(tmp_path):
+    """``torch.where(real, e / e.norm(...), 0)``: the pad id's zero embedding is 0/0 in the
+    branch the forward drops, and the division's backward NaN (forward finite)."""
+    loop = Loop(M.TaggingData(64), out=tmp_path, factory="make_unit_tagger")
+    rep, ev = fire(loop)
+    assert ev["step"] == 0 and ev["phase"] == "backward" and loop.updates == 0
+    assert origin(rep) == (0, "backward", "", "DivBackward0", 0, [0, 1], "invalid")
+    assert rep["origin"]["source"] == line_of("e = torch.where(real, e / e.norm(")
+    assert "torch.where(mask, x, 1)" in rep["hint"]
 
 
 def bad_checkpoint(tmp_path):
