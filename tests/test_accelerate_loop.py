@@ -48,7 +48,7 @@ class Loop:
     """The documented custom loop; ``updates`` counts the optimizer updates that ran."""
 
     def __init__(self, data, *, mp="no", schedule=None, rec=True, out=None, before=None,
-                 at_update=None, factory="make_tagger"):
+                 at_update=None, factory="make_tagger", raw=False):
         self.acc = accelerate.Accelerator(gradient_accumulation_steps=ACC, mixed_precision=mp,
                                           cpu=True)
         accelerate.utils.set_seed(0)
@@ -57,12 +57,20 @@ class Loop:
         loader = torch.utils.data.DataLoader(data, batch_size=BS)
         self.crit = M.MaskedTokenLoss()
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule or (lambda s: 1.0))
+        self.rec = None
+
+        def recorder(model, opt, sched):
+            return FlightRecorder(model, opt, loss_fn=self.crit, out_dir=out,
+                                  lr_scheduler=sched,
+                                  factory=f"accelerate_loop_models:{factory}") if rec else None
+        if raw:  # attached before prepare, to the model and optimizer as the user built them
+            self.rec = recorder(model, opt, sched)
         self.model, self.opt, self.loader, self.sched = self.acc.prepare(model, opt, loader,
                                                                          sched)
         if before:
             before(self.acc)
-        self.rec = FlightRecorder(self.model, self.opt, loss_fn=self.crit, out_dir=out,
-                                  factory=f"accelerate_loop_models:{factory}") if rec else None
+        if not raw:
+            self.rec = recorder(self.model, self.opt, self.sched)
         self.updates, self.at_update = 0, at_update or {}
 
     def train(self):
@@ -144,10 +152,13 @@ def test_a_nan_record_in_the_third_micro_batch_is_named_by_micro_batch_and_row(t
     assert "data pipeline" in rep["hint"]
 
 
-def test_bf16_exp_attention_overflows_on_a_record_in_the_wrong_unit(tmp_path):
+@pytest.mark.parametrize("raw", [False, True])
+def test_bf16_exp_attention_overflows_on_a_record_in_the_wrong_unit(tmp_path, raw):
     """A record's features 1000x: the hand-written attention's exp of its scores overflows
-    bfloat16 (and float32), inf / inf in the row normalisation."""
-    loop = Loop(M.TaggingData(64, loud={record(K, 1, 0)}), mp="bf16", out=tmp_path)
+    bfloat16 (and float32), inf / inf in the row normalisation. The same report with the
+    recorder attached before ``prepare`` (``raw``), whose bf16 autocast wraps the model's
+    ``forward`` only then."""
+    loop = Loop(M.TaggingData(64, loud={record(K, 1, 0)}), mp="bf16", out=tmp_path, raw=raw)
     rep, ev = fire(loop)
     assert loop.updates == K
     assert origin(rep) == (K, "forward", "attn", "aten.exp", 1, [0], "overflow")
@@ -168,14 +179,17 @@ def test_a_micro_batch_of_empty_records_divides_the_token_loss_by_zero(tmp_path)
 
 def test_an_inverse_sqrt_schedule_off_by_one_sets_lr_to_inf(tmp_path):
     """LambdaLR through accelerate's scheduler wrapper (stepped once per update): the first
-    update after warmup runs at sqrt(3 / 0) = inf."""
+    update after warmup runs at sqrt(3 / 0) = inf. The hint said "a schedule or the loop
+    computed it"; it now names the scheduler the recorder was given, as the class inside
+    accelerate's ``AcceleratedScheduler``, and the step it had reached."""
     loop = Loop(M.TaggingData(64), schedule=M.warmup_inverse_sqrt(3), out=tmp_path)
     with pytest.warns(RuntimeWarning, match="divide by zero"):
         rep, ev = fire(loop)
     assert ev["step"] == 3 and ev["phase"] == "optimizer"
     assert (rep["event"]["step"], rep["origin"]["phase"], rep["cause"]) == (
         3, "optimizer", "optimizer")
-    assert "its lr was inf in that update" in rep["hint"]
+    assert "its lr was inf in that update: the lr_scheduler given to the recorder (LambdaLR, " \
+        "at last_epoch 4 when the event was caught; evaluate its lr_lambda" in rep["hint"]
 
 
 def test_a_cosine_embedding_masked_with_where_is_a_backward_only_nan_at_padding(tmp_path):
