@@ -144,11 +144,14 @@ def test_healthy_loop_raises_nothing_and_trains_identically(tmp_path, mp):
 
 
 def test_a_nan_record_in_the_third_micro_batch_is_named_by_micro_batch_and_row(tmp_path):
+    """A sensor dropout in row 1 of micro-batch 2 of update 2: the model's positional input
+    ``feats``, named as its ``forward`` names it."""
     loop = Loop(M.TaggingData(64, nan={record(K, 2, 1)}), out=tmp_path)
     rep, ev = fire(loop)
     assert loop.updates == K and ev["step"] == K
     assert origin(rep) == (K, "input", None, None, 2, [1], "input")
-    assert rep["origin"]["tensor"] == "args[1]"  # feats
+    # (was: args[1] alone, leaving the user to count the forward's arguments)
+    assert (rep["origin"]["tensor"], rep["origin"]["arg"]) == ("args[1]", "feats")
     assert "data pipeline" in rep["hint"]
 
 
