@@ -164,7 +164,7 @@ def _training_objects(src: Sources, guard, meta, tensors) -> None:
     if sched is not None:
         tree, ts, _ = flatten_tree(sched.state_dict(), "sched")
         tensors.update(ts)
-        meta["lr_scheduler"] = {"class": qualname(sched), "state": tree}
+        meta["lr_scheduler"] = {"class": qualname(_inner_scheduler(sched)), "state": tree}
     scaler = target.scaler()
     if scaler is not None:
         tree, ts, _ = flatten_tree(scaler.state_dict(), "scaler")
@@ -174,6 +174,14 @@ def _training_objects(src: Sources, guard, meta, tensors) -> None:
         meta["loss"] = describe_loss(src.loss_fn, tensors, target.module_ids())
     elif src.loss_recorded:  # given to record_loss: checked, but nothing to re-run it with
         meta["loss"] = {"kind": "recorded"}
+
+
+def _inner_scheduler(sched):
+    """The scheduler inside accelerate's ``AcceleratedScheduler`` (``prepare(scheduler)``),
+    whose state_dict is the inner one's; any other as it is."""
+    inner = getattr(sched, "scheduler", None)
+    return inner if type(sched).__name__ == "AcceleratedScheduler" and inner is not None \
+        else sched
 
 
 def _module_info(name: str, m: nn.Module, attributes: AttributeWatch, tensors

@@ -78,7 +78,7 @@ def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[st
     # (the groups holding the weights it made non-finite; every group when none is known)
     own = [g for g in groups if set(g.get("params") or ()) & set(params)] or groups
     bad = non_finite_hyper(step, at, own)
-    why = (_hyper_why(bad) if bad else stale_why if stale_why else
+    why = (_hyper_why(bad, step) if bad else stale_why if stale_why else
            f"its state {stale[1]} of {stale[0]} already held {stale[2]} before this update "
            "(the recorder does not read optimizer state each step): loaded that way "
            "(optimizer.load_state_dict from a bad checkpoint) or written outside the "
@@ -101,7 +101,7 @@ def after_update_hint(step: Step, params: list[str]) -> str | None:
     opt = step.meta.get("optimizer") or {}
     groups = [g for g in opt.get("param_groups", []) if set(g.get("params") or ()) & set(params)]
     bad = non_finite_hyper(step, step.event.get("step"), groups)
-    why = _hyper_why(bad) if bad else _eps_why(step, groups, params, None)
+    why = _hyper_why(bad, step) if bad else _eps_why(step, groups, params, None)
     if why and not bad and (w := step.tensors.get(f"weights/{params[0]}")) is not None:
         # (the rows it broke, from the bundle's weights after it: an embedding's entities
         # absent from the batch, told by the second moment the update left, 0 where every
@@ -125,10 +125,24 @@ def _second_moment(step: Step, name: str) -> torch.Tensor | None:
     return None
 
 
-def _hyper_why(bad: tuple[str, str]) -> str:
-    return (f"its {bad[0]} was {bad[1]} in that update: a schedule or the loop "
+def _hyper_why(bad: tuple[str, str], step: Step) -> str:
+    return (f"its {bad[0]} was {bad[1]} in that update: {_writer(bad[0], step)} "
             "computed it (a division by a step count of 0, a 0/0, a sqrt or log of a negative "
             "step count); fix that value")
+
+
+def _writer(name: str, step: Step) -> str:
+    """Who wrote a non-finite learning rate: the scheduler the recorder was given, named with
+    the step it had reached (its ``last_epoch``), else a schedule or the loop."""
+    sched = step.meta.get("lr_scheduler") or {}
+    if name != "lr" or not sched.get("class"):
+        return "a schedule or the loop"
+    state = dict((sched.get("state") or {}).get("$dict") or [])
+    at, cls = state.get("last_epoch"), sched["class"].rpartition(".")[2]
+    formula = "its lr_lambda" if "lr_lambdas" in state else "its formula"
+    return (f"the lr_scheduler given to the recorder ({cls}"
+            + (f", at last_epoch {at} when the event was caught" if isinstance(at, int)
+               else "") + f"; evaluate {formula} at each step up to there) or the loop")
 
 
 def _eps_why(step: Step, own: list[dict], params: list[str], made: str | None) -> str | None:

@@ -227,7 +227,9 @@ def _held_written_hint(step: Step, bad: list[str], names: str) -> str | None:
             "(weights it computed and loaded with load_state_dict or copy_: a federated "
             "round's average of the clients' state_dicts, a model soup or task-arithmetic "
             "merge, an EMA or SWA average copied in, k-means centroids set as a layer's "
-            "cluster centres or prototypes; or an in-place edit: connections pruned or "
+            "cluster centres or prototypes, a checkpoint loaded mid-run: a rollback or "
+            "resume with accelerator.load_state or load_state_dict; or an in-place edit: "
+            "connections pruned or "
             "regrown, dead units re-initialised, with a std or norm over one value or none, "
             "NaN)"
             + (f"; {spread}" if spread else "") + ". Check that code, and each tensor it "
@@ -249,11 +251,28 @@ def _spread(step: Step, bad: list[str]) -> str | None:
                 "throughout (a diverged client's weights)")
     name, t = next(iter(tensors.items()))
     n_bad = int((~torch.isfinite(t)).sum())
+    if whole_rows(t):
+        return (f"whole rows of {name} are non-finite and its other rows finite throughout, "
+                "as a write row by row makes: a row divided by a count or norm of 0 (an "
+                "empty cluster's centroid sum / count: clamp the count to at least 1, or keep "
+                "the old centroid; a zero row normalised), a row re-initialised from NaN, or a "
+                "checkpoint file holding those rows non-finite (a corrupt or partly written "
+                "save, loaded with load_state_dict or accelerator.load_state: check the "
+                "file's tensors before loading it)")
     return (f"only some elements are non-finite ({n_bad} of {t.numel()} in {name}), as an "
             "element-wise division makes where its divisor is 0 there (a mean over the "
             "contributions a mask kept, such as TIES-merging's disjoint mean, or an empty "
             "cluster's centroid sum / count, where none did: clamp the count to at least 1, "
             "or keep the old centroid) or a contribution non-finite in those elements")
+
+
+def whole_rows(t: torch.Tensor) -> bool:
+    """Whether ``t``'s non-finite elements fill whole rows (along dim 0) and leave the other
+    rows finite, at least one row finite (a tensor non-finite throughout is no row write)."""
+    if t.dim() < 2:
+        return False
+    bad = ~torch.isfinite(t.flatten(1))
+    return bool((bad.all(1) == bad.any(1)).all()) and not bool(bad.all())
 
 
 def _other_optimizer_hint(step: Step, names: str, opt: dict[str, Any]) -> str:

@@ -37,7 +37,7 @@ from .findings import origin_fields
 from .group_nan import group_nan
 from .infinite_entries import INFINITE_ENTRIES, infinite_entries
 from .load import Step, micro_batch_inputs
-from .loss_arg_name import with_param_name
+from .loss_arg_name import forward_param_name, with_param_name
 from .masked_gaps import masked_gaps
 from .missing_entries import MISSING_ENTRIES, missing_entries
 from .nan_runs import NAN_RUNS, nan_runs
@@ -185,7 +185,15 @@ def _allowed(step: Step, name: str) -> bool:
 
 def input_origin(step: Step) -> dict[str, Any]:
     """The batch tensor (or loss target) holding the non-finite values, and its rows: one
-    holding NaN first (a float -inf mask beside it is no bad data by itself)."""
+    holding NaN first (a float -inf mask beside it is no bad data by itself); a positional
+    model input with the name the model's ``forward`` gives it (``arg``)."""
+    o = _input_origin(step)
+    if named := forward_param_name(o.get("tensor"), step.model):
+        o["arg"] = named
+    return o
+
+
+def _input_origin(step: Step) -> dict[str, Any]:
     last = _event_micro_batch(step)
     nan = _batch_nan(step, last)
     named = step.event.get("tensor") if step.event.get("phase") == "input" else None

@@ -38,7 +38,8 @@ def _first_param(params: list[str]) -> str:
 def _where(o: dict[str, Any]) -> str:
     mb = f", micro-batch {o['micro_batch']}" if o.get("micro_batch") else ""
     if o.get("phase") == "input":  # (its samples are rows of that micro-batch's input)
-        return (f"the input {o['tensor']}" if o.get("tensor") else "the model's input") + mb
+        arg = f" ({o['arg']})" if o.get("arg") else ""  # (forward's name: replay.loss_arg_name)
+        return (f"the input {o['tensor']}{arg}" if o.get("tensor") else "the model's input") + mb
     if o.get("phase") in ("weights", "optimizer"):
         params = o.get("params") or []
         what = "buffer" if o.get("tensor") == "buffer" else "parameter"
