@@ -22,7 +22,7 @@ from torch_geometric.nn import (
 )
 from torch_geometric.utils import degree
 
-D_IN, HIDDEN, GRAPHS, BATCH = 6, 16, 16, 4
+D_IN, HIDDEN, GRAPHS, BATCH, EDGE_DIM = 6, 16, 16, 4, 3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,6 +94,27 @@ def make_regressor(**kw) -> GraphRegressor:
     return GraphRegressor(**kw)
 
 
+class EdgeRegressor(nn.Module):
+    """GAT with bond features (``edge_dim``), called as ``model(x, edge_index, edge_attr,
+    batch)``."""
+
+    def __init__(self, d_in: int = D_IN, hidden: int = HIDDEN, heads: int = 2):
+        super().__init__()
+        self.conv1 = GATConv(d_in, hidden // heads, heads=heads, edge_dim=EDGE_DIM)
+        self.conv2 = GATConv(hidden, hidden // heads, heads=heads, edge_dim=EDGE_DIM)
+        self.head = nn.Linear(hidden, 1)
+
+    def forward(self, x, edge_index, edge_attr, batch):
+        x = F.elu(self.conv1(x, edge_index, edge_attr))
+        x = F.elu(self.conv2(x, edge_index, edge_attr))
+        return self.head(global_mean_pool(x, batch)).squeeze(-1)
+
+
+def make_edge_regressor(**kw) -> EdgeRegressor:
+    torch.manual_seed(0)
+    return EdgeRegressor(**kw)
+
+
 def _graph(g: torch.Generator, n: int, ring: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` nodes: a ring plus a few chords, both directions."""
     x = torch.randn(n, D_IN, generator=g)
@@ -110,8 +131,8 @@ def graphs(plant: str = "none", step: int = 2, bad: int = 1, scale: float = 1.0)
     ``step * BATCH + bad`` (the ``bad``-th graph of batch ``step``) carries the planted fault:
     ``nan_x`` a NaN feature on its node 2 (a bad record), ``no_edges`` no edges at all,
     ``isolated`` its last node with no edge, ``empty`` no node, ``single`` one node,
-    ``huge`` features of ``scale``."""
-    g = torch.Generator().manual_seed(1)
+    ``huge`` features of ``scale``, ``nan_edge`` a NaN bond feature on its second edge."""
+    g, ge = torch.Generator().manual_seed(1), torch.Generator().manual_seed(3)
     out = []
     for k in range(GRAPHS):
         n = 4 + k % 3
@@ -128,7 +149,10 @@ def graphs(plant: str = "none", step: int = 2, bad: int = 1, scale: float = 1.0)
         if planted and plant == "huge":
             x = x * scale
         y = torch.tensor([float(x.sum()) / max(n, 1) if x.numel() else 0.0])
-        out.append(Data(x=x, edge_index=ei, y=y))
+        edge_attr = torch.rand(ei.size(1), EDGE_DIM, generator=ge)  # bond features
+        if planted and plant == "nan_edge":  # a bond whose length the parser could not read
+            edge_attr[1, 0] = float("nan")
+        out.append(Data(x=x, edge_index=ei, edge_attr=edge_attr, y=y))
     return out
 
 

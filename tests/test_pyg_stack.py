@@ -154,11 +154,17 @@ def test_an_empty_graph_names_the_hand_written_mean_pool(tmp_path):
 
 def test_a_one_node_graph_under_a_std_readout_is_a_backward_sqrt_on_it(tmp_path):
     """The std readout of a graph of one node is sqrt(0): finite forward, and sqrt's infinite
-    derivative times the variance's zero gradient is NaN in backward only."""
+    derivative times the variance's zero gradient is NaN in backward only. The hint spoke of
+    a distance between two points that coincide (``global_mean_pool``'s sum per graph and
+    ``mean[batch]``, its mean read back at each node, were not seen as a spread); now it
+    names the std of the graph's nodes, 0 for a graph of one node."""
     ev, rep = fire(train, "single", tmp_path, kw={"conv": "gin", "pool": "mean_std"})
     assert ev["phase"] == "backward", ev
     assert origin(rep) == ("backward", "", "SqrtBackward0", [BAD], "invalid"), rep
     assert rep["origin"]["source"] == line_of("g = mean + var.sqrt()"), rep
+    assert "sum of squared deviations from the values' own mean" in rep["hint"], rep["hint"]
+    assert "or a graph of one node" in rep["hint"], rep["hint"]
+    assert "two points coincide" not in rep["hint"], rep["hint"]
 
 
 def test_an_out_of_scale_graph_overflows_gat_in_float16(tmp_path):
@@ -203,3 +209,50 @@ def test_a_diverging_sum_pool_regression_names_the_learning_rate(tmp_path):
     assert origin(rep)[:3] == ("loss", "<loss>", "aten.mse_loss"), rep
     assert rep["cause"] == "overflow", rep
     assert "the run was diverging" in rep["hint"] and "lower the learning rate" in rep["hint"]
+
+
+def test_a_nan_bond_feature_names_the_graph_of_its_edge(tmp_path):
+    """GAT with ``edge_dim``, called as ``model(x, edge_index, edge_attr, batch)``: a bond
+    feature the parser could not read is an input event on ``args[2]``, an edge row, named
+    by the graph of its nodes."""
+    model = M.make_edge_regressor()
+    opt = torch.optim.Adam(model.parameters(), lr=5e-3)
+    crit = torch.nn.MSELoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="pyg_stack_models:make_edge_regressor"):
+            for data in M.loader("nan_edge", K, BAD):
+                opt.zero_grad()
+                pred = model(data.x, data.edge_index, data.edge_attr, data.batch)
+                crit(pred, data.y).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["samples"]) == (K, "input", [BAD]), ev
+    assert "args[2]" in ev["detail"], ev
+    rep = nanreplay_json(info.value.bundle_path)
+    assert (rep["origin"]["phase"], rep["origin"]["samples"], rep["cause"]) == \
+        ("input", [BAD], "input"), rep
+
+
+def test_a_nan_feature_of_one_node_names_that_node(tmp_path):
+    """Node classification: the samples are the graph's nodes, and a NaN feature of node 7
+    (a bad record) is an input event naming node 7."""
+    data = M.citation_graph()
+    model = M.make_node_classifier()
+    opt = torch.optim.Adam(model.parameters(), lr=5e-3)
+    crit = M.MaskedNLL()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="pyg_stack_models:make_node_classifier"):
+            for step in range(4):
+                x = data.x.clone()
+                if step == K:
+                    x[7, 1] = float("nan")
+                opt.zero_grad()
+                crit(model(x, data.edge_index), data.y, data.train_mask).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["samples"]) == (K, "input", [7]), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    assert (rep["origin"]["samples"], rep["cause"]) == ([7], "input"), rep
+    assert "sample 7 at feature(s) 1 (of 6)" in rep["hint"], rep["hint"]
