@@ -83,6 +83,11 @@ def fire(run, *args, step: int = K, **kw):
     return ev, nanreplay_json(info.value.bundle_path)
 
 
+def info_bundle(out_dir) -> str:
+    (bundle,) = out_dir.glob("*.nan")
+    return str(bundle)
+
+
 def origin(rep: dict) -> tuple:
     o = rep["origin"]
     return o["phase"], o["module"], o["op"], o["samples"], rep["cause"]
@@ -169,13 +174,19 @@ def test_a_one_node_graph_under_a_std_readout_is_a_backward_sqrt_on_it(tmp_path)
 
 def test_an_out_of_scale_graph_overflows_gat_in_float16(tmp_path):
     """GAT under float16 autocast, one graph's features in raw units (10^4x the others'):
-    its linear projection's cast overflows; the report names the graph's data, not float16."""
+    its linear projection's cast overflows; the report names the graph's data, not float16.
+    The hint offered ``--try drop=1``, which re-ran the step unchanged (the Batch's tensors
+    unseen, its graph kept) and said NaN again; now it says a graph cannot be cut from the
+    recorded batch, and the try refuses as for a dict of graph tensors."""
     ev, rep = fire(train, "huge", tmp_path, kw={"conv": "gat"}, amp=torch.float16,
                    scale=3e4)
     assert (ev["phase"], ev["module"], ev["samples"]) == ("forward", "conv1.lin", [BAD]), ev
     assert origin(rep) == ("forward", "conv1.lin", "aten._to_copy", [BAD], "overflow"), rep
     assert f"sample(s) {BAD} of batch.x reach" in rep["hint"], rep["hint"]
-    assert f"--try drop={BAD}" in rep["hint"], rep["hint"]
+    assert "--try drop" not in rep["hint"], rep["hint"]
+    assert "cannot be cut from the recorded batch" in rep["hint"], rep["hint"]
+    tried = nanreplay_json(info_bundle(tmp_path), "--try", f"drop={BAD}")
+    assert tried["what_if"][0]["note"].startswith("the samples are graphs of a batch"), tried
 
 
 def test_an_empty_train_mask_names_the_loss_wrappers_division(tmp_path):
