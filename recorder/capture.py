@@ -105,9 +105,9 @@ def flatten_tree(obj: Any, prefix: str, leaf=None, whole=None
                 key = json.dumps(k) if isinstance(k, str) else repr(k)  # no !r: it would apply to both
                 items.append([jk, walk(v, f"{path}[{key}]")])
             return {"$dict": items}
-        if objects.is_instance(o):  # a dataclass batch, by field, with its type to rebuild
-            return {"$dataclass": objects.type_name(o),
-                    "$fields": [[k, walk(v, f"{path}.{k}")] for k, v in objects.fields_of(o)]}
+        if (made := objects.described(o)) is not None:  # a dataclass batch, PyG's Batch
+            tag, name, items = made  # (by field or key, with its type to rebuild)
+            return {tag: name, "$fields": [[k, walk(v, f"{path}.{k}")] for k, v in items]}
         if isinstance(o, torch.dtype):
             return {"$dtype": str(o).removeprefix("torch.")}
         if isinstance(o, torch.device):
@@ -179,6 +179,8 @@ def unflatten_tree(node: Any, tensors: dict[str, torch.Tensor], leaf=None) -> An
             return {(_key(k)): unflatten_tree(v, tensors, leaf) for k, v in node["$dict"]}
         if "$dataclass" in node:
             return _dataclass(node, tensors, leaf)
+        if "$keyed" in node:
+            return _keyed(node, tensors, leaf)
         if "$float" in node:
             return float(node["$float"])
         if "$numpy" in node:
@@ -198,6 +200,20 @@ def _dataclass(node: dict[str, Any], tensors: dict[str, torch.Tensor], leaf) -> 
                     and i[0].isidentifier() for i in items)):
         raise UnrebuildableLeaf(f"dataclass {str(name)[:100]} with fields {str(items)[:100]}")
     return objects.rebuild(name, {k: unflatten_tree(v, tensors, leaf) for k, v in items})
+
+
+def _keyed(node: dict[str, Any], tensors: dict[str, torch.Tensor], leaf) -> Any:
+    """A keyed batch object (:func:`recorder.objects.is_keyed`) rebuilt by its type's
+    ``from_dict``; a stand-in holding its keys as attributes when that type is not at hand."""
+    names, items = node["$keyed"], node.get("$fields")
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)
+            and isinstance(items, list)
+            and all(isinstance(i, list) and len(i) == 2 and isinstance(i[0], str)
+                    and i[0].isidentifier() for i in items)):
+        raise UnrebuildableLeaf(f"object {str(names)[:100]} with keys {str(items)[:100]}")
+    values = {k: unflatten_tree(v, tensors, leaf) for k, v in items}
+    made = objects.rebuild_keyed(names, values)
+    return made if made is not None else objects.rebuild(names[0] if names else "", values)
 
 
 def _json_key(k: Any) -> Any:
@@ -283,6 +299,9 @@ def tensor_leaves(obj: Any):
             yield from tensor_leaves(v)
     elif objects.is_instance(obj):  # (only leaves that are no tensor or container get here)
         for _, v in objects.fields_of(obj):
+            yield from tensor_leaves(v)
+    elif objects.is_keyed(obj):  # (PyG's Data and Batch)
+        for _, v in objects.keyed_items(obj):
             yield from tensor_leaves(v)
 
 
@@ -405,6 +424,10 @@ def map_tensors(obj: Any, fn) -> Any:
         return {k: map_tensors(v, fn) for k, v in obj.items()}
     if objects.is_instance(obj):
         return objects.replaced(obj, {k: map_tensors(v, fn) for k, v in objects.fields_of(obj)})
+    if objects.is_keyed(obj):  # (a copy made by its own type, as the replay rebuilds it)
+        made = objects.rebuild_keyed(objects.keyed_type(obj),
+                                     {k: map_tensors(v, fn) for k, v in objects.keyed_items(obj)})
+        return obj if made is None else made
     return obj
 
 

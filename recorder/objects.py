@@ -79,3 +79,89 @@ def _type(name: str, fields: tuple[str, ...]) -> type:
 def _stand_in(name: str, fields: tuple[str, ...]) -> type:
     """A dataclass of that name and fields (one per name and fields)."""
     return dataclasses.make_dataclass(name if name.isidentifier() else "RecordedBatch", fields)
+
+
+# ---------------------------------------------------------------------------------------------
+# Keyed batch objects: a library's batch type that keeps its tensors in a store of its own,
+# which ``to_dict()`` gives and the class's ``from_dict()`` rebuilds (PyTorch Geometric's
+# ``Data``, and the ``DataBatch`` its ``DataLoader`` makes at run time of ``Batch`` and ``Data``)
+
+
+def is_keyed(o: Any) -> bool:
+    """``o`` is an instance (no class, no dict, no dataclass) whose type has both a
+    ``to_dict`` method and a ``from_dict`` class method."""
+    cls = type(o)
+    return callable(getattr(cls, "from_dict", None)) and callable(getattr(cls, "to_dict", None)) \
+        and not isinstance(o, (type, dict)) and not is_instance(o)
+
+
+def described(o: Any) -> tuple[str, Any, list[tuple[str, Any]]] | None:
+    """How a bundle records ``o``: ``("$dataclass", its type's name, its fields)``,
+    ``("$keyed", its type's names, its keys)`` (:func:`is_keyed`), or None for anything else."""
+    if is_instance(o):
+        return "$dataclass", type_name(o), fields_of(o)
+    if is_keyed(o):
+        return "$keyed", keyed_type(o), keyed_items(o)
+    return None
+
+
+def keyed_items(o: Any) -> list[tuple[str, Any]]:
+    """``(key, value)`` of ``o.to_dict()``, string keys only (an object whose ``to_dict`` fails
+    or gives no dict has none)."""
+    try:
+        d = o.to_dict()
+    except Exception:  # (a library's own method: it may refuse a partial object)
+        return []
+    return [(k, v) for k, v in d.items() if isinstance(k, str)] if isinstance(d, dict) else []
+
+
+def keyed_type(o: Any) -> list[str]:
+    """The names (``module:qualname``) to rebuild ``o``'s type from: its own when its module
+    holds it under that name, else its direct bases' (a class made at run time: PyG's
+    ``DataBatch``, of ``Batch`` and ``Data``)."""
+    cls = type(o)
+    if _found(type_name(o)) is cls:
+        return [type_name(o)]
+    return [f"{b.__module__}:{b.__qualname__}" for b in cls.__bases__]
+
+
+def rebuild_keyed(names: list[str], values: dict[str, Any]) -> Any:
+    """An instance of the type recorded as ``names`` (:func:`keyed_type`) made by its
+    ``from_dict(values)``: the one class, or a class of those bases (made once per names) when
+    every one of them is already imported. None when a name is not at hand or the class
+    refuses the values: the caller rebuilds a stand-in."""
+    cls = _keyed_class(tuple(names))
+    if cls is None:
+        return None
+    try:
+        return cls.from_dict(dict(values))
+    except Exception:  # (the library's own check of the values)
+        return None
+
+
+@functools.lru_cache(maxsize=64)
+def _keyed_class(names: tuple[str, ...]) -> type | None:
+    bases = [_found(n) for n in names]
+    if not bases or not all(isinstance(b, type) for b in bases):
+        return None
+    if len(bases) == 1:
+        cls = bases[0]
+    else:
+        metas = tuple(dict.fromkeys(type(b) for b in bases))  # (Batch's and Data's ABCMeta)
+        name = bases[0].__name__ if bases[0].__name__.isidentifier() else "RecordedBatch"
+        try:
+            meta = metas[0] if len(metas) == 1 else type("RecordedMeta", metas, {})
+            cls = meta(name, tuple(bases), {})
+        except TypeError:  # (an impossible order of bases, a metaclass that refuses)
+            return None
+    return cls if callable(getattr(cls, "from_dict", None)) else None
+
+
+def _found(name: str) -> Any:
+    """What ``module:qualname`` names among the modules already imported (no import, no module
+    ``__getattr__``), or None."""
+    module, _, qualname = name.partition(":")
+    found: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        found = getattr(found, "__dict__", {}).get(part)
+    return found

@@ -46,6 +46,7 @@ from torch.nn.utils.rnn import PackedSequence
 from .capture import tensor_leaves
 from .edge_rows import edge_graphs, edge_samples
 from .finite import bad_rows
+from .objects import described
 from .padded_ids import padded_ids
 from .time_major import carried_batch
 
@@ -170,8 +171,8 @@ def packed_in(obj: Any) -> dict[int, PackedSequence | Bags | Segments]:
                         found.setdefault(id(t), Record(k, len(o)))
             for k, v in enumerate(o):
                 walk(v, (*path, k))
-        elif isinstance(o, dict):
-            for k, v in o.items():
+        elif isinstance(o, dict) or (o := described(o)) is not None:  # (PyG's Batch by key)
+            for k, v in o.items() if isinstance(o, dict) else o[2]:
                 walk(v, (*path, k))
 
     walk(obj, ())

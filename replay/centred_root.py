@@ -9,7 +9,9 @@ output of the node that made the minuend (a chunk of the same batch: a triplet's
 positive rows, which coincide where the data pairs a sentence with itself); or the
 variance is written with the moments, E[x²] − E[x]² clamped at 0 against rounding (a graph
 readout's std per graph, by ``index_add_`` over the batch vector), 0 exactly where a graph's
-nodes are alike (an elemental crystal's equivalent atoms)."""
+nodes are alike (an elemental crystal's equivalent atoms); or a segment mean over the batch
+vector gathered back to each node (``global_mean_pool((x - mean[batch]) ** 2, batch)``, a
+PNA-style std readout), 0 for a graph of one node."""
 
 from __future__ import annotations
 
@@ -20,6 +22,10 @@ _REDUCE = {"Sum", "Mean", "Mul", "Div", "Clone", "View", "Reshape", "Squeeze", "
 # ops between the minuend's mean and the subtraction
 _MEAN = {"Sum", "Mean", "Mul", "Div", "Unsqueeze", "Expand", "View", "Reshape", "Squeeze",
          "Clone", "IndexAdd", "ScatterAdd"}
+# a segment mean read back at each member (``mean[batch]``): only above a sum (else a row
+# paired with other rows of the same values, ``x - x[perm]``, is a distance)
+_GATHER = {"Index", "IndexSelect", "Gather"}
+_SUMS = {"Sum", "Mean", "IndexAdd", "ScatterAdd"}
 # a sum per segment (a graph's nodes: index_add_ over the batch vector); clamps of a variance
 _SEGMENT = {"IndexAdd", "ScatterAdd"}
 _CLAMPS = {"ClampMin", "Clamp", "Relu"}
@@ -30,7 +36,7 @@ CENTRED = ("; the root's input is a sum of squared deviations from the values' o
            "takes it, or as E[x²] − E[x]² clamped at 0: a graph readout's std over each "
            "graph's nodes): 0 where every value equals the mean, a sequence of one valid frame "
            "or position, a constant input, a graph whose nodes are all alike (an elemental "
-           "crystal's equivalent atoms) (torch.std has the same pole); clamp the variance "
+           "crystal's equivalent atoms) or a graph of one node (torch.std has the same pole); clamp the variance "
            "before the root, sqrt(var.clamp(min=eps)) as SpeechBrain's pooling does, add "
            "the eps under it, sqrt(var + eps), or take the deviations' norm with "
            "torch.linalg.vector_norm(x - mu), whose gradient at 0 is 0 (a spread of group "
@@ -52,7 +58,7 @@ def _square_of_difference(fn, depth: int):
     if op == "Pow":
         sub = next(iter(_nexts(fn)), None)
         return sub if sub is not None and node_op(sub) == "Sub" else None
-    if op not in _REDUCE:
+    if op not in _REDUCE | _SEGMENT:  # (a sum per graph over the batch vector too)
         return None
     for nxt in _nexts(fn):
         if (found := _square_of_difference(nxt, depth - 1)) is not None:
@@ -60,13 +66,18 @@ def _square_of_difference(fn, depth: int):
     return None
 
 
-def _reaches(fn, target, depth: int) -> bool:
-    """Whether ``target`` is reached from ``fn`` through mean-making ops in ``depth`` steps."""
+def _reaches(fn, target, depth: int, gathered: bool = False) -> bool:
+    """Whether ``target`` is reached from ``fn`` through mean-making ops in ``depth`` steps
+    (through a gather only where a sum follows it)."""
     if fn is None or depth < 0:
         return False
     if fn is target:
-        return True
-    return node_op(fn) in _MEAN and any(_reaches(n, target, depth - 1) for n in _nexts(fn))
+        return not gathered
+    op = node_op(fn)
+    if op not in _MEAN and op not in _GATHER:
+        return False
+    gathered = (gathered or op in _GATHER) and op not in _SUMS
+    return any(_reaches(n, target, depth - 1, gathered) for n in _nexts(fn))
 
 
 def _clamped(fn, depth: int = 3):
