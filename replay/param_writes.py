@@ -29,6 +29,7 @@ from .load import Step, micro_batch_inputs
 from .ops import OpFinder
 from .partial_params import partial_hint
 from .rerun import Runner
+from .unit_rows import unit_rows_text
 
 
 def forward_made(step: Step, bad: list[str]) -> dict[str, Any] | None:
@@ -249,11 +250,13 @@ def _spread(step: Step, bad: list[str]) -> str | None:
                 "throughout (a diverged client's weights)")
     name, t = next(iter(tensors.items()))
     n_bad = int((~torch.isfinite(t)).sum())
+    rows = unit_rows_text(name, t)
     return (f"only some elements are non-finite ({n_bad} of {t.numel()} in {name}), as an "
             "element-wise division makes where its divisor is 0 there (a mean over the "
             "contributions a mask kept, such as TIES-merging's disjoint mean, or an empty "
             "cluster's centroid sum / count, where none did: clamp the count to at least 1, "
-            "or keep the old centroid) or a contribution non-finite in those elements")
+            "or keep the old centroid) or a contribution non-finite in those elements"
+            + (f"; {rows}" if rows else ""))
 
 
 def _other_optimizer_hint(step: Step, names: str, opt: dict[str, Any]) -> str:

@@ -193,6 +193,25 @@ def test_a_head_renormalised_after_pruning_a_row_to_zero_is_a_weights_event(tmp_
     assert rep["origin"]["param"] == "head.weight" and rep["origin"]["rows"] == [1]
     assert "the loop wrote it between that update and step 3" in rep["hint"]
     assert "row(s) 1 of 3 of head.weight" in rep["hint"]
+    assert "row(s) 1 of head.weight are NaN throughout and every other row has L2 norm 1" \
+        in rep["hint"] and "norm.clamp_min(eps)" in rep["hint"]
+
+
+def test_unit_rows_needs_whole_nan_rows_beside_rows_of_one_norm():
+    """``replay.unit_rows``: a row-normalised matrix with a 0/0 row is named; a NaN row among
+    rows of different norms, a row NaN in part, or too few finite rows are not."""
+    from replay.unit_rows import unit_rows_text
+
+    w = torch.nn.functional.normalize(torch.randn(5, 4), dim=1)
+    w[3] = float("nan")
+    assert unit_rows_text("w", w).startswith("row(s) 3 of w are NaN throughout")
+    raw = torch.randn(5, 4)
+    raw[3] = float("nan")
+    assert unit_rows_text("w", raw) is None
+    part = w.clone()
+    part[3, :2] = 0.5
+    assert unit_rows_text("w", part) is None
+    assert unit_rows_text("w", w[2:4]) is None and unit_rows_text("w", w[:, 0]) is None
 
 
 def test_a_nan_record_in_the_validation_set_is_an_evaluation_event(tmp_path):
