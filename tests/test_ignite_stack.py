@@ -15,7 +15,12 @@ pytest.importorskip("ignite")
 import ignite_stack_models as M  # noqa: E402
 import torch  # noqa: E402
 from bundles import nanreplay_json, source_line  # noqa: E402
-from ignite.engine import Events, create_supervised_evaluator, create_supervised_trainer  # noqa: E402
+from ignite.engine import (  # noqa: E402
+    Engine,
+    Events,
+    create_supervised_evaluator,
+    create_supervised_trainer,
+)
 from ignite.handlers import LRScheduler, ModelCheckpoint, PiecewiseLinear, TerminateOnNan  # noqa: E402
 from ignite.metrics import Accuracy, Loss  # noqa: E402
 from torch import nn  # noqa: E402
@@ -229,3 +234,34 @@ def test_a_nan_record_in_the_validation_set_is_an_evaluation_event(tmp_path):
     assert t.state.iteration == 4 and ev.state.iteration == 2
     assert event["evaluation"] and rep["event"]["evaluation"]
     assert origin(rep) == ("input", None, None, 4, "input") and rep["origin"]["samples"] == [1]
+
+
+def test_a_custom_engine_with_autocast_and_clipping_names_a_one_pass_variance(tmp_path):
+    """A hand-written ``Engine(process_function)``: bf16 autocast, ``clip_grad_norm_``,
+    AdamW. The per-record layer norm's ``E[x^2] - E[x]^2`` of a record offset by 3e4 (raw
+    sensor counts) cancels to -64 in float32: sqrt of a negative number, in sample 0 of
+    ignite's iteration 4."""
+    model, loss = M.make_normed_regressor(), nn.MSELoss()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def process(engine, batch):
+        model.train()
+        opt.zero_grad()
+        x, y = batch
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            pred = model(x)
+        out = loss(pred.float(), y)
+        out.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return out.item()
+
+    t = Engine(process)
+    t.add_event_handler(Events.ITERATION_COMPLETED, TerminateOnNan())
+    rep, ev = fire(tmp_path, t, model, opt, loss, M.offset_tabular(40, offset_at=[3 * B]),
+                   "make_normed_regressor")
+    assert t.state.iteration == 4 and ev["step"] == 3
+    assert origin(rep) == ("forward", "0", "aten.sqrt", 3, "precision")
+    assert rep["origin"]["samples"] == [0]
+    assert rep["origin"]["source"] == line_of("return (h - mean) / torch.sqrt(var + self.eps)")
+    assert "catastrophic cancellation" in rep["hint"] and "torch.var" in rep["hint"]
