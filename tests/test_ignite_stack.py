@@ -8,6 +8,8 @@ CLI. Step numbers are checked against ignite's ``state.iteration``."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 pytest.importorskip("ignite")
@@ -136,6 +138,39 @@ def test_under_accumulation_terminate_on_nan_stops_first_and_the_event_comes_at_
     assert (ev["step"], ev["micro_batch"]) == ((t.state.iteration - 1) // 2, 0) == (2, 0)
     rep = nanreplay_json(info.value.bundle_path)
     assert origin(rep) == ("input", None, None, 2, "input") and rep["origin"]["samples"] == [1]
+
+
+def test_close_step_on_stop_makes_trainer_run_raise_the_accumulated_steps_event(tmp_path):
+    """The same run with ``recorder.ignite.CloseStepOnStop`` attached: ``Events.TERMINATE``
+    closes the open step, so ``trainer.run`` itself raises (nothing after it runs); a healthy
+    run whose last micro-batch had no ``step()`` (27 iterations, the 14th step closed at
+    ``COMPLETED``; steps across epochs' ends) trains identically."""
+    from recorder.ignite import CloseStepOnStop
+
+    model, loss = M.make_set(), nn.CrossEntropyLoss()
+    opt = sgd(model)
+    t, after = trainer(model, opt, loss, accumulate=2), []
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=loss, out_dir=tmp_path / "b") as rec:
+            CloseStepOnStop(rec).attach(t)
+            t.run(DataLoader(M.sets(40, nan_at=[4 * B + 1]), batch_size=B), max_epochs=1)
+            after.append(t.state.iteration)
+    assert after == [] and (info.value.event["step"], info.value.event["micro_batch"]) == (2, 0)
+    weights = []
+    for record in (False, True):
+        model = M.make_set()
+        opt = sgd(model)
+        t = trainer(model, opt, loss, accumulate=2)
+        with FlightRecorder(model, opt, loss_fn=loss, out_dir=tmp_path / "h") if record \
+                else contextlib.nullcontext() as rec:
+            if record:
+                CloseStepOnStop(rec).attach(t)
+            t.run(DataLoader(M.sets(36), batch_size=B), max_epochs=3)
+        assert t.state.iteration == 27 and not record or (rec.event is None and rec.step == 14)
+        weights.append(model.state_dict())
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    with pytest.raises(TypeError, match="needs a FlightRecorder"):
+        CloseStepOnStop(model)
 
 
 def test_log_of_a_softmax_that_underflowed_on_a_mis_scaled_record(tmp_path):
