@@ -300,3 +300,23 @@ def test_a_custom_engine_with_autocast_and_clipping_names_a_one_pass_variance(tm
     assert rep["origin"]["samples"] == [0]
     assert rep["origin"]["source"] == line_of("return (h - mean) / torch.sqrt(var + self.eps)")
     assert "catastrophic cancellation" in rep["hint"] and "torch.var" in rep["hint"]
+
+
+def test_the_evaluators_loss_metric_names_the_validation_records_out_of_scale(tmp_path):
+    """The hand-written NLL is the trainer's loss and the evaluator's ``Loss`` metric: two
+    validation records in the wrong unit (rows 1 and 2 of the second validation batch), of
+    which only row 1's label has a probability of 0. An evaluation loss event before step 4;
+    the hint names both records out of scale, not only the one that reached log(0)."""
+    model, loss = M.make_set(), M.SoftmaxNLL()
+    opt = sgd(model)
+    t = trainer(model, opt, loss)
+    ev = create_supervised_evaluator(model, metrics={"acc": Accuracy(), "nll": Loss(loss)},
+                                     prepare_batch=M.prepare_batch, model_fn=M.model_fn)
+    val = M.sets(12, scaled_at=[B + 1, B + 2], scale=1e6)
+    t.add_event_handler(Events.EPOCH_COMPLETED,
+                        lambda: ev.run(DataLoader(val, batch_size=B)))
+    rep, event = fire(tmp_path, t, model, opt, loss, M.sets(16), "make_set", epochs=2)
+    assert event["evaluation"] and ev.state.iteration == 2
+    assert origin(rep) == ("loss", "<loss>", "aten.log", 4, "underflow")
+    assert rep["origin"]["samples"] == [1]
+    assert "sample(s) 1,2 of args[0] reach" in rep["hint"] and "out of scale" in rep["hint"]
