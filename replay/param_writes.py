@@ -29,6 +29,7 @@ from .load import Step, micro_batch_inputs
 from .ops import OpFinder
 from .partial_params import partial_hint
 from .rerun import Runner
+from .unit_rows import unit_rows_text
 
 
 def forward_made(step: Step, bad: list[str]) -> dict[str, Any] | None:
@@ -251,6 +252,7 @@ def _spread(step: Step, bad: list[str]) -> str | None:
                 "throughout (a diverged client's weights)")
     name, t = next(iter(tensors.items()))
     n_bad = int((~torch.isfinite(t)).sum())
+    rows = unit_rows_text(name, t)
     if whole_rows(t):
         return (f"whole rows of {name} are non-finite and its other rows finite throughout, "
                 "as a write row by row makes: a row divided by a count or norm of 0 (an "
@@ -258,12 +260,13 @@ def _spread(step: Step, bad: list[str]) -> str | None:
                 "the old centroid; a zero row normalised), a row re-initialised from NaN, or a "
                 "checkpoint file holding those rows non-finite (a corrupt or partly written "
                 "save, loaded with load_state_dict or accelerator.load_state: check the "
-                "file's tensors before loading it)")
+                "file's tensors before loading it)" + (f"; {rows}" if rows else ""))
     return (f"only some elements are non-finite ({n_bad} of {t.numel()} in {name}), as an "
             "element-wise division makes where its divisor is 0 there (a mean over the "
             "contributions a mask kept, such as TIES-merging's disjoint mean, or an empty "
             "cluster's centroid sum / count, where none did: clamp the count to at least 1, "
-            "or keep the old centroid) or a contribution non-finite in those elements")
+            "or keep the old centroid) or a contribution non-finite in those elements"
+            + (f"; {rows}" if rows else ""))
 
 
 def whole_rows(t: torch.Tensor) -> bool:
