@@ -118,6 +118,26 @@ def _weight_norms(update_norms: torch.Tensor | None, param_norm: list[float]
     return out
 
 
+def module_dtypes(meta: dict[str, Any]) -> dict[str, str | None]:
+    """Each recorded module's dtype: its own parameters' (or buffers'), else, for a module
+    that holds none (PEFT's LoRA ``Linear`` around its ``base_layer``, an attention block of
+    projections), the first of its submodules' that has one, the first registered: the layer
+    it wraps, whose dtype its output is cast back to."""
+    mods = meta.get("modules", [])
+    out = {m["name"]: m.get("dtype") for m in mods}
+    for i, m in enumerate(mods):
+        name = m["name"]
+        if out[name] is not None or not name:
+            continue
+        for d in mods[i + 1:]:  # (its submodules follow it, as named_modules lists them)
+            if not d["name"].startswith(f"{name}."):
+                break
+            if d.get("dtype"):
+                out[name] = d["dtype"]
+                break
+    return out
+
+
 def find_precursors(hist: dict[str, Any], *, factor: float = JUMP,
                     dtypes: dict[str, str] | None = None) -> list[dict[str, Any]]:
     steps = hist["steps"]
