@@ -38,15 +38,18 @@ def make_llama_lora(r: int = 4, alpha: float = 8.0, dtype: str = "float32",
     return get_peft_model(base, cfg)
 
 
-def make_gpt2_cls(r: int = 4, alpha: float = 16.0):
+def make_gpt2_cls(r: int = 4, alpha: float = 16.0, zero_head: bool = False):
     """A LoRA-adapted GPT-2 classifier: ``c_attn`` adapted, the ``score`` head trained in full
-    (``modules_to_save``)."""
+    (``modules_to_save``); ``zero_head``: the new head zero-initialised (every logit 0 at
+    first, as LoRA's own B)."""
     torch.manual_seed(0)
     base = GPT2ForSequenceClassification(GPT2Config(
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, num_labels=3,
-        pad_token_id=0))
+        pad_token_id=0, bos_token_id=1, eos_token_id=2))
     cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=["c_attn"], lora_dropout=0.0,
                      fan_in_fan_out=True, modules_to_save=["score"], task_type="SEQ_CLS")
+    if zero_head:
+        torch.nn.init.zeros_(base.score.weight)
     return get_peft_model(base, cfg)
 
 
@@ -102,6 +105,18 @@ class PerSequenceLoss(torch.nn.Module):
 class LmLoss(torch.nn.Module):
     def forward(self, logits, labels):
         return causal_lm_loss(logits, labels)
+
+
+class LogitPenaltyCE(torch.nn.Module):
+    """Cross-entropy plus a penalty on the logits' norm (keeps a new head's logits small)."""
+
+    def __init__(self, lam: float = 0.01):
+        super().__init__()
+        self.lam = lam
+
+    def forward(self, logits, labels):
+        norm = logits.float().pow(2).sum(-1).sqrt()  # the bug: sqrt's gradient at 0 is inf
+        return F.cross_entropy(logits.float(), labels) + self.lam * norm.mean()
 
 
 def classification_rows(n: int, seed: int = 0):

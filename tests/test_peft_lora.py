@@ -135,3 +135,29 @@ def test_adam_eps_zero_makes_lora_a_nan(tmp_path):
         f"base_model.model.model.layers.{i}.self_attn.{w}_proj.lora_A.default.weight"
         for i in range(2) for w in "qv"]
     assert "eps=0" in rep["hint"]
+
+
+def test_a_norm_penalty_on_a_zero_initialised_saved_head(tmp_path):
+    """GPT-2 classifier, LoRA on c_attn, the new ``score`` head trained in full
+    (``modules_to_save``) and zero-initialised: every logit is 0 at step 0, and the penalty's
+    hand-written norm sqrt(sum(z**2)) has an infinite gradient there (backward only)."""
+    model = M.make_gpt2_cls(zero_head=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    loss_fn = M.LogitPenaltyCE()
+    head = "base_model.model.score.modules_to_save.default.weight"
+    assert params[-1] is dict(model.named_parameters())[head]
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=tmp_path / "b",
+                            factory="peft_lora_models:make_gpt2_cls",
+                            factory_kwargs={"zero_head": True}):
+            for b in torch.utils.data.DataLoader(M.classification_rows(16), batch_size=4):
+                opt.zero_grad()
+                out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+                loss_fn(out.logits, b["labels"]).backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path, "--json", code=None)
+    assert origin(rep) == ("backward", "<loss>", "SqrtBackward0", 0, "invalid")
+    assert rep["origin"]["samples"] == [0, 1, 2, 3]
+    assert rep["origin"]["source"] == source_line("peft_lora_models.py", "norm = logits")
+    assert f"parameter {head} is all 0 as the step began" in rep["hint"]
