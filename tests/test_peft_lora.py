@@ -160,4 +160,5 @@ def test_a_norm_penalty_on_a_zero_initialised_saved_head(tmp_path):
     assert origin(rep) == ("backward", "<loss>", "SqrtBackward0", 0, "invalid")
     assert rep["origin"]["samples"] == [0, 1, 2, 3]
     assert rep["origin"]["source"] == source_line("peft_lora_models.py", "norm = logits")
-    assert f"parameter {head} is all 0 as the step began" in rep["hint"]
+    assert (f"parameter {head} is all 0 as the step began: that layer outputs 0 for every "
+            "input") in rep["hint"]
