@@ -53,6 +53,7 @@ from .edge_probability import edge_probability_hint
 from .empty_counts import empty_counts_hint
 from .empty_graphs import empty_graphs_hint
 from .empty_records import empty_records_hint
+from .fp16_drift import fp16_drift_hint
 from .grouped_arg import grouped_arg_hint
 from .grown_number import grown_number_hint
 from .ignored_micro_batch import ignored_micro_batch_hint
@@ -84,6 +85,7 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     record_ids_note(report, step)  # (a shuffled loader's batch["id"] at the samples)
     began_batch_note(report, step)  # (a target of 1e17 at the step the loss jumped)
     data_scale_hint(report, step)
+    fp16_drift_hint(report, step)  # (a float16 base's LoRA output grown past its maximum)
     data_alone_hint(report, step)  # (exp of timestamps in microseconds: no learning rate)
     domain_outlier_hint(report, step)  # (log1p of a gap after a timestamp in ms)
     edge_probability_hint(report, step)  # (a propensity of 0 or 1 given as data)

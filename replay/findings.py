@@ -11,7 +11,7 @@ from typing import Any
 
 from .cause_text import HINTS
 from .load import Step
-from .precursors import find_precursors, history
+from .precursors import find_precursors, history, module_dtypes
 from .source import statement
 
 FORMAT = "nanreplay-report/1"
@@ -35,7 +35,7 @@ def base_report(step: Step) -> dict[str, Any]:
     ev = step.event
     env = meta.get("env", {})
     hist = history(meta, step.tensors)
-    dtypes = {m["name"]: m.get("dtype") for m in meta.get("modules", [])}
+    dtypes = module_dtypes(meta)
     return {
         "format": FORMAT,
         "bundle": {"path": str(step.path), "rank": env.get("rank", 0), "torch": env.get("torch"),

@@ -310,7 +310,10 @@ def built_non_finite_hint(step: Step, bad: list[str]) -> str | None:
     forbidden transitions written into its trained ``transitions`` as -inf; a normaliser's
     ``mean`` buffer computed from data holding a log of a negative value). None for any
     other."""
-    if not bad or step.rebuild is None or not first_recorded(step):
+    if not bad or step.rebuild is None:
+        return None
+    first = first_recorded(step)
+    if not first and not _frozen_throughout(step, bad):
         return None
     made = FirstMade()  # (the factory's op that made the value, when one did)
     try:  # (the replay's model was built on the meta device: build it again, for its values)
@@ -322,6 +325,9 @@ def built_non_finite_hint(step: Step, bad: list[str]) -> str | None:
     # (a meta tensor: the factory kept one from its call on the meta device, as a cache)
     if not all(n in built and not built[n].is_meta for n in bad):
         return None
+    if not first and not all(_same_non_finite(built[n], step.tensors.get(f"weights/{n}"))
+                             for n in bad):
+        return None  # (later than the first step: only the very entries the factory builds)
     names = f"{', '.join(bad[:2])}" + (f" (+{len(bad) - 2} more)" if len(bad) > 2 else "")
     buffers = set(step.meta.get("buffers") or ())
     if all(n in buffers and finite(built[n].detach()) for n in bad):
@@ -343,12 +349,39 @@ def built_non_finite_hint(step: Step, bad: list[str]) -> str | None:
                 "hold it (a checkpoint or pretrained state_dict the factory loads, saved "
                 "after its own run had diverged; an initialisation given data holding NaN, "
                 "or written by hand). Check torch.isfinite over what it loads, and load an "
-                "earlier checkpoint or re-initialise those entries")
+                "earlier checkpoint or re-initialise those entries" + _read_late(step, first))
     return (f"the factory builds {names} non-finite: the model starts so, no update or write "
             "of the loop made them. An intended -inf (forbidden transitions, a mask) does not "
             "belong in a trained parameter, whose updates and norms it spoils: keep a boolean "
             "mask in a buffer and apply it in forward (w.masked_fill(~allowed, -inf), or a "
             "large finite negative such as -1e4); else fix the initialisation")
+
+
+def _frozen_throughout(step: Step, bad: list[str]) -> bool:
+    """Every parameter of ``bad`` was frozen as the step ran and the recorded optimizer holds
+    none: nothing the recorder saw updates them, so entries the factory builds non-finite
+    stayed so from the start, whatever step first read them (a frozen base model's corrupted
+    embedding row, read only when a batch holds its token)."""
+    frozen = set(step.meta.get("frozen") or ())
+    opt = step.meta.get("optimizer") or {}
+    held = {n for g in opt.get("param_groups") or [] for n in g.get("params") or []}
+    return all(n in frozen and n not in held for n in bad)
+
+
+def _same_non_finite(built: torch.Tensor, kept: torch.Tensor | None) -> bool:
+    """The factory's tensor is non-finite exactly where the bundle's is."""
+    if kept is None or kept.shape != built.shape:
+        return False
+    return bool(torch.equal(~torch.isfinite(built.detach().cpu()), ~torch.isfinite(kept.cpu())))
+
+
+def _read_late(step: Step, first: bool) -> str:
+    """Why a frozen parameter the model was built with non-finite ended a later step only."""
+    if first:
+        return ""
+    return (f". They were so since the model was built; step {step.event.get('step')} is only "
+            "the first whose forward read those entries (an embedding row read only by the "
+            "batches holding its token id, a frozen weight no update checks)")
 
 
 def set_before_hint(names: str) -> str:

@@ -119,6 +119,26 @@ def _weight_norms(update_norms: torch.Tensor | None, param_norm: list[float]
     return out
 
 
+def module_dtypes(meta: dict[str, Any]) -> dict[str, str | None]:
+    """Each recorded module's dtype: its own parameters' (or buffers'), else, for a module
+    that holds none (PEFT's LoRA ``Linear`` around its ``base_layer``, an attention block of
+    projections), the first of its submodules' that has one, the first registered: the layer
+    it wraps, whose dtype its output is cast back to."""
+    mods = meta.get("modules", [])
+    out = {m["name"]: m.get("dtype") for m in mods}
+    for i, m in enumerate(mods):
+        name = m["name"]
+        if out[name] is not None or not name:
+            continue
+        for d in mods[i + 1:]:  # (its submodules follow it, as named_modules lists them)
+            if not d["name"].startswith(f"{name}."):
+                break
+            if d.get("dtype"):
+                out[name] = d["dtype"]
+                break
+    return out
+
+
 def find_precursors(hist: dict[str, Any], *, factor: float = JUMP,
                     dtypes: dict[str, str] | None = None) -> list[dict[str, Any]]:
     steps, event = hist["steps"], hist.get("event_step")
@@ -171,9 +191,9 @@ def find_precursors(hist: dict[str, Any], *, factor: float = JUMP,
     for li, layer in enumerate(hist["layers"]):
         col = [row[li] for row in hist["absmax"]]
         scan(col, "absmax_jump", f"absmax of {layer or '<root>'}", li)
-        if dtypes and dtypes.get(hist.get("modules", hist["layers"])[li]) == "float16":
-            out += _near_fp16_max(steps, col, layer, event)
-    out += _absorbed_fp16_overflow(hist, dtypes or {})
+        if dtypes and dtypes.get(module := hist.get("modules", hist["layers"])[li]) == "float16":
+            out += _near_fp16_max(steps, col, layer, event, module)
+    out = _innermost_fp16(out + _absorbed_fp16_overflow(hist, dtypes or {}))
     for p in out:
         p["detail"] += _held(p)
     out = _one_line_per_jump(out + overflowed_norms(hist), hist, watched)
@@ -245,14 +265,14 @@ def _added_groups(hist: dict[str, Any], factor: float, event) -> list[dict[str, 
     return out
 
 
-def _near_fp16_max(steps: list[int], col: list, layer: str,
-                   event: int | None) -> list[dict[str, Any]]:
+def _near_fp16_max(steps: list[int], col: list, layer: str, event: int | None,
+                   module: str) -> list[dict[str, Any]]:
     """The first step (up to the event) where a float16 layer's absmax passed half the
     float16 maximum, if any."""
     for s, v in zip(steps, col):
         if v is not None and math.isfinite(v) and v > FP16_MAX / 2 and \
                 (event is None or s <= event):
-            return [{"step": s, "kind": "near_fp16_max",
+            return [{"step": s, "kind": "near_fp16_max", "module": module,
                      "detail": f"absmax of {layer} is {v:.4g}, past half the float16 maximum "
                                f"{FP16_MAX:g}"}]
     return []
@@ -273,7 +293,7 @@ def _absorbed_fp16_overflow(hist: dict[str, Any], dtypes: dict[str, str]) -> lis
         li = next((li for li in order if li < len(row) and row[li] == math.inf
                    and dtypes.get(mods[li]) == "float16"), None)
         if li is not None:
-            return [{"step": s, "kind": "fp16_overflow_absorbed",
+            return [{"step": s, "kind": "fp16_overflow_absorbed", "module": mods[li],
                      "detail": f"{hist['layers'][li] or '<root>'}'s float16 output held an "
                                f"infinity (past {FP16_MAX:g}) that no event named: the code "
                                "after it absorbed it (a clamp, as T5's float16 blocks do; a "
@@ -282,6 +302,20 @@ def _absorbed_fp16_overflow(hist: dict[str, Any], dtypes: dict[str, str]) -> lis
 
 
 _NAMED_HERE = ("forward", "loss", "input")
+_FP16 = ("near_fp16_max", "fp16_overflow_absorbed")
+
+
+def _innermost_fp16(found: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The float16 lines of the innermost modules: a container's output (a T5 block, PEFT's
+    ``base_model``, the root) near float16's maximum is a submodule's, named at that step or
+    before, and one line for it is enough."""
+    fp16 = [p for p in found if p["kind"] in _FP16]
+
+    def inside(a: str, b: str) -> bool:
+        return a != b and (b == "" or a.startswith(b + "."))
+
+    return [p for p in found if p["kind"] not in _FP16 or not any(
+        inside(q["module"], p["module"]) and q["step"] <= p["step"] for q in fp16)]
 
 
 def _one_line_per_jump(out: list[dict[str, Any]], hist: dict[str, Any],

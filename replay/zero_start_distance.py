@@ -20,11 +20,17 @@ from .zero_state import run_with_random, some_rows
 
 ZERO_START = (
     "; here it is 0 in every sample because parameter {name} is all 0 as the step began: that "
-    "layer outputs its bias for every input, and the distance is to the very value that bias "
-    "starts it at (a regulariser pulling a spatial transformer's theta towards the identity "
-    "its head is initialised to); with small random values in that weight the backward is "
+    "layer outputs {what} for every input, and the distance is to the very value {that} "
+    "starts it at ({example}); with small random values in that weight the backward is "
     "finite, so it is no sample's data: use torch.linalg.vector_norm or the squared distance, "
     "whose gradients at 0 are 0")
+# (the layer's bias, or 0 for a layer without one)
+_BIAS = {"what": "its bias", "that": "that bias",
+         "example": "a regulariser pulling a spatial transformer's theta towards the identity "
+                    "its head is initialised to"}
+_NO_BIAS = {"what": "0", "that": "a zero weight",
+            "example": "a penalty on the norm of the logits of a new head initialised to "
+                       "zeros, a LoRA B matrix's output at 0"}
 
 
 def zero_start_hint(runner: Runner, b, cause_name: str, hint: str) -> str:
@@ -39,8 +45,19 @@ def zero_start_hint(runner: Runner, b, cause_name: str, hint: str) -> str:
             and p.is_floating_point() and p.dim() > 1 and not p.any()]
     for name, p in zero:  # (a matrix: a zero bias alone does not make a layer's output 0)
         if _finite_without(runner, p):
-            return hint + ZERO_START.format(name=name)
+            return hint + ZERO_START.format(name=name, **(_BIAS if _has_bias(runner, name)
+                                                          else _NO_BIAS))
     return hint
+
+
+def _has_bias(runner: Runner, name: str) -> bool:
+    """Whether the module holding parameter ``name`` has a bias beside it."""
+    owner = name.rpartition(".")[0]
+    try:
+        module = runner.model.get_submodule(owner)
+    except AttributeError:
+        return True  # (the wording of old)
+    return getattr(module, "bias", None) is not None
 
 
 def _finite_without(runner: Runner, p: torch.Tensor) -> bool:
