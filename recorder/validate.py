@@ -270,8 +270,27 @@ def _wrapper_advice(optimizer) -> str:
     except TypeError:
         held = []
     if not held:
-        return "; pass None for loops without one"
+        return _builder_advice(optimizer) or "; pass None for loops without one"
     return (f", which holds one as .{held[0]}: a wrapper whose step() does more than call it "
             "(schedule_free's ScheduleFreeWrapper moves the weights around base.step()) is "
             "recorded with optimizer=None and rec.end_step() after backward, before its "
             f"step(); for one whose step() only calls it, pass .{held[0]}")
+
+
+def _builder_advice(optimizer) -> str | None:
+    """For an object holding an optimizer class rather than an optimizer, which builds its own
+    at each step (Pyro's ``pyro.optim.Adam``: one ``torch.optim.Adam`` per parameter, made
+    lazily inside ``SVI.step``): build that class over the model's parameters and step it."""
+    try:
+        held = [v for v in vars(optimizer).values()
+                if isinstance(v, type) and issubclass(v, torch.optim.Optimizer)]
+    except TypeError:
+        return None
+    if not held:
+        return None
+    mod = held[0].__module__
+    cls = f"{'torch.optim' if mod.startswith('torch.optim.') else mod}.{held[0].__qualname__}"
+    return (f", which builds its own {cls} optimizers as it steps: build one over the model's "
+            f"parameters and step it in the loop (Pyro: loss = Trace_ELBO()"
+            ".differentiable_loss(model, guide, *args); loss.backward(); optimizer.step(), "
+            "with a module holding model and guide given to the recorder)")

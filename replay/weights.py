@@ -13,6 +13,7 @@ from recorder.target import LOSS_PREFIX
 
 from .compat import grad_hooks, non_persistent, parameter_like, set_buffer, set_parameter
 from .errors import ReplayError
+from .param_store import forget_replaced
 
 
 def other_model(step) -> str:
@@ -145,6 +146,7 @@ def load_weights(step, model: nn.Module) -> None:
         done[id(p)] = new
         assign(model, name, new, param=True)
     _say_regrown(step, regrown)
+    forget_replaced(set(done))  # (Pyro's store would hand the factory's back: param_store)
     _load_buffers(step, model)
     model.train(meta.get("model", {}).get("training", True))
     flags = {m["name"]: m.get("training") for m in meta.get("modules", [])}
