@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from .capture import batch_path, flatten_tree, loss_path, object_tensors
+from .batch_tensors import data_tensors, first_bad_tensor, output_tensors
+from .capture import batch_path, loss_path
 from .chain import chain_origin, returned_infinity
 from .constants import unchanged
 from .finite import (
     finite,
     flags_kind,
-    has_nan,
     inf_read_finite,
     kind_of,
     only_mask_infinities,
@@ -28,7 +28,6 @@ from .finite import (
     pair_ok,
     tensors_kind,
 )
-from .graph_reach import from_model
 from .late_writes import read_finite, written_after_forward
 from .linalg import linalg_detail
 from .missing import rest_finite, root_input_name
@@ -193,8 +192,8 @@ def find_event(ev: StepEvidence, reason: str) -> Event | None:
         return event
     if ev.overflowed or ev.returned_inf:
         return None  # only norms of huge but finite weights or gradients overflowed
-    return _written_event(ev) or Event(ev.tape.step, phase="forward",
-                                       detail="non-finite statistic with no identifiable source")
+    return _written_event(ev) or _raised_root_input(ev) or Event(
+        ev.tape.step, phase="forward", detail="non-finite statistic with no identifiable source")
 
 
 def _written_event(ev: StepEvidence) -> Event | None:
@@ -264,8 +263,8 @@ def _call_event(ev: StepEvidence, d: dict[str, Any], phase: str) -> Event:
 def _batch_event(ev: StepEvidence, d: dict[str, Any], nan_only: bool) -> Event:
     """Bad data: the root call ``d``'s inputs held the value."""
     mb = ev.tape.micro_batches[d["micro_batch"]]
-    outs = [t for m in ev.tape.micro_batches[:d["micro_batch"]] for t in _tensors(m.outputs)]
-    found = _first_bad_tensor([list(mb.args), mb.kwargs], ev.samples(d["micro_batch"]),
+    outs = [t for m in ev.tape.micro_batches[:d["micro_batch"]] for t in data_tensors(m.outputs)]
+    found = first_bad_tensor([list(mb.args), mb.kwargs], ev.samples(d["micro_batch"]),
                               nan_only=nan_only, model=(outs, ev.param_tensors))  # (G's images)
     event = _call_event(ev, d, "input")
     if found:
@@ -273,7 +272,7 @@ def _batch_event(ev: StepEvidence, d: dict[str, Any], nan_only: bool) -> Event:
         if event.kind == "nan" and rest_finite(ev.row, ev.calls, ev.layout):
             event.nan_handled = root_input_name(found[0])
         elif d["inputs_finite"] and not d["inputs_nan_free"]:  # an allow_nan input's got past
-            out = ev.samples(d["micro_batch"]).first_rows(_outputs(mb.outputs),
+            out = ev.samples(d["micro_batch"]).first_rows(output_tensors(mb.outputs),
                                                         packed_in(mb.outputs), stacked=True)
             event.samples = [r for r in event.samples if r in out] or event.samples
     event.detail = f"non-finite value in the model's input {event.tensor or ''}".rstrip()
@@ -307,7 +306,7 @@ def _forward_event(ev: StepEvidence) -> Event | None:
     else:
         by_order = sorted(ev.calls, key=lambda d: (d["micro_batch"], d["order"]))
         masked = {i for i, mb in enumerate(ev.tape.micro_batches)
-                  if only_mask_infinities(_tensors([list(mb.args), mb.kwargs]))}
+                  if only_mask_infinities(data_tensors([list(mb.args), mb.kwargs]))}
         d, came_in = chain_origin(by_order, ev.allowed, ev.module_names, masked)
         if came_in:
             return _batch_event(ev, d, nan_only=False)
@@ -325,7 +324,7 @@ def _forward_event(ev: StepEvidence) -> Event | None:
     if ev.tape.micro_batches:
         mb = d["micro_batch"]
         outputs = ev.tape.micro_batches[mb].outputs
-        outs = _outputs(outputs)  # (NaN rows only, where allow_inf lets the root hold +-inf)
+        outs = output_tensors(outputs)  # (NaN rows only, where allow_inf lets the root hold +-inf)
         event.samples = ev.samples(mb).first_rows(
             inf_read_finite(outs) if 0 in ev.allowed else outs, packed_in(outputs), stacked=True)
     event.detail = (f"{event.kind} first in the output of {event.module or '<root>'} "
@@ -342,8 +341,8 @@ def _loss_event(ev: StepEvidence) -> Event | None:
             continue
         mb = ev.tape.micro_batches[mb_i]
         mb.select_loss_call(k)  # (a loop calling the loss again: the call that went bad)
-        outs = list(_tensors(mb.outputs))
-        found = _first_bad_tensor([list(mb.loss_args or ()), mb.loss_kwargs or {}],
+        outs = list(data_tensors(mb.outputs))
+        found = first_bad_tensor([list(mb.loss_args or ()), mb.loss_kwargs or {}],
                                   ev.samples(mb_i), skip=outs, model=(outs, ev.param_tensors))
         event = Event(ev.tape.step, micro_batch=mb_i, module="<loss>",
                       kind=pair_kind(row[lo], row[hi]))
@@ -449,11 +448,31 @@ def _unfinished_root(ev: StepEvidence, d: dict[str, Any]) -> dict[str, Any] | No
         return None
     m = ev.tape.micro_batches[mb]
     batch = [list(m.args), m.kwargs]
-    came = _first_bad_tensor(batch, ev.samples(mb), nan_only=not ev.strict_inf)
-    if m.outputs is not None or (not came and _first_bad_tensor(batch, ev.samples(mb))):
+    came = first_bad_tensor(batch, ev.samples(mb), nan_only=not ev.strict_inf)
+    if m.outputs is not None or (not came and first_bad_tensor(batch, ev.samples(mb))):
         return None
     return {**d, "module": 0, "order": max(c["order"] for c in ev.calls) + 1,
             "inputs_finite": not came, "inputs_all_finite": not came, "inputs_nan_free": not came}
+
+
+def _raised_root_input(ev: StepEvidence) -> Event | None:
+    """The batch of a micro-batch whose root call raised before it returned (Pyro's validation
+    refusing a NaN ``obs`` in the ELBO's ``compute_log_prob``), holding NaN in a tensor no
+    hooked call took in, so no call's statistics show it: an input event, as a root that
+    returned would have made it."""
+    if not ev.tape.cut_short:
+        return None
+    for mb, m in enumerate(ev.tape.micro_batches):
+        if m.outputs is not None or any(c["module"] == 0 and c["micro_batch"] == mb
+                                        for c in ev.calls):
+            continue
+        if first_bad_tensor([list(m.args), m.kwargs], ev.samples(mb), nan_only=True):
+            order = max((c["order"] for c in ev.calls), default=-1) + 1
+            return _batch_event(ev, {"module": 0, "micro_batch": mb, "order": order,
+                                     "inputs_finite": False, "inputs_nan_free": False,
+                                     "nan": True, "posinf": None, "neginf": None},
+                                nan_only=True)
+    return None
 
 
 def optimizer_event(step: int, params: list[str], *, after_update: bool,
@@ -464,34 +483,3 @@ def optimizer_event(step: int, params: list[str], *, after_update: bool,
                  after_update=after_update,
                  detail=f"optimizer.step() made {len(params)} parameter(s) non-finite, first "
                         f"{params[0]}")
-
-
-def _first_bad_tensor(obj: Any, samples: Samples, skip=(), nan_only: bool = False,
-                      model=None) -> tuple[str, list[int], str] | None:
-    """(path, samples, kind) of the first data tensor in ``obj`` holding a non-finite
-    value; with ``model`` (its outputs and parameters), a tensor with a graph that does not
-    reach them (another network's output) counts as data too."""
-    _, tensors, paths = flatten_tree(obj, "x")
-    for key, t in tensors.items():
-        if any(t is s for s in skip) or (t.grad_fn is not None
-                                         and (model is None or from_model(t, *model))):
-            continue  # the model output, or computed from it: not data
-        if nan_only and not has_nan(t):
-            continue
-        if not finite(t):
-            return paths[key], samples.rows(t, packed_in(obj)), kind_of(t)
-    return None
-
-
-def _tensors(obj):
-    _, tensors, _ = flatten_tree(obj, "x")
-    return tensors.values()
-
-
-def _outputs(obj):
-    """A model output's tensors, then those of its distributions (a forecaster's ``Normal``),
-    a distribution's logits with their intended +-inf (masked classes) read as finite."""
-    inf_ok: set[int] = set()
-    dists = list(object_tensors(obj, inf_ok=inf_ok))
-    return [*_tensors(obj), *(t.masked_fill(torch.isinf(t), 0.0) if id(t) in inf_ok else t
-                              for t in dists)]

@@ -133,7 +133,9 @@ def test_nan_observation_pyro_refuses_is_the_batch(tmp_path):
     assert "site 'obs'" in str(err)
     assert origin(rep) == (3, "input", None, None, "input"), rep
     assert (rep["origin"]["arg"], rep["origin"]["samples"]) == ("y", [5])
-    # (event detail: see the next commit)
+    ev = rep["event"]
+    assert (ev["phase"], ev["tensor"], ev["samples"]) == ("input", "args[1]", [5]), ev
+    assert ev["detail"] == "non-finite value in the model's input args[1]", ev
 
 
 def test_poisson_rate_underflowed_to_zero(tmp_path):
