@@ -52,11 +52,12 @@ def train(mod, opt, loader, steps: int, bad: dict | None = None, clip: float | N
 
 
 def fire(tmp_path, mod, opt, loader, factory, steps=6, kwargs=None, raises=NonFiniteError,
-         **kw):
+         rec=None, **kw):
     """``train`` under the recorder until the event; (the JSON report, the raised error)."""
     with pytest.raises(raises) as info:
         with FlightRecorder(mod, opt, out_dir=tmp_path / "b",
-                            factory=f"pyro_svi_models:{factory}", factory_kwargs=kwargs or {}):
+                            factory=f"pyro_svi_models:{factory}", factory_kwargs=kwargs or {},
+                            **(rec or {})):
             train(mod, opt, loader, steps, **kw)
     err = info.value
     if isinstance(err, NonFiniteError):
@@ -171,6 +172,21 @@ def test_learning_rate_too_large_for_the_noise_scale(tmp_path):
     rep, _ = fire(tmp_path, mod, opt, _cycle(regression_loader()), "make_regression")
     assert origin(rep) == (1, "forward", "model", "aten.exp", "overflow"), rep
     assert "model.sigma_unconstrained" in rep["hint"] and "learning rate" in rep["hint"]
+
+
+def test_update_past_float32_is_the_optimizer_re_run_on_the_pyro_params(tmp_path):
+    """SGD's update with a learning rate of 1e38 makes the guide's loc and the model's noise
+    +inf; guarded, the replay re-runs that update on the bundle's copies (PyroModule reads its
+    PyroParams through Pyro's global ParamStore, which holds the bundle's after the load)."""
+    mod = M.make_regression()
+    opt = torch.optim.SGD(mod.parameters(), lr=1e38)
+    rep, _ = fire(tmp_path, mod, opt, _cycle(regression_loader()), "make_regression",
+                  rec={"guard_optimizer": True})
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["op"], rep["cause"], rep["reproduced"]) == (
+        0, "optimizer", "aten.add_", "optimizer", True), rep
+    assert rep["event"]["params"] == ["model.sigma_unconstrained",
+                                      "guide.locs.linear.weight_unconstrained"]
 
 
 def test_vae_decoder_scale_rounded_to_zero_is_refused_and_named(tmp_path):
