@@ -367,9 +367,24 @@ def late_note(names: list[str], optimizer: bool) -> str:
             f"non-finite when it was checked: {how}; the bundle holds them as it left them")
 
 
-def elsewhere_note() -> str:
+def elsewhere_note(meta: dict | None = None) -> str:
     """The note for a bundle whose weights another optimizer updated (the recorder's
-    ``stepped_elsewhere``): the loop steps an optimizer the recorder was not given."""
+    ``stepped_elsewhere``): the loop steps an optimizer the recorder was not given. When the
+    recorded optimizer is a wrapper holding an inner optimizer over its parameters
+    (``pytorch_optimizer``'s SAM and its ``base_optimizer``), that is the one the loop
+    stepped: the wrapper's own methods (``first_step``/``second_step``) call its ``step()``
+    and never the wrapper's."""
+    opt = (meta or {}).get("optimizer") or {}
+    inner = [(a, i) for a, i in (opt.get("inner") or {}).items() if not i.get("sharded")]
+    if inner:
+        attr, info = inner[0]
+        cls = opt.get("class", "the optimizer").rpartition(".")[2]
+        return (f"{cls}, the optimizer given to FlightRecorder, never ran its own step(): the "
+                f"loop stepped the {info.get('class', '?').rpartition('.')[2]} it holds as "
+                f"{attr} (a wrapper's own methods calling {attr}.step(), SAM's first_step() "
+                f"and second_step()), which updated every weight after this step's forward, "
+                "so the bundle holds the updated values, not those the forward used; give "
+                f"FlightRecorder(model, opt.{attr}, ...) that inner optimizer and record again")
     return ("the optimizer given to FlightRecorder never stepped: the loop steps another one "
             "(created after the recorder?), which updated every weight after this step's "
             "forward, so the bundle holds the updated values, not those the forward used; give "
