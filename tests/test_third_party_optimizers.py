@@ -141,3 +141,35 @@ def test_sam_given_as_the_optimizer_names_the_base_optimizer_its_loop_steps(out_
     assert note.startswith("SAM, the optimizer given to FlightRecorder") and \
         "the AdamW it holds as base_optimizer" in note and \
         "FlightRecorder(model, opt.base_optimizer, ...)" in note, note
+
+
+def test_sam_s_second_pass_nan_under_step_closure_is_re_run_on_the_moved_weights(out_dir):
+    """SAM stepped with a closure, as pytorch_optimizer documents it: ``step(closure)`` moves
+    the weights to w + e and calls the closure, whose forward takes sqrt of a scale the ascent
+    pushed below 0, before the move is undone. The bundle holds the moved weights; the replay
+    re-ran micro-batch 0 on them, found it differ and said "the factory builds a different
+    model", cause unknown. It now compares from the moved forward on and names the sqrt."""
+    model = M.make_scaled()
+    opt = po.SAM(model.parameters(), base_optimizer=torch.optim.AdamW, rho=0.05, lr=1e-3)
+    crit = M.LabelSmoothed()
+    with pytest.raises(NonFiniteError) as info, \
+            FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, guard_optimizer=True,
+                           factory="third_party_optimizers_models:make_scaled"):
+        for x, mask, y in M.loader():
+            def closure(x=x, mask=mask, y=y):
+                loss = crit(model(x, mask), y)
+                loss.backward()
+                return loss
+            opt.zero_grad()
+            crit(model(x, mask), y).backward()
+            opt.step(closure)
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    # (the origin's micro_batch is the re-run's first forward on the moved weights, 0, where
+    # training's was 1: the forward before the move is re-run on them too)
+    assert (rep["event"]["step"], rep["event"]["micro_batch"], o["module"], o["op"],
+            rep["cause"]) == (0, 1, "", "aten.sqrt", "invalid"), (rep["cause"], o)
+    assert o["source"] == source_line("third_party_optimizers_models.py", "torch.sqrt(self.scale)")
+    assert "aten.sqrt's input is the parameter scale" in rep["hint"], rep["hint"]
+    assert any(p.startswith("micro-batch 0 ran before the weights were moved in place for "
+                            "micro-batch 1") for p in rep["problems"]), rep["problems"]
