@@ -145,6 +145,8 @@ def _model(src: Sources, tape: Tape | None, guard, meta, tensors) -> None:
             # a sparse gradient (nn.Embedding(sparse=True)) is stored dense: the weight beside
             # it is as large, and its zeros compress to next to nothing
             tensors[f"grads/{name}"] = (g if g.layout == torch.strided else g.to_dense()).detach()
+    if any(p.grad is not None and p.grad.grad_fn is not None for _, p in params):
+        meta["grads_graph"] = True  # (backward(create_graph=True): SophiaH's update needs it)
     meta["buffers"] = []
     for name, b in src.target.buffers:
         # the copy from the last step start at which the buffer had changed is its pre-step

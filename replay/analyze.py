@@ -96,7 +96,7 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     report = base_report(step)
     changed = step.meta.get("changed_in_step")
     if changed:
-        report["problems"].append(fidelity.elsewhere_note() if _elsewhere(step)
+        report["problems"].append(fidelity.elsewhere_note(step.meta) if _elsewhere(step)
                                   else fidelity.changed_note(changed))
     if step.meta.get("scaler_not_given"):  # (a GradScaler's skipped step may be no bug)
         report["problems"].append((said := scaler_not_given(step.meta))[0].lower() + said[1:-1])

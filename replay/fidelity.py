@@ -62,8 +62,8 @@ def compare(step: Step, run: Run, written: list[str] = ()) -> dict[str, Any] | N
     found["changed"] = list(meta.get("changed_in_step") or []) or None
     # (trained tensor attributes: stepped by an optimizer the recorder was not given)
     reused = {j for j, m in enumerate(step.micro_batches) if m.get("taken_again")}
-    if (found["changed"] or step.trained or found["micro_batch"] in reused) \
-            and not found["matches"] and rows:
+    if (found["changed"] or step.trained or found["micro_batch"] in reused
+            or _moved(step) is not None) and not found["matches"] and rows:
         found = _after_change(step, run, rows[-1], names, fields, found)
     if not found["matches"] and step.built_otherwise:  # (first: the re-run took another path)
         found["built_otherwise"] = step.built_otherwise
@@ -90,14 +90,29 @@ def _after_change(step: Step, run: Run, r: int, names, fields, found) -> dict[st
     if not isinstance(mb, int) or found["micro_batch"] is None or found["micro_batch"] >= mb:
         return found
     later = _event_step(step, run, r, names, fields, first=mb)
+    moved = _moved(step)
     # (a forward whose input the loop stepped in place: no other cause for the difference)
-    reused = None if found["changed"] or step.trained else found["micro_batch"]
-    if later is None or not later["matches"] or not (later["calls"] or reused is not None):
+    reused = None if found["changed"] or step.trained or moved is not None \
+        else found["micro_batch"]
+    if later is None or not later["matches"] or not (later["calls"] or reused is not None
+                                                      or moved is not None):
         return found
     later.update(basis=found["basis"], changed=found["changed"], before_change=list(range(mb)),
                  trained=None if found["changed"] else step.trained,
-                 reused=reused)
+                 reused=reused, moved=moved)
     return later
+
+
+def _moved(step: Step) -> int | None:
+    """The first micro-batch, up to the event's, that ran on weights moved in place since the
+    step's earlier forward (``weights_moved``: SAM's ascent to w + e), else None. Moved inside
+    the optimizer's ``step(closure)``, the event came before the move was undone: the bundle
+    holds the moved weights, which only the forwards from that micro-batch on ran with."""
+    at = step.event.get("micro_batch")
+    if not isinstance(at, int):
+        return None
+    return next((i for i, m in enumerate(step.micro_batches[:at + 1])
+                 if m.get("weights_moved")), None)
 
 
 def edited_since_update(step: Step, r: int) -> list[str]:
@@ -335,6 +350,8 @@ def notes(fid: dict[str, Any] | None, step: Step) -> list[str]:
     before = fid["before_change"]
     which = ("micro-batch " if len(before) == 1 else "micro-batches ") + \
         ", ".join(map(str, before))
+    if fid.get("moved") is not None:
+        return out + [MOVED.format(which=which, k=fid["moved"], n=before[-1] + 1)]
     if fid.get("reused") is not None:
         return out + [REUSED.format(first=fid["reused"], n=before[-1] + 1, calls=fid["calls"])]
     what = _changed_params(fid["changed"]) if fid.get("changed") else \
@@ -343,6 +360,13 @@ def notes(fid: dict[str, Any] | None, step: Step) -> list[str]:
             f"{'differs' if len(before) == 1 else 'differ'} in the re-run; the event's "
             f"forward, micro-batch {before[-1] + 1}, ran after the change on the values the "
             f"bundle holds and re-runs as recorded ({fid['calls']} calls agree)"]
+
+
+MOVED = (
+    "{which} ran before the weights were moved in place for micro-batch {k} (SAM's ascent to "
+    "w + e, which step(closure) makes before it calls the closure) and differs in the re-run: "
+    "the event came before the move was undone, so the bundle holds the moved weights; the "
+    "event's forward, micro-batch {n}, ran on them and is re-run on them")
 
 
 REUSED = (
@@ -367,9 +391,24 @@ def late_note(names: list[str], optimizer: bool) -> str:
             f"non-finite when it was checked: {how}; the bundle holds them as it left them")
 
 
-def elsewhere_note() -> str:
+def elsewhere_note(meta: dict | None = None) -> str:
     """The note for a bundle whose weights another optimizer updated (the recorder's
-    ``stepped_elsewhere``): the loop steps an optimizer the recorder was not given."""
+    ``stepped_elsewhere``): the loop steps an optimizer the recorder was not given. When the
+    recorded optimizer is a wrapper holding an inner optimizer over its parameters
+    (``pytorch_optimizer``'s SAM and its ``base_optimizer``), that is the one the loop
+    stepped: the wrapper's own methods (``first_step``/``second_step``) call its ``step()``
+    and never the wrapper's."""
+    opt = (meta or {}).get("optimizer") or {}
+    inner = [(a, i) for a, i in (opt.get("inner") or {}).items() if not i.get("sharded")]
+    if inner:
+        attr, info = inner[0]
+        cls = opt.get("class", "the optimizer").rpartition(".")[2]
+        return (f"{cls}, the optimizer given to FlightRecorder, never ran its own step(): the "
+                f"loop stepped the {info.get('class', '?').rpartition('.')[2]} it holds as "
+                f"{attr} (a wrapper's own methods calling {attr}.step(), SAM's first_step() "
+                f"and second_step()), which updated every weight after this step's forward, "
+                "so the bundle holds the updated values, not those the forward used; give "
+                f"FlightRecorder(model, opt.{attr}, ...) that inner optimizer and record again")
     return ("the optimizer given to FlightRecorder never stepped: the loop steps another one "
             "(created after the recorder?), which updated every weight after this step's "
             "forward, so the bundle holds the updated values, not those the forward used; give "

@@ -15,6 +15,7 @@ from recorder.seq_state import load_seq
 
 from .eps_text import EPS0_CUSTOM_UPDATE, EPS_LOST_UPDATE, SQUARED_EPS_LOST
 from .optim_attrs import attrs_note, restore_attrs
+from .optim_class import installed_optimizer
 from .sharded_optim import builtin_inner, unprefixed
 
 
@@ -34,9 +35,12 @@ def build_optimizer(step, model: nn.Module, opt_factory):
             cls = getattr(torch.optim, path.rpartition(".")[2], None)
         elif (found := builtin_inner(info)) is not None:  # (ZeRO's local Adam)
             inner, cls = found
+        else:  # (an optimizer library's class: pytorch_optimizer's Lion)
+            cls = installed_optimizer(path)
         if cls is None:
-            step.problems.append(f"the optimizer {path} is not a torch.optim built-in; return "
-                                 "{'model': ..., 'optimizer': lambda params: ...} from the factory")
+            step.problems.append(f"the optimizer {path} is neither a torch.optim built-in nor a "
+                                 "class of an installed package; return {'model': ..., "
+                                 "'optimizer': lambda params: ...} from the factory")
             return None
     groups = []
     for g in info["param_groups"]:
@@ -53,7 +57,10 @@ def build_optimizer(step, model: nn.Module, opt_factory):
     try:
         opt = opt_factory(groups) if opt_factory is not None else cls(groups)
     except Exception as e:
-        step.problems.append(f"the optimizer {path} could not be rebuilt ({type(e).__name__}: {e})")
+        way = "" if opt_factory is not None or path.startswith("torch.optim.") else (
+            "; return {'model': ..., 'optimizer': lambda params: ...} from the factory")
+        step.problems.append(f"the optimizer {path} could not be rebuilt ({type(e).__name__}: "
+                             f"{e}){way}")
         return None
     if inner is None and (changed := restore_attrs(opt, info.get("attrs"))):
         step.problems.append(attrs_note(changed))

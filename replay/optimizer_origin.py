@@ -4,6 +4,7 @@ bundle's, from the copies taken before it), and the hint of an update the bundle
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -36,7 +37,12 @@ from .zero_input_columns import zero_input_columns_text
 
 def report_optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
     decode_non_finite_hyper(step.optimizer)
-    runner.run(instrument=False)
+    # (gradients with a graph, as the loop's backward(create_graph=True) made them: an update
+    # differentiating them again, SophiaH's or AdaHessian's Hutchinson estimate, needs it)
+    runner.create_graph = bool(step.meta.get("grads_graph"))
+    with warnings.catch_warnings():  # (torch's note on create_graph's cycle is the loop's)
+        warnings.filterwarnings("ignore", "Using backward.. with create_graph")
+        runner.run(instrument=False)
     use_reduced_grads(step, step.model)  # (every rank's, as DDP's all-reduce gave the update)
     _own_copies(step.model, step.optimizer)
     stale = stale_state(step.model, step.optimizer)

@@ -70,8 +70,8 @@ def history(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str,
         "event_step": meta.get("event", {}).get("step"),
         "event_phase": meta.get("event", {}).get("phase"),
         "skipped": tensors["ring/skipped"].tolist(),
-        "weight_norm": _weight_norms(tensors.get("ring/update_norms"),
-                                     tensors["ring/param_norm"].tolist()),
+        "weight_norm": _event_weight_norm(meta, tensors, _weight_norms(
+            tensors.get("ring/update_norms"), tensors["ring/param_norm"].tolist())),
     }
 
 
@@ -98,6 +98,28 @@ def _call_keys(tensors: dict[str, torch.Tensor]) -> list[list[tuple[int, int] | 
             keys.append((int(m), c))
         out.append(keys)
     return out
+
+
+def _event_weight_norm(meta: dict[str, Any], tensors: dict[str, torch.Tensor],
+                       norms: list[float | None]) -> list[float | None]:
+    """``norms`` with the event step's weight norm, when the ring has none, from the bundle's
+    weights of the parameters the optimizer holds: as the update before the event step left
+    them (the forward read them). With ``guard_optimizer=True`` an update's norm is measured
+    as the next step closes, which an event in that step's forward never reaches, so a first
+    update that blew the weights up (Lion at lr=1e38) showed no jump. In float64: a float32
+    norm of finite values may overflow."""
+    steps = tensors["ring/steps"].tolist()
+    if not norms or norms[-1] is not None or not steps \
+            or steps[-1] != meta.get("event", {}).get("step"):
+        return norms
+    held = [n for g in (meta.get("optimizer") or {}).get("param_groups", [])
+            for n in g.get("params") or ()]
+    ws = [w for n in held if (w := tensors.get(f"weights/{n}")) is not None
+          and w.is_floating_point()]
+    if not ws:
+        return norms
+    total = math.sqrt(sum(float(w.double().square().sum()) for w in ws))
+    return [*norms[:-1], total if math.isfinite(total) else None]
 
 
 def _weight_norms(update_norms: torch.Tensor | None, param_norm: list[float]

@@ -133,6 +133,9 @@ class Runner:
         # roots (replay.kept_aside); ``kept``: those of the micro-batch running
         self.keep_aside = False
         self.kept: list[tuple[str, torch.Tensor]] = []
+        # backward with create_graph=True, as the loop ran it (the bundle's ``grads_graph``):
+        # an update that differentiates the gradients (SophiaH's Hessian-vector products)
+        self.create_graph = False
 
     # -- state reset -------------------------------------------------------------------------
 
@@ -293,6 +296,8 @@ class Runner:
         pairs = [(o, grads[j]) for j, o in enumerate(outs) if j in grads and o.requires_grad]
         if differentiates_model(self.step, i) and not fed:
             pairs = []  # its loss reaches the weights through the output's derivative too
+        if self.create_graph and isinstance(loss, torch.Tensor) and loss.requires_grad:
+            pairs = []  # (recorded output gradients are constants: the loss's graph, not them)
         if pairs and (fed or self.feed_recorded or all(finite(g) for _, g in pairs)):
             # The recorded gradient of the model output is exact whatever the loop did to the
             # loss (scaling, division for accumulation); prefer it.
@@ -310,9 +315,10 @@ class Runner:
                     * (self.loss_scale or 1.0)
                 # (kept: its direct path may share the forward's nodes, a regulariser over
                 # activations the forward kept on a module, which the output's path needs next)
-                (loss * f).backward(inputs=own, retain_graph=True)
+                (loss * f).backward(inputs=own, retain_graph=True, create_graph=self.create_graph)
             torch.autograd.backward(*with_kept(self, [o for o, _ in pairs],
-                                               [g.to(o.dtype) for o, g in pairs]))
+                                               [g.to(o.dtype) for o, g in pairs]),
+                                    create_graph=self.create_graph)
         elif (loss := scalar_loss(loss)) is not None:
             # (a loss of several values, reduction="none", was reduced by the loop outside the
             # recorder, in a way the replay does not know: no backward from it; a what-if's
@@ -321,9 +327,10 @@ class Runner:
             root = loss * (self.loss_scale or 1.0) * (k or 1.0) if self.loss_scale or k else loss
             if self.cut is not None:
                 return backward_cut(self, root, outs, self.cut, with_kept)
-            torch.autograd.backward(*with_kept(self, [root], [torch.ones_like(loss)]))
+            torch.autograd.backward(*with_kept(self, [root], [torch.ones_like(loss)]),
+                                    create_graph=self.create_graph)
         elif self.keep_aside and self.kept:
-            torch.autograd.backward(*with_kept(self, [], []))
+            torch.autograd.backward(*with_kept(self, [], []), create_graph=self.create_graph)
 
     # -- float64 -----------------------------------------------------------------------------
 
