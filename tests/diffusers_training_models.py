@@ -4,11 +4,12 @@ training scripts write it (``train_text_to_image.py``, ``train_unconditional.py`
 epsilon or v-prediction targets (``get_velocity``), min-SNR-gamma loss weighting, classifier-free
 guidance dropout of the conditioning, AdamW with diffusers' cosine schedule, EMA, clipping.
 
-Planted failures (each a switch of the data or of the loss/scheduler the test builds):
-``images(bad=...)`` a decoded image holding NaN; ``MinSnrLoss`` over a zero-terminal-SNR schedule
+Planted failures (each a switch of the data or of the loss/scheduler the test builds): ``X0Loss``
+over a zero-terminal-SNR schedule (x0 divided by sqrt(alphas_cumprod[t]), 0 at the last t);
+``loader(bad=...)`` a decoded image holding NaN; ``MinSnrLoss`` over a zero-terminal-SNR schedule
 with epsilon prediction (snr 0 at the last timestep: min(snr, gamma) / snr is 0/0);
-``conditioning(scale=...)`` text-encoder states taken without their final layer norm, which a
-float16 UNet's cross-attention key projection overflows on; a whole batch's conditioning dropped
+``loader(scale=...)`` text-encoder states taken without their final layer norm, which a
+float16 autocast casts past 65504 in the cross-attention key projection; a whole batch's conditioning dropped
 to zeros at the first step under AdamW eps=0 (the key/value projections' gradients all 0).
 """
 
@@ -85,3 +86,19 @@ class Images(Dataset):
 
 def loader(n: int = 32, batch_size: int = 4, **kw) -> DataLoader:
     return DataLoader(Images(n, **kw), batch_size=batch_size, shuffle=False)
+
+
+class X0Loss(nn.Module):
+    """Epsilon MSE plus an image-space term on the predicted clean sample (a perceptual or
+    pixel loss on ``x0 = (x_t - sqrt(1 - a) * eps) / sqrt(a)``, what ``scheduler.step``'s
+    ``pred_original_sample`` computes), the schedule's ``alphas_cumprod`` held as a buffer."""
+
+    def __init__(self, scheduler: DDPMScheduler, weight: float = 0.1):
+        super().__init__()
+        self.weight = weight
+        self.register_buffer("alphas_cumprod", scheduler.alphas_cumprod.clone())
+
+    def forward(self, pred, target, timesteps, noisy, latents):
+        a = self.alphas_cumprod[timesteps][:, None, None, None]
+        x0 = (noisy - (1 - a).sqrt() * pred.float()) / a.sqrt()
+        return F.mse_loss(pred.float(), target.float()) + self.weight * F.mse_loss(x0, latents)

@@ -41,6 +41,7 @@ def train(tmp_path, data, loss_fn=None, steps=8, eps=1e-8, zero_snr=False, gamma
     model = M.make_unet()
     sched = M.make_scheduler(zero_snr, prediction_type)
     loss_fn = M.MinSnrLoss(sched, gamma) if gamma is not None else loss_fn or Mse()
+    loss_fn = M.X0Loss(sched) if loss_fn == "x0" else loss_fn
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=eps)
     lr_sched = get_cosine_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=steps)
     ema = EMAModel(model.parameters(), decay=0.999)
@@ -62,7 +63,8 @@ def train(tmp_path, data, loss_fn=None, steps=8, eps=1e-8, zero_snr=False, gamma
             opt.zero_grad()
             with torch.autocast("cpu", dtype=amp):
                 pred = model(noisy, t, encoder_hidden_states=ehs).sample
-            loss = loss_fn(pred, target, t)
+            extra = (noisy, latents) if isinstance(loss_fn, M.X0Loss) else ()
+            loss = loss_fn(pred, target, t, *extra)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -136,3 +138,14 @@ def test_adamw_eps_zero_after_a_whole_batch_dropped_its_conditioning(tmp_path):
     assert rep["origin"]["phase"] == "optimizer"
     assert M.ATTN2_K + ".weight" in rep["origin"]["params"]
     assert "eps=0" in rep["hint"] and "set eps > 0" in rep["hint"]
+
+
+def test_an_x0_image_loss_over_a_zero_terminal_snr_schedule(tmp_path):
+    """The predicted clean sample divided by sqrt(alphas_cumprod[t]), 0 at t = 99 of a
+    zero-terminal-SNR schedule (step 5, sample 2): x/0 in the loss."""
+    rep = fire(tmp_path, M.loader(32), loss_fn="x0", zero_snr=True, seed=11)
+    assert origin(rep) == ("loss", "<loss>", "aten.div", 5, "invalid")
+    assert rep["origin"]["samples"] == [2]
+    assert rep["origin"]["source"] == source_line(
+        "diffusers_training_models.py", "x0 = (noisy - (1 - a).sqrt()")
+    assert "looked up in the buffer <loss>.alphas_cumprod" in rep["hint"]
