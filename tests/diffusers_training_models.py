@@ -4,13 +4,13 @@ training scripts write it (``train_text_to_image.py``, ``train_unconditional.py`
 epsilon or v-prediction targets (``get_velocity``), min-SNR-gamma loss weighting, classifier-free
 guidance dropout of the conditioning, AdamW with diffusers' cosine schedule, EMA, clipping.
 
-Planted failures (each a switch of the data or of the loss/scheduler the test builds): ``X0Loss``
-over a zero-terminal-SNR schedule (x0 divided by sqrt(alphas_cumprod[t]), 0 at the last t);
-``loader(bad=...)`` a decoded image holding NaN; ``MinSnrLoss`` over a zero-terminal-SNR schedule
-with epsilon prediction (snr 0 at the last timestep: min(snr, gamma) / snr is 0/0);
-``loader(scale=...)`` text-encoder states taken without their final layer norm, which a
-float16 autocast casts past 65504 in the cross-attention key projection; a whole batch's conditioning dropped
-to zeros at the first step under AdamW eps=0 (the key/value projections' gradients all 0).
+Planted failures (each a switch of the data or of the loss/scheduler the test builds):
+``X0Loss`` over a zero-terminal-SNR schedule (x0 divided by sqrt(alphas_cumprod[t]), 0 at the
+last t); ``loader(bad=...)`` a decoded image holding NaN; ``MinSnrLoss`` over a zero-terminal-SNR
+schedule with epsilon prediction (snr 0 at the last timestep: min(snr, gamma) / snr is 0/0);
+``loader(scale=...)`` text-encoder states taken without their final layer norm, which float16
+autocast casts past 65504 in the cross-attention key projection; a whole batch's conditioning
+dropped to zeros at the first step under AdamW eps=0 (the key/value projections' gradients all 0).
 """
 
 from __future__ import annotations
