@@ -52,7 +52,8 @@ def looked_up_hint(hint: str | None, buffers: Iterable[tuple[str, torch.Tensor]]
                 "terminal SNR): cap the betas below 1 where the schedule is built, or keep "
                 "that step out of what divides by it (draw t from the steps where it is "
                 "above 0; for x0 = (x_t - sqrt(1 - a) * eps) / sqrt(a), predict v or x0 "
-                "instead); a clamp after the op (clip_sample) hides the infinity in the "
+                "instead; for min-SNR weighting's min(snr, gamma) / snr, an SNR of 0 there, "
+                "predict v, whose weight divides by snr + 1); a clamp after the op (clip_sample) hides the infinity in the "
                 "forward, not in the backward")
     return (f"{what}: its input was looked up in the buffer {name}, a table the "
             f"code was built with, which is exactly 0 at {len(rows)} of its {len(table)} "

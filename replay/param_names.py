@@ -30,8 +30,10 @@ _LOOKUPS = {"index", "index_select", "gather", "take_along_dim", "embedding"}
 # a looked-up table's values scaled (its first input), its zeros kept: ``counts[ids] / total``;
 # or a table scaled by a number before the lookup: ``(counts / counts.sum())[ids]``
 _SCALINGS = {"div", "mul"}
-# value by value, 0 where the entry is 0: a noise schedule's ``alphas_cumprod[t].sqrt()``
-_ZERO_KEEPING = {"sqrt", "abs", "neg", "square", "relu"}
+# value by value, 0 where the entry is 0: a noise schedule's ``alphas_cumprod[t].sqrt()``, and
+# an SNR squared from it, ``(a.sqrt() / (1 - a).sqrt()) ** 2`` (diffusers' ``compute_snr``; a
+# negative power's infinity at 0 is no 0 kept, which the pole's own check then refuses)
+_ZERO_KEEPING = {"sqrt", "abs", "neg", "square", "relu", "pow"}
 
 
 def divisor_of(op: str | None, ins: list[torch.Tensor]) -> torch.Tensor | None:
