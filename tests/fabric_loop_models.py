@@ -1,0 +1,100 @@
+"""Models, losses and data of a custom Lightning Fabric training loop
+(``tests/test_fabric_loop.py``): a sensor-window regressor over per-step readings and a
+validity mask, with a hand-written softmax attention pooling over time (exp of the scores,
+normalised by their sum), a masked mean-squared loss written as users write it (the sum over
+the labelled targets divided by their count), and a ``DataLoader`` of dicts."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+T, F_IN, D, OUT = 8, 4, 16, 3
+
+
+class ExpPool(nn.Module):
+    """Attention pooling over time written out: exp of each step's score, masked by the
+    validity mask, divided by the masked sum (no max subtracted)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.score = nn.Linear(d, 1)
+
+    def forward(self, h, valid):
+        w = torch.exp(self.score(h).squeeze(-1)) * valid
+        w = w / (w.sum(-1, keepdim=True) + 1e-6)
+        return (w.unsqueeze(-1) * h).sum(1)
+
+
+class WindowRegressor(nn.Module):
+    """(B, T, F) readings and their (B, T) validity -> (B, OUT) targets."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(F_IN, D), nn.GELU(), nn.Linear(D, D))
+        self.pool = ExpPool(D)
+        self.head = nn.Linear(D, OUT)
+
+    def forward(self, x, valid):
+        return self.head(self.pool(self.encoder(x), valid.to(x.dtype)))
+
+
+class PathRegressor(WindowRegressor):
+    """Adds the path length of the encoded window (the distance between consecutive steps'
+    encodings, summed over the valid steps) as a pooled feature."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(D + 1, OUT)
+
+    def forward(self, x, valid):
+        h = self.encoder(x)
+        step = (h[:, 1:] - h[:, :-1]).pow(2).sum(-1).sqrt()
+        path = (step * valid[:, 1:]).sum(-1, keepdim=True)
+        return self.head(torch.cat([self.pool(h, valid.to(x.dtype)), path], -1))
+
+
+def make_regressor() -> WindowRegressor:
+    torch.manual_seed(0)
+    return WindowRegressor()
+
+
+class MaskedMSE(nn.Module):
+    """Mean squared error over the labelled targets only (``label_mask`` 1 where a target
+    was measured)."""
+
+    def forward(self, pred, target, label_mask):
+        err = (pred.float() - target) ** 2 * label_mask
+        return err.sum() / label_mask.sum()
+
+
+class SensorWindows(torch.utils.data.Dataset):
+    """Windows of T readings with 2..T valid steps (the rest zero-padded), OUT targets each.
+    ``nan``: records with a NaN reading (a sensor dropout); ``loud``: records whose readings
+    are 1e4x (logged in the wrong unit); ``unlabelled``: records with no measured target."""
+
+    def __init__(self, n: int, nan=(), loud=(), unlabelled=()):
+        g = torch.Generator().manual_seed(1)
+        self.lengths = torch.randint(2, T + 1, (n,), generator=g)
+        self.x = torch.randn(n, T, F_IN, generator=g)
+        self.y = torch.randn(n, OUT, generator=g)
+        self.label_mask = torch.ones(n, OUT)
+        for i in nan:
+            self.x[i, 1, 2] = float("nan")
+        for i in loud:
+            self.x[i] *= 1e4
+        for i in unlabelled:
+            self.label_mask[i] = 0.0
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        valid = (torch.arange(T) < self.lengths[i]).float()
+        return {"x": self.x[i] * valid[:, None], "valid": valid, "y": self.y[i],
+                "label_mask": self.label_mask[i]}
+
+
+def make_path_regressor() -> PathRegressor:
+    torch.manual_seed(0)
+    return PathRegressor()
