@@ -15,7 +15,7 @@ fabric_mod = pytest.importorskip("lightning.fabric")
 
 import fabric_loop_models as M  # noqa: E402
 import torch  # noqa: E402
-from bundles import nanreplay_json, source_line  # noqa: E402
+from bundles import invoke_cli, nanreplay_json, source_line  # noqa: E402
 
 from recorder import FlightRecorder, NonFiniteError  # noqa: E402
 
@@ -38,7 +38,7 @@ class Loop:
     """The documented Fabric loop; ``updates`` counts the optimizer updates that ran."""
 
     def __init__(self, data, *, precision="32-true", rec=True, out=None, raw=False,
-                 factory="make_regressor", clip_error=False, before=None):
+                 factory="make_regressor", clip_error=False, before=None, at_update=None):
         self.fabric = fabric_mod.Fabric(accelerator="cpu", devices=1, precision=precision)
         self.fabric.launch()
         torch.manual_seed(0)
@@ -59,7 +59,7 @@ class Loop:
             before(self)
         if not raw:
             self.rec = recorder(self.model, self.opt)
-        self.updates = 0
+        self.updates, self.at_update = 0, at_update or {}
 
     def train(self):
         fabric, model, opt = self.fabric, self.model, self.opt
@@ -75,6 +75,8 @@ class Loop:
                 opt.zero_grad()
                 self.updates += 1
                 fabric.log("train/loss", loss.item(), step=self.updates)
+                if self.updates in self.at_update:
+                    self.at_update[self.updates](self)
 
     def run(self):
         if self.rec is None:
@@ -163,6 +165,12 @@ def test_clip_gradients_error_if_nonfinite_on_a_backward_only_nan(tmp_path):
     assert rep["cause"] == "invalid"
     assert rep["origin"]["source"] == line_of("step = (h[:, 1:] - h[:, :-1])")
     assert "vector_norm" in rep["hint"]
+    # micro-batch 0 of the window's four, whose rows the samples are (the text left it out,
+    # as for a step of one micro-batch)
+    assert (rep["origin"]["micro_batch"], rep["origin"]["samples"]) == (0, [0, 1])
+    assert rep["event"]["micro_batches"] == ACC
+    text = invoke_cli(loop.rec.bundle_path).stdout.splitlines()
+    assert text[1] == "  origin     backward: nan made by SqrtBackward0 in <root>, micro-batch 0"
 
 
 def corrupt_checkpoint(tmp_path):
@@ -188,3 +196,16 @@ def test_resuming_from_a_corrupt_checkpoint_with_fabric_load(tmp_path):
     assert (o["param"], o["module"], o["op"], o["rows"], rep["cause"]) == (
         "encoder.2.weight", "encoder.2", "aten.addmm", [3], "weights")
     assert "at the first step the recorder saw" in rep["hint"]
+    assert "whole rows" in rep["hint"] and "fabric.load" in rep["hint"]
+
+
+def test_a_rollback_with_fabric_load_mid_run_is_a_write_between_updates(tmp_path):
+    ck = corrupt_checkpoint(tmp_path)
+    loop = Loop(M.SensorWindows(64), out=tmp_path / "b", at_update={
+        3: lambda lp: lp.fabric.load(ck, {"model": lp.model, "optimizer": lp.opt})})
+    rep, ev = fire(loop)
+    assert loop.updates == 3 and (ev["step"], ev["last_update_step"]) == (3, 2)
+    o = rep["origin"]
+    assert (o["param"], o["module"], o["op"], o["rows"], rep["cause"]) == (
+        "encoder.2.weight", "encoder.2", "aten.addmm", [3], "weights")
+    assert "between that update and step 3" in rep["hint"] and "fabric.load" in rep["hint"]
