@@ -209,3 +209,18 @@ def test_a_rollback_with_fabric_load_mid_run_is_a_write_between_updates(tmp_path
     assert (o["param"], o["module"], o["op"], o["rows"], rep["cause"]) == (
         "encoder.2.weight", "encoder.2", "aten.addmm", [3], "weights")
     assert "between that update and step 3" in rep["hint"] and "fabric.load" in rep["hint"]
+
+
+def test_bf16_true_one_pass_variance_cancels_below_zero(tmp_path):
+    """``precision="bf16-true"`` (Fabric casts the weights and inputs to bfloat16): a
+    barometric channel near 1013 hPa, whose one-pass variance ``E[x^2] - E[x]^2`` rounds to
+    -4096 in row 1 of the first micro-batch (16 in float64)."""
+    data = M.SensorWindows(64, full=True, offset=1013.0)
+    loop = Loop(data, precision="bf16-true", out=tmp_path,
+                factory="make_standardized_regressor")
+    rep, ev = fire(loop)
+    assert loop.updates == 0 and ev["micro_batch"] == 0
+    assert origin(rep) == (0, "forward", "standardize", "aten.sqrt", 0, [1], "precision")
+    assert rep["origin"]["dtype"] == "bfloat16"
+    assert rep["origin"]["source"] == line_of("return (x - mean) / torch.sqrt(var + 1e-5)")
+    assert "torch.var" in rep["hint"]
