@@ -130,3 +130,18 @@ class StandardizedRegressor(WindowRegressor):
 def make_standardized_regressor() -> StandardizedRegressor:
     torch.manual_seed(0)
     return StandardizedRegressor()
+
+
+class GaussianLikelihood(nn.Module):
+    """The negative log-likelihood of the targets under N(pred, sigma^2), written from the
+    density (the labelled targets only, averaged over them)."""
+
+    def __init__(self, sigma: float = 0.5):
+        super().__init__()
+        self.sigma = sigma
+
+    def forward(self, pred, target, label_mask):
+        z = (target - pred.float()) / self.sigma
+        density = torch.exp(-0.5 * z * z) / (self.sigma * 2.5066282746)
+        nll = -torch.log(density) * label_mask
+        return nll.sum() / label_mask.sum().clamp_min(1)

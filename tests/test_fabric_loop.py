@@ -38,13 +38,14 @@ class Loop:
     """The documented Fabric loop; ``updates`` counts the optimizer updates that ran."""
 
     def __init__(self, data, *, precision="32-true", rec=True, out=None, raw=False,
-                 factory="make_regressor", clip_error=False, before=None, at_update=None):
+                 factory="make_regressor", clip_error=False, before=None, at_update=None,
+                 crit=None):
         self.fabric = fabric_mod.Fabric(accelerator="cpu", devices=1, precision=precision)
         self.fabric.launch()
         torch.manual_seed(0)
         model = getattr(M, factory)()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        self.crit = M.MaskedMSE()
+        self.crit = crit or M.MaskedMSE()
         self.rec, self.clip_error = None, clip_error
 
         def recorder(model, opt):
@@ -224,3 +225,16 @@ def test_bf16_true_one_pass_variance_cancels_below_zero(tmp_path):
     assert rep["origin"]["dtype"] == "bfloat16"
     assert rep["origin"]["source"] == line_of("return (x - mean) / torch.sqrt(var + 1e-5)")
     assert "torch.var" in rep["hint"]
+
+
+def test_a_gaussian_density_written_out_underflows_before_its_log(tmp_path):
+    """A user-defined NLL ``-log(exp(-z^2 / 2) / (sigma sqrt(2 pi)))``: a target logged in the
+    wrong unit (40 among values near 1) puts ``exp`` below float32's range, then ``log(0)``."""
+    data = M.SensorWindows(64)
+    data.y[record(K, 3, 0), 1] = 40.0
+    loop = Loop(data, precision="bf16-mixed", out=tmp_path, crit=M.GaussianLikelihood())
+    rep, ev = fire(loop)
+    assert loop.updates == K and (ev["phase"], ev["micro_batch"]) == ("loss", 3)
+    assert origin(rep) == (K, "loss", "<loss>", "aten.log", 3, [0], "underflow")
+    assert rep["origin"]["source"] == line_of("nll = -torch.log(density) * label_mask")
+    assert "log space" in rep["hint"] and "out of scale" in rep["hint"]
