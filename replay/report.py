@@ -120,8 +120,7 @@ def rank_lines(report: dict[str, Any]) -> list[str]:
 def _origin_lines(report: dict[str, Any]) -> list[str]:
     """Origin, fidelity, compiled region, source, chain, anomaly and samples lines."""
     ev, o = report["event"], report["origin"]
-    several = (ev.get("micro_batches") or 0) > 1
-    lines = []
+    several, lines = (ev.get("micro_batches") or 0) > 1, []  # (several: a window's)
     made = o.get("made") or ev.get("kind") or "non-finite value"
     if o.get("phase") and o.get("detail"):  # a sentence instead of an op (replay.outside)
         lines.append(f"  origin     {o['phase']}: {o['detail']}")

@@ -238,3 +238,28 @@ def test_a_gaussian_density_written_out_underflows_before_its_log(tmp_path):
     assert origin(rep) == (K, "loss", "<loss>", "aten.log", 3, [0], "underflow")
     assert rep["origin"]["source"] == line_of("nll = -torch.log(density) * label_mask")
     assert "log space" in rep["hint"] and "out of scale" in rep["hint"]
+
+
+def test_resuming_an_optimizer_state_with_nan_moments(tmp_path):
+    """``fabric.load`` of a checkpoint whose AdamW ``exp_avg_sq`` holds NaN in row 3 of
+    ``encoder.2.weight`` (the weights finite): the first update writes NaN there. The report
+    said "finite gradients became non-finite weights: check the learning rate and schedule,
+    eps" (the bundle holds the state after the update); it now tells the NaN moment beside a
+    finite ``exp_avg`` as state that came in so."""
+    ck = tmp_path / "ckpt.pt"
+    warm = Loop(M.SensorWindows(8), rec=False)
+    warm.run()
+    warm.fabric.save(ck, {"model": warm.model, "optimizer": warm.opt})
+    del warm.loader
+    state = torch.load(ck, weights_only=True)
+    state["optimizer"]["state"][2]["exp_avg_sq"][3] = float("nan")  # (encoder.2.weight)
+    torch.save(state, ck)
+    loop = Loop(M.SensorWindows(64), out=tmp_path / "b",
+                before=lambda lp: lp.fabric.load(ck, {"model": lp.model, "optimizer": lp.opt}))
+    rep, ev = fire(loop)
+    assert (ev["step"], ev["phase"]) == (0, "optimizer")
+    assert (rep["origin"]["param"], rep["cause"]) == ("encoder.2.weight", "optimizer")
+    assert "exp_avg_sq of encoder.2.weight holds NaN at 16 element(s) where exp_avg is " \
+        "finite" in rep["hint"]
+    assert "held NaN before this update" in rep["hint"] and "fabric.load" in rep["hint"]
+    assert "learning rate" not in rep["hint"]
