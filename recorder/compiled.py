@@ -78,9 +78,26 @@ def hook_sites(root: nn.Module, wrapper: nn.Module | None = None,
     return sites
 
 
+# Module wrappers whose forward only sets a context (autocast, input and output casts) around
+# the call of the module they hold, by the attribute that holds it: Lightning Fabric's
+# ``fabric.setup(model)`` (``_FabricModule``, its precision's autocast around
+# ``_forward_module``; over DDP that is the DDP wrapper, unwrapped next). Their contexts are
+# on when the inner module's hooks run, so the recorder records the inner module as the
+# model: its names are the factory's (no ``_forward_module.`` prefix)
+_PASS_THROUGH = {"_FabricModule": "_forward_module"}
+
+
+def _pass_through(model: nn.Module) -> nn.Module | None:
+    attr = next((_PASS_THROUGH[c.__name__] for c in type(model).__mro__
+                 if c.__name__ in _PASS_THROUGH), None)
+    inner = getattr(model, attr, None) if attr else None
+    return inner if isinstance(inner, nn.Module) and inner is not model else None
+
+
 def unwrap(model: nn.Module) -> tuple[nn.Module, nn.Module | None, bool]:
     """(the model as written, the outermost compile wrapper, whether DistributedDataParallel
-    wraps it) for a model that ``torch.compile``, DDP or DataParallel may wrap, in any order."""
+    wraps it) for a model that ``torch.compile``, DDP, DataParallel or a pass-through wrapper
+    (``_PASS_THROUGH``: Fabric's) may wrap, in any order."""
     wrapper, ddp = None, False
     while True:
         if is_compile_wrapper(model):
@@ -89,6 +106,8 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, nn.Module | None, bool]:
         elif isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             ddp = ddp or isinstance(model, nn.parallel.DistributedDataParallel)
             model = model.module
+        elif (inner := _pass_through(model)) is not None:
+            model = inner
         else:
             return model, wrapper, ddp
 

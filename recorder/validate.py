@@ -27,12 +27,13 @@ log = logging.getLogger("nanreplay")
 
 # Wrappers whose step() ends by calling the optimizer they hold, by the attribute that holds
 # it: Lightning's (what a LightningModule's ``self.optimizers()`` returns) and accelerate's
-# (``prepare(optimizer)``) as ``.optimizer``; Opacus's DPOptimizer (``make_private``, and its
+# (``prepare(optimizer)``) and Lightning Fabric's (``fabric.setup``'s ``_FabricOptimizer``, a
+# ``FabricAdamW`` no replay can rebuild) as ``.optimizer``; Opacus's DPOptimizer (``make_private``, and its
 # per-layer, distributed, AdaClip and ghost-clipping subclasses) as ``.original_optimizer``,
 # after it clipped, noised and scaled the per-sample gradients into ``p.grad``: the inner
 # optimizer's step hooks see the gradients the update uses
 _DELEGATING = {"LightningOptimizer": "optimizer", "AcceleratedOptimizer": "optimizer",
-               "DPOptimizer": "original_optimizer"}
+               "_FabricOptimizer": "optimizer", "DPOptimizer": "original_optimizer"}
 
 
 def torch_optimizer(optimizer):

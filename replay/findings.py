@@ -42,6 +42,7 @@ def base_report(step: Step) -> dict[str, Any]:
                    "stripped": step.stripped, **_ranks(step)},
         "event": {"step": ev.get("step"), "phase": ev.get("phase"), "module": ev.get("module"),
                   "call": ev.get("call"), "micro_batch": ev.get("micro_batch"),
+                  "micro_batches": len(step.micro_batches),  # (the step's: 1 without a window)
                   "kind": ev.get("kind"), "params": ev.get("params", []),
                   "tensor": ev.get("tensor"), "samples": ev.get("samples", []),
                   "detail": ev.get("detail"), "evaluation": bool(ev.get("evaluation")),

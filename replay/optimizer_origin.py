@@ -19,6 +19,7 @@ from .findings import finish, origin_fields
 from .half_update import half_overflow_why
 from .hyper import decode_non_finite_hyper, non_finite_hyper
 from .load import Step
+from .nan_moments import nan_moment_why
 from .ops import OpFinder
 from .optim import eps_lost_text, per_parameter, stale_state
 from .quantised_state import zero_scale_why
@@ -108,7 +109,9 @@ def after_update_hint(step: Step, params: list[str]) -> str | None:
     groups = [g for g in opt.get("param_groups", []) if set(g.get("params") or ()) & set(params)]
     bad = non_finite_hyper(step, step.event.get("step"), groups)
     why = _hyper_why(bad, step) if bad else _eps_why(step, groups, params, None)
-    if why and not bad and (w := step.tensors.get(f"weights/{params[0]}")) is not None:
+    if not why:  # (a moment that came in NaN: the rows are the state's, none said)
+        why = nan_moment_why(step, params)
+    elif not bad and (w := step.tensors.get(f"weights/{params[0]}")) is not None:
         # (the rows it broke, from the bundle's weights after it: an embedding's entities
         # absent from the batch, told by the second moment the update left, 0 where every
         # gradient was; the bundle's gradients may be a later backward's, through the NaN)

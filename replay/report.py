@@ -35,8 +35,15 @@ def _first_param(params: list[str]) -> str:
     return params[0] + (f" (+{len(params) - 1} more)" if len(params) > 1 else "")
 
 
-def _where(o: dict[str, Any]) -> str:
-    mb = f", micro-batch {o['micro_batch']}" if o.get("micro_batch") else ""
+def _micro_batch(o: dict[str, Any], several: bool) -> str:
+    """``, micro-batch N`` of the origin: micro-batch 0 too where the step ran several (an
+    accumulation window), whose samples are that micro-batch's rows, not the step's."""
+    mb = o.get("micro_batch")
+    return f", micro-batch {mb}" if mb or (mb == 0 and several) else ""
+
+
+def _where(o: dict[str, Any], several: bool = False) -> str:
+    mb = _micro_batch(o, several)
     if o.get("phase") == "input":  # (its samples are rows of that micro-batch's input)
         arg = f" ({o['arg']})" if o.get("arg") else ""  # (forward's name: replay.loss_arg_name)
         return (f"the input {o['tensor']}{arg}" if o.get("tensor") else "the model's input") + mb
@@ -113,13 +120,13 @@ def rank_lines(report: dict[str, Any]) -> list[str]:
 def _origin_lines(report: dict[str, Any]) -> list[str]:
     """Origin, fidelity, compiled region, source, chain, anomaly and samples lines."""
     ev, o = report["event"], report["origin"]
-    lines = []
+    several, lines = (ev.get("micro_batches") or 0) > 1, []  # (several: a window's)
     made = o.get("made") or ev.get("kind") or "non-finite value"
     if o.get("phase") and o.get("detail"):  # a sentence instead of an op (replay.outside)
         lines.append(f"  origin     {o['phase']}: {o['detail']}")
         if o.get("positions"):
             n = o["positions"]
-            mb = f", micro-batch {o['micro_batch']}" if o.get("micro_batch") else ""
+            mb = _micro_batch(o, several)
             lines.append(f"  entered    {made} in {n['non_finite']} of {n['of']} elements of the "
                          f"recorded {o.get('tensor') or 'gradient'}{mb}")
     elif o.get("phase") and not o.get("op") and o.get("module") is None \
@@ -137,11 +144,11 @@ def _origin_lines(report: dict[str, Any]) -> list[str]:
         fin = ", inputs finite" if o.get("inputs_finite") else ""
         # (a loop over time steps: the line ran the op before, finite; replay.iteration)
         fin += f", run {o['line_run']} of its line" if (o.get("line_run") or 0) > 1 else ""
-        lines.append(f"  origin     {o['phase']}: {made} made by {op}{_where(o)}{fin}")
+        lines.append(f"  origin     {o['phase']}: {made} made by {op}{_where(o, several)}{fin}")
         if o["phase"] == "weights" and o.get("module") is not None:  # replay.weight_readers
             read = f"{o['op']} in " if o.get("op") else ""
-            lines.append(f"  read by    {read}{_where({**o, 'phase': None})}, first in the "
-                         "forward")
+            lines.append(f"  read by    {read}{_where({**o, 'phase': None}, several)}, first "
+                         "in the forward")
     fid = report.get("fidelity")
     if fid and fid.get("matches") is False:
         lines.append(f"  fidelity   {describe(fid)}")
