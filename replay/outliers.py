@@ -177,8 +177,11 @@ def _out_of_scale(step: Step, origin: dict[str, Any], skip: frozenset[str] = fro
         return rows, found
     # (the named samples among a few rows out of scale alike, whose others did not reach the
     # op's edge: two records in the wrong unit, one labelled with its largest logit's class)
+    # (not where the named samples stand out in a feature of their own, the others' largest
+    # values being in another: a heavy-tailed count beside sub-ms flows' rates)
     wider = outlier_rows(step, mb, skip=skip)
-    return wider if wider is not None and set(rows) <= set(wider[0]) else None
+    return wider if wider is not None and set(rows) <= set(wider[0]) \
+        and outlier_column(step, mb, rows) is None else None
 
 
 def outlier_input_rows(step: Step, origin: dict[str, Any], factor: float = FACTOR
@@ -281,3 +284,30 @@ def _how(rows: list[int], droppable: bool) -> str:
     return (f"--try drop={','.join(str(r) for r in rows)} re-runs the step without them"
             if droppable else "the graphs of a batch concatenated node by node cannot be cut "
             "from the recorded batch: leave them out of the dataset and train again")
+
+
+def outlier_column(step: Step, mb: int, rows: list[int], factor: float = FACTOR
+                   ) -> dict[str, Any] | None:
+    """The first 2-D ``(B, F)`` floating tensor of micro-batch ``mb`` with features where the
+    largest magnitude in ``rows`` is ``factor`` times that of every other row, nonzero there:
+    ``{"tensor", "cols", "col", "value", "others", "positive"}`` (the feature that stands out
+    most, its magnitudes, whether that feature is never negative); None when there is none."""
+    if not rows:
+        return None
+    for key, name, _missing, v in row_values(step, mb):
+        t = step.tensors[key]
+        if t.dim() != 2 or t.shape[1] < 2 or max(rows) >= v.shape[0] or len(rows) >= v.shape[0]:
+            continue
+        a = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0).abs()
+        mask = torch.zeros(v.shape[0], dtype=torch.bool)
+        mask[rows] = True
+        top, others = a[mask].amax(0), a[~mask].amax(0)
+        hit = (others > 0) & (top > factor * others)
+        if not bool(hit.any()):
+            continue
+        ratio = torch.where(hit, top / others.clamp_min(1e-300), 0.0)
+        j = int(ratio.argmax())
+        return {"tensor": name, "cols": hit.nonzero().flatten().tolist(), "col": j,
+                "value": float(top[j]), "others": float(others[j]),
+                "positive": bool((torch.nan_to_num(v[:, j], nan=0.0) >= 0).all())}
+    return None
