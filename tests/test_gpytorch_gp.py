@@ -111,3 +111,14 @@ def test_not_psd_error_of_jittered_cholesky_writes_the_bundle(out_dir):
                             "Matrix not positive definite") for n in notes), notes
     meta = read_bundle(bundles[0])[0]
     assert meta["event"]["reason"] == "linalg", meta["event"]
+    # the replay: before, "replay failed (NotPSDError: ...)"; linear_operator reads cholesky_ex's
+    # info itself, no torch check op raises, so the first failing call since the last success
+    # is the op; float64 makes it positive-definite (by the 2e-10 noise alone)
+    rep = nanreplay_json(bundles[0])
+    o = rep["origin"]
+    assert (rep["event"]["step"], rep["reproduced"], o["phase"], o["module"], o["op"],
+            rep["cause"], o["samples"]) == \
+        (0, True, "forward", "", "aten.linalg_cholesky_ex", "precision", []), rep
+    assert o["error"].startswith("NotPSDError: Matrix not positive definite"), o
+    assert "ridge the code adds to its diagonal" in rep["hint"] and "2e-10 here" in rep["hint"] \
+        and "GreaterThan(1e-4)" in rep["hint"], rep["hint"]
