@@ -154,3 +154,33 @@ def make_svgp_step(n_data=256):
     model = make_svgp()
     model.likelihood = gpytorch.likelihoods.GaussianLikelihood()
     return NegativeMLL(model, gpytorch.mlls.VariationalELBO, num_data=n_data)
+
+
+class LaplaceKernel(gpytorch.kernels.Kernel):
+    """A user-written exponential (Laplace, Matern 1/2) kernel ``exp(-|x - x'| / l)``: the
+    distance as ``sqrt`` of the summed squares, with no floor under it (gpytorch's own
+    ``covar_dist`` clamps it), so its derivative is 0 * inf = NaN on the diagonal."""
+
+    has_lengthscale = True
+
+    def forward(self, x1, x2, diag=False, **params):
+        diff = (x1.unsqueeze(-2) - x2.unsqueeze(-3)) / self.lengthscale.unsqueeze(-2)
+        dist = diff.pow(2).sum(-1).sqrt()  # the bug: sqrt(0) on the diagonal, inf derivative
+        covar = torch.exp(-dist)
+        return covar.diagonal(dim1=-2, dim2=-1) if diag else covar
+
+
+class LaplaceGP(gpytorch.models.ExactGP):
+    def __init__(self, train_x, train_y, likelihood):
+        super().__init__(train_x, train_y, likelihood)
+        self.mean_module = gpytorch.means.ConstantMean()
+        self.covar_module = gpytorch.kernels.ScaleKernel(LaplaceKernel())
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(self.mean_module(x),
+                                                         self.covar_module(x))
+
+
+def make_laplace_step(n=20):
+    x, y = regression_data(n)
+    return NegativeMLL(LaplaceGP(x, y, gpytorch.likelihoods.GaussianLikelihood()))

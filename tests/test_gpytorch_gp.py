@@ -9,14 +9,16 @@ a failed decomposition does."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import gpytorch
 import gpytorch_gp_models as M
 import pytest
 import torch
-from bundles import nanreplay_json
+from bundles import nanreplay_json, source_line
 from linear_operator.utils.errors import NotPSDError
+from torch.utils.data import DataLoader, TensorDataset
 
 from recorder import FlightRecorder, NonFiniteError
 from recorder.bundle import read_bundle
@@ -122,3 +124,60 @@ def test_not_psd_error_of_jittered_cholesky_writes_the_bundle(out_dir):
     assert o["error"].startswith("NotPSDError: Matrix not positive definite"), o
     assert "ridge the code adds to its diagonal" in rep["hint"] and "2e-10 here" in rep["hint"] \
         and "GreaterThan(1e-4)" in rep["hint"], rep["hint"]
+
+
+def test_user_kernel_sqrt_distance_is_a_backward_nan_at_sqrt(out_dir):
+    """A hand-written Laplace kernel takes the distance as ``sqrt`` of summed squares: finite
+    forward, an infinite derivative on the diagonal (each point's distance to itself), NaN in
+    the lengthscale's gradient at step 0. The replay names SqrtBackward0 on the user's line."""
+    with pytest.raises(NonFiniteError) as info:
+        _train(M.make_laplace_step(), 5,
+               rec=dict(out_dir=out_dir, factory="gpytorch_gp_models:make_laplace_step"))
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["module"], o["op"], rep["cause"]) == \
+        (0, "backward", "", "SqrtBackward0", "invalid"), rep
+    assert o["source"] == source_line("gpytorch_gp_models.py", "dist = diff.pow(2)"), o
+    assert "vector_norm" in rep["hint"], rep["hint"]
+
+
+def test_svgp_minibatch_with_nan_target_names_its_row(out_dir):
+    """An SVGP trained on mini-batches of a DataLoader with the VariationalELBO: target 70 is
+    NaN, so batch 2 (rows 64-95) is the input event, on its row 6."""
+    x, y = M.svgp_data(nan_rows=(70,))
+    step_mod = M.make_svgp_step(n_data=len(y))
+    opt = torch.optim.Adam(step_mod.parameters(), lr=0.01)
+    loader = DataLoader(TensorDataset(x, y), batch_size=32)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(step_mod, opt, out_dir=out_dir,
+                            factory="gpytorch_gp_models:make_svgp_step",
+                            factory_kwargs={"n_data": len(y)}):
+            for xb, yb in loader:
+                opt.zero_grad()
+                step_mod(xb, yb).backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], rep["cause"], o["samples"]) == \
+        (2, "input", "input", [6]), rep
+
+
+def test_lengthscale_set_to_zero_names_the_users_line(out_dir):
+    """``lengthscale = 0.0`` through GPyTorch's setter stores the raw parameter as the inverse
+    softplus of 0, ``log(expm1(0)) = -inf``: a weights event at step 0 (the user's loop gets
+    linear_operator's NanError, with the summary as a note). Before, the hint named only
+    gpytorch's transforms.py and said to clamp a distance or a count; now it names the line of
+    the user's that set the value, and says to give it inside the constraint's range."""
+    with pytest.raises(RuntimeError) as info:
+        _train(M.make_exact_step(lengthscale=0.0), 5,
+               rec=dict(out_dir=out_dir, factory="gpytorch_gp_models:make_exact_step",
+                        factory_kwargs={"lengthscale": 0.0}))
+    assert type(info.value).__name__ == "NanError", info.value
+    bundle, = out_dir.glob("*.nan")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], rep["cause"]) == (0, "weights", "weights"), rep
+    assert "model.covar_module.base_kernel.raw_lengthscale" in json.dumps(o), o
+    line = source_line("gpytorch_gp_models.py", "base_kernel.lengthscale = lengthscale")
+    assert f"called from {line}" in rep["hint"] and "constraint's range (> 0)" in rep["hint"], \
+        rep["hint"]
