@@ -181,3 +181,23 @@ def test_lengthscale_set_to_zero_names_the_users_line(out_dir):
     line = source_line("gpytorch_gp_models.py", "base_kernel.lengthscale = lengthscale")
     assert f"called from {line}" in rep["hint"] and "constraint's range (> 0)" in rep["hint"], \
         rep["hint"]
+
+
+def test_deep_kernel_on_an_infinite_reading_is_an_input_event(out_dir):
+    """A deep-kernel GP (an MLP feature extractor before the RBF kernel) whose training inputs
+    hold +inf in row 3 (a sensor's overflow value). The MLP's first Linear makes NaN of it and
+    linear_operator's Cholesky raises ``NanError`` before the recorded call returns. Before, the
+    event was ``forward`` in ``model.feature_extractor.0`` (cause ``invalid``: "find the op
+    that made the first infinity"), as the unfinished root's +inf was read as a possible mask;
+    now an infinity that is no additive mask is the batch's, as for a root that returned."""
+    with pytest.raises(RuntimeError) as info:
+        _train(M.make_dkl_step(blank_rows=[3]), 5,
+               rec=dict(out_dir=out_dir, factory="gpytorch_gp_models:make_dkl_step",
+                        factory_kwargs={"blank_rows": [3]}))
+    assert type(info.value).__name__ == "NanError", info.value
+    bundle, = out_dir.glob("*.nan")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], rep["event"]["phase"], o["phase"], rep["cause"],
+            o["samples"]) == (0, "input", "input", "input", [3]), rep
+    assert o["tensor"] == "args[0]", o
