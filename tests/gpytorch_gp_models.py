@@ -146,6 +146,20 @@ def make_exact_step(**kw):
     return NegativeMLL(make_exact(**kw))
 
 
+def make_exp_scale_step(y_scale=1e3):
+    """An exact GP whose outputscale is constrained positive through ``exp`` (a log-scale
+    parameterisation, instead of gpytorch's softplus), on targets left in their raw units.
+    Trained with Adam at lr=30, the raw lengthscale is driven far below 0 (the lengthscale to
+    ~1e-21), and the kernel's ``x / lengthscale`` squared overflows float32."""
+    x, y = regression_data(24)
+    model = ExactGPModel(x, y * y_scale, gpytorch.likelihoods.GaussianLikelihood())
+    model.covar_module = gpytorch.kernels.ScaleKernel(
+        gpytorch.kernels.RBFKernel(),
+        outputscale_constraint=gpytorch.constraints.Positive(transform=torch.exp,
+                                                            inv_transform=torch.log))
+    return NegativeMLL(model)
+
+
 def make_dkl_step(**kw):
     return NegativeMLL(make_dkl(**kw))
 

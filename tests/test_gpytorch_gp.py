@@ -201,3 +201,20 @@ def test_deep_kernel_on_an_infinite_reading_is_an_input_event(out_dir):
     assert (rep["event"]["step"], rep["event"]["phase"], o["phase"], rep["cause"],
             o["samples"]) == (0, "input", "input", "input", [3]), rep
     assert o["tensor"] == "args[0]", o
+
+
+def test_lengthscale_driven_to_zero_overflows_the_squared_distance(out_dir):
+    """Adam at lr=30 on targets in raw units drives the lengthscale to ~1e-21 by step 2: the
+    RBF kernel's ``(x / lengthscale).pow(2)`` overflows float32 (+inf), and linear_operator's
+    Cholesky raises NanError on the kernel matrix. The replay names the overflow, not the
+    Cholesky: aten.pow, every row, with the Cholesky's error as a note."""
+    with pytest.raises(RuntimeError) as info:
+        _train(M.make_exp_scale_step(), 10, lr=30.0,
+               rec=dict(out_dir=out_dir, factory="gpytorch_gp_models:make_exp_scale_step"))
+    assert type(info.value).__name__ == "NanError", info.value
+    bundle, = out_dir.glob("*.nan")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], rep["reproduced"], o["phase"], o["module"], o["op"],
+            rep["cause"], o["samples"]) == \
+        (2, True, "forward", "", "aten.pow", "overflow", list(range(24))), rep
