@@ -318,7 +318,7 @@ def _forward_event(ev: StepEvidence) -> Event | None:
         return None
     if (root := _unfinished_root(ev, d)) is not None:
         if not root["inputs_finite"]:
-            return _batch_event(ev, root, nan_only=not ev.strict_inf)
+            return _batch_event(ev, root, nan_only=not ev.strict_inf and not root["inf_in"])
         d = root
     event = _call_event(ev, d, "forward")
     if ev.tape.micro_batches:
@@ -449,9 +449,12 @@ def _unfinished_root(ev: StepEvidence, d: dict[str, Any]) -> dict[str, Any] | No
     m = ev.tape.micro_batches[mb]
     batch = [list(m.args), m.kwargs]
     came = first_bad_tensor(batch, ev.samples(mb), nan_only=not ev.strict_inf)
+    # (+-Inf no mask explains is the data's, as chain_origin reads a root that returned)
+    inf_in = not came and not only_mask_infinities(data_tensors(batch))
+    came = came or (first_bad_tensor(batch, ev.samples(mb)) if inf_in else None)
     if m.outputs is not None or (not came and first_bad_tensor(batch, ev.samples(mb))):
         return None
-    return {**d, "module": 0, "order": max(c["order"] for c in ev.calls) + 1,
+    return {**d, "module": 0, "order": max(c["order"] for c in ev.calls) + 1, "inf_in": inf_in,
             "inputs_finite": not came, "inputs_all_finite": not came, "inputs_nan_free": not came}
 
 

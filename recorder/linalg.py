@@ -28,6 +28,11 @@ _MESSAGE = re.compile(r"^(torch\.)?linalg\.\w+: .*(is zero|singular|positive-def
 # raises as an internal assert (``torch.linalg.lstsq: (Batch element 2): Argument 4 has illegal
 # value``): torch checked shapes and dtypes before, so it is the values the step made
 _ILLEGAL = re.compile(r"linalg\.\w+: (\(Batch element \d+\): )?Argument \d+ has illegal value")
+# A library's own decomposition wrapper raises a RuntimeError subclass of its own after
+# torch's ``cholesky_ex`` reported failure (linear_operator's ``psd_safe_cholesky``, under every
+# GPyTorch model: ``NotPSDError: Matrix not positive definite after repeatedly adding jitter``,
+# ``NanError: cholesky_cpu: 576 of 576 elements ... are NaN``)
+_WRAPPED = re.compile(r"not positive[- ](semi[- ])?definite|^\w*cholesky\w*: .*\bNaN\b")
 
 
 def linalg_reason(exc: BaseException) -> str | None:
@@ -37,7 +42,9 @@ def linalg_reason(exc: BaseException) -> str | None:
     if not isinstance(exc, RuntimeError):
         return None
     text = str(exc)
-    return "linalg" if _MESSAGE.match(text) or _ILLEGAL.search(text) else None
+    if _MESSAGE.match(text) or _ILLEGAL.search(text):
+        return "linalg"
+    return "linalg" if type(exc) is not RuntimeError and _WRAPPED.search(text) else None
 
 
 def raised_inside(exc: BaseException, modules) -> bool:

@@ -21,6 +21,7 @@ from torch import nn
 
 from .compat import compiled_module, is_compile_wrapper, is_grad_scaler
 from .shards import check_supported
+from .unhooked_call import warn_unhooked
 
 log = logging.getLogger("nanreplay")
 
@@ -69,6 +70,7 @@ def check_model(model, optimizer, loss_fn=None) -> None:
     check_supported(model)  # FSDP2 is recorded; FSDP1 and tensor parallelism are refused
     _check_not_replicated(model)
     _warn_no_forward(model)
+    warn_unhooked(model, loss_fn)
     if optimizer is not None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"FlightRecorder: optimizer must be a torch.optim.Optimizer, got "

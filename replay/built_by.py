@@ -16,7 +16,7 @@ import torch
 from recorder.finite import finite, kind_of
 
 from .compat import TorchDispatchMode, tree_leaves
-from .source import user_source
+from .source import app_source, in_library, user_source
 
 # ops whose non-finite value from finite inputs is a pole or a domain's edge, not a result
 # too large for the type
@@ -55,15 +55,18 @@ class FirstMade(TorchDispatchMode):
             return  # a literal -inf (a mask value)
         low = min(float(t.detach().real.min()) for t in ins if t.numel()) \
             if any(t.numel() for t in ins) else math.nan
-        self.found = (f"aten.{func.overloadpacket.__name__}", made, low, user_source())
+        src = user_source()
+        self.found = (f"aten.{func.overloadpacket.__name__}", made, low, src,
+                      app_source() if in_library(src) else None)
 
 
 def built_by_text(found, names: str, kinds: set[str]) -> str | None:
     """The hint's words for ``found`` when it made the kind the parameters hold."""
     if found is None or found[1] not in kinds:
         return None
-    op, made, low, src = found
+    op, made, low, src, caller = found
     at = f" at {src}" if src else ""
+    at += f" (in a library, called from {caller})" if caller else ""
     head = f"the factory builds {names} non-finite: {op}"
     tail = (f" made {made}{at} while the model was built, and no update or write of the loop "
             "made them. Fix that initialisation: ")
@@ -78,6 +81,11 @@ def built_by_text(found, names: str, kinds: set[str]) -> str | None:
                 "such rows a fallback where they are made (a random or zero vector, a "
                 "count clamped to 1) or check the selection is not empty")
     given = " of 0" if low == 0 else f" (inputs as low as {low:.3g})"
+    if caller:  # (the library's transform of a value that line gave it)
+        return (head + given + tail + f"the library computed it from a value {caller} gave "
+                "it, outside the op's domain (a positive-constrained hyper-parameter, a "
+                "lengthscale or a noise, set to 0: its raw parameter is the inverse transform, "
+                "log(expm1(0)) = -inf): give that value inside the constraint's range (> 0)")
     return (head + given + tail + "keep the op's input in its domain (clamp a distance or a "
             "count away from 0 before a log or a division, as the value it starts from may "
             "be 0 for some rows of the data)")

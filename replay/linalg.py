@@ -46,7 +46,7 @@ from .rerun import Runner
 from .source import user_source
 from .transforms import outside_transforms
 from .zero_matrix import zero_everywhere_hint
-from .zero_ridge import Ridges, zero_ridge_hint
+from .zero_ridge import Ridges, small_ridge_hint, zero_ridge_hint
 
 # ops whose inputs must be symmetric positive-definite: judged by their eigenvalues
 _SPD = ("cholesky", "cholesky_ex", "linalg_cholesky_ex", "cholesky_inverse", "cholesky_solve")
@@ -120,6 +120,7 @@ class _Failing(TorchDispatchMode):
         self.calls, self.target = calls, target
         self.seen: dict[str, int] = {}
         self.last: tuple[str, int, list, list] | None = None  # the last op with an info
+        self.wrapped: Failed | None = None  # (see _read_info)
         self.failed: Failed | None = None
         # (only the first run's: its matrix is judged, the float64 run's only measured)
         self.learned = Learned(calls.runner.model) if target is None else None
@@ -175,7 +176,28 @@ class _Failing(TorchDispatchMode):
                  and not t.is_floating_point() and not t.is_complex()]
         if infos and name != _CHECK:  # (an ``_ex`` op: its info is what the check reads)
             self.last = (name, k, ins, infos)
+            if name.endswith("_ex"):  # (not a comparison of the info: ``info > 0``)
+                self._read_info(name, k, ins, infos, hit)
         return out
+
+    def _read_info(self, name, k, ins, infos, hit) -> None:
+        """An ``_ex`` op's info read as a library reads it (linear_operator's
+        ``psd_safe_cholesky`` retries with jitter, then raises its own ``NotPSDError``, no
+        torch check op): the first failing call since the last that succeeded is kept in
+        ``wrapped``, the op a library's error names; the float64 run's target call failed
+        there too when its info says so."""
+        bad = any(bool(i.any()) for i in infos)
+        if hit and self.failed is not None:
+            self.failed.raised = bad
+        elif self.target is None and not bad:
+            self.wrapped = None
+        elif self.target is None and self.wrapped is None:
+            self.wrapped = Failed(name, k, ins[0].detach().clone() if ins else None,
+                                  user_source(), self.calls.running(),
+                                  learned=not ins or ins[0] in self.learned,
+                                  in_backward=running_node() is not None,
+                                  ridge=self.ridges.of(ins[0]) if ins else None,
+                                  negative=self.negative.of(ins[0] if ins else None))
 
 
 def failing_op(runner: Runner) -> Failed | None:
@@ -184,6 +206,10 @@ def failing_op(runner: Runner) -> Failed | None:
     mode = _Failing(calls)
     with mode:
         run = runner.run(backward=False, instrument=False, hooks=calls.hooks)
+    if mode.failed is None and mode.wrapped is not None and run.error is not None \
+            and linalg_reason(run.error):  # (a library raised its own error from the info)
+        mode.wrapped.error = f"{type(run.error).__name__}: {(str(run.error).splitlines() or [''])[0]}"
+        return mode.wrapped
     if mode.failed is not None or run.error is not None:
         return mode.failed
     # forward went through: a derivative raised (OptNet's backward solving a singular KKT
@@ -248,6 +274,9 @@ def report_linalg(report, step: Step, runner: Runner, run) -> dict[str, Any] | N
         runner.reset()  # (the weights as the step began)
         hint = zero_everywhere_hint(failed.op, runner.model, origin["samples"],
                                     batch_size(step, mb)) or hint
+    if cause == "precision" and (small := small_ridge_hint(failed.ridge, failed.matrix,
+                                                             origin["samples"])):
+        hint = f"{hint.split('; ', 1)[0]}; {small}"
     if cause == "precision":
         hint += few_samples_note(failed.matrix, exact.matrix,
                                  batch_size(step, mb), failed.op in _SPD)

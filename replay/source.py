@@ -41,6 +41,23 @@ def user_source(stack=None) -> str | None:
     return _first_user((fr.filename, fr.lineno) for fr in reversed(frames))
 
 
+def in_library(source: str | None) -> bool:
+    """Whether a ``file:line`` is an installed package's (site-packages, dist-packages)."""
+    return bool(source) and any(d in source for d in _LIBRARY_DIRS)
+
+
+def app_source(stack=None) -> str | None:
+    """Like :func:`user_source`, passing installed packages' frames too: the line of the
+    user's own code that called into a library (GPyTorch's setter, whose inverse transform
+    made the value)."""
+    frames = stack if stack is not None else traceback.extract_stack()
+    return _first_user((fr.filename, fr.lineno) for fr in reversed(frames)
+                       if not any(d in fr.filename for d in _LIBRARY_DIRS))
+
+
+_LIBRARY_DIRS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+
+
 def caller_source(frame) -> str | None:
     """``file:line`` of the user's code that called into torch from ``frame`` outwards (a
     module hook's frame: the line that called the module), read off the live frames."""

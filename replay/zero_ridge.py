@@ -57,3 +57,29 @@ def zero_ridge_hint(ridge: torch.Tensor | None, rows: list[int]) -> str | None:
             "variance of 0 from an SNR of inf dB, a damping or jitter annealed or set to 0): "
             "keep it positive (lam.clamp_min(eps)) where the value is made, or leave such "
             "samples out")
+
+
+def small_ridge_hint(ridge: torch.Tensor | None, matrix: torch.Tensor,
+                     rows: list[int]) -> str | None:
+    """The remedy for a matrix positive-definite in float64 only whose ridge is positive but
+    below the rounding of its dtype at the matrix's scale (a GP likelihood's noise constraint
+    lowered to 1e-10 under duplicated inputs: the kernel is singular but for that noise, and
+    float32 rounds it away); None when there is no such ridge."""
+    if ridge is None or ridge.dim() < 1 or not matrix.is_floating_point():
+        return None
+    at = ridge[rows] if rows and ridge.dim() >= 2 and max(rows) < ridge.shape[0] else ridge
+    if at.numel() == 0 or not bool((at > 0).all()) or not bool(at.isfinite().all()):
+        return None
+    scale = float(torch.diagonal(matrix.detach(), dim1=-2, dim2=-1).abs().max())
+    floor = torch.finfo(matrix.dtype).eps * scale
+    top = float(at.max())
+    if top >= floor:
+        return None
+    return (f"the ridge the code adds to its diagonal (A + lam * I: a noise variance, a "
+            f"jitter; {top:.3g} here) is below {str(matrix.dtype).removeprefix('torch.')}'s "
+            f"rounding at the matrix's scale (eps x its largest diagonal entry, {floor:.3g}), "
+            "so it regularised nothing as the matrix was stored; the matrix is singular but "
+            "for it (duplicated or near-duplicate rows): keep the ridge above that floor (a "
+            "noise constraint's lower bound, a minimum jitter: GPyTorch's default "
+            "GreaterThan(1e-4) on a likelihood's noise), drop the duplicated rows, or "
+            "decompose in float64")

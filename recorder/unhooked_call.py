@@ -1,0 +1,47 @@
+"""Modules whose class replaces ``nn.Module.__call__`` with one that runs ``forward`` itself
+(GPyTorch's ``gpytorch.Module.__call__``, under every ``ExactGP``, kernel, likelihood and
+``MarginalLogLikelihood``): torch's module hooks never run for them, so the recorder given such a
+model opens no step and checks nothing, and such a ``loss_fn`` is never seen. Said when the
+recorder is built, with what to record instead."""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+log = logging.getLogger("recorder")
+
+
+def bypassing_class(module) -> type | None:
+    """The class whose ``__call__`` the module's call ends in without reaching
+    ``nn.Module.__call__`` (a ``__call__`` that delegates names ``__call__`` in its code:
+    ``super().__call__(...)``), or None when the call reaches torch's (and its hooks)."""
+    if not isinstance(module, nn.Module):
+        return None
+    for cls in type(module).__mro__:
+        if cls is nn.Module:
+            return None
+        call = cls.__dict__.get("__call__")
+        if call is None:
+            continue
+        code = getattr(call, "__code__", None)
+        if code is None or "__call__" not in code.co_names:
+            return cls
+    return None
+
+
+def warn_unhooked(model, loss_fn=None) -> None:
+    """Warn when the recorded model, or the loss module, is called without torch's hooks."""
+    for what, module, seen in (("model", model, "no step opens and nothing is recorded or "
+                                "checked"),
+                               ("loss_fn", loss_fn, "its loss is neither checked nor re-run")):
+        cls = bypassing_class(module)
+        if cls is None:
+            continue
+        log.warning(
+            "nanreplay: the %s %s is called through %s.%s.__call__, which runs forward without "
+            "torch's module hooks: the recorder sees none of its calls, so %s. Record a torch module whose forward calls it "
+            "instead (for a GP, an nn.Module holding the model and the marginal log likelihood "
+            "whose forward returns -mll(model(x), y)), with the optimizer over its parameters",
+            what, type(module).__name__, cls.__module__, cls.__qualname__, seen)
