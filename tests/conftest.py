@@ -1,11 +1,12 @@
 """Shared fixtures of the recorder tests: a seeded global RNG and a fresh bundle directory.
 
 Under ``CI=true`` the run also refuses to lose evidence quietly: a missing optional test
-dependency (transformers, accelerate, lightning, NumPy, Opacus, PyTorch Geometric, Ignite,
-headless Chromium) stops the run before any test instead of skipping the tests that need it;
-any other skip fails unless it says it needs a device or a Python this machine lacks
-(``ci.ACCEPTED_SKIPS``); Hypothesis runs derandomized and without a database. Hypothesis keeps its files under the user's cache
-directory, outside the checkout.
+dependency (transformers, accelerate, lightning, NumPy, Opacus, PyTorch Geometric, Ignite, PEFT,
+diffusers, GPyTorch, Pyro, pytorch_optimizer, headless Chromium) stops the run before any test
+instead of skipping the tests that need it; any other skip fails unless it says it needs a
+device or a Python this machine lacks (``ci.ACCEPTED_SKIPS``); Hypothesis runs derandomized and
+without a database. Hypothesis keeps its files under the user's cache directory, outside the
+checkout.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ci import ACCEPTED_SKIPS, CI  # noqa: E402
 
 # The test extras (pyproject.toml) whose absence would otherwise skip tests.
 OPTIONAL_MODULES = ("transformers", "accelerate", "lightning", "numpy", "opacus", "torch_geometric",
-                    "ignite")
+                    "ignite", "peft", "diffusers", "gpytorch", "pyro", "pytorch_optimizer")
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 
 # Hypothesis's files (example database, constants cache) go to the user's cache, not the checkout.
