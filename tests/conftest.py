@@ -82,6 +82,34 @@ def _seeded():
     yield
 
 
+# torch.distributions' KL registry as torch ships it, read before any test module is imported:
+# importing Pyro (tests/test_pyro_svi.py, at collection) registers Pyro's own KL functions for
+# torch's distribution types (``Independent`` x ``Independent``), for the whole process
+TORCH_KL = dict(torch.distributions.kl._KL_REGISTRY)
+
+
+@pytest.fixture(autouse=True)
+def torch_kl_registry(request):
+    """torch's own KL registry for every test but Pyro's: a ``kl_divergence`` of two
+    ``Independent`` distributions otherwise runs Pyro's function, and a replay names Pyro's line
+    as the op's source instead of the test model's, by whether xdist collected Pyro's tests in
+    that worker."""
+    kl = torch.distributions.kl
+    if "pyro" in request.module.__name__ or kl._KL_REGISTRY == TORCH_KL:
+        yield
+        return
+    saved = dict(kl._KL_REGISTRY)
+    kl._KL_REGISTRY.clear()
+    kl._KL_REGISTRY.update(TORCH_KL)
+    kl._KL_MEMOIZE.clear()
+    try:
+        yield
+    finally:
+        kl._KL_REGISTRY.clear()
+        kl._KL_REGISTRY.update(saved)
+        kl._KL_MEMOIZE.clear()
+
+
 @pytest.fixture(autouse=True)
 def validation_at_torch_default():
     """torch.distributions' validation at torch's default (on), as a training script and the
