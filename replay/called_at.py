@@ -2,17 +2,23 @@
 line: one encoder for the queries and the passages, one time encoder for three inputs, a weight-
 tied layer applied twice. "call 2" alone leaves the user to count the module's calls in the
 forward; the caller's line says which one it was. (A module called again and again from one
-line, a loop over time steps, gains nothing from it: its call number says which.)"""
+line, a loop over time steps, gains nothing from it: its call number says which.) And, where
+the op's own line is an installed package's (Pyro's ``kl.py``, a GPyTorch kernel), the line of
+the model's or loss's code that called into that package."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from .hits import OpHit, hit_sources
 from .run_result import Run
 
 
-def note_called_at(run: Run, origin: dict[str, Any]) -> None:
-    """Set ``origin["called_at"]`` (``file:line``) for a forward origin's module call."""
+def note_called_at(run: Run, origin: dict[str, Any], hit: OpHit | None = None) -> None:
+    """Set ``origin["called_at"]`` (``file:line``) for a forward origin's module call, and
+    ``origin["called_from"]`` where the op's line is an installed package's (``hit_sources``)."""
+    if hit is not None and hit.source == origin.get("source"):
+        origin.update(hit_sources(hit))
     mod, call, mb = origin.get("module"), origin.get("call"), origin.get("micro_batch") or 0
     if mod is None or call is None:
         return

@@ -112,7 +112,7 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
         chain=finder.chain(), input_range=[hit.input_min, hit.input_max] if hit else None,
         dtype=str(hit.evidence.dtype).removeprefix("torch.") if hit and hit.evidence else None)
     note_other_rows(report, step, hit, origin)  # (a support set's, beside the query batch)
-    note_called_at(run, origin)  # (a module called from several lines: this call's)
+    note_called_at(run, origin, hit)  # (a module called from several lines: this call's)
     note_taken_fill(report, run, origin)  # (a loss that read a masked -inf score as meant)
     backward_call_note(report, finder, o.module, o.call)  # (an adjoint's reverse solve)
     counted = _counted_in(finder, hit, o)

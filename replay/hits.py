@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from .source import app_source, in_library
+
 
 @dataclass
 class OpHit:
@@ -43,6 +45,9 @@ class OpHit:
     # a reduction's: the index op that read the intended fill's infinity it folded in, before
     # it (a lattice's unreachable final cell: replay.picked_fill)
     picked: OpHit | None = None
+    # where ``source`` is an installed package's line (Pyro's ``kl.py``, GPyTorch's kernel), the
+    # line of the model's or loss's own code that called into that package (with_caller)
+    called_from: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         # (its dtype: the type an overflow of its output beat, which can be another than the
@@ -135,3 +140,21 @@ def _num(x: float | None):
     if x is None:
         return None
     return x if math.isfinite(x) else repr(x)
+
+
+def with_caller(hit: OpHit) -> OpHit:
+    """``hit`` with :attr:`OpHit.called_from` set, read off the live stack: called while the op
+    it names is still running (the op finder's dispatch). None where its source is no
+    installed package's, or where no code of the model or loss lies between (a Hugging Face
+    model the factory returns as it is: the replay itself called into the package)."""
+    if in_library(hit.source):
+        hit.called_from = app_source()
+    return hit
+
+
+def hit_sources(hit: OpHit | None) -> dict[str, Any]:
+    """An origin's ``source`` from ``hit``, and its ``called_from`` where there is one."""
+    out: dict[str, Any] = {"source": hit.source if hit else None}
+    if hit is not None and hit.called_from and hit.called_from != hit.source:
+        out["called_from"] = hit.called_from
+    return out

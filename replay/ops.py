@@ -35,7 +35,7 @@ from .earlier_nan import earlier_nan
 from .exp_param import ExpOfParam
 from .folds import folded_inputs, folds
 from .fresh import POINTWISE
-from .hits import Evidence, OpHit
+from .hits import Evidence, OpHit, with_caller
 from .landed_rows import land_rows
 from .lineage import Lineage, pole_inputs
 from .literal_fill import literals, nan_number
@@ -123,7 +123,7 @@ class _Watch(TorchDispatchMode):
                                                 pole_inputs(op, ins), hit.rows, leaves, op)
                 except Exception:  # evidence helps the cause; the op is named without it
                     hit.evidence = None
-                f.first = hit
+                f.first = with_caller(hit)  # (the op's stack is live here)
         elif f.first is None and not intentional and made not in f.passed_kinds:
             f.first = made_beside(func, op, before or (args, kwargs), outs, occurrence, f)
         if not in_finite and in_nan_free and made != "nan" and f.first_reduced is None \

@@ -33,6 +33,7 @@ from .forward_grad import derivative_words, with_node
 from .fractional_power import fractional_power_hint
 from .grad_hooks import hook_fields, hook_hint
 from .held_divisor import held_divisor_hint, loss_buffers
+from .hits import hit_sources
 from .iteration import loss_line_run
 from .load import Step, autocast_as_recorded
 from .logged_output import logged_output_cause
@@ -210,7 +211,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
         hit.from_mask = not all(finite(t) for t in tensor_leaves((args, kwargs)))
     origin = origin_fields(
         phase="loss", module="<loss>", micro_batch=mb, op=hit.op if hit else None,
-        source=hit.source if hit else None, chain=finder.chain(made),
+        **hit_sources(hit), chain=finder.chain(made),
         samples=loss_samples(step, run, mb) or unpadded_rows(hit, args, kwargs)
         or (hit.rows if hit else None) or [],
         made=hit.made if hit else made, line_run=loss_line_run(step, mb, hit, args, kwargs),

@@ -157,7 +157,7 @@ def _origin_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"  recorded   '{name}' as one torch.compile'd call; this replay ran its "
                      "layers eagerly")
     if o.get("source"):
-        text = report.get("source_lines", {}).get(o["source"], "").strip()
+        text = _source_text(report, o)
         lines.append(f"  source     {o['source']}" + (f"    {text}" if text else ""))
     chain = o.get("chain") or []
     if len(chain) > 1:
@@ -258,3 +258,11 @@ def info_text(d: dict[str, Any]) -> str:
     for group, s in sorted(d["sizes"].items()):
         lines.append(f"  {group:<18} {s['tensors']:>5} tensors {s['bytes'] / 1e6:>10.2f} MB")
     return "\n".join(lines)
+
+
+def _source_text(report: dict[str, Any], o: dict[str, Any]) -> str:
+    """The origin's source line's text, and the line of the user's code that called into the
+    installed package it lies in (``origin.called_from``)."""
+    text = report.get("source_lines", {}).get(o["source"], "").strip()
+    called = o.get("called_from")
+    return text + (f"    (called from {called})" if called else "")

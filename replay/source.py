@@ -51,8 +51,10 @@ def app_source(stack=None) -> str | None:
     user's own code that called into a library (GPyTorch's setter, whose inverse transform
     made the value)."""
     frames = stack if stack is not None else traceback.extract_stack()
-    return _first_user((fr.filename, fr.lineno) for fr in reversed(frames)
-                       if not any(d in fr.filename for d in _LIBRARY_DIRS))
+    # (read as torch's, not dropped: a package's frames between the replay's own are no user
+    # code either, and the replay's callers beyond them are not it)
+    return _first_user(((fr.filename, fr.lineno) for fr in reversed(frames)),
+                       skip=_LIBRARY_DIRS)
 
 
 _LIBRARY_DIRS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
@@ -91,7 +93,7 @@ def node_tracebacks():
             yield
 
 
-def _first_user(frames) -> str | None:
+def _first_user(frames, skip: tuple[str, ...] = ()) -> str | None:
     """The first of ``(file, line)`` frames, innermost first, that is the user's.
 
     Walking out from the op: the watcher's own frames, then torch's; the first other frame is
@@ -109,7 +111,7 @@ def _first_user(frames) -> str | None:
                 return None
             continue
         left_own = True
-        if f.startswith(_TORCH_DIR) or f.startswith("<"):
+        if f.startswith(_TORCH_DIR) or f.startswith("<") or any(d in f for d in skip):
             continue
         if os.sep + "contextlib.py" in f or os.sep + "threading.py" in f:
             continue

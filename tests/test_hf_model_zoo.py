@@ -100,6 +100,7 @@ def test_t5_feed_forward_overflows_float16_in_wo(tmp_path):
                            "aten.mm", "overflow")
     assert rep["origin"]["samples"] == [0, 1, 2, 3]
     assert rep["origin"]["source"].endswith("transformers/models/t5/modeling_t5.py:94")
+    assert rep["origin"].get("called_from") is None, rep["origin"].get("called_from")
     assert "beyond float16's largest value" in rep["hint"]
     assert "autocast to bfloat16 (float32's range)" in rep["hint"]
 

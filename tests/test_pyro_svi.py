@@ -160,10 +160,18 @@ def test_raw_guide_scale_stepped_below_zero(tmp_path):
     x, _ = M.regression_data(8)
     loader = DataLoader(TensorDataset(x), batch_size=8)
     with pyro.validation_enabled(False):
-        rep, _ = fire(tmp_path, mod, opt, _cycle(loader), "make_scale",
-                      steps=12, kwargs={"positive": False})
+        rep, err = fire(tmp_path, mod, opt, _cycle(loader), "make_scale",
+                        steps=12, kwargs={"positive": False})
     assert origin(rep) == (6, "forward", "", "aten.log", "invalid"), rep
     assert "guide.scale" in rep["hint"], rep["hint"]
+    # the op's line is Pyro's (it takes the log-probabilities after the model returned); the
+    # report also names the line of the training code that called into Pyro
+    o = rep["origin"]
+    assert "/pyro/" in o["source"], o
+    caller = source_line("pyro_svi_models.py", "self.elbo.differentiable_loss(")
+    assert o["called_from"] == caller, o
+    text = invoke_cli(err.bundle_path).stdout
+    assert f"  source     {o['source']}" in text and f"(called from {caller})" in text, text
 
 
 def test_learning_rate_too_large_for_the_noise_scale(tmp_path):
