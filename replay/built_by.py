@@ -16,7 +16,7 @@ import torch
 from recorder.finite import finite, kind_of
 
 from .compat import TorchDispatchMode, tree_leaves
-from .source import app_source, in_library, user_source
+from .source import library_caller, user_source
 
 # ops whose non-finite value from finite inputs is a pole or a domain's edge, not a result
 # too large for the type
@@ -57,7 +57,7 @@ class FirstMade(TorchDispatchMode):
             if any(t.numel() for t in ins) else math.nan
         src = user_source()
         self.found = (f"aten.{func.overloadpacket.__name__}", made, low, src,
-                      app_source() if in_library(src) else None)
+                      library_caller(src))
 
 
 def built_by_text(found, names: str, kinds: set[str]) -> str | None:

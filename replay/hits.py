@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .source import app_source, in_library
+from .source import library_caller
 
 
 @dataclass
@@ -147,8 +147,7 @@ def with_caller(hit: OpHit) -> OpHit:
     it names is still running (the op finder's dispatch). None where its source is no
     installed package's, or where no code of the model or loss lies between (a Hugging Face
     model the factory returns as it is: the replay itself called into the package)."""
-    if in_library(hit.source):
-        hit.called_from = app_source()
+    hit.called_from = library_caller(hit.source)
     return hit
 
 

@@ -41,19 +41,17 @@ def user_source(stack=None) -> str | None:
     return _first_user((fr.filename, fr.lineno) for fr in reversed(frames))
 
 
-def in_library(source: str | None) -> bool:
-    """Whether a ``file:line`` is an installed package's (site-packages, dist-packages)."""
-    return bool(source) and any(d in source for d in _LIBRARY_DIRS)
-
-
-def app_source(stack=None) -> str | None:
-    """Like :func:`user_source`, passing installed packages' frames too: the line of the
-    user's own code that called into a library (GPyTorch's setter, whose inverse transform
-    made the value)."""
-    frames = stack if stack is not None else traceback.extract_stack()
+def library_caller(source: str | None) -> str | None:
+    """Where ``source`` (a ``file:line`` read off the live stack) is an installed package's
+    (site-packages, dist-packages): the line of the user's own code that called into that
+    package (GPyTorch's setter, whose inverse transform made a value; Pyro's log-probabilities),
+    like :func:`user_source` passing the packages' frames too. None for any other source, or
+    where no user code lies between (the replay itself called the package's model)."""
+    if not source or not any(d in source for d in _LIBRARY_DIRS):
+        return None
     # (read as torch's, not dropped: a package's frames between the replay's own are no user
     # code either, and the replay's callers beyond them are not it)
-    return _first_user(((fr.filename, fr.lineno) for fr in reversed(frames)),
+    return _first_user(((fr.filename, fr.lineno) for fr in reversed(traceback.extract_stack())),
                        skip=_LIBRARY_DIRS)
 
 
