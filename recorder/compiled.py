@@ -29,6 +29,7 @@ from .compat import (
     is_compile_wrapper,
     undo_in_place_compile,
 )
+from .scripted import is_scripted
 
 
 def eager_name(name: str) -> str:
@@ -57,13 +58,17 @@ def hook_sites(root: nn.Module, wrapper: nn.Module | None = None,
     Trainer made): it is a region whose hooks are registered disabled."""
     sites: list[HookSite] = []
     wrappers: dict[int, nn.Module] = {id(root): wrapper} if wrapper is not None else {}
-    regions: list[str] = []  # names of the compiled regions met so far (ancestors come first)
+    # names of the compiled regions and scripted modules met so far (ancestors come first)
+    regions: list[str] = []
     for raw, m in root.named_modules():
         if is_compile_wrapper(m):
             wrappers[id(compiled_module(m))] = m
             continue
         name = eager_name(raw)
-        if any(name.startswith(r + ".") if r else name != "" for r in regions):
+        scripted = is_scripted(m)  # (no hooks on it, nor on what it holds: recorder.scripted)
+        if scripted or any(name.startswith(r + ".") if r else name != "" for r in regions):
+            if scripted:
+                regions.append(name)
             sites.append(HookSite(name, m, None))
             continue
         # (a wrapper's module is hooked, not the wrapper: compiled code calling the wrapper, a

@@ -28,6 +28,7 @@ from .grads import reread_changed_grads
 from .guard import OptimizerGuard
 from .hooks import Health
 from .joined import ddp_in, join_along
+from .scripted import is_scripted
 from .settings import SETTINGS, Settings
 from .snapshot import Sources, build_bundle
 from .tape import Tape
@@ -138,7 +139,7 @@ class FlightRecorder:
         # replay's advice names its options
         self.integration: str | None = None
         self.loss_fn = loss_fn if loss_fn is None or isinstance(loss_fn, nn.Module) \
-            else _CallableLoss(loss_fn)
+            and not is_scripted(loss_fn) else _CallableLoss(loss_fn)  # (a scripted one: no hooks)
         self.health = Health()
         self.target = Target(model, optimizer, scaler, lr_scheduler, self.settings, loss_fn)
         self.alarm = Alarm(self.settings, self.target, self.health, self._contents, self.detach)

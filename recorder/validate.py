@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .compat import compiled_module, is_compile_wrapper, is_grad_scaler
+from .scripted import check_not_scripted
 from .shards import check_supported
 from .unhooked_call import warn_unhooked
 
@@ -67,6 +68,7 @@ def check_model(model, optimizer, loss_fn=None) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"FlightRecorder: model must be a torch.nn.Module, got "
                         f"{type(model).__name__}; pass the module whose forward runs the step")
+    check_not_scripted(model)
     check_supported(model)  # FSDP2 is recorded; FSDP1 and tensor parallelism are refused
     _check_not_replicated(model)
     _warn_no_forward(model)

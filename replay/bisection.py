@@ -16,6 +16,7 @@ import torch
 
 from recorder.capture import output_leaves, tensor_leaves
 from recorder.finite import ends, pair_flag, real_view
+from recorder.scripted import hookable_modules
 
 from .compat import in_buffers
 from .errors import StopRun
@@ -57,7 +58,7 @@ def probe(runner, k: int, allowed: set[str]) -> bool:
 
     def hooks(model):
         hs = []
-        for name, m in model.named_modules():
+        for name, m in hookable_modules(model):
             def post(module, args, output, name=name):
                 i = state["i"]
                 state["i"] += 1
@@ -118,7 +119,7 @@ def probe_origin(runner, k: int, nan_only: bool = False) -> tuple[str, int, int]
 
     def hooks(model):
         hs = []
-        for name, m in model.named_modules():
+        for name, m in hookable_modules(model):
             hs.append(m.register_forward_pre_hook(outside_transforms(
                 lambda mod, a, kw, name=name: pre(mod, a, kw, name)), with_kwargs=True))
             hs.append(m.register_forward_hook(outside_transforms(

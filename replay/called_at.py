@@ -10,13 +10,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from recorder.scripted import scripted_in
+
 from .hits import OpHit, hit_sources
 from .run_result import Run
 
 
-def note_called_at(run: Run, origin: dict[str, Any], hit: OpHit | None = None) -> None:
+def note_called_at(report: dict[str, Any], model, run: Run, origin: dict[str, Any],
+                   hit: OpHit | None = None) -> None:
     """Set ``origin["called_at"]`` (``file:line``) for a forward origin's module call, and
-    ``origin["called_from"]`` where the op's line is an installed package's (``hit_sources``)."""
+    ``origin["called_from"]`` where the op's line is an installed package's (``hit_sources``);
+    say so where the module holds TorchScript modules, whose ops are named at its call."""
+    _note_scripted(report, model, origin.get("module"))
     if hit is not None and hit.source == origin.get("source"):
         origin.update(hit_sources(hit))
     mod, call, mb = origin.get("module"), origin.get("call"), origin.get("micro_batch") or 0
@@ -29,3 +34,14 @@ def note_called_at(run: Run, origin: dict[str, Any], hit: OpHit | None = None) -
     hit = next((c for c in calls if c.call == call), None)
     if hit is not None and hit.called_at is not None:
         origin["called_at"] = hit.called_at
+
+
+def _note_scripted(report: dict[str, Any], model, module: str | None) -> None:
+    if module is None or not (inside := scripted_in(model, module)):
+        return
+    names = ", ".join(f"'{n}'" for n in inside[:3]) + (f" (+{len(inside) - 3})" if len(inside) > 3 else "")
+    report["problems"].append(
+        f"'{module or '<root>'}' holds TorchScript module(s) {names}, which run unhooked "
+        "(PyTorch allows no hooks on a ScriptModule): an op inside one is named at the call "
+        f"of '{module or '<root>'}' and the line that called it; to see its own module and "
+        "line, replay with the eager module in the factory")

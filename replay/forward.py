@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from recorder.finite import inf_read_finite
+from recorder.scripted import hookable_modules, is_scripted
 
 from .absorbed_log import absorbed_hint
 from .backward_calls import backward_call_note, run_to_call, user_backward
@@ -112,7 +113,7 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
         chain=finder.chain(), input_range=[hit.input_min, hit.input_max] if hit else None,
         dtype=str(hit.evidence.dtype).removeprefix("torch.") if hit and hit.evidence else None)
     note_other_rows(report, step, hit, origin)  # (a support set's, beside the query batch)
-    note_called_at(run, origin, hit)  # (a module called from several lines: this call's)
+    note_called_at(report, runner.model, run, origin, hit)  # (one of several callers)
     note_taken_fill(report, run, origin)  # (a loss that read a masked -inf score as meant)
     backward_call_note(report, finder, o.module, o.call)  # (an adjoint's reverse solve)
     counted = _counted_in(finder, hit, o)
@@ -303,12 +304,14 @@ def _allowed_hooks(finder: OpFinder, model, allowed) -> list:
     modules; '' lets the root's output and own code hold +-inf, not its submodules' (a
     quantizer's log(0) beside wav2vec 2.0's -inf logits)."""
     hs = []
-    for name, m in model.named_modules():
+    for name, m in hookable_modules(model):
         if name in allowed:
             hs.append(m.register_forward_pre_hook(lambda *a: _bump(finder, 1)))
             hs.append(m.register_forward_hook(lambda *a: _bump(finder, -1)))
     if "" in allowed:
         for m in model.children():
+            if is_scripted(m):
+                continue
             hs.append(m.register_forward_pre_hook(lambda *a: _bump(finder, -1)))
             hs.append(m.register_forward_hook(lambda *a: _bump(finder, 1)))
     return hs
@@ -356,7 +359,7 @@ def _track_calls(finder: OpFinder, target, home: tuple[str, int], runner: Runner
             finder.where = stack[-1] if stack else home
 
     hs = []
-    for name, m in target.named_modules(prefix=home[0]):
+    for name, m in hookable_modules(target, prefix=home[0]):
         if m is not target:
             hs.append(m.register_forward_pre_hook(outside_transforms(enter(name))))
             hs.append(m.register_forward_hook(outside_transforms(leave)))

@@ -16,6 +16,7 @@ import torch
 from recorder.capture import output_leaves, tensor_leaves  # not pytree: see replay.rerun
 from recorder.finite import ends, finite, has_nan, pair_kind, pair_ok, real_view
 from recorder.samples import Samples, packed_in
+from recorder.scripted import hookable_modules
 
 from .compat import in_buffers, running_node
 from .memo import TensorMemo, TensorSet
@@ -42,7 +43,7 @@ class CallRecorder:
 
     def install(self, model) -> list:
         handles = []
-        for name, m in model.named_modules():
+        for name, m in hookable_modules(model):
             handles.append(m.register_forward_pre_hook(outside_transforms(self._pre(name)),
                                                        with_kwargs=True))
             handles.append(m.register_forward_hook(outside_transforms(self._post(name)),

@@ -25,6 +25,7 @@ import torch
 
 from recorder.finite import finite
 from recorder.linalg import linalg_reason
+from recorder.scripted import hookable_modules
 
 from .buffer_divisor import buffer_divisor_hint
 from .cause import classify
@@ -81,7 +82,7 @@ class ModuleCalls:
 
     def hooks(self, model):
         hs = []
-        for name, m in model.named_modules():
+        for name, m in hookable_modules(model):
             hs.append(m.register_forward_pre_hook(outside_transforms(self._enter(name))))
             hs.append(m.register_forward_hook(outside_transforms(self._leave)))
         return hs

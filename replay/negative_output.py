@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from recorder.scripted import hookable_modules
+
 from .positive import POSITIVE, node_op
 from .rerun import Runner
 from .unfilled import unfilled_hint
@@ -117,7 +119,8 @@ def _made_in(runner: Runner, mb: int, least: float, most: float | None = None
             calls.append((names.get(m, ""), out))
 
     runner.run(backward=False, instrument=False,
-               hooks=lambda model: [m.register_forward_hook(post) for m in model.modules()])
+               hooks=lambda model: [m.register_forward_hook(post)
+                                    for _, m in hookable_modules(model)])
     root = next((out for n, out in reversed(calls) if n == ""), None)
     hits = [(path, t) for path, t in _paths(root, "output")
             if t.is_floating_point() and t.numel() and float(t.detach().min()) == least

@@ -1,0 +1,70 @@
+"""Models that hold TorchScript modules, as older training code does: a scripted residual block
+(``torch.jit.script``), a traced feature layer (``torch.jit.trace``), and a scripted function
+called from an eager module. PyTorch registers no hooks on a ScriptModule."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+@torch.jit.script
+def fused_gelu(x):
+    return x * 0.5 * (1.0 + torch.erf(x / 1.41421356))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 16, naive_lse: bool = False):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+        self.naive_lse = naive_lse
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.naive_lse:  # the bug: log-softmax written out, exp overflows on a large row
+            h = h - torch.log(torch.exp(h).sum(-1, keepdim=True))
+        return self.norm(x + fused_gelu(h))
+
+
+class Scaled(nn.Module):
+    """An eager head whose ``scale`` the planted bug makes divide by zero."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.fc = nn.Linear(width, 1)
+
+    def forward(self, x, scale):
+        return self.fc(x) / scale
+
+
+class Net(nn.Module):
+    def __init__(self, naive_lse: bool = False, width: int = 16):
+        super().__init__()
+        self.stem = torch.jit.trace(nn.Linear(8, width), torch.zeros(2, 8))
+        self.block = torch.jit.script(Block(width, naive_lse))
+        self.mid = Block(width)
+        self.head = Scaled(width)
+
+    def forward(self, x, scale):
+        h = self.stem(x)
+        h = self.block(h)
+        return self.head(self.mid(h), scale)
+
+
+def make_model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def make_overflow_model():
+    torch.manual_seed(0)
+    return Net(naive_lse=True)
+
+
+def batch(step: int, n: int = 16, big_at: int | None = None):
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g)
+    if step == big_at:
+        x[5] = 300.0  # row 5's activations in the hundreds: exp overflows float32
+    return x, y

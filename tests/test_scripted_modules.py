@@ -1,0 +1,110 @@
+"""Models holding TorchScript modules (``torch.jit.script`` / ``torch.jit.trace`` of a
+submodule), on which PyTorch registers no hooks: the recorder hooks every other module and
+records the step; the replay finds an op inside a scripted module through the dispatcher and
+names it at the hooked call that ran it, with a note; a scripted root is refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import scripted_models as M
+import torch
+from bundles import nanreplay_json, source_line
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+
+def _train(model, out_dir, steps: int = 4, big_at: int | None = None, scale_at=None,
+           make: str = "make_model", record: bool = True):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    crit = torch.nn.MSELoss()
+    losses = []
+
+    def loop():
+        for step in range(steps):
+            x, y = M.batch(step, big_at=big_at)
+            scale = torch.tensor(0.0 if step == scale_at else 2.0)
+            opt.zero_grad()
+            loss = crit(model(x, scale), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+
+    if not record:
+        loop()
+        return losses
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                        factory=f"scripted_models:{make}") as rec:
+        loop()
+    return losses, rec
+
+
+def test_healthy_run_records_around_scripted_modules_and_trains_identically(tmp_path):
+    bare = _train(M.make_model(), tmp_path, steps=6, record=False)
+    model = M.make_model()
+    recorded, rec = _train(model, tmp_path, steps=6)
+    assert recorded == bare  # bit for bit: nothing the step computes changed
+    assert not list(tmp_path.glob("*.nan"))
+    eager = [n for n, m in model.named_modules() if not isinstance(m, torch.jit.ScriptModule)]
+    assert "mid.fc" in eager and "head" in eager
+    # every hook the recorder registered is gone after the with block
+    for _, m in model.named_modules():
+        if not isinstance(m, torch.jit.ScriptModule):
+            assert not m._forward_hooks and not m._forward_pre_hooks, m
+
+
+def test_overflow_inside_a_scripted_block_is_found_and_named_at_its_caller(tmp_path):
+    """Row 5 in the hundreds makes the scripted block's written-out log-softmax overflow in
+    exp (the NaN comes later, in gelu of -inf): the op finder sees the scripted module's ops,
+    blames aten.exp, names the root's call (the hooked caller) and the line that called the
+    block, and says the block ran unhooked."""
+    with pytest.raises(NonFiniteError) as info:
+        _train(M.make_overflow_model(), tmp_path, big_at=2, make="make_overflow_model")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["module"], o["op"], o["made"]) == (2, "", "aten.exp", "+inf"), o
+    assert o["samples"] == [5], o
+    assert o["source"] == source_line("scripted_models.py", "h = self.block(h)"), o
+    assert rep["cause"] == "overflow", (rep["cause"], rep["hint"])
+    assert any("holds TorchScript module(s) 'stem', 'block', which run unhooked" in p
+               for p in rep["problems"]), rep["problems"]
+
+
+def test_eager_module_after_scripted_ones_is_named_exactly(tmp_path):
+    """A zero scale makes the eager head divide by 0: the hooked modules keep their names and
+    call numbers with scripted ones beside them, and no TorchScript note is given for a call
+    that holds none."""
+    with pytest.raises(NonFiniteError) as info:
+        _train(M.make_model(), tmp_path, scale_at=1)
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["module"], o["call"], o["op"]) == (1, "head", 0, "aten.div"), o
+    assert o["source"] == source_line("scripted_models.py", "return self.fc(x) / scale"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert not any("TorchScript" in p for p in rep["problems"]), rep["problems"]
+
+
+def test_scripted_root_is_refused_in_one_line():
+    model = torch.jit.script(M.Block())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError) as info:
+        FlightRecorder(model, opt)
+    msg = str(info.value)
+    assert "\n" not in msg and "TorchScript" in msg and "record the eager nn.Module" in msg, msg
+
+
+def test_scripted_loss_module_is_checked_through_rec_loss_fn(tmp_path):
+    """A scripted loss (no hooks) is taken as a function: called through ``rec.loss_fn`` it
+    is checked, its +inf target an event at the loss's inputs."""
+    model = M.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = torch.jit.script(torch.nn.MSELoss())
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path) as rec:
+            x, y = M.batch(0)
+            y[3] = float("inf")
+            rec.loss_fn(model(x, torch.tensor(2.0)), y).backward()
+            opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "input", "<loss>"), ev
