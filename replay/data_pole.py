@@ -20,6 +20,7 @@ from recorder.capture import batch_path
 from .domains import g
 from .load import Step
 from .log_domain import ADVICE as LOG_DOMAIN
+from .log_domain import CLAMP
 from .recorded import n_args
 
 # the ops and the largest value outside their domain (or at their pole): log's 0 is a real
@@ -81,7 +82,7 @@ def data_pole_hint(report: dict[str, Any], step: Step) -> None:
         cols = sorted(set(torch.nonzero(bad)[:, 1].tolist())) if t.dim() == 2 else []
         where = f" (column {', '.join(map(str, cols))})" if cols else ""
         # (no constraint's slack: the batch's own value, no iterate a step took outside)
-        hint = report["hint"].replace(LOG_DOMAIN, LOG_DOMAIN.partition("; where")[0])
+        hint = report["hint"].replace(LOG_DOMAIN, CLAMP)
         report["hint"] = (
             f"{hint}. But {batch_path(raw, n_args(mb.get('inputs')))} holds "
             f"{g(low)} at sample(s) {', '.join(map(str, rows))}{where} {AS_GIVEN}, "

@@ -10,10 +10,8 @@ back, so the advice names what keeps the iterate feasible instead.
 
 from __future__ import annotations
 
-ADVICE = ("clamp the op's input into its domain (x.clamp_min(eps) before log) or fix what "
-          "drives it out; where it is a constraint's slack, a log barrier -mu * log(b - g(x)) "
-          "taken at an infeasible point (a start state or control past its limit, a step that "
-          "left the feasible set), a clamp would hide the violation and leave it no gradient: "
-          "start feasible (project the initial state or controls inside), keep the steps "
-          "inside (a fraction-to-the-boundary line search), or extend the barrier below a "
-          "threshold (a relaxed log barrier, quadratic under delta)")
+CLAMP = ("clamp the op's input into its domain (x.clamp_min(eps) before log) or fix what "
+         "drives it out")
+ADVICE = CLAMP + ("; for a log barrier's slack, -mu * log(b - g(x)), a clamp hides the "
+                  "infeasible point instead: start feasible, keep steps inside (fraction to the "
+                  "boundary), or use a relaxed log barrier (quadratic below delta)")
