@@ -181,9 +181,10 @@ def make_clamped_denoiser() -> Denoiser:
 
 class Shapes(Dataset):
     """Images and masks: class 1 a disc, class 2 a square, 0 background; ``no_square`` samples
-    hold no square."""
+    hold no square; ``flat_channel``: that channel reads one value in every image (a band the
+    sensor did not record, filled with a constant)."""
 
-    def __init__(self, n: int = 32, no_square=None):
+    def __init__(self, n: int = 32, no_square=None, flat_channel: int | None = None):
         g = torch.Generator().manual_seed(3)
         yy, xx = torch.meshgrid(torch.arange(SIZE), torch.arange(SIZE), indexing="ij")
         self.x = 0.1 + 0.1 * torch.rand(n, 3, SIZE, SIZE, generator=g)
@@ -198,6 +199,8 @@ class Shapes(Dataset):
                 self.m[i][sq & ~disc] = 2
             self.x[i, :, self.m[i] == 1] += torch.tensor([0.7, 0.2, 0.1]).view(3, 1)
             self.x[i, :, self.m[i] == 2] += torch.tensor([0.1, 0.3, 0.7]).view(3, 1)
+        if flat_channel is not None:
+            self.x[:, flat_channel] = 0.5
 
     def __len__(self) -> int:
         return len(self.x)
@@ -206,8 +209,16 @@ class Shapes(Dataset):
         return self.x[i], self.m[i]
 
 
+def loop_augmentation(data: Shapes) -> K.AugmentationSequential:
+    """The Kornia tutorial's pattern: augment image and mask in the loop, then standardise
+    with the training set's per-channel statistics."""
+    mean, std = data.x.mean((0, 2, 3)), data.x.std((0, 2, 3))
+    return K.AugmentationSequential(K.RandomAffine(15.0, p=1.0), K.Normalize(mean, std),
+                                    data_keys=["input", "mask"])
+
+
 class Segmenter(nn.Module):
-    def __init__(self):
+    def __init__(self, augment: bool = True):
         super().__init__()
         self.aug = K.AugmentationSequential(
             K.RandomAffine(degrees=15.0, translate=(0.1, 0.1), scale=(0.9, 1.1), p=0.8),
@@ -219,8 +230,10 @@ class Segmenter(nn.Module):
             nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
             nn.Conv2d(16, N_CLS, 1))
 
+        self.augment = augment
+
     def forward(self, x, mask):
-        if self.training:
+        if self.training and self.augment:
             x, m = self.aug(x, mask[:, None].float())
             mask = m[:, 0].round().long()
         return self.net(x), mask
@@ -245,3 +258,8 @@ class SegLoss(nn.Module):
 def make_segmenter() -> Segmenter:
     torch.manual_seed(0)
     return Segmenter()
+
+
+def make_plain_segmenter() -> Segmenter:
+    torch.manual_seed(0)
+    return Segmenter(augment=False)

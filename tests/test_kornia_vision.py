@@ -86,6 +86,27 @@ def segment(out_dir, data, steps: int = 4, record: bool = True) -> M.Segmenter:
     return model
 
 
+def segment_in_loop(out_dir, data, steps: int = 4):
+    """The augmentation and standardisation in the loop, on batches from two workers."""
+    model = M.make_plain_segmenter()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    aug, crit = M.loop_augmentation(data), M.SegLoss()
+    batches = iter(DataLoader(data, batch_size=BS, num_workers=2))
+    try:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="kornia_vision_models:make_plain_segmenter") as rec:
+            for _ in range(steps):
+                x, mask = next(batches)
+                x, m = aug(x, mask[:, None].float())
+                logits, mask = model(x, m[:, 0].round().long())
+                loss = rec.loss_fn(logits, mask, M.class_weights(mask))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    finally:
+        del batches  # (the event's traceback would keep the workers until a later gc)
+
+
 def event(fn, *args, **kwargs):
     with pytest.raises(NonFiniteError) as info:
         fn(*args, **kwargs)
@@ -206,3 +227,19 @@ def test_inverse_class_frequencies_of_a_class_absent_from_the_batch_name_the_cla
     assert "which holds no sample's rows" in hint and "rows []" not in hint, hint
     assert "one per class (not one per sample of the 4), NaN at class(es) [2]" in hint, hint
     assert "inverse class frequency" in hint and "priority" not in hint, hint
+
+
+def test_standardising_by_a_channel_of_zero_std_is_the_pipeline_s_not_a_record_s(tmp_path):
+    """A band filled with one value in every image: the training set's std of that channel
+    is 0, and K.Normalize in the loop divides by it. An input event on every sample, the
+    whole channel, named as a per-feature step of the pipeline; the healthy data trains."""
+    segment_in_loop(tmp_path / "healthy", M.Shapes(16))
+    assert not list(tmp_path.rglob("*.nan"))
+    ev, rep = event(segment_in_loop, tmp_path, M.Shapes(32, flat_channel=2))
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == (
+        0, "input", "args[0]", list(range(BS)))
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["tensor"], o["arg"], o["samples"]) == (
+        True, "input", "args[0]", "x", list(range(BS))), rep
+    assert "all at index 2 of dim 1" in rep["hint"], rep["hint"]
+    assert "a standardisation dividing by a constant column's zero std" in rep["hint"]
