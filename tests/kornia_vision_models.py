@@ -20,6 +20,8 @@ from __future__ import annotations
 import kornia
 import kornia.augmentation as K
 import torch
+from kornia.geometry.homography import find_homography_dlt
+from kornia.geometry.linalg import transform_points
 from kornia.geometry.transform import get_perspective_transform, warp_perspective
 from torch import nn
 from torch.utils.data import Dataset
@@ -92,6 +94,55 @@ class PhotometricLoss(nn.Module):
 def make_homography() -> HomographyNet:
     torch.manual_seed(0)
     return HomographyNet()
+
+
+class Matches(Dataset):
+    """Keypoint matches of an image pair related by a translation, with descriptors;
+    ``repeated`` samples' keypoints are all one point (a detector's fallback on a textureless
+    image, repeated to fill the fixed count)."""
+
+    def __init__(self, n: int = 32, k: int = 8, repeated=()):
+        g = torch.Generator().manual_seed(4)
+        self.p1 = torch.rand(n, k, 2, generator=g) * (SIZE - 1)
+        for i in repeated:
+            self.p1[i] = self.p1[i, :1]
+        self.h = torch.eye(3).repeat(n, 1, 1)
+        self.h[:, :2, 2] = torch.rand(n, 2, generator=g)
+        self.p2 = transform_points(self.h, self.p1) + 0.05 * torch.randn(n, k, 2, generator=g)
+        self.desc = torch.randn(n, k, 16, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.p1)
+
+    def __getitem__(self, i: int):
+        return self.desc[i], self.p1[i], self.p2[i], self.h[i]
+
+
+class MatchWeighter(nn.Module):
+    """Each match's confidence from its descriptor (a learned outlier rejection, as in
+    "Learning to Find Good Correspondences"), the weights of kornia's weighted DLT."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, desc):
+        return torch.sigmoid(self.mlp(desc)).squeeze(-1)
+
+
+class CornerLoss(nn.Module):
+    """The mean corner error of the weighted DLT's homography against the true one."""
+
+    def forward(self, weights, p1, p2, h_true):
+        h = find_homography_dlt(p1, p2, weights)
+        s = float(SIZE - 1)
+        grid = p1.new_tensor([[0.0, 0.0], [s, 0.0], [s, s], [0.0, s]]).expand(len(p1), 4, 2)
+        return (transform_points(h, grid) - transform_points(h_true, grid)).norm(dim=-1).mean()
+
+
+def make_weighter() -> MatchWeighter:
+    torch.manual_seed(0)
+    return MatchWeighter()
 
 
 # --------------------------------------------------------------------------------------------

@@ -107,6 +107,22 @@ def segment_in_loop(out_dir, data, steps: int = 4):
         del batches  # (the event's traceback would keep the workers until a later gc)
 
 
+def match_weights(out_dir, data, steps: int = 4):
+    """Adam; the loss solves kornia's weighted DLT from the matches' learned weights."""
+    model = M.make_weighter()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = M.CornerLoss()
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                        factory="kornia_vision_models:make_weighter") as rec:
+        for step, (desc, p1, p2, h) in enumerate(DataLoader(data, batch_size=BS)):
+            if step == steps:
+                break
+            loss = rec.loss_fn(model(desc), p1, p2, h)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
 def event(fn, *args, **kwargs):
     with pytest.raises(NonFiniteError) as info:
         fn(*args, **kwargs)
@@ -243,3 +259,21 @@ def test_standardising_by_a_channel_of_zero_std_is_the_pipeline_s_not_a_record_s
         True, "input", "args[0]", "x", list(range(BS))), rep
     assert "all at index 2 of dim 1" in rep["hint"], rep["hint"]
     assert "a standardisation dividing by a constant column's zero std" in rep["hint"]
+
+
+def test_a_weighted_dlt_of_matches_at_one_point_names_the_singular_solve(tmp_path):
+    """A textureless image's matches all at one point: kornia's find_homography_dlt tests
+    each system with a detached lu_solve (NaN for the singular one) and returns NaN for that
+    sample on purpose. The op named is that solve, on that sample; the hint said 'at a pole or
+    outside its domain: clamp the op's input', which a solve has none of."""
+    match_weights(tmp_path / "healthy", M.Matches(16))
+    assert not list(tmp_path.rglob("*.nan"))
+    ev, rep = event(match_weights, tmp_path, M.Matches(32, repeated=[5]))
+    assert (ev["step"], ev["phase"]) == (1, "loss")
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["samples"]) == (
+        True, "invalid", "<loss>", "aten.linalg_lu_solve", [5 - BS]), rep
+    assert o["called_from"] == line_of("h = find_homography_dlt(p1, p2, weights)")
+    hint = rep["hint"]
+    assert "of a singular system (a zero pivot in its factor" in hint, hint
+    assert "repeated or collinear points" in hint and "clamp the op's input" not in hint, hint
