@@ -31,6 +31,7 @@ from .copied_rows import CopiedRow, copied_row
 from .exp_factor import huge_exp_factor
 from .exp_forms import exp_form
 from .factors import at_tie
+from .flat_derivative import Feeders
 from .folded_grads import FoldedGrads
 from .fractional_power import fractional_power_at_zero
 from .grad_hooks import HOOK, MODULE_HOOK, MODULE_HOOK_NODE, HookHit, HookWatch, module_hook_hit
@@ -110,6 +111,7 @@ class BackwardOrigin:
     # uses into an infinity before the node ran (see replay.summed_grads)
     summed: int = 0
     masked: bool = False  # NaN only where its incoming gradient is 0 (replay.masked_grad)
+    flat_by: str | None = None  # and that 0 an op's derivative's, no mask's (flat_derivative)
 
 
 @contextlib.contextmanager
@@ -284,7 +286,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
     found = BackwardOrigin()
     # (sums: finite gradients whose sum the engine made non-finite; folded: rows of a batch the
     # forward folded, x.reshape(N * M, ...); off: the exp of a tensor no gradient reaches)
-    handles, sums, off = [], SummedGrads(), OffGraphPositive()
+    handles, sums, off, feeders = [], SummedGrads(), OffGraphPositive(), Feeders()
     guards, below, folded = GuardNodes(), BelowOneNodes([off.seen]), FoldedGrads(where or Samples())
     watch = HookWatch(where or Samples(), lambda: found.node is not None,
                       lambda: (runner.micro_batch, runner.in_loss))
@@ -299,6 +301,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
             returned = [g for g in grad_inputs if isinstance(g, torch.Tensor)]
             if all(finite(g) for g in incoming) and not all(finite(g) for g in returned):
                 _record(found, node, name, grad_inputs, grad_outputs, where or Samples(), folded)
+                found.flat_by = feeders.flat_above(node) if found.masked else None
                 found.micro_batch, found.in_loss = runner.micro_batch, runner.in_loss
                 found.positive_input = found.positive_input or off.divisor(node)
                 found.lost_eps, found.complement = guards.of(node), below.complement_at(node)
@@ -311,7 +314,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
                     and (uses := sums.overflowed(node, grad_outputs)):
                 _record_sum(found, node, name, uses, grad_outputs, where or Samples())
                 found.micro_batch, found.in_loss = runner.micro_batch, runner.in_loss
-        handles.extend([node.register_hook(hook), node.register_prehook(pre)])
+        handles.extend([node.register_hook(hook), node.register_prehook(pre), feeders.hook(node)])
 
     custom: list[bool] = []
     labels = NodeLabels(on_node)

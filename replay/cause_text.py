@@ -193,9 +193,11 @@ DO = {
     # (not for a 0-d total over the batch, which has its own advice: divide_total)
     "of_data": "what it took there was computed from the batch's data alone (the loss's "
                "targets, anchors, constants: nothing the model learns), so a record of the "
-               "samples named is degenerate (a box of zero width or height, an empty mask, a "
-               "label out of range, a target on the edge of a likelihood's support: 0 or 1 "
-               "under a Beta, 0 under a Gamma or a LogNormal): drop or repair such records "
+               "samples named is degenerate (a box of zero width or height, an empty mask, "
+               "repeated or collinear points, such as four corners on one line, which fix no "
+               "homography, a label out of range, a target on the edge of a likelihood's "
+               "support: 0 or 1 under a Beta, 0 under a Gamma or a LogNormal): drop or repair "
+               "such records "
                "where the data is made (the dataset, its transforms, the collate_fn), or skip "
                "them in the loss; an eps there would train toward a made-up target",
     # such an op whose result on the model's output the loss compares with it (lineage)

@@ -32,7 +32,8 @@ cast to an integer type, its outputs finite (``replay.nan_cast``); a mean loss o
 in one micro-batch of several, every target ignored (``replay.ignored_micro_batch``), or
 token labels ignored at every position beside real tokens (``replay.unselected_targets``); a
 distance at 0 between samples that are one record in pairs (``replay.same_record_pairs``); a
-loss's weighted mean over a batch whose weights are all 0 (``replay.zero_weights_batch``)."""
+loss's weighted mean over a batch whose weights are all 0 (``replay.zero_weights_batch``); a
+loss's pole at the 0 error of a model output equal to its target (``replay.perfect_fit``)."""
 
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ from .other_inputs import other_inputs_note
 from .output_overflow import huge_output_hint
 from .padded_units import padded_units_hint
 from .padding_batch import padding_batch_hint
+from .perfect_fit import perfect_fit_hint
 from .record_ids import record_ids_note
 from .same_record_pairs import same_record_pairs_hint
 from .sentinel_inputs import sentinel_inputs_hint
@@ -120,3 +122,4 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     other_inputs_note(report, step)  # (a bad reading in some windows' inputs, others' targets)
     nan_cast_hint(report, step)  # (NaN intrinsics' frustum points voxelised by .long())
     ignored_micro_batch_hint(report, step)  # (gold SQL no action of kept, one micro-batch)
+    perfect_fit_hint(report, step)  # (PSNR's max² / mse of an identity net on a clean pair)

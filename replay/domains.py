@@ -16,6 +16,7 @@ from .folded_jacobian import fold_exit, folds
 from .hits import Evidence
 from .m_matrix import m_matrix_exit, z_matrix
 from .scaled_log import BESSEL
+from .singular_solve import SOLVES, singular_solve
 from .singular_values import singular_divisor
 
 # Ops with neither a pole nor a domain edge: from finite inputs, only a result too large for
@@ -157,6 +158,8 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
         return f"{op} {_FIXED[base][0]}", _FIXED[base][1]
     if (matrix := _of_matrix(op, base, ev)) is not None:
         return matrix
+    if base in SOLVES:  # (a zero pivot, reported in info: replay.singular_solve)
+        return singular_solve(op), "singular"
     if "ctc_loss" in base:
         return _ctc(ev), "ctc"
     if (low_var := _negative_running_var(base, ev)) is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MASKED_INCOMING", "zero_where_nan"]
+__all__ = ["FLAT_INCOMING", "MASKED_INCOMING", "zero_where_nan"]
 
 MASKED_INCOMING = ("the gradient entering {node} is 0 at every entry where it made NaN: the "
                    "forward dropped the op's output there after the op (masked_fill, "
@@ -18,6 +18,13 @@ MASKED_INCOMING = ("the gradient entering {node} is 0 at every entry where it ma
                    "(0 times the infinite derivative at the pole is NaN); make the masked "
                    "entries' input safe before the op (torch.where(mask, safe, x), or leave "
                    "them out of the op's input), not its output")
+
+# the same 0, sent by an op's own derivative at the value it took (replay.flat_derivative)
+FLAT_INCOMING = ("the gradient entering {node} is 0 at every entry where it made NaN, sent by "
+                 "{by}'s derivative at the value it took there (0 for abs or sign of a "
+                 "difference of two equal values, for relu at 0), not by a mask: 0 times the "
+                 "infinite derivative at the pole is NaN; make the op's input safe before the "
+                 "op (an eps inside it, torch.where(x > 0, x, 1))")
 
 
 def zero_where_nan(grad_inputs, grad_outputs) -> bool:

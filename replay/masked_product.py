@@ -131,15 +131,27 @@ _WEIGHTED_BY_ZERO = (
     "or before the first op that reads them (torch.nan_to_num(x))")
 
 
+# the same product, the NaN in a tensor with no sample's rows (a weight per class, a scale):
+# no record's value left undefined, but a NaN computed into the weight itself
+_WEIGHT_NAN = (
+    "{op}{at} multiplied the NaN of {tensor}, which holds no sample's rows (a weight per class "
+    "or a constant the loop computed and passed), by an exact 0 of its other factor, and NaN "
+    "* 0 is NaN: the NaN is in {tensor} itself, made where the loop computed it, before the "
+    "loss")
+
+
 def masked_hint(origin: dict, hit, by_mask: bool = True) -> str:
     """The hint for ``origin``'s NaN that product ``hit`` (an OpHit, or (op, source)) kept,
     multiplying it by a 0/1 mask's 0 (``by_mask``) or by another factor's own 0; ``origin``
     is given the product's line as its source."""
     op, source = (hit.op, hit.source) if hasattr(hit, "op") else hit
     origin["source"] = origin.get("source") or source
+    at = f" ({source})" if source else ""
+    tensor, rows = origin.get("tensor"), origin.get("samples")
+    if not by_mask and not rows:
+        return _WEIGHT_NAN.format(op=op, at=at, tensor=tensor)
     text = MASKED_BY_PRODUCT if by_mask else _WEIGHTED_BY_ZERO
-    return text.format(op=op, at=f" ({source})" if source else "",
-                       tensor=origin.get("tensor"), rows=origin.get("samples"))
+    return text.format(op=op, at=at, tensor=tensor, rows=rows)
 
 
 def masked_row_product_hint(hint: str | None, finder, hit) -> str | None:

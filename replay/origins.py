@@ -389,6 +389,8 @@ def _backward_fields(b) -> dict[str, Any]:
         fields["detail"] = summed_grads.detail(b.made, b.node, b.summed, b.module)
     if b.masked:  # (the forward dropped the op's value where the node made NaN)
         fields["masked"] = True
+        if b.flat_by:  # (no mask: abs's derivative at 0, relu's, sent the 0)
+            fields["masked_by"] = b.flat_by
     return hook_fields(b, fields) if b.hook is not None else fields
 
 

@@ -68,6 +68,13 @@ MASKED_ZEROS = (
     "samples, and give the op a safe input at them before it runs (torch.where(y > 0, y, 1) "
     "inside the log or division, or a form that takes no op at the 0: xlogy(y, y) - y * "
     "log_mu for y * log(y / mu))")
+# the same, the 0 gradient sent by an op's derivative at its value (abs's sign(0)), no mask's
+FLAT_ZEROS = (
+    " and not in any other sample, where the gradient entering the node is 0 because {by}'s "
+    "derivative is 0 at the value it took there (|a - b| of two zeros), not because a mask "
+    "dropped them: the blank record drove the op to its pole, but flat regions of real data "
+    "reach the same 0, so give the op a safe input before it runs (an eps inside the sqrt or "
+    "log, torch.where(x > 0, x, 1)), and fix or filter blank records where the data is made")
 # a softmax over a row whose every key is masked (replay.plus_inf_row), and what its own advice
 # (a key kept per row, a finite mask value) would do for a record with nothing in it
 _MASKED_ROW = "(a fully masked row)"
@@ -107,8 +114,9 @@ def zero_records_hint(report: dict[str, Any], step: Step) -> None:
     if flag is not None:  # (unlabelled samples of a mixed batch, masked after the op)
         report["hint"] = unlabelled_hint(hint, is_are, flag, which)
         return
-    if o.get("masked"):  # (the code's own where dropped the op's value at these zeros)
-        report["hint"] = f"{hint}. {is_are} 0 everywhere in sample(s) {which}{MASKED_ZEROS}"
+    if o.get("masked"):  # (the code's where dropped the op's value there; or abs's sign(0))
+        tail = FLAT_ZEROS.format(by=o["masked_by"]) if o.get("masked_by") else MASKED_ZEROS
+        report["hint"] = f"{hint}. {is_are} 0 everywhere in sample(s) {which}{tail}"
         return
     how = (f" (--try drop={which} re-runs the step without them)"
            if undroppable(step, mb) is None else "")
