@@ -389,6 +389,8 @@ def _backward_fields(b) -> dict[str, Any]:
         fields["detail"] = summed_grads.detail(b.made, b.node, b.summed, b.module)
     if b.masked:  # (the forward dropped the op's value where the node made NaN)
         fields["masked"] = True
+    if b.called_from and b.called_from != b.source:  # (its line is an installed package's)
+        fields["called_from"] = b.called_from
     return hook_fields(b, fields) if b.hook is not None else fields
 
 
