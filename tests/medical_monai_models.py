@@ -9,12 +9,16 @@ from __future__ import annotations
 import torch
 from monai.data import CacheDataset
 from monai.losses import DiceCELoss, DiceLoss, FocalLoss, GeneralizedDiceLoss
+from monai.networks import one_hot
 from monai.networks.nets import UNet
 from monai.transforms import Compose, EnsureTyped, ScaleIntensityRanged
 from torch import nn
+from torch.nn import functional as F
 
 S = 16            # volume side (16^3 voxels)
 CLASSES = 3       # background, organ, lesion
+# the line of MONAI 1.6.1's GeneralizedDiceLoss.forward that divides numer by denom
+GDL_DIVISION_LINE = 472
 HU_MIN, HU_MAX = -175.0, 250.0   # the abdominal soft-tissue window, mapped to [0, 1]
 
 
@@ -42,14 +46,14 @@ def ct_volume(g, lesion=True):
     return img, lab
 
 
-def cases(n, nan_at=(), empty_at=(), seed=1):
+def cases(n, nan_at=(), empty_at=(), no_lesion_at=(), seed=1):
     """``n`` dict samples: cases ``nan_at`` hold a NaN voxel (outside the scanner's field of view
     after resampling), cases ``empty_at`` a label map of background only (a scan with nothing
     annotated: no organ, no lesion)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
-        img, lab = ct_volume(g)
+        img, lab = ct_volume(g, lesion=i not in no_lesion_at)
         if i in nan_at:
             img[0, 0, 0, :4] = float("nan")
         if i in empty_at:
@@ -111,3 +115,15 @@ def mr_cases(n, other_site_at=(), site_scale=40.0, seed=2):
             img = img * site_scale
         out.append({"image": img, "label": lab})
     return out
+
+
+class BatchWeightedCE(nn.Module):
+    """Cross entropy weighted by the inverse volume of each class in the batch, normalised to
+    sum to 1 (dynamic class balancing for small lesions)."""
+
+    def forward(self, logits, label):
+        onehot = one_hot(label, CLASSES)
+        volume = onehot.sum(dim=(0, 2, 3, 4))
+        w = 1.0 / volume
+        w = w / w.sum()  # inf / inf where a class is absent from the whole batch
+        return F.cross_entropy(logits, label[:, 0].long(), weight=w)

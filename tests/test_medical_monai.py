@@ -99,15 +99,21 @@ def test_generalized_dice_of_an_empty_label_map_without_smoothing_is_0_by_0(tmp_
     """Case 3's label map is all background; with ``include_background=False`` every class
     of it is absent, MONAI's weights 1/volume^2 are all inf and replaced by 0, and with
     ``smooth_nr = smooth_dr = 0`` its Dice is 0/0: a loss event on sample 1 of step 1, whose
-    hint names the smoothing of 0 and the all-zero label map."""
+    hint names the classes the label map (of class indices, one-hot encoded by the loss) lacks
+    in that sample only, and the loss's smoothing attributes of 0 that its code adds."""
     model, loss = M.make_unet(), M.gdl_no_smoothing()
     opt = adam(model)
     t = trainer(model, opt, loss, M.dataset(M.cases(8, empty_at=[3])))
     rep, _ = fire(tmp_path, t, model, opt, loss)
     assert origin(rep) == ("loss", "<loss>", "aten.div", 1, "invalid", [1])
-    assert rep["origin"]["source"].endswith("monai/losses/dice.py:472")
+    assert rep["origin"]["source"].endswith(f"monai/losses/dice.py:{M.GDL_DIVISION_LINE}")
     assert "0 by 0" in rep["hint"] and "eps added to that input is exactly 0" in rep["hint"]
-    assert "loss_args[1] is 0 everywhere in sample(s) 1" in rep["hint"]
+    assert "Sample(s) 1 hold no entry of loss_args[1] class 1, 2 (a label map of class " \
+        "indices, one-hot encoded in the loss" in rep["hint"]
+    assert rep["hint"].endswith(
+        "Here the loss's attributes smooth_nr and smooth_dr, which its code adds (+ self.smooth_nr"
+        ", + self.smooth_dr), are 0.0: that eps of 0 is one of them; build the loss with "
+        "smooth_nr > 0 and smooth_dr > 0")
 
 
 def test_focal_gamma_below_one_makes_a_backward_only_nan_named_with_the_users_call(tmp_path):
@@ -167,3 +173,29 @@ def test_a_learning_rate_blowup_is_an_overflow_the_precursors_trace_to_the_weigh
     assert "lower the learning rate" in rep["hint"]
     kinds = {(p["step"], p["kind"]) for p in rep["precursors"]}
     assert {(1, "weight_jump"), (2, "loss_jump")} <= kinds
+
+
+def test_class_weights_of_the_batch_are_infinite_for_a_class_it_lacks(tmp_path):
+    """Cross entropy weighted by 1 / the batch's volume of each class: cases 4 and 5 have no
+    lesion, so the third iteration's batch holds none, its weight is 1/0 and the normalised
+    weights inf/inf. No sample is to blame: a batch count, named as such."""
+    model, loss = M.make_unet(), M.BatchWeightedCE()
+    opt = adam(model)
+    t = trainer(model, opt, loss, M.dataset(M.cases(8, no_lesion_at=[4, 5])))
+    rep, _ = fire(tmp_path, t, model, opt, loss)
+    assert origin(rep) == ("loss", "<loss>", "aten.reciprocal", 2, "invalid", [])
+    assert rep["origin"]["source"] == source_line("medical_monai_models.py", "w = 1.0 / volume")
+    assert "count per class" in rep["hint"] and "no sample is to blame" in rep["hint"]
+
+
+def test_only_attributes_added_as_a_term_are_read_as_an_eps():
+    """``+ self.smooth_dr`` is an eps the function adds; ``+ self.lambda_focal * focal`` (a
+    weight of a term) and ``+ self.f(x)`` are not."""
+    import monai.losses.dice as dice
+
+    from replay.zero_eps_attribute import _added_attributes
+
+    assert _added_attributes(f"{dice.__file__}:{M.GDL_DIVISION_LINE}") == {"smooth_nr",
+                                                                          "smooth_dr"}
+    compound = source_line("medical_monai_models.py", "self.lambda_focal * self.focal(")
+    assert _added_attributes(compound) == set()
