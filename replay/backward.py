@@ -47,7 +47,7 @@ from .positive import exp_of_parameter, made_positive, node_op, segment_sum_of_p
 from .power_grad import steep_power
 from .rerun import Runner
 from .scalar_pole import scalar_at_pole
-from .source import node_source, node_tracebacks
+from .source import node_caller, node_source, node_tracebacks
 from .summed_grads import SummedGrads
 from .twice_differentiated import at_forward_node, derived, forward_node
 from .unflattened import packed_rows, unflattened_rows
@@ -59,6 +59,7 @@ class BackwardOrigin:
     node: str | None = None
     module: str | None = None
     source: str | None = None
+    called_from: str | None = None  # the user's line that called into source's package
     made: str | None = None
     dtype: torch.dtype | None = None  # of that non-finite gradient (float32 under autocast
     # for the ops autocast runs in float32, such as a layer norm)
@@ -345,8 +346,10 @@ def _record(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
     """Node ``node`` (labelled ``name``) made the first non-finite gradient from finite ones."""
     returned = [g for g in grad_inputs if isinstance(g, torch.Tensor)]
     found.node, found.module, found.source = node.name(), name, node_source(node)
+    found.called_from = node_caller(node)
     if derived(node):  # (kept until the labels are known; then its forward node's name)
         found.derivative_of, found.source = node, node_source(forward_node(node)) or found.source
+        found.called_from = node_caller(forward_node(node)) or found.called_from
     bad = next(g for g in returned if not finite(g))
     found.made, found.dtype = kind_of(bad), bad.dtype
     found.samples = batch_rows(node, list(grad_inputs), where) \
@@ -397,6 +400,7 @@ def _record_sum(found: BackwardOrigin, node, name: str, uses: int, grad_outputs,
     """The engine summed ``uses`` finite gradients into node ``node``'s non-finite input."""
     bad = next(g for g in grad_outputs if isinstance(g, torch.Tensor) and not finite(g))
     found.node, found.module, found.source = node.name(), name, node_source(node)
+    found.called_from = node_caller(node)
     found.made, found.dtype, found.summed = kind_of(bad), bad.dtype, uses
     found.samples = batch_rows_in(grad_outputs, where)
 
@@ -444,6 +448,7 @@ def _from_hook(found: BackwardOrigin, hit: HookHit, names: dict) -> None:
     found.module = hit.param.rpartition(".")[0] if hit.param else next(
         (name for node, name in names.items() if id(node) == hit.node), None)
     found.source = hit.op.source if hit.op is not None else hit.registered
+    found.called_from = None
     found.made, found.dtype, found.samples = hit.made, hit.dtype, hit.samples
     found.micro_batch, found.in_loss = hit.when
 
@@ -482,6 +487,6 @@ def _inside_custom(runner: Runner, found: BackwardOrigin) -> None:
     hit = finder.origin()
     if hit is not None and found.node == MODULE_HOOK_NODE:  # the module's hook, not torch's
         found.hook, found.node = module_hook_hit(found, hit), MODULE_HOOK
-        found.source = hit.source or found.source
+        found.source, found.called_from = hit.source or found.source, None
     elif hit is not None and hit.source:
         found.inner_op, found.inner_source = hit.op, hit.source

@@ -77,6 +77,7 @@ from .sentinel_inputs import sentinel_inputs_hint
 from .single_sample import single_sample_hint
 from .unselected_targets import unselected_targets_hint
 from .zero_bound import zero_bound_hint
+from .zero_eps_attribute import zero_eps_attribute_hint
 from .zero_number import zero_number_hint
 from .zero_records import zero_records_hint
 from .zero_weights_batch import zero_weights_hint
@@ -118,6 +119,7 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     negative_hint(report, step)  # (exp(-k t) of a time since dose of -150 h)
     nan_attribute_hint(report, step)  # (a KL warm-up weight of 0/0 the loop set on the loss)
     zero_number_hint(report, step)  # (a label range hi - lo fitted on one value: 0)
+    zero_eps_attribute_hint(report, step)  # (a Dice's smooth_dr built as 0, added as eps)
     sentinel_inputs_hint(report, step)  # (VIBO's encoder given responses coded -999 unmasked)
     other_inputs_note(report, step)  # (a bad reading in some windows' inputs, others' targets)
     nan_cast_hint(report, step)  # (NaN intrinsics' frustum points voxelised by .long())

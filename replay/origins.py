@@ -391,6 +391,8 @@ def _backward_fields(b) -> dict[str, Any]:
         fields["masked"] = True
         if b.flat_by:  # (no mask: abs's derivative at 0, relu's, sent the 0)
             fields["masked_by"] = b.flat_by
+    if b.called_from and b.called_from != b.source:  # (its line is an installed package's)
+        fields["called_from"] = b.called_from
     return hook_fields(b, fields) if b.hook is not None else fields
 
 

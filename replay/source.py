@@ -68,17 +68,30 @@ def caller_source(frame) -> str | None:
     return _first_user(outward(frame))
 
 
-def traceback_source(text: str) -> str | None:
-    """``file:line`` of the innermost user frame in a formatted traceback (an autograd node's
-    forward traceback, as anomaly mode keeps it)."""
-    return _first_user((path, line) for path, line in reversed(_FRAME.findall(text)))
-
-
 def node_source(fn) -> str | None:
     """``file:line`` of the user's code whose forward made autograd node ``fn``, from the
     traceback anomaly mode keeps on it (see :func:`node_tracebacks`); None without one."""
+    return _first_user(_node_frames(fn))
+
+
+def node_caller(fn) -> str | None:
+    """Where node ``fn``'s forward line (:func:`node_source`) is an installed package's (a
+    library loss's term: MONAI's focal loss inside the user's compound loss): the line of the
+    user's code that called into that package, from the same traceback, as
+    :func:`library_caller` reads it off the live stack for a forward op. None otherwise."""
+    src = node_source(fn)
+    if not src or not any(d in src for d in _LIBRARY_DIRS):
+        return None
+    return _first_user(_node_frames(fn), skip=_LIBRARY_DIRS)
+
+
+def _node_frames(fn) -> list[tuple[str, int]]:
+    """``(file, line)`` of the frames of node ``fn``'s forward traceback, innermost first."""
     tb = (getattr(fn, "metadata", None) or {}).get("traceback_")
-    return traceback_source("".join(tb) if isinstance(tb, list) else str(tb)) if tb else None
+    if not tb:
+        return []
+    text = "".join(tb) if isinstance(tb, list) else str(tb)
+    return [(path, int(line)) for path, line in reversed(_FRAME.findall(text))]
 
 
 @contextlib.contextmanager
