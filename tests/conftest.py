@@ -28,7 +28,8 @@ from ci import ACCEPTED_SKIPS, CI  # noqa: E402
 
 # The test extras (pyproject.toml) whose absence would otherwise skip tests.
 OPTIONAL_MODULES = ("transformers", "accelerate", "lightning", "numpy", "opacus", "torch_geometric",
-                    "ignite", "peft", "diffusers", "gpytorch", "pyro", "pytorch_optimizer")
+                    "ignite", "peft", "diffusers", "gpytorch", "pyro", "pytorch_optimizer",
+                    "monai", "kornia")
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 
 # Hypothesis's files (example database, constants cache) go to the user's cache, not the checkout.
