@@ -1,0 +1,196 @@
+"""End to end on research models built on lucidrains' libraries (``lucidrains_stack_models``):
+x-transformers' ``AutoregressiveWrapper`` language model fine-tuned under float16 autocast with
+a GradScaler, an ``Encoder`` text classifier given its padding mask, a VQ-VAE on
+``VectorQuantize``'s k-means initialised EMA codebook (updated in place in its forward) and an
+``LFQ`` autoencoder with the user's codebook-usage entropy. Each planted bug fires under the
+recorder and is replayed with the CLI; the healthy versions raise no event and train
+bit-identically with and without the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import lucidrains_stack_models as M
+import pytest
+import torch
+from bundles import nanreplay_json, source_line
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+STEPS = 3
+
+
+def line_of(text: str) -> str:
+    return source_line("lucidrains_stack_models.py", text)
+
+
+@pytest.fixture(autouse=True)
+def quiet_kmeans():
+    """vector-quantize-pytorch warns through loguru at each k-means init of a codebook larger
+    than the batch's vectors (each re-run of the replay too)."""
+    try:
+        from loguru import logger
+    except ImportError:  # (it logs through the standard logging then)
+        logging.getLogger("vector_quantize_pytorch").setLevel(logging.ERROR)
+        yield
+        return
+    logger.disable("vector_quantize_pytorch")
+    yield
+    logger.enable("vector_quantize_pytorch")
+
+
+def train(kind: str, make: str, out_dir, record: bool = True, empty=(), nan_row=None):
+    """AdamW with gradient clipping; the language model under float16 autocast with a
+    GradScaler (unscaled before clipping), as x-transformers' enwik8 example fine-tunes."""
+    model = getattr(M, make)()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    amp = kind == "lm"
+    scaler = torch.amp.GradScaler("cpu", enabled=amp)
+    crit = {"lm": None, "cls": torch.nn.CrossEntropyLoss()}.get(kind, M.vqvae_loss)
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(1)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         scaler=scaler if amp else None,
+                         factory=f"lucidrains_stack_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None and crit is not None else crit
+        for step in range(STEPS):
+            last = step == STEPS - 1
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+                if kind == "lm":
+                    loss = model(M.token_batch(g))  # (the wrapper's own cross-entropy)
+                elif kind == "cls":
+                    ids, mask, y = M.text_batch(g, empty=empty if last else ())
+                    loss = loss_fn(model(ids, mask), y)
+                else:
+                    img = M.images(g)
+                    if last and nan_row is not None:  # (a corrupt file's decoded pixel)
+                        img[nan_row, 0, 2, 3] = float("nan")
+                    loss = loss_fn(*model(img), img)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+    return model
+
+
+def fire(kind: str, make: str, tmp_path, **kw):
+    with pytest.raises(NonFiniteError) as info:
+        train(kind, make, tmp_path, **kw)
+    return info.value.event, info.value.bundle_path
+
+
+def test_float16_attention_logits_of_grown_query_key_weights_overflow_in_the_einsum(tmp_path):
+    """A checkpoint whose query and key projections grew, fine-tuned under float16 autocast:
+    x-transformers' ``einsum('b h i d, b h j d -> b h i j', q, k)`` (a bmm) overflows float16
+    in sequences 4 and 7 of the first batch, and the softmax makes NaN. The replay names the
+    bmm in the first layer's ``attend``, overflow, and the rows."""
+    ev, bundle = fire("lm", "make_grown_lm", tmp_path)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (
+        0, "forward", "net.attn_layers.layers.0.1.attend", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "net.attn_layers.layers.0.1.attend", "aten.bmm", "+inf", [4, 7]), o
+    assert o["source"].endswith("x_transformers/attend.py:552"), o
+    assert rep["cause"] == "overflow", rep["cause"]
+    assert "float16" in rep["hint"], rep["hint"]
+
+
+def test_empty_text_in_the_masked_mean_pooling_is_0_by_0_on_its_row(tmp_path):
+    """The tokenizer's cleaning left document 3 of the last batch empty: its padding mask is
+    all False. x-transformers' attention copes with the fully masked row (it zeroes it), the
+    hand-written ``masked_mean`` divides its zero sum by its zero count. The replay names the
+    division on that line, sample 3, and the empty record."""
+    ev, bundle = fire("cls", "make_classifier", tmp_path, empty=[3])
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"], ev["samples"]) == (
+        2, "forward", "", "nan", [3]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "", "aten.div", "nan", [3]), o
+    assert o["source"] == line_of("return t.sum(dim=dim) / mask.sum(dim=dim)[..., None]"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "empty records" in rep["hint"] and "clamp_min(1)" in rep["hint"], rep["hint"]
+
+
+def test_codebook_without_laplace_smoothing_divides_an_empty_clusters_sum_by_0_in_forward(
+        tmp_path):
+    """``VectorQuantize(eps=0, kmeans_init=True)`` with a codebook larger than the first
+    batch's 128 vectors: k-means leaves clusters empty, and the EMA update inside the
+    quantiser's forward (``embed_avg / cluster_size``, written into the ``embed`` buffer in
+    place, no optimizer involved) is 0/0 at step 0. The replay names the division in
+    ``vq._codebook``, the user's line that called the quantiser, and says which buffers the
+    forward wrote and that the count is 0 there, not a parametrisation."""
+    ev, bundle = fire("vq", "make_vqvae_no_eps", tmp_path)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (
+        0, "forward", "vq._codebook", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"]) == (
+        True, "vq._codebook", "aten.div", "nan"), o
+    assert o["source"].endswith("vector_quantize_pytorch/vector_quantize_pytorch.py:602"), o
+    assert o["called_from"] == line_of("quantized, indices, commit_loss = self.vq(z)"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    hint = rep["hint"]
+    assert "0 by 0" in hint and "vq._codebook.cluster_size" in hint, hint
+    assert "parametrisation" not in hint, hint
+
+
+def test_pairwise_latent_distance_as_sqrt_is_nan_in_backward_only(tmp_path):
+    """The user's spread term ``(p[:, None] - p[None]).pow(2).sum(-1).sqrt()`` is 0 on the
+    diagonal: the forward is finite, sqrt's derivative there is inf, and the pow's backward
+    makes NaN. The replay names SqrtBackward0 on that line and the vector_norm advice."""
+    ev, bundle = fire("vq", "make_vqvae_distance", tmp_path)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "backward", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["module"], o["op"], o["made"]) == (
+        True, "backward", "", "SqrtBackward0", "-inf"), o
+    assert o["source"] == line_of("dist = (pooled[:, None] - pooled[None]).pow(2)"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "vector_norm" in rep["hint"], rep["hint"]
+
+
+def test_lfq_usage_entropy_without_a_floor_is_log_of_an_underflowed_probability(tmp_path):
+    """The usage entropy ``-(p * p.log())`` over ``softmax(2 x . c * 100)``: the far codes'
+    probabilities underflow float32 to 0, log makes -inf and ``0 * -inf`` NaN. The replay
+    names the log (not the mul) and underflow with the log-space advice."""
+    ev, bundle = fire("lfq", "make_lfq", tmp_path)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "forward", "", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"]) == (
+        True, "", "aten.log", "-inf"), o
+    assert o["source"] == line_of("return -(p * p.log()).sum(-1)"), o
+    assert rep["cause"] == "underflow", rep["cause"]
+    assert "clamp_min(eps)" in rep["hint"], rep["hint"]
+
+
+def test_nan_pixel_of_a_corrupt_image_is_an_input_event_on_its_row(tmp_path):
+    ev, bundle = fire("vq", "make_vqvae", tmp_path, nan_row=5)
+    assert (ev["step"], ev["phase"], ev["kind"], ev["samples"]) == (2, "input", "nan", [5]), ev
+    rep = nanreplay_json(bundle)
+    assert (rep["reproduced"], rep["origin"]["samples"], rep["cause"]) == (True, [5], "input")
+
+
+@pytest.mark.parametrize(("kind", "make"), [
+    ("lm", "make_grown_lm_qk_norm"), ("cls", "make_classifier_clamped"), ("vq", "make_vqvae"),
+    ("lfq", "make_lfq_floored")])
+def test_healthy_runs_raise_nothing_and_train_bit_identically(tmp_path, kind, make):
+    """With the fixes (``attn_qk_norm``, the clamped count, the codebook's default eps, the
+    floored entropy) the same data raises no event, the codebooks the forward updates in place
+    included, and every parameter and buffer matches an unrecorded run's bit for bit."""
+    kw = {"empty": [3]} if kind == "cls" else {}
+    recorded = train(kind, make, tmp_path, **kw)
+    plain = train(kind, make, tmp_path, record=False, **kw)
+    assert not list(tmp_path.glob("*.nan"))
+    a, b = recorded.state_dict(), plain.state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
