@@ -89,7 +89,8 @@ def test_float16_attention_logits_of_grown_query_key_weights_overflow_in_the_ein
     """A checkpoint whose query and key projections grew, fine-tuned under float16 autocast:
     x-transformers' ``einsum('b h i d, b h j d -> b h i j', q, k)`` (a bmm) overflows float16
     in sequences 4 and 7 of the first batch, and the softmax makes NaN. The replay names the
-    bmm in the first layer's ``attend``, overflow, and the rows."""
+    bmm in the first layer's ``attend``, overflow, the rows, and (the softmax next in the
+    chain) attention scores with x-transformers' own fix, QK-norm."""
     ev, bundle = fire("lm", "make_grown_lm", tmp_path)
     assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (
         0, "forward", "net.attn_layers.layers.0.1.attend", "nan"), ev
@@ -99,7 +100,9 @@ def test_float16_attention_logits_of_grown_query_key_weights_overflow_in_the_ein
         True, "net.attn_layers.layers.0.1.attend", "aten.bmm", "+inf", [4, 7]), o
     assert o["source"].endswith("x_transformers/attend.py:552"), o
     assert rep["cause"] == "overflow", rep["cause"]
-    assert "float16" in rep["hint"], rep["hint"]
+    hint = rep["hint"]
+    assert "beyond float16's largest value" in hint, hint
+    assert "attention scores" in hint and "attn_qk_norm=True" in hint, hint
 
 
 def test_empty_text_in_the_masked_mean_pooling_is_0_by_0_on_its_row(tmp_path):
