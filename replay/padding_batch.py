@@ -27,7 +27,10 @@ def padding_batch_hint(report: dict[str, Any], step: Step) -> None:
     """Append the micro-batch's data that is 0 everywhere, where an ``invalid`` empty
     reduction or 0/0 of the loss named no sample and an integer model input is all 0."""
     o, hint = report.get("origin") or {}, report.get("hint") or ""
-    if report.get("cause") != "invalid" or o.get("phase") not in ("loss", "backward") \
+    # (or the model's own: a root forward's, x-transformers' AutoregressiveWrapper and Hugging
+    # Face models given labels return their loss)
+    own = o.get("phase") == "forward" and o.get("module") == ""
+    if report.get("cause") != "invalid" or o.get("phase") not in ("loss", "backward") and not own \
             or o.get("samples") or not any(e in hint for e in _EMPTY):
         return
     mb = o.get("micro_batch") or 0
@@ -43,6 +46,6 @@ def padding_batch_hint(report: dict[str, Any], step: Step) -> None:
         f"{hint}. Here {names} {'is' if len(blank) == 1 else 'are'} 0 everywhere in "
         f"micro-batch {mb} of the step, in every sample: it is padding throughout (a segment past the end "
         "of every sequence of a batch padded to a fixed length; a bucket of short sequences), "
-        "so the loss's mask kept no target to average; skip a micro-batch with no target "
+        "so the loss's mask (or its ignore_index) kept no target to average; skip a micro-batch with no target "
         "before the loss (if (target != pad).any()), or pad each batch to its own longest "
         "sequence")

@@ -38,7 +38,7 @@ from torch import nn
 from vector_quantize_pytorch import LFQ, VectorQuantize
 from x_transformers import AutoregressiveWrapper, Decoder, Encoder, TransformerWrapper
 
-VOCAB, SEQ = 64, 16
+VOCAB, SEQ, PAD = 64, 16, 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -53,6 +53,11 @@ def make_lm(qk_norm: bool = False) -> AutoregressiveWrapper:
                             attn_flash=False, ff_glu=True, use_rmsnorm=True,
                             attn_qk_norm=qk_norm))
     return AutoregressiveWrapper(net)
+
+
+def make_lm_padded() -> AutoregressiveWrapper:
+    """The wrapper told the padding id: its cross-entropy leaves padded targets out."""
+    return AutoregressiveWrapper(make_lm().net, ignore_index=PAD, pad_value=PAD)
 
 
 def grow_qk(model: nn.Module, factor: float = 125.0) -> nn.Module:
@@ -72,9 +77,13 @@ def make_grown_lm_qk_norm() -> AutoregressiveWrapper:
     return grow_qk(make_lm(qk_norm=True))
 
 
-def token_batch(g: torch.Generator, n: int = 8) -> torch.Tensor:
-    """Sequences of SEQ + 1 tokens (the wrapper shifts them into input and target)."""
-    return torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+def token_batch(g: torch.Generator, n: int = 8, lengths=None) -> torch.Tensor:
+    """Sequences of SEQ + 1 tokens (the wrapper shifts them into input and target); with
+    ``lengths``, each right-padded with PAD after its length."""
+    seq = torch.randint(1, VOCAB, (n, SEQ + 1), generator=g)
+    if lengths is not None:
+        seq = seq.masked_fill(torch.arange(SEQ + 1) >= torch.as_tensor(lengths)[:, None], PAD)
+    return seq
 
 
 # ---------------------------------------------------------------------------------------------

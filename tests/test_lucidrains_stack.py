@@ -88,21 +88,97 @@ def fire(kind: str, make: str, tmp_path, **kw):
 def test_float16_attention_logits_of_grown_query_key_weights_overflow_in_the_einsum(tmp_path):
     """A checkpoint whose query and key projections grew, fine-tuned under float16 autocast:
     x-transformers' ``einsum('b h i d, b h j d -> b h i j', q, k)`` (a bmm) overflows float16
-    in sequences 4 and 7 of the first batch, and the softmax makes NaN. The replay names the
-    bmm in the first layer's ``attend``, overflow, the rows, and (the softmax next in the
-    chain) attention scores with x-transformers' own fix, QK-norm."""
+    in the first batch, and the softmax makes NaN. Of sequences 0, 2, 3 and 6, whose scores
+    hold an infinity, only sequence 3's is at a position the causal mask keeps (the others'
+    are future positions, filled before the softmax). The replay names the bmm in the first
+    layer's ``attend``, overflow, sample 3, and (the softmax next in the chain) attention
+    scores with x-transformers' own fix, QK-norm."""
     ev, bundle = fire("lm", "make_grown_lm", tmp_path)
     assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (
         0, "forward", "net.attn_layers.layers.0.1.attend", "nan"), ev
     rep = nanreplay_json(bundle)
     o = rep["origin"]
     assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
-        True, "net.attn_layers.layers.0.1.attend", "aten.bmm", "+inf", [4, 7]), o
+        True, "net.attn_layers.layers.0.1.attend", "aten.bmm", "+inf", [3]), o
     assert o["source"].endswith("x_transformers/attend.py:552"), o
     assert rep["cause"] == "overflow", rep["cause"]
     hint = rep["hint"]
     assert "beyond float16's largest value" in hint, hint
     assert "attention scores" in hint and "attn_qk_norm=True" in hint, hint
+
+
+def test_learning_rate_range_test_blows_up_the_weights_until_float16_overflows(tmp_path):
+    """An LR range test (the learning rate multiplied by 10 each step from 1e-2, as users run
+    one to pick the peak rate) under float16 autocast: by step 4 the weights have grown, the
+    first layer's attention scores overflow float16. The replay names the bmm and overflow,
+    and says the learning rate had jumped at step 2, that the run was diverging (a wider type
+    only postpones it), with AdamW's decay factor 1 - lr * wd gone below -1."""
+    model = M.make_lm()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sweep = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 10.0 ** s)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=tmp_path, scaler=scaler,
+                            factory="lucidrains_stack_models:make_lm"):
+            for _ in range(8):
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(M.token_batch(g))
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                scaler.step(opt)
+                scaler.update()
+                sweep.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (
+        4, "forward", "net.attn_layers.layers.0.1.attend"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "net.attn_layers.layers.0.1.attend", "aten.bmm", "+inf", list(range(8))), o
+    assert rep["cause"] == "overflow", rep["cause"]
+    hint = rep["hint"]
+    assert "the learning rate had jumped at step 2" in hint and "diverging" in hint, hint
+    assert "1 - lr * weight_decay" in hint, hint
+    assert any(p["step"] == 2 and p["kind"] == "lr_jump" for p in rep["precursors"]), \
+        rep["precursors"]
+
+
+def test_padding_only_micro_batch_in_the_wrappers_own_loss_names_the_padded_batch(tmp_path):
+    """Gradient accumulation over two micro-batches cut from a padded stream; the wrapper
+    told ``ignore_index=PAD`` averages its cross-entropy over the targets that are not padding
+    (``loss.sum() / valid.sum()``, inside ``model(seq)``). Step 1's second micro-batch is
+    padding throughout: 0/0 in the model's own loss, no sample to blame. The replay names the
+    division on the wrapper's loss line and the micro-batch that is 0 everywhere, with the
+    advice to skip it."""
+    model = M.make_lm_padded()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=tmp_path,
+                            factory="lucidrains_stack_models:make_lm_padded"):
+            for step in range(3):
+                opt.zero_grad()
+                for micro in range(2):
+                    blank = step == 1 and micro == 1
+                    seq = M.token_batch(g, n=4, lengths=[0 if blank else 17] * 4)
+                    (model(seq) / 2).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["micro_batch"], ev["phase"], ev["module"], ev["samples"]) == (
+        1, 1, "forward", "", []), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["micro_batch"], o["module"], o["op"], o["made"], o["samples"]) \
+        == (True, 1, "", "aten.div", "nan", []), o
+    assert o["source"].endswith("x_transformers/autoregressive_wrapper.py:676"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    hint = rep["hint"]
+    assert "0 everywhere in micro-batch 1 of the step, in every sample: it is padding " \
+        "throughout" in hint and "skip a micro-batch with no target" in hint, hint
 
 
 def test_empty_text_in_the_masked_mean_pooling_is_0_by_0_on_its_row(tmp_path):
