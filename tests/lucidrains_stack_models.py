@@ -8,6 +8,11 @@
   and key projections grew during pre-training (attention-logit growth, Dehghani et al. 2023):
   fine-tuned under float16 autocast the attention logits ``q . k`` overflow float16;
   ``make_grown_lm_qk_norm`` turns on x-transformers' fix, ``attn_qk_norm``.
+  ``make_lm_padded``: the wrapper told the padding id (``ignore_index=PAD``), whose loss is
+  ``loss.sum() / valid.sum()``: 0/0 on a micro-batch of padding only. ``make_lm_z_loss``:
+  PaLM's z-loss on the attention logits (``add_attn_z_loss=True``) with the padding mask
+  passed as ``mask=``: a left-padded sequence's first queries see no valid key, their scores
+  are all the fill ``-finfo(float32).max``, and the z-loss adds the layers' logsumexp of it.
 - ``TextClassifier``: an ``Encoder`` over padded token ids with its padding mask passed as
   ``mask=``, the embeddings mean-pooled over the valid tokens by a hand-written
   ``masked_mean`` as lucidrains' repositories write it, then a linear head. ``masked_mean``
@@ -58,6 +63,13 @@ def make_lm(qk_norm: bool = False) -> AutoregressiveWrapper:
 def make_lm_padded() -> AutoregressiveWrapper:
     """The wrapper told the padding id: its cross-entropy leaves padded targets out."""
     return AutoregressiveWrapper(make_lm().net, ignore_index=PAD, pad_value=PAD)
+
+
+def make_lm_z_loss() -> AutoregressiveWrapper:
+    """PaLM's z-loss on the attention logits too (``add_attn_z_loss=True``), the padding
+    mask passed as ``mask=``."""
+    return AutoregressiveWrapper(make_lm().net, ignore_index=PAD, pad_value=PAD,
+                                 add_attn_z_loss=True)
 
 
 def grow_qk(model: nn.Module, factor: float = 125.0) -> nn.Module:

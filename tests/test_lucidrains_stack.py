@@ -1,6 +1,7 @@
 """End to end on research models built on lucidrains' libraries (``lucidrains_stack_models``):
 x-transformers' ``AutoregressiveWrapper`` language model fine-tuned under float16 autocast with
-a GradScaler, an ``Encoder`` text classifier given its padding mask, a VQ-VAE on
+a GradScaler (an LR range test on it too; told the padding id; with the attention z-loss over a
+left-padded batch), an ``Encoder`` text classifier given its padding mask, a VQ-VAE on
 ``VectorQuantize``'s k-means initialised EMA codebook (updated in place in its forward) and an
 ``LFQ`` autoencoder with the user's codebook-usage entropy. Each planted bug fires under the
 recorder and is replayed with the CLI; the healthy versions raise no event and train
@@ -179,6 +180,41 @@ def test_padding_only_micro_batch_in_the_wrappers_own_loss_names_the_padded_batc
     hint = rep["hint"]
     assert "0 everywhere in micro-batch 1 of the step, in every sample: it is padding " \
         "throughout" in hint and "skip a micro-batch with no target" in hint, hint
+
+
+def test_attention_z_loss_of_a_left_padded_row_overflows_the_mask_fill(tmp_path):
+    """``add_attn_z_loss=True`` with the padding mask passed as ``mask=``: sequences 2 and 5
+    of the last batch are left-padded, so under the causal mask their first queries see no
+    valid key. x-transformers fills masked scores with -finfo(float32).max, the logsumexp of
+    such a row is that fill, and ``calc_z_loss`` sums the two layers' (then squares): -inf.
+    The replay names the add on that line and rows 2 and 5, and says the number is the type's
+    edge written as a mask fill by a fully masked row, not iterates that diverged."""
+    model = M.make_lm_z_loss()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=tmp_path,
+                            factory="lucidrains_stack_models:make_lm_z_loss"):
+            for step in range(STEPS):
+                opt.zero_grad()
+                seq = M.token_batch(g)
+                if step == STEPS - 1:  # (left padding, as a batch for generation is padded)
+                    seq[2, :5] = M.PAD
+                    seq[5, :3] = M.PAD
+                loss = model(seq, mask=seq != M.PAD)
+                loss.backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (2, "forward", "net", "+inf"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "net", "aten.add", "-inf", [2, 5]), o
+    assert o["source"].endswith("x_transformers/x_transformers.py:295"), o
+    assert rep["cause"] == "overflow", rep["cause"]
+    hint = rep["hint"]
+    assert "the largest finite value of its type itself" in hint and "mask's fill" in hint, hint
+    assert "add_attn_z_loss=True" in hint and "diverging" not in hint, hint
 
 
 def test_empty_text_in_the_masked_mean_pooling_is_0_by_0_on_its_row(tmp_path):
