@@ -28,6 +28,9 @@
   ``(z - codes).pow(2).sum(-1).sqrt()`` (a Euclidean, not squared, distance): a vector the
   k-means init made a code of has distance 0, and the sqrt's derivative is inf there: NaN in
   backward only.
+- ``VQVAESpherical``: a cosine-similarity codebook (``use_cosine_sim=True``) and the user's
+  spherical distance ``sqrt(2 - 2 cos)`` of each vector to its code: under bfloat16 autocast
+  the cosine of a vector with the code k-means made of it rounds above 1.
 - ``LFQAutoencoder``: lookup-free quantisation (``LFQ``) with the user's own codebook-usage
   entropy over ``softmax(x . c * inv_temperature)`` as MAGVIT-2 writes it, ``-(p * p.log())``:
   without a floor, the probabilities underflow to 0 for the far codes and ``0 * log(0)`` is NaN
@@ -179,6 +182,31 @@ class VQVAEDistance(VQVAE):
         pooled = reduce(z, "b d h w -> b d", "mean")
         dist = (pooled[:, None] - pooled[None]).pow(2).sum(-1).sqrt()
         return self.decoder(quantized), commit_loss - 0.01 * dist.mean()
+
+
+class VQVAESpherical(VQVAE):
+    """A cosine-similarity codebook (ViT-VQGAN's l2-normalised codes) and the user's
+    spherical distance of each vector to its code, ``sqrt(2 - 2 cos)``, as a commitment term:
+    0 for a vector k-means made a code of, and under bfloat16 autocast the cosine of the
+    bfloat16 vector normalised in bfloat16 rounds above 1 there."""
+
+    def __init__(self):
+        super().__init__()
+        self.vq = VectorQuantize(dim=16, codebook_size=256, use_cosine_sim=True,
+                                 kmeans_init=True, kmeans_iters=4, accept_image_fmap=True)
+
+    def forward(self, img):
+        z = self.encoder(img)
+        quantized, indices, commit_loss = self.vq(z)
+        codes = self.vq.get_codes_from_indices(indices).detach()
+        cos = (F.normalize(z, dim=1) * F.normalize(codes, dim=1)).sum(1)
+        dist = (2 - 2 * cos).sqrt()
+        return self.decoder(quantized), commit_loss + 0.1 * dist.mean()
+
+
+def make_vqvae_spherical() -> VQVAESpherical:
+    torch.manual_seed(0)
+    return VQVAESpherical()
 
 
 def make_vqvae() -> VQVAE:

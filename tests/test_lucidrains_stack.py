@@ -45,10 +45,12 @@ def quiet_kmeans():
 
 def train(kind: str, make: str, out_dir, record: bool = True, empty=(), nan_row=None):
     """AdamW with gradient clipping; the language model under float16 autocast with a
-    GradScaler (unscaled before clipping), as x-transformers' enwik8 example fine-tunes."""
+    GradScaler (unscaled before clipping), as x-transformers' enwik8 example fine-tunes; the
+    spherical-distance VQ-VAE under bfloat16 autocast."""
     model = getattr(M, make)()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     amp = kind == "lm"
+    half = torch.bfloat16 if kind == "sphere" else torch.float16
     scaler = torch.amp.GradScaler("cpu", enabled=amp)
     crit = {"lm": None, "cls": torch.nn.CrossEntropyLoss()}.get(kind, M.vqvae_loss)
     g = torch.Generator().manual_seed(0)
@@ -61,7 +63,7 @@ def train(kind: str, make: str, out_dir, record: bool = True, empty=(), nan_row=
         for step in range(STEPS):
             last = step == STEPS - 1
             opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+            with torch.autocast("cpu", dtype=half, enabled=amp or kind == "sphere"):
                 if kind == "lm":
                     loss = model(M.token_batch(g))  # (the wrapper's own cross-entropy)
                 elif kind == "cls":
@@ -285,6 +287,23 @@ def test_lfq_usage_entropy_without_a_floor_is_log_of_an_underflowed_probability(
     assert o["source"] == line_of("return -(p * p.log()).sum(-1)"), o
     assert rep["cause"] == "underflow", rep["cause"]
     assert "clamp_min(eps)" in rep["hint"], rep["hint"]
+
+
+def test_spherical_distance_under_bfloat16_is_a_sqrt_of_a_rounded_negative(tmp_path):
+    """A cosine-similarity codebook, k-means initialised, and the user's ``sqrt(2 - 2 cos)``
+    to each vector's code, under bfloat16 autocast (no GradScaler): the encoder's bfloat16
+    output normalised in bfloat16 has a cosine above 1 with its own code, so the sqrt takes a
+    negative number in every image. The replay names the sqrt on that line, precision (float64
+    is at the edge, not past it), and the bfloat16 ops before it."""
+    ev, bundle = fire("sphere", "make_vqvae_spherical", tmp_path)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "forward", "", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "", "aten.sqrt", "nan", list(range(8))), o
+    assert o["source"] == line_of("dist = (2 - 2 * cos).sqrt()"), o
+    assert rep["cause"] == "precision", rep["cause"]
+    assert "ops before it computed in bfloat16" in rep["hint"], rep["hint"]
 
 
 def test_nan_pixel_of_a_corrupt_image_is_an_input_event_on_its_row(tmp_path):
