@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange, reduce
 from torch import nn
+from torch.utils.data import Dataset
 from vector_quantize_pytorch import LFQ, VectorQuantize
 from x_transformers import AutoregressiveWrapper, Decoder, Encoder, TransformerWrapper
 
@@ -140,15 +141,28 @@ def make_classifier_clamped() -> TextClassifier:
     return TextClassifier(pool=masked_mean_clamped)
 
 
-def text_batch(g: torch.Generator, n: int = 8, empty=()):
-    """Token ids padded with 0 to SEQ, their mask, labels; the rows ``empty`` hold no token
-    (a document the tokenizer's cleaning left empty)."""
-    lengths = torch.randint(4, SEQ + 1, (n,), generator=g)
-    for row in empty:
-        lengths[row] = 0
-    mask = torch.arange(SEQ)[None, :] < lengths[:, None]
-    ids = torch.randint(1, VOCAB, (n, SEQ), generator=g).masked_fill(~mask, 0)
-    return ids, mask, torch.randint(0, 4, (n,), generator=g)
+class Documents(Dataset):
+    """Tokenised documents of 4 to SEQ token ids (from 1; PAD is 0) and a label each; the
+    documents ``empty`` hold no token (one the tokenizer's cleaning left empty)."""
+
+    def __init__(self, n: int, seed: int = 0, empty=()):
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(4, SEQ + 1, (n,), generator=g)
+        self.docs = [torch.randint(1, VOCAB, (0 if i in empty else int(k),), generator=g)
+                     for i, k in enumerate(lengths)]
+        self.labels = torch.randint(0, 4, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.docs)
+
+    def __getitem__(self, i):
+        return self.docs[i], self.labels[i]
+
+
+def pad_collate(items):
+    """Token ids right-padded with PAD to SEQ, the padding mask, the labels."""
+    ids = torch.stack([F.pad(doc, (0, SEQ - len(doc)), value=PAD) for doc, _ in items])
+    return ids, ids != PAD, torch.stack([y for _, y in items])
 
 
 # ---------------------------------------------------------------------------------------------
