@@ -63,10 +63,11 @@ def written_divisor_hint(op: str, ev, name: str | None, written: list[str],
             f"forward wrote in place from the batch before dividing{also}: a running "
             "statistic the module updates itself, under no_grad, outside optimizer.step() (an "
             "EMA codebook's cluster sizes and summed vectors, set by k-means at its first "
-            f"batch; a running class histogram), and it is 0{at}: a category no vector of the "
-            "batch fell in (a code no vector chose, a cluster k-means left empty) has a count "
-            f"of 0{zero_sum}. Every sample meets the same entries, "
-            "so no record is to blame. Smooth the count before dividing by it (Laplace "
-            "smoothing, (n + eps) / (N + K * eps) * N with eps > 0: vector-quantize-pytorch's "
-            "eps, which 0 turns off), floor it (n.clamp_min(eps)), or keep the old value where "
-            "the count is 0; and replace such dead codes (threshold_ema_dead_code)")
+            f"batch; a running class histogram; a running variance), and it is 0{at}. A count "
+            "is 0 for a category no vector of the batch fell in (a code no vector chose, a "
+            f"cluster k-means left empty){zero_sum}; a variance, where the values it was "
+            "updated from were all equal. Every sample meets the same entries, so no record "
+            "is to blame. Smooth the count before dividing by it (Laplace smoothing, (n + eps) "
+            "/ (N + K * eps) * N with eps > 0: vector-quantize-pytorch's eps, which 0 turns "
+            "off), floor it (n.clamp_min(eps)), or keep the old value where it is 0; and "
+            "replace such dead codes (threshold_ema_dead_code)")
