@@ -71,6 +71,7 @@ from .cause_text import (
 )
 from .dispatch import OpAt
 from .domains import g as _g
+from .fill_overflow import fill_hint
 from .float8_cast import float8_cast_advice
 from .float64_step import float64_still
 from .forbidden_target import forbidden_target_hint
@@ -276,6 +277,8 @@ def _beyond_type(op: str, ev: Evidence) -> Cause:
     dt = _type(ev.dtype)
     if (literal := unheld_literal(ev)) is not None:  # (-1e9 for a mask, under float16)
         return Cause("overflow", literal_hint(op, literal, ev.dtype))
+    if fill := fill_hint(op, ev):  # (-finfo.max a fully masked row kept, summed or squared)
+        return Cause("overflow", fill)
     big = float(ev.local64.abs().max()) if ev.local64.numel() else math.inf
     big_s, top_s = domains.g_pair(big, top := torch.finfo(ev.dtype).max)
     if big <= top:  # the result fits: a value the op made on the way did not (a sum of

@@ -15,6 +15,7 @@ from recorder.finite import inf_read_finite
 from recorder.scripted import hookable_modules, is_scripted
 
 from .absorbed_log import absorbed_hint
+from .attention_logits import attention_logits_hint
 from .backward_calls import backward_call_note, run_to_call, user_backward
 from .buffer_divisor import buffer_divisor_hint
 from .called_at import note_called_at
@@ -171,6 +172,7 @@ def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin,
     hint = kept_divisor_hint(hint, finder, hit)  # (whole columns of x / (self.std + eps))
     hint = offset_divisor_hint(hint, cause.name, finder, hit, runner.model)  # (mask + lam)
     hint = self_edge_hint(hint, cause.name, hit, step, o.micro_batch)  # (i == j in edge_index)
+    hint = attention_logits_hint(hint, cause.name, origin)  # (float16 q @ k.T, then softmax)
     return coincident_hint(hint, cause.name, hit, step, o.micro_batch)  # (cdist(a, b) of 0)
 
 

@@ -20,6 +20,7 @@ import torch
 from recorder.target import LOSS_PREFIX
 
 from . import lost_eps
+from .batch_written import written_divisor_hint
 
 __all__ = ["held_divisor_hint", "loss_buffers"]
 
@@ -44,6 +45,10 @@ def held_divisor_hint(hint: str | None, cause: str, finder, hit,
             or ev is None or len(ev.inputs) < (1 if inverse else 2):
         return None
     kept = finder.names.hit_divisor_kept
+    one = kept[0] if name is None and kept is not None and len(kept) == 1 else None
+    if said := written_divisor_hint(hit.op, ev, one, finder.names.written.names,
+                                    finder.names.hit_divisor):
+        return said  # (made of a running statistic the forward updated: an EMA's counts)
     if name is None and kept is not None and len(kept) == 1:  # (made of one buffer alone)
         # (not an eps the code set to 0 there, std + eps with eps = 0: that hint names it)
         return None if lost_eps.zero(ev) else _made_of_hint(

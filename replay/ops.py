@@ -274,6 +274,8 @@ class OpFinder:
         if name in ("exp", "exp_") or name in PICKS and ins and ins[0] in self.exps:
             self.exps.add(outs[0])
         weights_only = bool(self.state) and self._of_weights_only(leaves)
+        if self.first is None:  # (the writes before the origin: replay.batch_written)
+            self.names.written.track(func, name, given[0], weights_only, self.names)
         if weights_only:  # (and a complex result itself, which ``outs`` holds as a real view)
             for t in outs + [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]:
                 self._of_weights.add(t)

@@ -8,7 +8,10 @@ in every sample. The loss's masked mean then selects nothing, ``nll[mask].mean()
 empty selection, a batch of 1) names no data; the hint adds the integer model inputs (token
 ids) 0 everywhere in the micro-batch, and the loss's data 0 there too, so the user skips such
 micro-batches or pads each batch to its own longest sequence. An all-0 integer model input,
-not only an all-0 label (a batch with no positive of a class is no padding).
+not only an all-0 label (a batch with no positive of a class is no padding). So too for a
+model that computes its loss in its own forward (x-transformers' ``AutoregressiveWrapper``
+told ``ignore_index``, whose ``loss.sum() / valid.sum()`` is 0/0 there; a Hugging Face model
+given labels): a forward origin in the root module.
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ def padding_batch_hint(report: dict[str, Any], step: Step) -> None:
     """Append the micro-batch's data that is 0 everywhere, where an ``invalid`` empty
     reduction or 0/0 of the loss named no sample and an integer model input is all 0."""
     o, hint = report.get("origin") or {}, report.get("hint") or ""
-    if report.get("cause") != "invalid" or o.get("phase") not in ("loss", "backward") \
+    # (or the model's own: a root forward's, x-transformers' AutoregressiveWrapper and Hugging
+    # Face models given labels return their loss)
+    own = o.get("phase") == "forward" and o.get("module") == ""
+    if report.get("cause") != "invalid" or o.get("phase") not in ("loss", "backward") and not own \
             or o.get("samples") or not any(e in hint for e in _EMPTY):
         return
     mb = o.get("micro_batch") or 0
@@ -43,6 +49,6 @@ def padding_batch_hint(report: dict[str, Any], step: Step) -> None:
         f"{hint}. Here {names} {'is' if len(blank) == 1 else 'are'} 0 everywhere in "
         f"micro-batch {mb} of the step, in every sample: it is padding throughout (a segment past the end "
         "of every sequence of a batch padded to a fixed length; a bucket of short sequences), "
-        "so the loss's mask kept no target to average; skip a micro-batch with no target "
-        "before the loss (if (target != pad).any()), or pad each batch to its own longest "
-        "sequence")
+        "so the loss's mask (or its ignore_index) kept no target to average; skip a "
+        "micro-batch with no target before the loss (if (target != pad).any()), or pad "
+        "each batch to its own longest sequence")

@@ -15,6 +15,8 @@ import weakref
 
 import torch
 
+from .batch_written import BatchWritten
+
 # ops whose output holds some of their one floating input's values, unchanged
 _COPIES = {"tril", "triu", "clone", "_to_copy", "contiguous", "diagonal_copy", "index",
            "index_select", "gather", "take_along_dim", "masked_select", "repeat", "expand_copy",
@@ -87,6 +89,8 @@ class ParamNames:
         # learned weight as the divisor's eps) -> (it, the name); the name at the last division
         self._offsets: dict[int, tuple[weakref.ref, str]] = {}
         self.hit_divisor_offset: str | None = None
+        # the buffers the forward wrote in place from the batch (replay.batch_written)
+        self.written = BatchWritten()
 
     def index(self, named, buffers=()) -> None:
         """Name the parameters ``named`` yields (``model.named_parameters()``), by address
@@ -221,6 +225,11 @@ class ParamNames:
     def _differenced(self, t: torch.Tensor) -> str | None:
         hit = self._of_buffer.get(id(t))
         return hit[1] if hit is not None and hit[0]() is t else None
+
+    def buffer_at(self, t: torch.Tensor) -> str | None:
+        """The name of the floating buffer ``t`` is, or a view of (its storage), or None."""
+        ptr = _storage(t)
+        return None if ptr is None else self._tables.get(ptr)
 
     def _table_of(self, t: torch.Tensor) -> tuple[str, bool] | None:
         """(the buffer ``t`` holds values of, whether picked by index), or None."""

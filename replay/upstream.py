@@ -19,6 +19,7 @@ import torch
 
 from . import batch_overflow, clamped_divisor, data_factor, lost_eps, xlogx
 from .cause_text import DO, MASK_AFTER_POLE
+from .fill_overflow import is_fill
 from .hits import Evidence
 
 MIN_CALLS = 8  # earlier finite calls of the op: fewer is no loop
@@ -92,7 +93,7 @@ def diverging(sizes: list[float]) -> tuple[float, float] | None:
 
 def _diverging(ev: Evidence) -> str:
     grew = diverging(ev.sizes)
-    if grew is None:
+    if grew is None or is_fill(grew[1], ev.dtype):  # (a mask's -finfo.max: no iterate)
         return ""
     return (f"; but the op's {len(ev.sizes)} earlier calls here grew from a "
             f"median of {grew[0]:.3g} to {grew[1]:.3g}, call after call: the iterates of a "
