@@ -33,6 +33,7 @@ from .foreign import ForeignUpdates
 from .grads import output_grad_norms, reread_changed_grads, weight_step_norms
 from .hooks import Health
 from .linalg import linalg_reason, note_error, raised_inside
+from .numeric_check import check_detail, check_reason
 from .probe import Probe
 from .rewind import Rewind
 from .ring import RingBuffer, StepLayout
@@ -377,18 +378,19 @@ class StepCycle:
 
 def _forced(tape: Tape, exc: BaseException, target: Target) -> str | None:
     """The event an exception forces even when the step's statistics are finite: anomaly
-    mode's NaN in backward, a decomposition that failed in the model or the loss, or a
-    distribution's check that refused a value there (its error kept for the event)."""
+    mode's NaN in backward, a decomposition that failed in the model or the loss, a
+    distribution's check that refused a value there, or the code's own check on a non-finite
+    value (its error kept for the event)."""
     if anomaly_reason(exc):
         return "anomaly"
-    reason = linalg_reason(exc) or constraint_reason(exc)
+    reason = linalg_reason(exc) or constraint_reason(exc) or check_reason(exc)
     if reason is None or not raised_inside(
             exc, [*(s.module for s in target.sites), target.loss_module()]):
         return None
     if reason == "linalg":
         note_error(tape, exc, target.loss_module())
     else:
-        tape.refused = constraint_detail(exc)
+        tape.refused = constraint_detail(exc) if reason == "constraint" else check_detail(exc)
     return reason
 
 

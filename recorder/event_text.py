@@ -15,7 +15,7 @@ def summary(event: dict[str, Any], path: Path | None) -> str:
     """The one-paragraph message of :class:`~recorder.NonFiniteError`."""
     if event.get("reason") == "linalg":
         return linalg_summary(event, path)
-    if event.get("reason") == "constraint":
+    if event.get("reason") in ("constraint", "check"):
         return constraint_summary(event, path)
     where = ""
     if event.get("module") == "<loss>":

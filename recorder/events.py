@@ -166,7 +166,7 @@ def find_event(ev: StepEvidence, reason: str) -> Event | None:
     if reason == "linalg":  # (the module and op are the replay's: no hook saw the raise)
         return Event(ev.tape.step, reason, phase=ev.tape.linalg_phase,
                      detail=linalg_detail(ev.tape))
-    if reason == "constraint":  # (likewise: recorder.constraints)
+    if reason in ("constraint", "check"):  # (likewise: recorder.constraints, numeric_check)
         return Event(ev.tape.step, reason, phase="forward", detail=ev.tape.refused)
     if reason in ("scale_collapse", "scale_skipping"):
         scale = ev.layout.scale

@@ -33,6 +33,7 @@ from .linalg import ModuleCalls, report_linalg
 from .load import Step
 from .looked_up_refusal import looked_up_refusal_hint
 from .passed_zeros import zeros_maker
+from .raised_check import report_check
 from .recorded import batch_size
 from .refused_matrix import cholesky_diagonal, is_matrix_refusal, matrix_judge
 from .refused_param import entry_valid, param_hint, refused_param
@@ -48,10 +49,13 @@ _CHECKS = os.path.join("torch", "distributions", "distribution.py")
 
 def report_raised(report, step: Step, runner: Runner, run) -> dict[str, Any] | None:
     """The report of a re-run that an error of the step's own numerics ended (a failed
-    decomposition, a distribution refusing a value); None when it was neither."""
+    decomposition, a distribution refusing a value, the code's own check on a non-finite
+    value); None when it was none of them."""
     if (linalg := report_linalg(report, step, runner, run)) is not None:
         return linalg
-    return report_refused(report, step, runner, run)
+    if (refused := report_refused(report, step, runner, run)) is not None:
+        return refused
+    return report_check(report, step, runner, run)  # (the code's own NaN check: raised_check)
 
 
 def report_refused(report, step: Step, runner: Runner, run) -> dict[str, Any] | None:
