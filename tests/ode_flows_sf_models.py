@@ -236,6 +236,12 @@ def make_logit_flow() -> nn.Module:
     return LogitFlow()
 
 
+def make_logit_flow_unsqueezed() -> nn.Module:
+    """The logit of the dequantised pixels themselves, ``alpha = 0``."""
+    torch.manual_seed(0)
+    return LogitFlow(alpha=0.0)
+
+
 def pixel_data(n: int = 32, pixels: int = 4, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, 256, (n, pixels), generator=g).float()
@@ -276,3 +282,10 @@ class ContextDraws(nn.Module):
 def make_context_draws() -> nn.Module:
     torch.manual_seed(0)
     return ContextDraws()
+
+
+def flow_cnf() -> nn.Module:
+    """zuko's continuous normalising flow (FFJORD): an adaptive solver with its own adjoint,
+    the exact log-determinant by autograd inside the field's solve."""
+    torch.manual_seed(0)
+    return zuko.flows.CNF(features=3, context=2, hidden_features=(16, 16))

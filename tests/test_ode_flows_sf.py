@@ -242,3 +242,22 @@ def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, make, kind, los
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_logit_of_a_dequantised_255_rounded_to_1_is_precision(tmp_path):
+    """The logit without RealNVP's squeeze (``alpha = 0``): pixel 255 with dequantisation
+    noise 0.999996 is 255.999996, which float32 rounds to 256, so ``p`` is exactly 1 and
+    ``log(1 - p)`` is -inf where exact arithmetic gives log(1.6e-8): precision, not invalid
+    math, on that record."""
+    def plant(args, targets):
+        x, u = args[0].clone(), args[1].clone()
+        x[9, 2], u[9, 2] = 255.0, 0.999996
+        return (x, u), targets
+    ev, bundle = fire("make_logit_flow_unsqueezed", "pixels", M.pixel_nll, tmp_path, plant,
+                      raises=ValueError)  # (the base Normal then refuses the logit's +inf)
+    assert (ev["step"], ev["phase"], ev["module"]) == (3, "forward", ""), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.log", "-inf", [9]), o
+    assert o["source"] == line_of("logit = torch.log(p) - torch.log(1 - p)"), o
+    assert rep["cause"] == "precision" and "rounding" in rep["hint"], rep["hint"]
