@@ -10,8 +10,9 @@ swaps of the weights outside ``step()``).
   Riccati term): a record of out-of-scale density blows up within the horizon.
 - ``RadialAdjointODE``: ``odeint_adjoint`` over a field scaled by the state's radius
   ``sqrt(sum y²)``; the backward solves the adjoint ODE, calling the field's vjp again.
-- ``flow_nsf``/``flow_maf``: zuko's conditional flows; ``nll(dist, x)`` the maximum
-  likelihood loss on the distribution the flow returns.
+- ``flow_nsf``/``flow_maf``/``flow_cnf``: zuko's conditional flows (the CNF an adaptive
+  solve under zuko's own adjoint); ``nll(dist, x)`` the maximum likelihood loss on the
+  distribution the flow returns.
 - ``LogitFlow``: a Glow/RealNVP-style image-density flow: dequantised pixels through the logit
   preprocessing ``log(x) - log(1 - x)``, then a zuko MAF on the logits.
 - ``iwae_nll``: a mixture of a conditional flow's densities over K context draws, averaged as

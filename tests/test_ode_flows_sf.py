@@ -159,11 +159,12 @@ def test_adjoint_radial_field_at_a_blank_record_is_a_backward_sqrt_pole(tmp_path
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
-@pytest.mark.parametrize("make", ["flow_nsf", "flow_maf"])
+@pytest.mark.parametrize("make", ["flow_nsf", "flow_maf", "flow_cnf"])
 def test_fill_value_in_a_flows_data_overflows_the_base_log_density(tmp_path, make):
     """A missing value stored as 1e20 in record 7: the NSF's splines pass it through outside
-    their bound, the MAF's affine steps barely scale it, and the standard normal's ``z²``
-    overflows in ``log_prob``, zuko's line called from the loss ``nll``."""
+    their bound, the MAF's affine steps barely scale it, the CNF's adaptive solve (zuko's
+    own adjoint Function) carries it, and the standard normal's ``z²`` overflows in
+    ``log_prob``, zuko's line called from the loss ``nll``."""
     ev, bundle = fire(make, "flow", M.nll, tmp_path, at(1, (7, 0), 1e20))
     assert (ev["step"], ev["phase"], ev["module"]) == (3, "loss", "<loss>"), ev
     rep = nanreplay_json(bundle)
