@@ -250,7 +250,7 @@ def pixel_data(n: int = 32, pixels: int = 4, seed: int = 0):
     return x, u
 
 
-def pixel_nll(log_px):
+def mean_nll(log_px):
     return -log_px.mean()
 
 
@@ -290,3 +290,25 @@ def flow_cnf() -> nn.Module:
     the exact log-determinant by autograd inside the field's solve."""
     torch.manual_seed(0)
     return zuko.flows.CNF(features=3, context=2, hidden_features=(16, 16))
+
+
+class FlowMixture(nn.Module):
+    """Two conditional NSFs mixed by learned weights normalised by their sum (not a softmax):
+    ``p(x|c) = sum_k w_k p_k(x|c) / sum_k w_k``, returned as its log per sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.flows = nn.ModuleList(
+            zuko.flows.NSF(features=3, context=2, transforms=1, hidden_features=(16,))
+            for _ in range(2))
+        self.weights = nn.Parameter(torch.tensor([0.9, 0.1]))
+
+    def forward(self, x, c):
+        lp = torch.stack([f(c).log_prob(x) for f in self.flows], -1)  # (B, K)
+        w = self.weights / self.weights.sum()
+        return torch.log((lp.exp() * w).sum(-1))
+
+
+def make_flow_mixture() -> nn.Module:
+    torch.manual_seed(0)
+    return FlowMixture()

@@ -180,7 +180,7 @@ def test_pixel_above_255_takes_the_logit_preprocessing_out_of_its_domain(tmp_pat
     lands above 1 and ``log(1 - p)`` is log of a negative number, in the root's own code. The
     flow's base Normal then refuses the NaN logits (torch's argument validation, on by
     default): that ValueError goes on, noted with the bundle of the step."""
-    ev, bundle = fire("make_logit_flow", "pixels", M.pixel_nll, tmp_path, at(0, (9, 2), 300.0),
+    ev, bundle = fire("make_logit_flow", "pixels", M.mean_nll, tmp_path, at(0, (9, 2), 300.0),
                       raises=ValueError)
     assert (ev["step"], ev["phase"], ev["module"]) == (3, "forward", ""), ev  # (no output)
     rep = nanreplay_json(bundle)
@@ -254,7 +254,7 @@ def test_logit_of_a_dequantised_255_rounded_to_1_is_precision(tmp_path):
         x, u = args[0].clone(), args[1].clone()
         x[9, 2], u[9, 2] = 255.0, 0.999996
         return (x, u), targets
-    ev, bundle = fire("make_logit_flow_unsqueezed", "pixels", M.pixel_nll, tmp_path, plant,
+    ev, bundle = fire("make_logit_flow_unsqueezed", "pixels", M.mean_nll, tmp_path, plant,
                       raises=ValueError)  # (the base Normal then refuses the logit's +inf)
     assert (ev["step"], ev["phase"], ev["module"]) == (3, "forward", ""), ev
     rep = nanreplay_json(bundle)
@@ -262,3 +262,32 @@ def test_logit_of_a_dequantised_255_rounded_to_1_is_precision(tmp_path):
     assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.log", "-inf", [9]), o
     assert o["source"] == line_of("logit = torch.log(p) - torch.log(1 - p)"), o
     assert rep["cause"] == "precision" and "rounding" in rep["hint"], rep["hint"]
+
+
+def test_mixture_weight_stepped_below_zero_is_named_at_the_log_of_the_density(tmp_path):
+    """Two NSFs mixed by weights normalised by their sum, not a softmax: Adam steps the
+    second weight below 0 by step 20, and at step 24 the mixture density of record 50, where
+    that component dominates, is negative: log of it is NaN. The hint names the parameter
+    ``weights`` with its negative entry and says to keep it non-negative by construction
+    (softmax of logits), not to clamp the log's input."""
+    model = M.make_flow_mixture()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    x, c = M.flow_data(512)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.mean_nll, out_dir=tmp_path,
+                            factory="ode_flows_sf_models:make_flow_mixture") as rec:
+            for step in range(30):
+                i = slice(step % 8 * 64, step % 8 * 64 + 64)
+                loss = rec.loss_fn(model(x[i], c[i]))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (24, "forward", "", [50])
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.log", "nan", [50]), o
+    assert o["source"] == line_of("return torch.log((lp.exp() * w).sum(-1))"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "weights (min -0.169) holds negative entries" in rep["hint"], rep["hint"]
+    assert "softmax(logits)" in rep["hint"], rep["hint"]
