@@ -291,3 +291,53 @@ def test_mixture_weight_stepped_below_zero_is_named_at_the_log_of_the_density(tm
     assert rep["cause"] == "invalid", rep["cause"]
     assert "weights (min -0.169) holds negative entries" in rep["hint"], rep["hint"]
     assert "softmax(logits)" in rep["hint"], rep["hint"]
+
+
+def growth_under_schedule_free(tmp_path, train_first: bool):
+    """The growth model under AdamWScheduleFree, the record at 40 in the last step's batch;
+    ``train_first``: ``optimizer.train()`` at the top of the loop, as schedule_free's docs
+    ask, else just before ``optimizer.step()`` (after the forward and backward)."""
+    model = M.make_growth()
+    opt = schedulefree.AdamWScheduleFree(model.parameters(), lr=0.05, warmup_steps=2)
+    y0, census = M.growth_data()
+    crit = nn.MSELoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="ode_flows_sf_models:make_growth"):
+            opt.eval()
+            for step in range(4):
+                x = y0[8 * step:8 * step + 8].clone()
+                if step == 3:
+                    x[3, 1] = 40.0
+                if train_first:
+                    opt.train()
+                opt.zero_grad()
+                crit(model(x), census[8 * step:8 * step + 8]).backward()
+                if not train_first:
+                    opt.train()
+                opt.step()
+                opt.eval()
+    return info.value.event, info.value.bundle_path
+
+
+@pytest.mark.parametrize("train_first", [True, False])
+def test_schedule_free_train_after_the_forward_is_said_not_blamed_on_the_factory(
+        tmp_path, train_first):
+    """Called in order, ``optimizer.train()`` swaps the weights to y between steps: the RK4
+    overflow on the record at 40 is reproduced and named. Called after the forward, the
+    forward ran on the eval-mode x and ``train()`` moved the weights in place before
+    ``step()``, which closes the step: the bundle holds y, the re-run differs, and the
+    report said the factory builds a different model; it now says the loop moved the
+    weights after the forward (schedule-free's ``train()`` out of order)."""
+    ev, bundle = growth_under_schedule_free(tmp_path, train_first)
+    assert (ev["step"], ev["phase"], ev["module"], ev["call"], ev["samples"]) == (
+        3, "forward", "field", 9, [3]), ev
+    rep = nanreplay_json(bundle, code=None)
+    if train_first:
+        o = rep["origin"]
+        assert (rep["reproduced"], o["op"], o["samples"], rep["cause"]) == (
+            True, "aten.mul", [3], "overflow"), rep
+        return
+    assert rep["reproduced"] is False, rep
+    assert "its weights are not those the step ran with" in rep["hint"], rep["hint"]
+    assert rep["fidelity"]["moved_after"] is True, rep["fidelity"]
