@@ -341,3 +341,34 @@ def test_schedule_free_train_after_the_forward_is_said_not_blamed_on_the_factory
     assert rep["reproduced"] is False, rep
     assert "its weights are not those the step ran with" in rep["hint"], rep["hint"]
     assert rep["fidelity"]["moved_after"] is True, rep["fidelity"]
+
+
+def test_nan_in_the_flows_data_is_named_as_the_losss_input_not_invalid_math(tmp_path):
+    """A NaN in record 53 of the data a conditional NSF models, loaded by a DataLoader with
+    two workers: zuko builds the transforms lazily and runs their hyper-networks inside
+    ``log_prob``, in the loss, on that data; the first NaN is a MaskedLinear's output there.
+    The replay said ``invalid`` (no op, the generic advice); it now says the NaN came in
+    with the loss's data argument, on that record (sample 5 of the fourth batch)."""
+    x, c = M.flow_data(64)
+    x[53, 1] = float("nan")
+    model = M.flow_nsf()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loader = DataLoader(M.FlowDataset(x, c), batch_size=16, num_workers=2)
+    with pytest.raises(ValueError, match="support") as info:  # (the base Normal's check)
+        with FlightRecorder(model, opt, loss_fn=M.nll, out_dir=tmp_path,
+                            factory="ode_flows_sf_models:flow_nsf") as rec:
+            for xb, cb in loader:
+                loss = rec.loss_fn(model(cb), xb)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    del loader
+    assert any(n.startswith("nanreplay: ") for n in info.value.__notes__), info.value
+    (bundle,) = tmp_path.glob("*.nan")
+    ev = read_bundle(bundle, want=lambda name: False)[0]["event"]
+    assert (ev["step"], ev["phase"], ev["module"]) == (
+        3, "forward", "transform.transforms.0.hyper.0"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["tensor"], o["samples"], rep["cause"]) == (
+        "input", "loss_args[1]", [5], "input"), rep
