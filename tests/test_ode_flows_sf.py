@@ -347,8 +347,9 @@ def test_nan_in_the_flows_data_is_named_as_the_losss_input_not_invalid_math(tmp_
     """A NaN in record 53 of the data a conditional NSF models, loaded by a DataLoader with
     two workers: zuko builds the transforms lazily and runs their hyper-networks inside
     ``log_prob``, in the loss, on that data; the first NaN is a MaskedLinear's output there.
-    The replay said ``invalid`` (no op, the generic advice); it now says the NaN came in
-    with the loss's data argument, on that record (sample 5 of the fourth batch)."""
+    The event was a forward one at that layer and the replay said ``invalid`` (no op, the
+    generic advice); both now say the NaN came in with the loss's data argument, on that
+    record (sample 5 of the fourth batch)."""
     x, c = M.flow_data(64)
     x[53, 1] = float("nan")
     model = M.flow_nsf()
@@ -366,8 +367,10 @@ def test_nan_in_the_flows_data_is_named_as_the_losss_input_not_invalid_math(tmp_
     assert any(n.startswith("nanreplay: ") for n in info.value.__notes__), info.value
     (bundle,) = tmp_path.glob("*.nan")
     ev = read_bundle(bundle, want=lambda name: False)[0]["event"]
-    assert (ev["step"], ev["phase"], ev["module"]) == (
-        3, "forward", "transform.transforms.0.hyper.0"), ev
+    assert (ev["step"], ev["phase"], ev["module"], ev["tensor"], ev["samples"]) == (
+        3, "input", "<loss>", "loss_args[1]", [5]), ev
+    assert ev["detail"].endswith("taken in by transform.transforms.0.hyper.0, which the loss "
+                                 "called"), ev
     rep = nanreplay_json(bundle)
     o = rep["origin"]
     assert (o["phase"], o["tensor"], o["samples"], rep["cause"]) == (
