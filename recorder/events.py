@@ -30,6 +30,7 @@ from .finite import (
 )
 from .late_writes import read_finite, written_after_forward
 from .linalg import linalg_detail
+from .loss_data import loss_data_taken
 from .missing import rest_finite, root_input_name
 from .own_code import own_code_detail
 from .ring import StepLayout, decode_call
@@ -316,6 +317,11 @@ def _forward_event(ev: StepEvidence) -> Event | None:
             return None
     if d is None:
         return None
+    if (data := loss_data_taken(ev, d)) is not None:  # (a module the loss called took it)
+        return Event(ev.tape.step, phase="input", module="<loss>", micro_batch=d["micro_batch"],
+                     tensor=data[0], samples=data[1], kind=data[2], detail=(
+                         f"non-finite value in the loss target {data[0]}, taken in by "
+                         f"{ev.module_names[d['module']]}, which the loss called"))
     if (root := _unfinished_root(ev, d)) is not None:
         if not root["inputs_finite"]:
             return _batch_event(ev, root, nan_only=not ev.strict_inf and not root["inf_in"])

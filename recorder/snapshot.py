@@ -24,6 +24,7 @@ from .constants import unchanged
 from .entries import hyper_entry, jsonish, micro_batch_entry, named_params
 from .graph_reach import from_model
 from .inner_optim import describe_inner, full_state
+from .late_writes import moved_in_step
 from .lossdesc import describe_callable, describe_loss
 from .rewind import Rewind
 from .ring import RingBuffer
@@ -132,6 +133,10 @@ def _model(src: Sources, tape: Tape | None, guard, meta, tensors) -> None:
         meta["changed_in_step"] = [params[i][0] for i in changed]
         if tape.updated_elsewhere:  # by an optimizer the recorder was not given
             meta["stepped_elsewhere"] = True
+    if tape is not None and not tape.evaluation and moved_in_step(tape, src.target.watched):
+        # (the loop moved the recorded optimizer's weights in place while the step was open,
+        # outside its step(): schedule-free's optimizer.train() after the forward)
+        meta["weights_moved_in_step"] = True
     written = src.target.written_in_step(tape) if tape is not None else []
     if written:  # before the first update: the step's own code wrote them (a data-dependent init)
         meta["written_in_step"] = [params[i][0] for i in written]

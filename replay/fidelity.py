@@ -74,6 +74,10 @@ def compare(step: Step, run: Run, written: list[str] = ()) -> dict[str, Any] | N
         found["frozen_written"] = list(written)
     elif rows and not found["matches"] and not found["changed"]:
         found["edited"] = edited_since_update(step, rows[-1]) or None
+        # (moved and moved back to what the update left, which the norms cannot see: the
+        # recorder's version counter saw the loop's in-place write after the forward)
+        found["moved_after"] = (not found["edited"] and _moved(step) is None
+                                and bool(meta.get("weights_moved_in_step"))) or None
     return found
 
 
@@ -242,7 +246,7 @@ def mismatch(fid: dict[str, Any]) -> str:
     """Why the re-run is not the recorded step, in a few words for the cause."""
     if fid.get("built_otherwise"):
         return "the factory builds the model's attributes otherwise than the run had them"
-    if fid.get("changed") or fid.get("edited"):
+    if fid.get("changed") or fid.get("edited") or fid.get("moved_after"):
         return "its weights are not those the step ran with"
     if fid.get("frozen_written"):
         return ("the model's forward writes parameters the bundle holds as that forward left "
@@ -280,6 +284,8 @@ def describe(fid: dict[str, Any]) -> str:
         names = fid["edited"]
         return head + _changed_params(names) + (" differs" if len(names) == 1 else " differ") \
             + EDITED
+    if fid.get("moved_after"):
+        return head + MOVED_AFTER
     if fid.get("frozen_written"):
         return head + _changed_params(fid["frozen_written"]) + FROZEN_WRITTEN
     if fid.get("within_step"):
@@ -311,6 +317,16 @@ EDITED = (" from what the last optimizer.step() left: written outside it during 
           "step, after the forward read them (an in-place clamp_ or fill_ under no_grad between "
           "the forward and the loss); the bundle holds the new values, so this forward cannot "
           "be re-run as it ran. Make such edits before the forward or after optimizer.step()")
+
+MOVED_AFTER = (
+    "the loop moved the weights the optimizer holds in place after this forward and before "
+    "optimizer.step() (the recorder saw their version change in the step): a schedule-free "
+    "optimizer's optimizer.train() called after the forward rather than before it (the "
+    "forward and its gradients then ran on the eval-mode average x, not the train-mode y "
+    "that step() expects), a swap to averaged or EMA weights not undone before the forward; "
+    "the bundle holds the weights as moved, so this forward cannot be re-run as it ran. Make "
+    "such swaps before the step's first forward (optimizer.train(); model.train() at the top "
+    "of the loop) or after optimizer.step()")
 
 FROZEN_WRITTEN = (
     ", which require no gradient, are written by the model's own forward (a hand-written "

@@ -1,6 +1,8 @@
 """Missing targets (NaN) that a loss masks by multiplying: ``(nll * observed).sum()``. An input
 event on such a loss argument is data the run meant to hold; the loss is re-run under the op
-finder, and the product that kept the NaN (``replay.masked_product``) is named."""
+finder, and the product that kept the NaN (``replay.masked_product``) is named; not a product
+in an installed package's code (zuko's spline, ``mask * (x - x0)`` over its in-bounds mask):
+that mask was never the user's to drop missing values with, the NaN is bad data."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from .loss_args import loss_args
 from .masked_product import masked_hint
 from .ops import OpFinder
 from .rerun import Runner
+from .source import in_package
 
 
 def masked_in_loss(step: Step, origin: dict) -> tuple[str, str | None, bool] | None:
@@ -24,7 +27,9 @@ def masked_in_loss(step: Step, origin: dict) -> tuple[str, str | None, bool] | N
         return None
     finder = watched_loss_rerun(step, origin.get("micro_batch") or 0, accept=_holds_nan)
     hit = finder and finder.masked_nan
-    return (hit.op, hit.source, finder.masked_by_mask) if hit is not None else None
+    if hit is None or in_package(hit.source):  # (a library's own mask: zuko's spline bins)
+        return None
+    return hit.op, hit.source, finder.masked_by_mask
 
 
 def _holds_nan(args, kwargs) -> bool:

@@ -7,6 +7,11 @@ backward and is named, its samples alone, and dropping them leaves the head's Na
 auto``'s ``drop`` came back NaN). The model's nodes are watched in one more re-run; the others
 are named (``origin["also"]``: node, source line, samples), and ``drop`` drops them too.
 
+A custom Function whose backward runs the model's modules again (torchdiffeq's
+``odeint_adjoint``, which solves the adjoint ODE with the field's vjp; reentrant activation
+checkpointing) returns what a node inside that backward made: the origin, when it is one of
+those, so the Function is not named beside it (dropping the origin's samples is the fix).
+
 A node that saved a NaN for its backward made nothing: it passes on a NaN an earlier pass
 made (PaiNN's forces, ``autograd.grad(create_graph=True)`` in the forward, whose graph holds
 the sqrt's 0/0 gradient at a zero vector: the loss's backward through it returns NaN from
@@ -42,18 +47,25 @@ def other_makers(runner: Runner, where: Samples, node: str | None, source: str |
     hits: dict[tuple[str, str | None], list[int]] = {}
     hooked: set[int] = set()
     handles: list = []
+    calls, entered = [0], {}  # (module calls so far; at each node's backward's start)
 
     def on_node(fn) -> None:
+        def enter(grad_outputs):
+            entered[id(fn)] = calls[0]
+
         def hook(grad_inputs, grad_outputs):
             incoming = [g for g in grad_outputs if isinstance(g, torch.Tensor)]
             returned = [g for g in grad_inputs if isinstance(g, torch.Tensor)]
+            # (a backward that ran the model's modules again carries out what they made)
+            reran = calls[0] > entered.get(id(fn), calls[0])
             if all(finite(g) for g in incoming) and not all(finite(g) for g in returned) \
-                    and saved_facts(fn)[0] != "nan":
+                    and saved_facts(fn)[0] != "nan" and not reran:
                 # (a derivative's node at its forward op's line, as the origin is named)
                 key = (fn.name(), node_source(forward_node(fn)) or node_source(fn))
                 rows = batch_rows(fn, list(grad_inputs), where)
                 hits[key] = sorted(set(hits.get(key, [])) | set(rows))
         handles.append(fn.register_hook(hook))
+        handles.append(fn.register_prehook(enter))
 
     def walk(fns) -> None:
         todo = list(fns)
@@ -65,9 +77,13 @@ def other_makers(runner: Runner, where: Samples, node: str | None, source: str |
             on_node(fn)
             todo.extend(f for f, _ in fn.next_functions)
 
+    def count(*_) -> None:
+        calls[0] += 1
+
     def hooks(model):
         return [model.register_forward_hook(
-            lambda m, args, out: walk(grad_fns(tensor_leaves(out))))]
+            lambda m, args, out: walk(grad_fns(tensor_leaves(out)))),
+            *(m.register_forward_pre_hook(count) for m in model.modules())]
 
     try:
         runner.run(instrument=False, forward_ctx=node_tracebacks, hooks=hooks)

@@ -258,6 +258,8 @@ class Runner:
         if li is None:
             return None
         args, kwargs = li
+        if not (data_ok := self._loss_data_finite(i)):  # (known before a loss that raises)
+            result.bad_loss_data.add(i)
         self.in_loss = True
         try:
             if self.cast is not None:
@@ -273,12 +275,17 @@ class Runner:
         result.losses.append(loss)
         vals = [t for t in tensor_leaves(loss) if t.is_floating_point()]
         result.loss_micro_batches.append(i)
-        result.loss_args_finite.append(all(
-            finite(t) for k in self.step.micro_batches[i].get("loss_paths", {})
-            if isinstance(t := self.step.tensors.get(k), torch.Tensor) and t.is_floating_point()))
+        result.loss_args_finite.append(data_ok)
         result.loss_finite.append(all(finite(t) for t in vals))
         result.loss_values.append(";".join(repr(t.detach().double().sum().item()) for t in vals))
         return loss
+
+    def _loss_data_finite(self, i: int) -> bool:
+        """Micro-batch ``i``'s recorded loss arguments (targets, not the model output) are
+        finite."""
+        return all(
+            finite(t) for k in self.step.micro_batches[i].get("loss_paths", {})
+            if isinstance(t := self.step.tensors.get(k), torch.Tensor) and t.is_floating_point())
 
     def _linalg_backward(self, i: int, outs, loss) -> None:
         """A derivative that fails in the step's graph (eigvals' backward at repeated

@@ -50,6 +50,9 @@ class Run:
     loss_values: list[str] = field(default_factory=list)
     # whether entry j's recorded loss arguments (targets, not the model output) were finite
     loss_args_finite: list[bool] = field(default_factory=list)
+    # the micro-batches whose loss arguments held a non-finite value, known before the loss
+    # ran (also of a loss that raised: a distribution's validation refusing what it computed)
+    bad_loss_data: set = field(default_factory=set)
     losses: list = field(default_factory=list)  # each micro-batch's loss (replay.window)
     bad_grads: list[str] = field(default_factory=list)
     # micro-batch -> (parameters, kind) of the non-finite gradients the loop dropped before it
@@ -138,7 +141,18 @@ class Run:
                      and not c.inputs_all_finite), None)
         if trigger.micro_batch in self.masked:  # a -inf mask came in: intended, as recorded
             return trigger, trigger, False
+        if root is None and self._from_loss_data(trigger):  # (the loss's targets held it)
+            return trigger, trigger, True
         return (root or trigger), trigger, root is not None
+
+    def _from_loss_data(self, call: Call) -> bool:
+        """``call`` ran outside its micro-batch's root forward (a module the loss called: a
+        zuko flow's hyper-network, built lazily and run inside ``log_prob`` on the loss's
+        data) and that micro-batch's loss took non-finite data: no call made what it took."""
+        roots = {c.call_id for c in self.calls
+                 if c.module == "" and c.micro_batch == call.micro_batch}
+        return call.module != "" and not roots.intersection(call.parents) \
+            and call.micro_batch in self.bad_loss_data
 
     def _enclosing_maker(self, call: Call) -> Call | None:
         """The innermost call enclosing ``call`` whose inputs were all finite, among those that

@@ -7,7 +7,10 @@ Adam steps entries of ``gamma`` below 0, the norm goes negative where ``x`` is l
 ``sqrt(norm)`` is NaN. The generic hint (clamp the op's input into its domain) would hide
 the negative weights, not fix them: :func:`signed_weights_hint` names them and says to keep
 them non-negative. Read on the autograd graph of the origin's module call, re-run once.
-A learned filterbank ``fb @ spec.abs() ** 2`` is the same sum with the weight on the left and
+A mixture of densities ``log((lp.exp() * w).sum(-1))`` with ``w = weights / weights.sum()``
+(weights normalised by their sum rather than a softmax) is the same sum written elementwise:
+an update steps one weight below 0 and the mixture density goes negative where that
+component dominates. A learned filterbank ``fb @ spec.abs() ** 2`` is the same sum with the weight on the left and
 the data off the graph (a spectrum of audio that needs no gradient): ``matmul``'s mm and the
 views after it are read both ways. An offset added to non-negative values is the same
 (PCEN's ``(E / M ** alpha + delta) ** r`` with ``delta`` learned as is, initialised below 0):
@@ -63,13 +66,14 @@ def signed_weights_hint(runner: Runner, origin, hit) -> str | None:
     said = ", ".join(f"{n} (min {lo:.3g})" for n, lo in named)
     verb = "hold" if len(named) > 1 else "holds"
     how = "a weighted sum of non-negative values (a conv or matrix product of x ** 2, |x|, " \
-        "exp) whose weights the model learns"
+        "exp; a mixture's densities times its weights, summed) whose weights the model learns"
     if offset:
         how = "non-negative values plus an offset the model learns as it is (PCEN's delta)"
     return (f"{hit.op}'s input went negative (as low as {hit.input_min:.3g}) as {how}, and "
             f"{said} {verb} negative entries (as initialised, or stepped below 0 by an "
             "update): keep them non-negative by construction (a reparameterization, GDN's "
-            "NonNegativeParametrizer: a lower bound then w ** 2, or softplus(w), exp(w)) "
+            "NonNegativeParametrizer: a lower bound then w ** 2, or softplus(w), exp(w); "
+            "mixture weights as softmax(logits)) "
             "rather than clamp the op's input, which would hide the sign")
 
 
@@ -129,6 +133,8 @@ def _negative_offset(fn, made) -> list[torch.Tensor]:
 
 
 def _negative_weights(fn) -> list[torch.Tensor]:
+    if fn is not None and node_op(fn) == "Sum":  # (an elementwise weighting, summed)
+        return _summed_product(_through_views(fn.next_functions[0][0]))
     if fn is None or (spec := _PRODUCTS.get(node_op(fn))) is None:
         return []
     if spec[0] == "self":  # a product is x @ W or W @ x (a filterbank applied to a spectrum)
@@ -154,6 +160,27 @@ def _weighted(fn, spec) -> list[torch.Tensor]:
         return []
     params = [_param(fn.next_functions[i][0]) for i in spec[2] if i < len(fn.next_functions)]
     return [p for p in params if p is not None and bool((p < 0).any())]
+
+
+def _summed_product(fn) -> list[torch.Tensor]:
+    """The parameter with negative entries that weighted values >= 0 by their math (exp, a
+    square) elementwise before a sum: a mixture's ``(lp.exp() * w).sum(-1)``, its weights
+    used as they are or normalised by a divisor (``w = weights / weights.sum()``)."""
+    if fn is None or node_op(fn) != "Mul" or len(fn.next_functions) != 2:
+        return []
+    saved = (getattr(fn, "_saved_self", None), getattr(fn, "_saved_other", None))
+    for i in (0, 1):
+        data, made = saved[i], _through_views(fn.next_functions[i][0])
+        if not isinstance(data, torch.Tensor) or made is None \
+                or node_op(made) not in _NON_NEGATIVE or not bool((data >= 0).all()):
+            continue
+        weight = _through_views(fn.next_functions[1 - i][0])
+        if weight is not None and node_op(weight) == "Div":  # (normalised by its sum)
+            weight = weight.next_functions[0][0]
+        p = _param(weight) if weight is not None else None
+        if p is not None and bool((p < 0).any()):
+            return [p]
+    return []
 
 
 def _through_views(fn, depth: int = 6):

@@ -47,7 +47,7 @@ def library_caller(source: str | None) -> str | None:
     package (GPyTorch's setter, whose inverse transform made a value; Pyro's log-probabilities),
     like :func:`user_source` passing the packages' frames too. None for any other source, or
     where no user code lies between (the replay itself called the package's model)."""
-    if not source or not any(d in source for d in _LIBRARY_DIRS):
+    if not in_package(source):
         return None
     # (read as torch's, not dropped: a package's frames between the replay's own are no user
     # code either, and the replay's callers beyond them are not it)
@@ -56,6 +56,12 @@ def library_caller(source: str | None) -> str | None:
 
 
 _LIBRARY_DIRS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+
+
+def in_package(source: str | None) -> bool:
+    """Whether ``source`` (``file:line``) is an installed package's (site-packages,
+    dist-packages): a library's code, not the user's."""
+    return bool(source) and any(d in source for d in _LIBRARY_DIRS)
 
 
 def caller_source(frame) -> str | None:

@@ -22,6 +22,7 @@ from .cause_text import DO
 from .compat import FOREACH_MUL_, TorchDispatchMode
 from .grown_state import grown_state_advice
 from .line_search import no_line_search_advice
+from .no_warmup import no_warmup_advice
 from .noised_grads import noised_grads_advice
 from .precursors import history
 from .rising_lr import rising_lr_text
@@ -127,9 +128,11 @@ def diverging_advice(step, windowed: bool) -> str:
     """The growth hint's remedy: a weight-multiplying update's (probed without a window), a
     buffer's the model carries across steps that grew (``replay.grown_state``), else the
     learning rate's and clipping's; a schedule still raising the rate at the event
-    (``replay.rising_lr``) named first; before them, an update that took the GradScaler's scaled
-    gradients (``opt.step()`` without ``scaler.step``), or gradients the loop added to after
-    backward (``replay.noised_grads``: DP-SGD's noise)."""
+    (``replay.rising_lr``) named first; an optimizer whose own warmup is off at an early event
+    (``replay.no_warmup``: schedule-free's ``warmup_steps=0``) before the rate's; before them,
+    an update that took the GradScaler's scaled gradients (``opt.step()`` without
+    ``scaler.step``), or gradients the loop added to after backward (``replay.noised_grads``:
+    DP-SGD's noise)."""
     if unscaled := unscaled_update_advice(step) or noised_grads_advice(step):
         return unscaled
     rising = rising_lr_text(history(step.meta, step.tensors))
@@ -138,7 +141,7 @@ def diverging_advice(step, windowed: bool) -> str:
     if found:
         return lead + scale_text(found, probed=True)
     return rising or grown_state_advice(step) or no_line_search_advice(step) \
-        or DO["diverging_window" if windowed else "diverging"]
+        or no_warmup_advice(step) or DO["diverging_window" if windowed else "diverging"]
 
 
 def scale_text(found: dict[str, Any], probed: bool = False) -> str:

@@ -23,7 +23,10 @@ that eps for such zeros, which may be true values (an ephemeral stream's zero fl
 gives the eps and the record's fix side by side. A backward NaN the forward had masked out at
 those samples (a Poisson deviance's ``torch.where(y > 0, y * log(y / mu), 0)``, whose log's
 backward is 0/0 at a policy with no claim) is of zeros the code handles: the hint keeps the
-samples and asks for a safe input before the op. A softmax over a row whose every key is masked
+samples and asks for a safe input before the op; not where the zeros are the model's own input
+alone, whose every value downstream is 0 as well (a radial ODE field ``sqrt(sum y²) * W y`` from
+an all-zero record through a bias-free encoder: 0 times sqrt's infinite derivative), so
+that the incoming 0 shows no mask of the code's: that record is named blank. A softmax over a row whose every key is masked
 looks at the integer model inputs too: token ids all 0 (the padding) in exactly those samples,
 an empty document (a note whose text extraction gave no sentence) under a hierarchical
 attention network's sentence attention; not ids whose 0 sits between other ids in other
@@ -75,6 +78,18 @@ FLAT_ZEROS = (
     "dropped them: the blank record drove the op to its pole, but flat regions of real data "
     "reach the same 0, so give the op a safe input before it runs (an eps inside the sqrt or "
     "log, torch.where(x > 0, x, 1)), and fix or filter blank records where the data is made")
+# the same backward origin where the zeros are the model's own input, every feature of the
+# record: whatever the forward computed from that row is 0 too (a bias-free layer's output, a
+# field scaled by the state's own radius, r * W y at y = 0), so the gradient entering the node
+# is 0 there with no mask of the code's; the record is most likely blank, not a value it handles
+_ZERO_INPUT = (
+    " and not in any other sample, a model input with every feature exactly 0: the gradient "
+    "entering the node is 0 there because the values the forward computed from that row are "
+    "0 too (a bias-free layer's output, a product with a function of the state), not because "
+    "the code masks these samples; such a row is most likely a blank record (a reading never "
+    "filled, a sensor that returned nothing): fix or filter such records where the data is "
+    "made")
+_TRUE_ZERO = "; where 0 is a true value of that input, give the op the safe input above"
 # a softmax over a row whose every key is masked (replay.plus_inf_row), and what its own advice
 # (a key kept per row, a finite mask value) would do for a record with nothing in it
 _MASKED_ROW = "(a fully masked row)"
@@ -114,12 +129,13 @@ def zero_records_hint(report: dict[str, Any], step: Step) -> None:
     if flag is not None:  # (unlabelled samples of a mixed batch, masked after the op)
         report["hint"] = unlabelled_hint(hint, is_are, flag, which)
         return
-    if o.get("masked"):  # (the code's where dropped the op's value there; or abs's sign(0))
-        tail = FLAT_ZEROS.format(by=o["masked_by"]) if o.get("masked_by") else MASKED_ZEROS
-        report["hint"] = f"{hint}. {is_are} 0 everywhere in sample(s) {which}{tail}"
-        return
     how = (f" (--try drop={which} re-runs the step without them)"
            if undroppable(step, mb) is None else "")
+    if o.get("masked"):  # (the code's own where dropped the op's value there; or abs's sign(0))
+        said = f"{is_are} 0 everywhere in sample(s) {which}"
+        report["hint"] = (f"{hint}. {said}{FLAT_ZEROS.format(by=o['masked_by'])}"
+                          if o.get("masked_by") else _masked_hint(step, mb, names, hint, said, how))
+        return
     if ORDINARY in hint:  # (a count of 0, said to be a true value: which data, no filter)
         report["hint"] = f"{hint} ({is_are} 0 everywhere in sample(s) {which})"
         return
@@ -167,6 +183,16 @@ def _records(step: Step, mb: int, inputs: bool = True, loss: bool = True
         if key not in made and isinstance(t, torch.Tensor) and t.is_floating_point() \
                 and t.numel() and (d := where.dim(t)) is not None:
             yield name, t, d
+
+
+def _masked_hint(step: Step, mb: int, names: list[str], hint: str, said: str, how: str) -> str:
+    """A masked backward origin's hint, ``said``: ``names`` are all 0 in its samples; zeros
+    the code handles, unless every one of them is a model input (a blank record: no mask
+    need be the code's)."""
+    inputs = {name for name, _, _ in root_inputs(step, mb, scalars=True)}
+    if names and all(name in inputs for name in names):
+        return f"{hint}. But {said}{_ZERO_INPUT}{how}{_TRUE_ZERO}"
+    return f"{hint}. {said}{MASKED_ZEROS}"
 
 
 def _zero_in(t: torch.Tensor, d: int, rows: list[int]) -> bool:
