@@ -52,10 +52,11 @@ def order(n: int, epochs: int) -> list[int]:
 def train(out_dir, loss_fn, factory: str = "make_net", miner=None, epochs: int = 3,
           n: int = 64, sampler: bool = True, scale: float = 1.0, loss_lr: float | None = None,
           bf16: bool = False, blank: int | None = None, nan_row: int | None = None,
-          anneal=None, imprinted: bool = False, record: bool = True):
+          anneal=None, imprinted: bool = False, fp16: bool = False, record: bool = True):
     """pml's training loop: the model's Adam and, for a loss with weights, its own SGD
     (``loss_optimizer``) stepped beside it; ``anneal(epoch)`` sets the loss's temperature;
-    ``bf16``: the forward and the loss under bfloat16 autocast. ``blank``: a record of zeros;
+    ``bf16``: the forward and the loss under bfloat16 autocast; ``fp16``: under float16, with
+    a GradScaler that steps the model's optimizer only (the loss's is stepped directly). ``blank``: a record of zeros;
     ``nan_row``: a record with a NaN feature; ``scale``: features left unstandardised."""
     np.random.seed(0)  # (MPerClassSampler draws from NumPy's global generator)
     model = getattr(M, factory)()
@@ -69,7 +70,8 @@ def train(out_dir, loss_fn, factory: str = "make_net", miner=None, epochs: int =
     loader = loader_of(ds, n, sampler)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     loss_opt = torch.optim.SGD(loss_fn.parameters(), lr=loss_lr) if loss_lr else None
-    rec = FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir,
+    scaler = torch.amp.GradScaler("cpu") if fp16 else None
+    rec = FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir, scaler=scaler,
                          factory=f"metric_learning_pml_models:{factory}") if record else None
     with rec or torch.enable_grad():
         loss_func = rec.loss_fn if rec else loss_fn
@@ -80,14 +82,17 @@ def train(out_dir, loss_fn, factory: str = "make_net", miner=None, epochs: int =
                 opt.zero_grad()
                 if loss_opt:
                     loss_opt.zero_grad()
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                with torch.autocast("cpu", dtype=torch.float16 if fp16 else torch.bfloat16,
+                                    enabled=bf16 or fp16):
                     embeddings = model(x)
                     tuples = miner(embeddings, y) if miner else None
                     loss = loss_func(embeddings, y, tuples) if miner else loss_func(embeddings, y)
-                loss.backward()
-                opt.step()
+                (scaler.scale(loss) if scaler else loss).backward()
+                scaler.step(opt) if scaler else opt.step()
                 if loss_opt:
                     loss_opt.step()
+                if scaler:
+                    scaler.update()
     return model
 
 
@@ -165,6 +170,16 @@ def test_arcface_imprinted_under_bfloat16_rounds_cosines_to_one(tmp_path):
     assert outcome(rep) == (True, "precision", "<loss>", "AcosBackward0", ones), rep
     assert rep["origin"]["source"].endswith("losses/large_margin_softmax_loss.py:60")
     assert "compute these ops in float32" in rep["hint"], rep["hint"]
+
+
+def test_loss_optimizer_stepped_outside_the_grad_scaler(tmp_path):
+    # float16 with a GradScaler: step 0's scaled gradients overflow and scaler.step(opt) skips
+    # the model's update, but loss_optimizer.step() applies them to ArcFace's W: NaN at step 1
+    rep = replayed(tmp_path, M.arcface_loss(), 1, "loss", loss_lr=0.01, fp16=True)
+    assert outcome(rep) == (True, "weights", "<loss>", "aten.detach", []), rep
+    assert rep["origin"]["source"].endswith("pytorch_metric_learning/losses/arcface_loss.py:26")
+    assert "the GradScaler skipped step 0" in rep["hint"], rep["hint"]
+    assert "scaler.step(loss_optimizer)" in rep["hint"], rep["hint"]
 
 
 def test_a_last_batch_of_one_record_has_no_positive(tmp_path):
