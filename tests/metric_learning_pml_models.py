@@ -78,6 +78,12 @@ def ms_miner():
     return miners.MultiSimilarityMiner(epsilon=0.1)
 
 
+def xbm_loss():
+    """Cross-batch memory around a contrastive loss: the miner also mines the memory."""
+    return losses.CrossBatchMemory(losses.ContrastiveLoss(), embedding_size=EMB, memory_size=32,
+                                   miner=miners.MultiSimilarityMiner(epsilon=0.1))
+
+
 def arcface_loss():
     torch.manual_seed(1)
     return losses.ArcFaceLoss(num_classes=N_CLASSES, embedding_size=EMB, margin=28.6, scale=64)

@@ -109,9 +109,13 @@ def outcome(rep: dict) -> tuple:
     return rep["reproduced"], rep["cause"], o["module"], o["op"], o["samples"]
 
 
-def test_healthy_triplet_with_miner_has_no_event_and_trains_bit_identically(tmp_path):
-    bare = train(tmp_path, M.triplet_loss(), miner=M.triplet_miner(), record=False)
-    recorded = train(tmp_path, M.triplet_loss(), miner=M.triplet_miner())
+@pytest.mark.parametrize("loss", ["triplet", "xbm"])
+def test_healthy_run_has_no_event_and_trains_bit_identically(tmp_path, loss):
+    # a triplet loss given a miner's tuples; CrossBatchMemory, whose memory the forward writes
+    make = {"triplet": M.triplet_loss, "xbm": M.xbm_loss}[loss]
+    miner = M.triplet_miner if loss == "triplet" else lambda: None
+    bare = train(tmp_path, make(), miner=miner(), record=False)
+    recorded = train(tmp_path, make(), miner=miner())
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(bare.state_dict().items(), recorded.state_dict().values()):
         assert torch.equal(a, b), name
@@ -151,6 +155,15 @@ def test_ntxent_temperature_annealed_to_zero(tmp_path):
     assert outcome(rep) == (True, "invalid", "<loss>", "aten.div", []), rep
     assert rep["origin"]["source"].endswith("pytorch_metric_learning/losses/ntxent_loss.py:24")
     assert "attribute temperature is 0" in rep["hint"], rep["hint"]
+
+
+def test_ntxent_temperature_too_small_for_float16(tmp_path):
+    # 1 / 1e-5 = 1e5, finite in float32 (pml subtracts the max before exp) but past float16's
+    # 65504 under float16 autocast: pos_pairs / temperature overflows
+    rep = replayed(tmp_path, M.ntxent_loss(1e-5), 0, "loss", fp16=True)
+    assert outcome(rep) == (True, "overflow", "<loss>", "aten.div", []), rep
+    assert rep["origin"]["source"].endswith("pytorch_metric_learning/losses/ntxent_loss.py:24")
+    assert "beyond float16's largest value" in rep["hint"], rep["hint"]
 
 
 def test_arcface_imprinted_under_bfloat16_rounds_cosines_to_one(tmp_path):
