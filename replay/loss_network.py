@@ -34,7 +34,22 @@ SCALER_BYPASSED = (
     "GAN's discriminator) applied those non-finite gradients, which the scaler skips only for "
     "the optimizers it steps. Step every optimizer through the scaler "
     "(scaler.step(loss_optimizer) before scaler.update()), or unscale its gradients and skip "
-    "its step when they are not finite")
+    "its step when they are not finite{half}")
+# ... and those parameters are float16 themselves (pytorch-metric-learning's losses cast their
+# weights to the embeddings' type, float16 under autocast), which GradScaler refuses to unscale
+HALF_PARAMS = (
+    "; but {first} is {dtype} (the loss cast it to its inputs' type under autocast), and the "
+    "scaler refuses to unscale {dtype} gradients ('Attempting to unscale FP16 gradients'): "
+    "call the loss outside autocast on float32 inputs (loss_func(embeddings.float(), labels)) "
+    "so its parameters stay float32, then step them through the scaler")
+
+
+def _half(step, name: str) -> str:
+    """:data:`HALF_PARAMS` when the loss's parameter ``name`` is in a half type, else ""."""
+    p = dict(step.loss_fn.named_parameters()).get(name)
+    if p is None or p.dtype not in (torch.float16, torch.bfloat16):
+        return ""
+    return HALF_PARAMS.format(first=name, dtype=str(p.dtype).removeprefix("torch."))
 
 
 def network_params(step) -> tuple[list[str], int]:
@@ -58,7 +73,7 @@ def network_hint(step, op: str, held: str) -> str | None:
         return None
     if (skipped := skipped_before(step)) is not None:
         return SCALER_BYPASSED.format(op=op, held=held, n=len(bad), total=total, first=bad[0],
-                                      skipped=skipped)
+                                      skipped=skipped, half=_half(step, bad[0]))
     sub = bad[0].split(".")[0] if "." in bad[0] else "the network"
     return NETWORK.format(op=op, held=held, n=len(bad), total=total, first=bad[0], sub=sub)
 

@@ -194,6 +194,8 @@ def test_loss_optimizer_stepped_outside_the_grad_scaler(tmp_path):
     assert rep["origin"]["source"].endswith("pytorch_metric_learning/losses/arcface_loss.py:26")
     assert "the GradScaler skipped step 0" in rep["hint"], rep["hint"]
     assert "scaler.step(loss_optimizer)" in rep["hint"], rep["hint"]
+    # pml cast W to the float16 embeddings' type: the scaler would refuse to unscale it
+    assert "but W is float16" in rep["hint"] and "embeddings.float()" in rep["hint"], rep["hint"]
 
 
 def test_a_last_batch_of_one_record_has_no_positive(tmp_path):
