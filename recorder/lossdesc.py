@@ -123,6 +123,32 @@ def _describe_method(fn) -> dict[str, Any] | None:
             "tuples": sorted(k for k, v in state.items() if isinstance(v, tuple))}
 
 
+def _plain_object(v: Any) -> dict[str, Any] | None:
+    """An instance of an importable plain class (no module, tensor or container) whose
+    attributes are all JSON values or importable functions (pytorch-metric-learning's
+    ``TorchInitWrapper(torch.nn.init.normal_)``, the ``weight_init_func`` of every loss with
+    proxies or class weights): ``{"import", "state", "tuples", "functions"}`` to make it again
+    without its constructor, else None."""
+    if isinstance(v, (type, nn.Module, torch.Tensor, functools.partial, types.ModuleType)) \
+            or callable(v) and not _callable_instance(v) \
+            or type(v).__module__ == "builtins" or not isinstance(getattr(v, "__dict__", None), dict):
+        return None
+    cls = describe_callable(type(v))
+    if "import" not in cls:
+        return None
+    state, functions = {}, {}
+    for k, x in vars(v).items():
+        if _plain(x):
+            state[k] = _to_json(x)
+        elif isinstance(x, (types.FunctionType, types.BuiltinFunctionType, type)) and \
+                "import" in (d := describe_callable(x)):
+            functions[k] = d["import"]
+        else:
+            return None
+    return {"import": cls["import"], "state": state, "functions": functions,
+            "tuples": sorted(k for k, x in vars(v).items() if isinstance(x, tuple))}
+
+
 def _callable_instance(fn) -> bool:
     """``fn`` is an instance of a class of the user's that defines ``__call__``, not a
     function, method, class, partial or module."""
@@ -240,6 +266,8 @@ def _describe_module(m: nn.Module, prefix: str, tensors: dict[str, torch.Tensor]
         elif isinstance(v, (types.FunctionType, types.BuiltinFunctionType, type)) and \
                 "import" in describe_callable(v):
             node["functions"][k] = describe_callable(v)["import"]
+        elif (held := _plain_object(v)) is not None:
+            node.setdefault("objects", {})[k] = held
         else:
             node["unrecorded"].append(f"{k} ({type(v).__name__})")
     for k, b in buffers.items():

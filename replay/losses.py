@@ -116,6 +116,28 @@ def _method(cls, info: dict[str, Any]):
                             f"{_FACTORY_WAY[3:]} to replay it") from None
 
 
+def _set_held(m: nn.Module, node: dict[str, Any], name: str) -> None:
+    """The functions and plain objects the loss (or submodule) ``m`` held, set back on it."""
+    for k, ref in node.get("functions", {}).items():
+        _set_plain(m, k, _import(ref, f"function {ref} the loss {name} holds"))
+    for k, held in node.get("objects", {}).items():
+        _set_plain(m, k, _held_object(held, name))
+
+
+def _held_object(held: dict[str, Any], name: str):
+    """An attribute of the loss that is a plain object (``recorder.lossdesc._plain_object``),
+    made again without its constructor: its recorded attributes, JSON values and functions."""
+    spec = held.get("import")
+    cls = _import(spec, f"class {spec} of an object the loss {name} holds")
+    obj = cls.__new__(cls)
+    tuples = set(held.get("tuples") or [])
+    for k, v in (held.get("state") or {}).items():
+        object.__setattr__(obj, k, tuple(v) if k in tuples else v)
+    for k, ref in (held.get("functions") or {}).items():
+        object.__setattr__(obj, k, _import(ref, f"function {ref} the loss {name} holds"))
+    return obj
+
+
 def _why(info: dict[str, Any], what: str, example: str) -> str:
     why, where = info.get("why"), info.get("defined")
     at = f" ({where})" if where else ""
@@ -190,8 +212,7 @@ def _module(node: dict[str, Any], tensors, device, *, top: bool = False,
         _set_plain(m, k, _tensor(tensors, key, device, name))
     for k, key in node.get("arrays", {}).items():  # NumPy arrays, as the loss held them
         _set_plain(m, k, _array(_tensor(tensors, key, torch.device("cpu"), name), what, k))
-    for k, ref in node.get("functions", {}).items():
-        _set_plain(m, k, _import(ref, f"function {ref} the loss {name} holds"))
+    _set_held(m, node, name)
     skip = set(node.get("non_persistent", ()))
     for k, key in node.get("buffers", {}).items():
         _clear(m, k)

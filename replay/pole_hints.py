@@ -31,6 +31,7 @@ from .positive import node_op
 from .rounded_bound import RoundedBound
 from .rounded_bound import said as said_bound
 from .scalar_pole import SCALAR_POLE
+from .source import installed_package
 from .unit_complement import unit_root_hint
 from .unit_eps import narrow_eps
 from .xlogy_pole import ZERO_OF_X, ZERO_ZERO, xlogy_at_zero, xlogy_of_x
@@ -114,7 +115,7 @@ def pole_hint(b, cause: Cause) -> str:
     hint = centred_hint(b, _pole_hint(b, cause), DO["sqrt_pole"], cause.name)
     hint = hypot_hint(b.node, b.saved_zero, hint)  # (torch.hypot(re, im) at 0 + 0j)
     if cause.name == "precision" and not isinstance(b.lost_eps, RoundedBound):
-        hint += narrow_eps(b.node, b.dtype)  # (float32's eps, rounded away in float16; a
+        hint += narrow_eps(b.node, b.dtype, installed_package(b.source))  # (float32's eps, rounded away in float16; a
         # clamp's bound rounded onto the edge says so itself: replay.rounded_bound)
     if not b.masked or cause.name not in ("invalid", "precision") or "both branches" in hint \
             or zero_deviations(b) \

@@ -58,10 +58,20 @@ def library_caller(source: str | None) -> str | None:
 _LIBRARY_DIRS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 
 
+def installed_package(source: str | None) -> str | None:
+    """The top-level name of the installed package (site-packages, dist-packages) whose file
+    ``source`` (``file:line``) is, e.g. ``pytorch_metric_learning``; None for any other."""
+    for d in _LIBRARY_DIRS:
+        if source and d in source:
+            first = source.rsplit(d, 1)[1].split(os.sep, 1)[0]
+            return first.partition(":")[0].removesuffix(".py") or None
+    return None
+
+
 def in_package(source: str | None) -> bool:
-    """Whether ``source`` (``file:line``) is an installed package's (site-packages,
-    dist-packages): a library's code, not the user's."""
-    return bool(source) and any(d in source for d in _LIBRARY_DIRS)
+    """Whether ``source`` (``file:line``) is an installed package's: a library's code, not
+    the user's."""
+    return installed_package(source) is not None
 
 
 def caller_source(frame) -> str | None:

@@ -530,9 +530,13 @@ def test_a_partial_of_a_torch_loss_is_rebuilt_with_its_arguments(tmp_path):
 
 
 class _Vocab:
-    """Not a JSON value, a tensor, a module or a function: the bundle cannot store it."""
+    """Not a JSON value, a tensor, a module or a function, and holding a set, which no JSON
+    value is: the bundle cannot store it (a plain object of JSON values it can)."""
 
     pad = UL.PAD
+
+    def __init__(self):
+        self.specials = {"<pad>", "<unk>"}
 
 
 class VocabCE(torch.nn.Module):
