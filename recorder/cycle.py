@@ -38,6 +38,7 @@ from .probe import Probe
 from .rewind import Rewind
 from .ring import RingBuffer, StepLayout
 from .rng import RngCapture
+from .scalers import raised_by_scaler
 from .settings import Settings
 from .slots import GRAD, LOOSE, NAN_ONLY, STRICT, Slots
 from .tape import Tape
@@ -350,7 +351,9 @@ class StepCycle:
             if not tape.evaluation:  # gradients backward wrote, which no optimizer hook read
                 reread_changed_grads(tape, self.target, self.settings.param_norms)
             tape.cut_short = True
-            self.close_tape(at="exception", forced=_forced(tape, exc, self.target))
+            # (the scaler's own error: gradients still scaled, their overflow its to skip)
+            self.close_tape(at="exception", forced=_forced(tape, exc, self.target),
+                            skipped_by_loop=raised_by_scaler(exc))
         except NonFiniteError as e:
             _add_note(exc, str(e))
             return

@@ -70,3 +70,15 @@ def _last_skipped(scaler) -> bool:
     growth tracker is 0, as a skip resets it (a step that ran adds 1)."""
     tracker = scaler_tensors(scaler).get("growth_tracker")
     return tracker is not None and int(tracker) == 0
+
+
+def raised_by_scaler(exc: BaseException) -> bool:
+    """Whether a GradScaler's own code raised ``exc`` (``unscale_`` refusing float16
+    gradients, ``step`` on an optimizer it cannot handle): the step's gradients were still
+    scaled, and their overflow is the scaler's to skip, not an event."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if is_grad_scaler(tb.tb_frame.f_locals.get("self")):
+            return True
+        tb = tb.tb_next
+    return False

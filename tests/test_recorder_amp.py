@@ -220,3 +220,42 @@ def test_a_disabled_grad_scaler_is_accepted_and_changes_nothing(out_dir):
     with pytest.raises(NonFiniteError) as info:
         run(True, bad_step=3)
     check_event(info.value.event, step=3, phase="input", samples=[2])
+
+
+class _HalfHead(nn.Module):
+    """A float32 layer, then a float16 head: the scaler refuses to unscale its gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(8, 8), nn.Linear(8, 1).half()
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)).half()).float()
+
+
+@pytest.mark.parametrize("nan_input", [False, True])
+def test_the_scalers_own_error_is_no_gradient_event(out_dir, nan_input):
+    """``scaler.step`` raises 'Attempting to unscale FP16 gradients' over gradients still
+    scaled, the float16 head's overflowed: the loop's error goes on, and the overflow is the
+    scaler's, no event (it wrote a backward NaN bundle); a NaN the batch brought is still one."""
+    torch.manual_seed(0)
+    model = _HalfHead()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    x, y = torch.randn(16, 8) * 1000, torch.randn(16, 1)
+    if nan_input:
+        x[3, 2] = float("nan")
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients") as info:
+        with FlightRecorder(model, opt, loss_fn=nn.MSELoss(), scaler=scaler,
+                            out_dir=out_dir) as rec:
+            loss = rec.loss_fn(model(x), y)
+            scaler.scale(loss).backward()
+            assert not all(torch.isfinite(p.grad).all() for p in model.parameters())
+            scaler.step(opt)
+    written = list(bundles(out_dir))
+    if not nan_input:
+        assert not written and not getattr(info.value, "__notes__", None)
+        return
+    (path,) = written
+    event = read_bundle(path, want=lambda name: False)[0]["event"]
+    assert (event["step"], event["phase"], event["samples"]) == (0, "input", [3]), event
