@@ -135,19 +135,22 @@ def test_dpo_huge_beta_names_the_loss_scale_not_a_pole(tmp_path):
 def test_dpo_float16_reference_names_the_pair_and_the_trainers_loss(tmp_path):
     """The reference model converted to float16: a rare word's embedding row beyond 65504 is
     inf, so the reference log-probabilities of the pair holding it are NaN, and so is DPO's
-    loss and its gradient into both of the pair's rows. The policy re-runs finite: the hint
-    told to pass a loss module to the callback and call it in compute_loss (TRL's trainer owns
-    that loss); it now says TRL's trainer combined values the model never took."""
+    loss and its gradient into both of the pair's rows (gradient accumulation: 2 pairs a
+    micro-batch, 2 micro-batches a step). The policy re-runs finite: the hint told to pass a
+    loss module to the callback and call it in compute_loss (TRL's trainer owns that loss); it
+    now says TRL's trainer combined values the model never took."""
     t, _ = trainer(tmp_path, DPOTrainer, DPOConfig, M.preference_data(16, rare_at=9),
-                   "make_fused_llama", ref_model=M.make_half_reference())
+                   "make_fused_llama", ref_model=M.make_half_reference(),
+                   per_device_train_batch_size=2, gradient_accumulation_steps=2)
     err = fire(t)
     rep = nanreplay_json(err.bundle_path)
-    assert (rep["event"]["step"], rep["origin"]["phase"], rep["cause"]) == (0, "loss", None)
-    rows = rep["origin"]["samples"]
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["micro_batch"], rep["cause"]) == (
+        0, "loss", 1, None), rep["hint"]
     meta, tensors = read_bundle(err.bundle_path)
-    ids = tensors["batch/0/0"]  # chosen rows first, then their rejected rows
-    assert rows == [2, 2 + B] and (ids[2] == M.RARE_ID).any()
-    assert not (ids[[r for r in range(2 * B) if r != 2]] == M.RARE_ID).any()
+    ids = tensors["batch/1/0"]  # the micro-batch's 2 chosen rows, then their rejected rows
+    assert o["samples"] == [0, 2] and (ids[0] == M.RARE_ID).any()
+    assert not (ids[1:] == M.RARE_ID).any() and not (tensors["batch/0/0"] == M.RARE_ID).any()
     assert "trl's Trainer computed this loss" in rep["hint"]
     assert "reference model" in rep["hint"] and "compute_loss" not in rep["hint"]
 
@@ -174,3 +177,17 @@ def test_reward_nan_margin_names_the_rows_of_its_pair(tmp_path):
         ids = tok(text)["input_ids"]
         assert tensors["batch/0/0"][row, :len(ids)].tolist() == ids
     assert f"the batch's rows r, r + {B}" in rep["hint"] and "no sample" not in rep["hint"]
+
+
+def test_sft_nan_checkpoint_names_the_weight(tmp_path):
+    """A GPT-2 policy from a checkpoint with one NaN weight (an adapter merge's 0 / 0): a
+    weights event at step 0, read first by layer 1's MLP projection."""
+    t, _ = trainer(tmp_path, SFTTrainer, SFTConfig, M.sft_data(16), "make_fused_gpt2",
+                   model=M.nan_checkpoint_gpt2())
+    err = fire(t)
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["param"], rep["cause"]) == (
+        0, "weights", "transformer.h.1.mlp.c_fc.weight", "weights"), rep["hint"]
+    assert o["samples"] == list(range(B))
+    assert "1 of 4096" in rep["hint"] and "came in so" in rep["hint"]

@@ -133,3 +133,21 @@ def make_half_reference(rare_row: float = 1e7):
     with torch.no_grad():
         ref.model.embed_tokens.weight[RARE_ID] *= rare_row
     return ref.half().eval()
+
+
+def make_fused_gpt2():
+    """``make_gpt2`` with TRL's fused LM head (see :func:`make_fused_llama`)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = make_gpt2()
+    add_fused_lm_head(model)
+    return model
+
+
+def nan_checkpoint_gpt2():
+    """A GPT-2 policy loaded from a checkpoint with one NaN in layer 1's MLP input projection
+    (a merge of adapters that divided by a zero scale)."""
+    model = make_gpt2()
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight[3, 7] = float("nan")
+    return model
