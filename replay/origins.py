@@ -470,7 +470,7 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
     cause.hint = node_hints(b, cause)
     cause.hint = looked_up_divisor_hint(runner, b, cause) or cause.hint  # (alphas_cumprod[t])
     cause = steep_power_cause(b, cause)
-    cause = upstream_cause(runner.step, b.node, cause)  # (the loss's scale: DPO's beta)
+    cause = upstream_cause(runner, b.node, cause)  # (the loss's scale: DPO's beta)
     cause.hint = twice_hint(b, cause.hint)
     cause.hint = zero_start_hint(runner, b, cause.name, cause.hint)  # (an STN's theta = I)
     cause.hint = hook_hint(b, cause.hint) if b.hook is not None else cause.hint

@@ -12,9 +12,11 @@ so patched (``make_fused_llama``); one that does not is refused in one line nami
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-pytest.importorskip("trl")
+trl = pytest.importorskip("trl")
 pytest.importorskip("accelerate")
 
 import torch  # noqa: E402
@@ -191,3 +193,18 @@ def test_sft_nan_checkpoint_names_the_weight(tmp_path):
         0, "weights", "transformer.h.1.mlp.c_fc.weight", "weights"), rep["hint"]
     assert o["samples"] == list(range(B))
     assert "1 of 4096" in rep["hint"] and "came in so" in rep["hint"]
+
+
+def test_sft_logits_overflow_in_the_fused_head_names_its_matmul(tmp_path):
+    """A head row of 1e38 (finite): the fused LM head's logits overflow in its tile matmul,
+    ``torch.mm(hidden, w.t(), out=tile)`` into a reused ``torch.empty`` buffer. The report named
+    ``aten.full`` filling the running max with its literal -inf ('on purpose, a mask: record
+    with allow_inf'), because the buffer's old contents counted as the matmul's inputs."""
+    t, _ = trainer(tmp_path, SFTTrainer, SFTConfig, M.sft_data(16), "make_fused_llama",
+                   model=M.loud_head_llama())
+    err = fire(t)
+    rep = nanreplay_json(err.bundle_path)
+    assert origin(rep) == (0, "forward", "", "aten.mm", "overflow"), rep["hint"]
+    assert rep["origin"]["source"].startswith(
+        str(Path(trl.__file__).parent / "kernels" / "chunked_logprob.py")), rep["origin"]
+    assert "allow_inf" not in rep["hint"] and not any("allow_inf" in p for p in rep["problems"])

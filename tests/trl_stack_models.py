@@ -151,3 +151,12 @@ def nan_checkpoint_gpt2():
     with torch.no_grad():
         model.transformer.h[1].mlp.c_fc.weight[3, 7] = float("nan")
     return model
+
+
+def loud_head_llama(value: float = 1e38):
+    """A Llama policy from a checkpoint whose output embedding row of the rare word holds
+    ``value`` everywhere (finite: an untied head row a bad merge overwrote)."""
+    model = make_llama()
+    with torch.no_grad():
+        model.lm_head.weight[RARE_ID] = value
+    return model
