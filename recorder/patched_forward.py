@@ -7,13 +7,15 @@ has it (:mod:`replay.patched_forward`). Shared by both packages."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import nn
 
 # wrappers that keep the forward's computation and only set its precision (accelerate's
 # autocast and convert-outputs-to-fp32 wrappers, torch.autocast as a decorator)
-PASS_THROUGH = ("accelerate.", "torch.")
+# (a ScriptModule's compiled forward, torch._C's ScriptMethod, is its class's too)
+PASS_THROUGH = {"accelerate", "torch"}
 
 
 def patched_forward(m: nn.Module) -> str | None:
@@ -21,8 +23,18 @@ def patched_forward(m: nn.Module) -> str | None:
     class's (a closure's own name, ``pkg.mod.patcher.<locals>.fn``, even where
     ``functools.wraps`` copied the class forward's name onto it), None when it runs the
     class's, or only precision wrappers around it."""
+    try:
+        return _patched(m)
+    except Exception:  # (an exotic forward object: no claim, and the event's bundle is written)
+        return None
+
+
+def _patched(m: nn.Module) -> str | None:
     fn: Any = vars(m).get("forward")
-    own = getattr(type(m).forward, "__code__", None)
+    if fn is None:
+        return None
+    # (read statically: a ScriptModule's class attribute is a descriptor that raises)
+    own = getattr(inspect.getattr_static(type(m), "forward", None), "__code__", None)
     for _ in range(32):
         if fn is None:
             return None
@@ -31,7 +43,7 @@ def patched_forward(m: nn.Module) -> str | None:
         if code is not None and code is own:
             return None
         where = _module_of(fn)
-        if not where.startswith(PASS_THROUGH):
+        if where.split(".")[0] not in PASS_THROUGH:
             name = getattr(code, "co_qualname", None) or getattr(fn, "__qualname__", None) \
                 or type(fn).__qualname__
             return f"{where}.{name}"
