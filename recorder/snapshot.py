@@ -26,6 +26,7 @@ from .graph_reach import from_model
 from .inner_optim import describe_inner, full_state
 from .late_writes import moved_in_step
 from .lossdesc import describe_callable, describe_loss
+from .patched_forward import patched_forward
 from .rewind import Rewind
 from .ring import RingBuffer
 from .rng import rng_to_bundle
@@ -206,6 +207,8 @@ def _module_info(name: str, m: nn.Module, attributes: AttributeWatch, tensors
         info["attrs"] = attrs
     if attached := attributes.at_attach.get(name):  # (set before attach: an init pass's flag)
         info["attrs_at_attach"] = attached
+    if patch := patched_forward(m):  # (a trainer's patch: TRL's fused LM head)
+        info["forward"] = patch
     if trained := trained_tensors(m):  # as the event found them (another optimizer's)
         info["trained"] = sorted(trained)
         for k, v in trained.items():

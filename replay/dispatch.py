@@ -40,6 +40,16 @@ def float_leaves(tree) -> list[torch.Tensor]:
             and (t.is_floating_point() or t.is_complex()) and t.numel() and not t.is_meta]
 
 
+def overwritten_out(args, kwargs) -> list[torch.Tensor]:
+    """:func:`float_leaves` of an op's arguments less its ``out=`` destination, whose old
+    values it overwrites and never reads (``torch.mm(a, b, out=buf[:n])`` into a reused,
+    uninitialised buffer: a chunked log-softmax's tiles), so no input of the op; one also
+    given as an argument (``torch.add(a, b, out=a)``) stays one."""
+    if not kwargs or "out" not in kwargs:
+        return float_leaves((args, kwargs))
+    return float_leaves((args, {k: v for k, v in kwargs.items() if k != "out"}))
+
+
 class OpAt(TorchDispatchMode):
     """Keeps the inputs and outputs of the ``occurrence``-th call of ``op`` (``"aten.log"``)
     made inside it: the float64 re-run's view of the op that :class:`OpFinder` blamed."""

@@ -33,6 +33,7 @@ from .factory import recorded_argv, resolve_factory
 from .loss_params import attach_loss_params
 from .losses import Unrebuildable, kept_defaults, rebuild_loss
 from .optim import build_optimizer
+from .patched_forward import check_patched_forwards
 from .sharded_optim import gather_state
 from .shards import resolve
 from .views import same_view
@@ -222,6 +223,7 @@ def _build(step: Step, spec: str, explicit: bool, factory_kwargs: dict[str, Any]
     except _MetaUnsupported:
         made = _call_factory(fn, spec, kwargs, on_meta=False)
     model = decompile(made["model"])  # a compiled model's layers re-run one by one
+    check_patched_forwards(meta, model)  # (a trainer's patch the factory did not apply)
     step.rebuild = lambda: _call_factory(fn, spec, kwargs, on_meta=False)["model"]
     load_weights(step, model)
     step.written = [n for n in meta.get("written_in_step") or () if isinstance(n, str)]

@@ -30,7 +30,7 @@ from .cancellation import Cancellation
 from .compared_after import after_origin
 from .compat import TorchDispatchMode, running_node, tree_leaves, writes_arguments
 from .composite import Composites, composite_hit
-from .dispatch import clone_args, float_leaves, run_op
+from .dispatch import clone_args, float_leaves, overwritten_out, run_op
 from .earlier_nan import earlier_nan
 from .exp_param import ExpOfParam
 from .folds import folded_inputs, folds
@@ -81,7 +81,7 @@ class _Watch(TorchDispatchMode):
         if f.first is not None and f.first_nan is not None:  # (the rows its call made next)
             return after_origin(f, func, args, kwargs)
         occurrence, seq = f.count(name := func.overloadpacket.__name__)
-        ins = float_leaves(leaves := tree_leaves((args, kwargs)))
+        leaves, ins = tree_leaves((args, kwargs)), overwritten_out(args, kwargs)  # (not out=)
         literal_inf, filled, ins = literals(name, leaves, ins)
         pairs, lo, hi, in_finite, in_nan_free = _input_ends(ins)
         # an op writing into its arguments: keep what it was given, for the evidence

@@ -34,6 +34,7 @@ from .fractional_power import fractional_power_hint
 from .grad_hooks import hook_fields, hook_hint
 from .held_divisor import held_divisor_hint, loss_buffers
 from .hits import hit_sources
+from .huge_upstream import upstream_cause
 from .iteration import loss_line_run
 from .load import Step, autocast_as_recorded
 from .logged_output import logged_output_cause
@@ -473,6 +474,7 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
     cause.hint = node_hints(b, cause)
     cause.hint = looked_up_divisor_hint(runner, b, cause) or cause.hint  # (alphas_cumprod[t])
     cause = steep_power_cause(b, cause)
+    cause = upstream_cause(runner, b.node, cause)  # (the loss's scale: DPO's beta)
     cause.hint = twice_hint(b, cause.hint)
     cause.hint = zero_start_hint(runner, b, cause.name, cause.hint)  # (an STN's theta = I)
     cause.hint = hook_hint(b, cause.hint) if b.hook is not None else cause.hint

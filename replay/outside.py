@@ -213,11 +213,7 @@ def replayable_loss_hint(step: Step) -> str:
                 "make the loss replayable as the note says, so the replay re-runs it and names "
                 "the op")
     if integration == "huggingface":
-        return ("the Trainer computed this loss outside the model (a compute_loss override, "
-                "compute_loss_func, label smoothing): pass the loss module to "
-                "FlightRecorderCallback(loss_fn=...) and call it in compute_loss, or pass the "
-                "labels to the model so it computes the loss itself; the replay then re-runs "
-                "it and names the op")
+        return trainer_loss_hint(step)
     if integration == "lightning":
         return ("the training_step computed this loss inline: keep the loss module in an "
                 "attribute of the LightningModule and name it, FlightRecorderCallback("
@@ -233,6 +229,26 @@ def replayable_loss_hint(step: Step) -> str:
             "loss_fn=...) (a loss module, or a function called as rec.loss_fn) so the replay "
             "re-runs it and names the op; rec.record_loss(loss) at least checks its value "
             "every step")
+
+
+def trainer_loss_hint(step: Step) -> str:
+    """A Hugging Face Trainer's loss outside the model; where a package patched the model's
+    forward (TRL's trainers: per-token log-probabilities), that package's trainer computed it,
+    from the model's output and values the model never saw."""
+    patches = [m["forward"] for m in step.meta.get("modules") or ()
+               if isinstance(m, dict) and isinstance(m.get("forward"), str)]
+    if patches:
+        pkg = patches[0].split(".")[0]
+        return (f"the model ran a forward {pkg} patched onto it ({patches[0]}), so {pkg}'s "
+                "Trainer computed this loss from the model's output and values the model never "
+                "took (a reference model's log-probabilities in DPO, rewards, a margin column): "
+                "the model re-ran finite, so check those on these samples (a reference model "
+                "loaded in float16 overflows where the policy does not)")
+    return ("the Trainer computed this loss outside the model (a compute_loss override, "
+            "compute_loss_func, label smoothing): pass the loss module to "
+            "FlightRecorderCallback(loss_fn=...) and call it in compute_loss, or pass the "
+            "labels to the model so it computes the loss itself; the replay then re-runs "
+            "it and names the op")
 
 
 def output_hooks(step: Step) -> list[str]:

@@ -35,6 +35,7 @@ from .cause_text import (
 )
 from .findings import origin_fields
 from .group_nan import group_nan
+from .grouped_rows import grouped, grouped_hint
 from .infinite_entries import INFINITE_ENTRIES, infinite_entries
 from .load import Step, micro_batch_inputs
 from .loss_arg_name import forward_param_name, with_param_name
@@ -215,8 +216,10 @@ def _input_origin(step: Step) -> dict[str, Any]:
                     continue  # missing values the model imputes; the event named another
                 if missing and name == named:
                     bad = [r for r in bad if r in step.event.get("samples", [])] or bad
-                return origin_fields(phase="input", tensor=name, samples=bad, micro_batch=i,
-                                     made=kind_of(t))
+                group = None if bad else grouped(t, samples(step, i).size)  # (a pair's)
+                o = origin_fields(phase="input", tensor=name, samples=bad or (
+                    group or {}).get("samples", []), micro_batch=i, made=kind_of(t))
+                return {**o, "grouped": group} if group else o
         # the loss argument the recorder named first: it skipped those computed from the
         # model output (out * w, not data), which the bundle keeps as tensors like targets
         for key, raw in sorted(mb.get("loss_paths", {}).items(),
@@ -244,6 +247,8 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
     key, raw = origin_key(step, origin)
     if nan_allowed(step, root_input_name(raw)):
         return ALLOWED_NAN_LEAKED.format(tensor=tensor)
+    if g := origin.get("grouped"):  # (one row per preference pair)
+        return grouped_hint(tensor, g, batch_size(step, origin.get("micro_batch") or 0))
     if whole := _whole_tensor(step, origin, key):
         evaluating = WHOLE_TENSOR_EVALUATING if step.event.get("evaluation") else ""
         return WHOLE_TENSOR.format(tensor=tensor, kind=whole, evaluating=evaluating)

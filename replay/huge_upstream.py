@@ -1,0 +1,76 @@
+"""A backward overflow the loss sent down: the gradient entering the model's output (recorded
+where the loss is computed outside the recorder, ``outgrad/*``) was already so large that the
+model's backward, which multiplies it by activations and weights and sums it over positions,
+left the type's range. The node it overflowed in has no fault of its own (a normalisation's
+``rsqrt`` far from its pole, a ``mm``); the loss's scale is what to change: DPO's ``beta`` of
+1e38, a reward scale, a loss weight, the reciprocal of a temperature near 0."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .cause import Cause
+from .compat import tree_leaves
+
+# sqrt of float32's largest value: a gradient beyond it overflows at any product with a factor
+# as large, and no loss scaling reaches it (a GradScaler's scale is at most 2**24)
+HUGE = 2.0 ** 64
+# how much larger than the model's outputs: a loss that only compares the outputs (a squared
+# error of a model that diverged) sends a gradient of their size
+RATIO = 2.0 ** 32
+
+
+def entering_max(step) -> float | None:
+    """The largest magnitude among the step's recorded gradients of the model's outputs (None
+    when none was recorded, or one is non-finite: that is another report's)."""
+    top = None
+    for key, t in step.tensors.items():
+        if key.startswith("outgrad/") and isinstance(t, torch.Tensor) and t.is_floating_point() \
+                and t.numel():
+            m = t.detach().abs().max().item()
+            if not math.isfinite(m):
+                return None
+            top = m if top is None else max(top, m)
+    return top
+
+
+def output_max(runner) -> float:
+    """The largest finite magnitude among the model's outputs in a forward-only re-run."""
+    seen: list[float] = []
+
+    def hook(m, args, out):
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+                a = t.detach().abs()
+                seen.append(float(a[torch.isfinite(a)].max()) if torch.isfinite(a).any() else 0.0)
+
+    try:
+        runner.run(backward=False, instrument=False,
+                   hooks=lambda model: [model.register_forward_hook(hook)])
+    except Exception:  # (a forward that fails alone: no comparison, no claim)
+        return math.inf
+    finally:
+        runner.reset()
+    return max(seen, default=math.inf)
+
+
+def upstream_cause(runner, node: str | None, cause: Cause) -> Cause:
+    """``cause`` for a backward overflow at ``node``, said as the loss's gradient scale when
+    the gradient entering the model's output was at least :data:`HUGE` and :data:`RATIO`
+    times the model's outputs (a coefficient, not outputs that diverged: a squared error's
+    gradient is of its prediction's size, and so is a diverging model's)."""
+    if cause.name != "overflow" or (top := entering_max(runner.step)) is None or top < HUGE \
+            or top < RATIO * output_max(runner):
+        return cause
+    op = node or "the backward node"
+    return Cause("overflow", f"{op}'s gradient overflowed, but not near a pole of its own: the "
+                 f"gradient entering the model's output was already {top:.3g} (recorded), "
+                 "orders of magnitude beyond the outputs it is the gradient of, and the "
+                 "model's backward, which multiplies it by activations and weights and sums it "
+                 "over positions, took it beyond its type's range. The loss computed outside "
+                 "the model sends a gradient that large: a coefficient scaling the loss or its "
+                 "argument (DPO's beta, a reward scale, a loss weight, 1 / a temperature near "
+                 "0) is orders of magnitude too large; reduce it (a wider type only postpones "
+                 "the overflow)")
