@@ -30,7 +30,8 @@ from ci import ACCEPTED_SKIPS, CI  # noqa: E402
 OPTIONAL_MODULES = ("transformers", "accelerate", "lightning", "numpy", "opacus", "torch_geometric",
                     "ignite", "peft", "diffusers", "gpytorch", "pyro", "pytorch_optimizer",
                     "monai", "kornia", "x_transformers", "vector_quantize_pytorch", "einops",
-                    "torchdiffeq", "zuko", "schedulefree", "pytorch_metric_learning")
+                    "torchdiffeq", "zuko", "schedulefree", "pytorch_metric_learning",
+                    "trl", "datasets")
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 
 # Hypothesis's files (example database, constants cache) go to the user's cache, not the checkout.
