@@ -1,0 +1,179 @@
+"""End to end: sentence-embedding training with sentence-transformers
+(``sentence_embeddings_models``: a tiny BERT + mean pooling (+ Normalize) trained by its own
+losses and two written by hand), in a manual loop over ``model.preprocess`` features (a
+tokenizer's ``BatchEncoding``, passed whole to the model, which writes its outputs into it) and
+under ``SentenceTransformerTrainer`` with the Hugging Face callback, until a planted bug fires,
+then replayed with the CLI; and a healthy run, which must raise nothing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("sentence_transformers")
+pytest.importorskip("datasets")
+pytest.importorskip("accelerate")
+
+import sentence_embeddings_models as M  # noqa: E402
+from bundles import nanreplay_json, source_line  # noqa: E402
+from sentence_transformers.sentence_transformer import losses  # noqa: E402
+
+from recorder import FlightRecorder, NonFiniteError  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+FACTORY = "sentence_embeddings_models:"
+MODELS = "sentence_embeddings_models.py"
+
+
+def pair_batches(steps: int, edit=None, bs: int = 8):
+    """(anchors, positives, scores) batches; ``edit(step, a, p, s)`` plants a bug."""
+    d = M.pairs(steps * bs)
+    for i in range(steps):
+        a, p = d["anchor"][i * bs:(i + 1) * bs], d["positive"][i * bs:(i + 1) * bs]
+        s = torch.tensor(d["score"][i * bs:(i + 1) * bs])
+        yield (edit(i, a, p, s) if edit else (a, p, s))
+
+
+def train(model, loss, opt, batches, autocast=None):
+    """The manual loop of sentence-transformers' docs: features by ``model.preprocess``, the
+    loss module called on them (it runs the model)."""
+    for *texts, labels in batches:
+        features = [model.preprocess(t) for t in texts]
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=bool(autocast)):
+            value = loss(features, labels)
+        value.backward()
+        opt.step()
+    return value
+
+
+def recorded(tmp_path, model, loss, opt, batches, factory, **kw):
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=loss, out_dir=tmp_path, factory=FACTORY + factory):
+            train(model, loss, opt, batches, **kw)
+    return info.value
+
+
+def test_blank_text_in_hand_written_mean_pooling_is_0_by_0_in_the_pooling(tmp_path):
+    # BUG: the pooling divides by the mask's count without the model card's clamp, and anchor 5
+    # of step 1 is an empty string: with no [CLS]/[SEP] its attention mask is all 0, 0/0
+    def blank(step, a, p, s):
+        if step == 1:
+            a[5] = ""
+        return a, p, s
+
+    model = M.make_hand_pooled_model()
+    loss = losses.MultipleNegativesRankingLoss(model, scale=20.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    err = recorded(tmp_path, model, loss, opt, pair_batches(3, blank), "make_hand_pooled_model")
+    # (was: a loss event, "the loss is non-finite while the model output is finite", and the
+    # replay refused the batch: the BatchEncoding the model took was kept as its repr)
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (1, "forward", "1")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"], o["samples"],
+            o["micro_batch"]) == (True, "invalid", "1", "aten.div", "nan", [5], 0), rep
+    assert o["source"] == source_line(MODELS, "summed / counts"), o
+    assert "attention_mask" in rep["hint"] and "clamp" in rep["hint"], rep["hint"]
+
+
+def test_nan_similarity_score_under_the_trainer_is_an_input_of_the_loss(tmp_path):
+    # BUG: one gold score of the STS-like data set is NaN (a missing annotation): the
+    # CosineSimilarityLoss's MSE against it is NaN; SentenceTransformerTrainer + the callback
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer as Trainer
+    from sentence_transformers import SentenceTransformerTrainingArguments as Args
+
+    from recorder.huggingface import FlightRecorderCallback
+
+    d = M.pairs(24)
+    d["score"][19] = math.nan
+    ds = Dataset.from_dict({"sentence1": d["anchor"], "sentence2": d["positive"],
+                            "score": d["score"]})
+    model = M.make_model()
+    loss = losses.CosineSimilarityLoss(model)
+    args = Args(
+        output_dir=str(tmp_path / "run"), per_device_train_batch_size=8, num_train_epochs=1,
+        learning_rate=1e-3, report_to=[], save_strategy="no", use_cpu=True, seed=0,
+        disable_tqdm=True)
+    cb = FlightRecorderCallback(out_dir=tmp_path / "b", loss_fn=loss, factory=FACTORY + "make_model")
+    trainer = Trainer(model=model, args=args, train_dataset=ds, loss=loss, callbacks=[cb])
+    with pytest.raises(NonFiniteError) as info:
+        trainer.train()
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["samples"]) == (1, "input", [2])
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["phase"], o["samples"]) == (
+        True, "input", "input", [2]), rep
+    assert "loss_args[1] (labels)" in rep["hint"] and "fix the data pipeline" in rep["hint"]
+
+
+def test_log_of_softmax_under_fp16_autocast_underflows(tmp_path):
+    # BUG: a hand-written InfoNCE takes log(softmax(scores)) of dot-product scores under
+    # float16 autocast: the positives' probabilities of rows 6 and 7 at step 1 are below
+    # float16's range, rounded to 0, and their log is -inf
+    model = M.make_plain_model()
+    loss = M.InfoNCELoss(model, scale=20.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    err = recorded(tmp_path, model, loss, opt, pair_batches(3), "make_plain_model",
+                   autocast=torch.float16)
+    assert (err.event["step"], err.event["phase"]) == (1, "loss")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "underflow", "<loss>", "aten.log", "-inf", [6, 7]), rep
+    assert o["source"] == source_line(MODELS, "torch.log(torch.diagonal(probs))"), o
+    assert "log_softmax instead of log(softmax)" in rep["hint"], rep["hint"]
+
+
+def test_duplicate_texts_in_a_triplet_are_a_backward_only_nan_of_sqrt(tmp_path):
+    # BUG: positive 4 of step 1 is its anchor's own text (a deduplication missed): identical
+    # embeddings, a distance sqrt(0) = 0 in the forward, and sqrt's infinite slope times 0 in
+    # the backward
+    model = M.make_model()
+    loss = M.HandTripletLoss(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    d = M.triplets(24)
+
+    def batches():
+        for i in range(3):
+            a, p, n = (d[k][i * 8:(i + 1) * 8] for k in ("anchor", "positive", "negative"))
+            if i == 1:
+                p[4] = a[4]
+            yield a, p, n, None
+
+    err = recorded(tmp_path, model, loss, opt, batches(), "make_model")
+    assert (err.event["step"], err.event["phase"]) == (1, "backward")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["phase"], o["module"], o["op"], o["samples"]) == (
+        True, "invalid", "backward", "<loss>", "SqrtBackward0", [4]), rep
+    assert o["source"] == source_line(MODELS, "d_ap = torch.sqrt("), o
+    assert "torch.linalg.vector_norm" in rep["hint"], rep["hint"]
+
+
+def _healthy(recorder_dir=None):
+    torch.manual_seed(0)
+    model = M.make_model()
+    loss = losses.MatryoshkaLoss(model, losses.MultipleNegativesRankingLoss(model, scale=20.0),
+                                 matryoshka_dims=[32, 16, 8])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if recorder_dir is None:
+        value = train(model, loss, opt, pair_batches(3))
+    else:
+        with FlightRecorder(model, opt, loss_fn=loss, out_dir=recorder_dir,
+                            factory=FACTORY + "make_model"):
+            value = train(model, loss, opt, pair_batches(3))
+    return value, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_healthy_matryoshka_training_raises_nothing_and_is_bit_identical(tmp_path):
+    plain, w0 = _healthy()
+    value, w1 = _healthy(tmp_path)
+    assert torch.isfinite(value) and not list(tmp_path.iterdir())
+    assert torch.equal(plain, value)
+    assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
