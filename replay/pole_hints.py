@@ -26,7 +26,7 @@ from .centred_root import centred_hint, zero_deviations
 from .clamped_divisor import clamped_to_zero
 from .compat import saved_value
 from .hypot_pole import hypot_hint
-from .masked_grad import MASKED_INCOMING
+from .masked_grad import MASKED_INCOMING, RESIDUAL_INCOMING
 from .positive import node_op
 from .rounded_bound import RoundedBound
 from .rounded_bound import said as said_bound
@@ -121,6 +121,8 @@ def pole_hint(b, cause: Cause) -> str:
             or b.zero_divisor in ("constant", "clamped", "xlogy", "xlogy_of_x"):  # (their hints say the
         # forward hid it)
         return hint
+    if b.zeroed_by:  # (no mask: a squared error's 0 at a sample the loss fits)
+        return f"{hint}; {RESIDUAL_INCOMING.format(node=b.node, zeroed=b.zeroed_by)}"
     return f"{hint}; but {MASKED_INCOMING.format(node=b.node)}"
 
 

@@ -11,6 +11,7 @@ with ``log(softmax)``, a triplet margin over ``sqrt`` of the squared distance).
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -166,3 +167,36 @@ class InfoNCELoss(nn.Module):
     def forward(self, sentence_features, labels=None) -> torch.Tensor:
         a, p = (self.model(f)["sentence_embedding"] for f in sentence_features)
         return info_nce(a, p, self.scale)
+
+
+def info_nce_exp(a: torch.Tensor, p: torch.Tensor, temperature: float) -> torch.Tensor:
+    """InfoNCE written as its formula: exp of the scores over the sum of their exps."""
+    sim = a @ p.T / temperature
+    e = torch.exp(sim)  # BUG: exp of scores up to 1 / temperature, no max subtracted
+    return -torch.log(torch.diagonal(e) / e.sum(1)).mean()
+
+
+class ExpInfoNCELoss(nn.Module):
+    def __init__(self, model: SentenceTransformer, temperature: float = 0.05):
+        super().__init__()
+        self.model = model
+        self.temperature = temperature
+
+    def forward(self, sentence_features, labels=None) -> torch.Tensor:
+        a, p = (self.model(f)["sentence_embedding"] for f in sentence_features)
+        return info_nce_exp(a, p, self.temperature)
+
+
+class AngularLoss(nn.Module):
+    """A regression of the angle between the two embeddings onto the gold score (an AnglE-like
+    objective written by hand): ``acos`` of their cosine, as the dot of unit vectors."""
+
+    def __init__(self, model: SentenceTransformer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, sentence_features, labels) -> torch.Tensor:
+        a, b = (self.model(f)["sentence_embedding"] for f in sentence_features)
+        cos = (a * b).sum(-1)  # BUG: unit vectors' dot may round above 1
+        angle = torch.acos(cos) / math.pi
+        return ((1 - angle) - labels).pow(2).mean()

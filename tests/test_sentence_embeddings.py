@@ -156,6 +156,49 @@ def test_duplicate_texts_in_a_triplet_are_a_backward_only_nan_of_sqrt(tmp_path):
     assert "torch.linalg.vector_norm" in rep["hint"], rep["hint"]
 
 
+def test_exp_of_scores_over_a_small_temperature_overflows_float16(tmp_path):
+    # BUG: InfoNCE written as its formula, exp(sim / 0.05) over the row's sum, under float16
+    # autocast: a cosine above 0.55 over 0.05 is above 11.09, whose exp is beyond 65504
+    model = M.make_model()
+    loss = M.ExpInfoNCELoss(model, temperature=0.05)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    err = recorded(tmp_path, model, loss, opt, pair_batches(2), "make_model",
+                   autocast=torch.float16)
+    assert (err.event["step"], err.event["phase"]) == (0, "loss")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "overflow", "<loss>", "aten.exp", "+inf", list(range(8))), rep
+    assert o["source"] == source_line(MODELS, "e = torch.exp(sim)"), o
+    assert "torch.softmax(s, dim)" in rep["hint"], rep["hint"]
+
+
+def test_acos_of_a_duplicate_pair_at_its_target_is_a_pole_not_a_mask(tmp_path):
+    # BUG: an angle regression takes acos of the unit embeddings' dot; pair 3 of step 1 is a
+    # text and itself, scored 1: cos = 1, acos's slope is infinite, and the squared error's
+    # gradient is exactly 0 there (the prediction is its target): 0 * inf = NaN
+    def duplicate(step, a, p, s):
+        if step == 1:
+            p[3], s[3] = a[3], 1.0
+        return a, p, s
+
+    model = M.make_model()
+    loss = M.AngularLoss(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    err = recorded(tmp_path, model, loss, opt, pair_batches(3, duplicate), "make_model")
+    assert (err.event["step"], err.event["phase"]) == (1, "backward")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "invalid", "<loss>", "AcosBackward0", "nan", [3]), rep
+    assert o["source"] == source_line(MODELS, "angle = torch.acos(cos)"), o
+    assert "cos.clamp(-1 + eps, 1 - eps)" in rep["hint"], rep["hint"]
+    # (was: "the forward dropped the op's output there after the op (masked_fill,
+    # torch.where, ...)": no mask here, the loss fits the pair)
+    assert "masked_fill" not in rep["hint"], rep["hint"]
+    assert "made so by PowBackward0 of an error exactly 0" in rep["hint"], rep["hint"]
+
+
 def _healthy(recorder_dir=None):
     torch.manual_seed(0)
     model = M.make_model()
