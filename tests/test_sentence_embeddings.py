@@ -50,10 +50,11 @@ def train(model, loss, opt, batches, autocast=None):
     return value
 
 
-def recorded(tmp_path, model, loss, opt, batches, factory, **kw):
+def recorded(tmp_path, model, loss, opt, batches, factory, autocast=None, **kw):
     with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=loss, out_dir=tmp_path, factory=FACTORY + factory):
-            train(model, loss, opt, batches, **kw)
+        with FlightRecorder(model, opt, loss_fn=loss, out_dir=tmp_path, factory=FACTORY + factory,
+                            **kw):
+            train(model, loss, opt, batches, autocast)
     return info.value
 
 
@@ -197,6 +198,33 @@ def test_acos_of_a_duplicate_pair_at_its_target_is_a_pole_not_a_mask(tmp_path):
     # torch.where, ...)": no mask here, the loss fits the pair)
     assert "masked_fill" not in rep["hint"], rep["hint"]
     assert "made so by PowBackward0 of an error exactly 0" in rep["hint"], rep["hint"]
+
+
+def test_exponential_lr_with_gamma_above_1_names_the_schedule_and_the_decay(tmp_path):
+    # BUG: ExponentialLR(gamma=10) where a decay by 10x a step was meant (gamma=0.1): from
+    # step 6 AdamW's lr * weight_decay is above 2, the decoupled decay flips and grows every
+    # weight 10x and more per update, and the first LayerNorm's statistics overflow
+    model = M.make_model()
+    loss = losses.CoSENTLoss(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=10.0)
+
+    def batches():
+        for b in pair_batches(12):
+            yield b
+            sched.step()
+
+    err = recorded(tmp_path, model, loss, opt, batches(), "make_model", lr_scheduler=sched)
+    assert (err.event["phase"], err.event["module"]) == (
+        "forward", "0.model.encoder.layer.0.attention.output.LayerNorm"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["samples"]) == (
+        True, "overflow", "0.model.encoder.layer.0.attention.output.LayerNorm",
+        "aten.native_layer_norm", list(range(8))), rep
+    assert rep["event"]["step"] == err.event["step"] == 9
+    assert "ExponentialLR with gamma > 1" in rep["hint"], rep["hint"]
+    assert "lr * weight_decay" in rep["hint"], rep["hint"]
 
 
 def _healthy(recorder_dir=None):
