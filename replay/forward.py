@@ -330,7 +330,9 @@ def _matches(step: Step, origin) -> bool:
     if ev.get("phase") != "forward":
         return False
     recorded, found = ev.get("module"), origin["module"]
-    if ev.get("compiled") and isinstance(recorded, str):  # the origin lies inside the region
+    # the origin lies inside the region: a compiled one, or the root whose output alone an
+    # evaluation forward checks (a no-grad pass inside the loss: GradCache's embedding pass)
+    if (ev.get("compiled") or ev.get("evaluation")) and isinstance(recorded, str):
         return found == recorded or recorded == "" or found.startswith(recorded + ".")
     return recorded == found
 

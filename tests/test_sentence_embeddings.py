@@ -82,6 +82,30 @@ def test_blank_text_in_hand_written_mean_pooling_is_0_by_0_in_the_pooling(tmp_pa
     assert rep["problems"] == [], rep["problems"]
 
 
+def test_blank_text_in_the_cached_loss_no_grad_pass_is_reproduced_inside_the_root(tmp_path):
+    # the same blank anchor under CachedMultipleNegativesRankingLoss (GradCache): its first
+    # pass embeds mini-batches of 4 under no_grad, an evaluation forward to the recorder, which
+    # checks the root's output only; the replay names the pooling inside it
+    def blank(step, a, p, s):
+        if step == 1:
+            a[5] = ""
+        return a, p, s
+
+    model = M.make_hand_pooled_model()
+    loss = losses.CachedMultipleNegativesRankingLoss(model, scale=20.0, mini_batch_size=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    err = recorded(tmp_path, model, loss, opt, pair_batches(3, blank), "make_hand_pooled_model")
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["evaluation"], ev["samples"]) == (
+        1, "forward", "", True, [1]), ev
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    # (was: "NOT reproduced" and exit status 1, the op found inside the root the event named)
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["samples"],
+            o["batch_rows"]) == (True, "invalid", "1", "aten.div", [1], [5]), rep
+    assert o["source"] == source_line(MODELS, "summed / counts"), o
+
+
 def test_nan_similarity_score_under_the_trainer_is_an_input_of_the_loss(tmp_path):
     # BUG: one gold score of the STS-like data set is NaN (a missing annotation): the
     # CosineSimilarityLoss's MSE against it is NaN; SentenceTransformerTrainer + the callback
