@@ -23,6 +23,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from . import objects
 from .compat import distributions_validate_default
+from .objects import member
 from .sparse import SPARSE, nested_node, rebuild_nested, rebuild_sparse, sparse_node
 
 # ---------------------------------------------------------------------------------------------
@@ -107,7 +108,7 @@ def flatten_tree(obj: Any, prefix: str, leaf=None, whole=None
             return {"$dict": items}
         if (made := objects.described(o)) is not None:  # a dataclass batch, PyG's Batch
             tag, name, items = made  # (by field or key, with its type to rebuild)
-            return {tag: name, "$fields": [[k, walk(v, f"{path}.{k}")] for k, v in items]}
+            return {tag: name, "$fields": [[k, walk(v, path + member(tag, k))] for k, v in items]}
         if isinstance(o, torch.dtype):
             return {"$dtype": str(o).removeprefix("torch.")}
         if isinstance(o, torch.device):

@@ -17,6 +17,7 @@ import collections.abc
 import copy
 import dataclasses
 import functools
+import json
 import sys
 from typing import Any
 
@@ -113,6 +114,12 @@ def described(o: Any) -> tuple[str, Any, list[tuple[str, Any]]] | None:
 # Mappings that are no dict: ``collections.UserDict`` and its subclasses (transformers'
 # ``BatchEncoding``, what a tokenizer returns and sentence-transformers passes whole to its
 # model, whose modules write their outputs into it), a ``collections.abc.Mapping`` of the user's
+
+
+def member(tag: str, key: str) -> str:
+    """How a report writes the field or key ``key`` of an object :func:`described` as ``tag``:
+    ``["input_ids"]`` of a mapping (a ``BatchEncoding``), ``.values`` of the others."""
+    return f"[{json.dumps(key)}]" if tag == "$mapping" else f".{key}"
 
 
 def is_mapping(o: Any) -> bool:
