@@ -4,9 +4,10 @@ locally (``transformers.BertConfig`` + a WordLevel tokenizer of the ``tokenizers
 as a ``PreTrainedTokenizerFast``), loaded by ``models.Transformer`` and pooled by
 ``models.Pooling(..., "mean")`` (or a hand-written masked mean, the model card's snippet without
 its clamp), then ``models.Normalize()``; the losses are sentence-transformers' own
-(``MultipleNegativesRankingLoss``, ``CoSENTLoss``, ``CosineSimilarityLoss``, ``MatryoshkaLoss``,
-``ContrastiveLoss``, ``TripletLoss``) and two written by hand as users write them (an InfoNCE
-with ``log(softmax)``, a triplet margin over ``sqrt`` of the squared distance).
+(``MultipleNegativesRankingLoss``, its cached GradCache form, ``CoSENTLoss``,
+``CosineSimilarityLoss``, ``MatryoshkaLoss``) and four written by hand as users write them (an
+InfoNCE with ``log(softmax)``, one with ``exp(sim / t) / sum``, a triplet margin over ``sqrt``
+of the squared distance, an angle regression through ``acos`` of the cosine).
 """
 
 from __future__ import annotations
