@@ -201,3 +201,11 @@ class AngularLoss(nn.Module):
         cos = (a * b).sum(-1)  # BUG: unit vectors' dot may round above 1
         angle = torch.acos(cos) / math.pi
         return ((1 - angle) - labels).pow(2).mean()
+
+
+def make_half_model() -> SentenceTransformer:
+    """The model loaded in float16 (``model_kwargs={"torch_dtype": torch.float16}``)."""
+    word = models.Transformer(bert_dir(), max_seq_length=MAX_LEN,
+                              model_kwargs={"dtype": torch.float16})
+    pool = models.Pooling(word.get_embedding_dimension(), "mean")
+    return SentenceTransformer(modules=[word, pool, models.Normalize()], device="cpu")

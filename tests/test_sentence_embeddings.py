@@ -286,6 +286,24 @@ def test_exponential_lr_with_gamma_above_1_names_the_schedule_and_the_decay(tmp_
     assert "lr * weight_decay" in rep["hint"], rep["hint"]
 
 
+def test_float16_weights_under_adamw_lose_its_eps(tmp_path):
+    # BUG: the model loaded in float16 (model_kwargs dtype) and trained by AdamW as it is: its
+    # eps=1e-8 is 0 in float16, and every entry whose second moment is 0 (rows of words absent
+    # from the batch, gradients too small to square) divides by 0 in the first update
+    model = M.make_half_model()
+    loss = losses.MultipleNegativesRankingLoss(model, scale=20.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    err = recorded(tmp_path, model, loss, opt, pair_batches(2), "make_half_model",
+                   guard_optimizer=True)
+    assert (err.event["step"], err.event["phase"]) == (0, "optimizer")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["op"], o["param"]) == (
+        True, "optimizer", "aten.addcdiv_", "0.model.embeddings.word_embeddings.weight"), rep
+    assert "eps=1e-08 is 0 in float16" in rep["hint"], rep["hint"]
+    assert "keep the weights and optimizer state in float32" in rep["hint"], rep["hint"]
+
+
 def _healthy(recorder_dir=None):
     torch.manual_seed(0)
     model = M.make_model()
