@@ -23,6 +23,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from . import objects
 from .compat import distributions_validate_default
+from .objects import member
 from .sparse import SPARSE, nested_node, rebuild_nested, rebuild_sparse, sparse_node
 
 # ---------------------------------------------------------------------------------------------
@@ -107,7 +108,7 @@ def flatten_tree(obj: Any, prefix: str, leaf=None, whole=None
             return {"$dict": items}
         if (made := objects.described(o)) is not None:  # a dataclass batch, PyG's Batch
             tag, name, items = made  # (by field or key, with its type to rebuild)
-            return {tag: name, "$fields": [[k, walk(v, f"{path}.{k}")] for k, v in items]}
+            return {tag: name, "$fields": [[k, walk(v, path + member(tag, k))] for k, v in items]}
         if isinstance(o, torch.dtype):
             return {"$dtype": str(o).removeprefix("torch.")}
         if isinstance(o, torch.device):
@@ -181,6 +182,8 @@ def unflatten_tree(node: Any, tensors: dict[str, torch.Tensor], leaf=None) -> An
             return _dataclass(node, tensors, leaf)
         if "$keyed" in node:
             return _keyed(node, tensors, leaf)
+        if "$mapping" in node:
+            return _mapping(node, tensors, leaf)
         if "$float" in node:
             return float(node["$float"])
         if "$numpy" in node:
@@ -284,6 +287,15 @@ def _stand_in(name: str, fields: tuple[str, ...]) -> type:
     return collections.namedtuple(name, fields, rename=True)
 
 
+def _mapping(node: dict[str, Any], tensors: dict[str, torch.Tensor], leaf) -> Any:
+    """A mapping that is no dict (a ``BatchEncoding``), rebuilt as its type when at hand."""
+    name, items = node["$mapping"], node.get("$fields")
+    if not (isinstance(name, str) and isinstance(items, list) and all(
+            isinstance(i, list) and len(i) == 2 and isinstance(i[0], str) for i in items)):
+        raise UnrebuildableLeaf(f"mapping {str(name)[:100]} with keys {str(items)[:100]}")
+    return objects.rebuild_mapping(name, {k: unflatten_tree(v, tensors, leaf) for k, v in items})
+
+
 def tensor_leaves(obj: Any):
     """Yield every tensor in a nested structure of tuples, lists, dicts (Hugging Face's
     ``ModelOutput`` is one) and dataclass instances."""
@@ -302,6 +314,9 @@ def tensor_leaves(obj: Any):
             yield from tensor_leaves(v)
     elif objects.is_keyed(obj):  # (PyG's Data and Batch)
         for _, v in objects.keyed_items(obj):
+            yield from tensor_leaves(v)
+    elif objects.is_mapping(obj):  # (a tokenizer's BatchEncoding)
+        for v in obj.values():
             yield from tensor_leaves(v)
 
 
@@ -332,7 +347,7 @@ def object_tensors(obj: Any, depth: int = 0, inf_ok: set[int] | None = None):
     if isinstance(obj, (list, tuple)):
         for v in obj:
             yield from object_tensors(v, depth, inf_ok)
-    elif isinstance(obj, dict):
+    elif isinstance(obj, dict) or objects.is_mapping(obj):
         for v in obj.values():
             yield from object_tensors(v, depth, inf_ok)
     elif _plain_object(obj):
@@ -394,7 +409,7 @@ def as_called(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     returns it, the targets' keys overwritten) must not change the batch the bundle holds.
     Arguments with neither are kept as they are."""
     for v in (*args, *kwargs.values()) if kwargs else args:  # (a loop: it runs every step)
-        if isinstance(v, (dict, list)):
+        if isinstance(v, (dict, list)) or objects.is_mapping(v):  # (a BatchEncoding too)
             return map_tensors(args, _kept), map_tensors(kwargs, _kept)
     return args, kwargs
 
@@ -428,6 +443,8 @@ def map_tensors(obj: Any, fn) -> Any:
         made = objects.rebuild_keyed(objects.keyed_type(obj),
                                      {k: map_tensors(v, fn) for k, v in objects.keyed_items(obj)})
         return obj if made is None else made
+    if objects.is_mapping(obj):
+        return objects.mapped(obj, {k: map_tensors(v, fn) for k, v in obj.items()})
     return obj
 
 

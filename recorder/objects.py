@@ -12,9 +12,12 @@ Batch(values=..., mask=...)
 
 from __future__ import annotations
 
+import collections
+import collections.abc
 import copy
 import dataclasses
 import functools
+import json
 import sys
 from typing import Any
 
@@ -102,7 +105,57 @@ def described(o: Any) -> tuple[str, Any, list[tuple[str, Any]]] | None:
         return "$dataclass", type_name(o), fields_of(o)
     if is_keyed(o):
         return "$keyed", keyed_type(o), keyed_items(o)
+    if is_mapping(o):
+        return "$mapping", type_name(o), mapping_items(o)
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Mappings that are no dict: ``collections.UserDict`` and its subclasses (transformers'
+# ``BatchEncoding``, what a tokenizer returns and sentence-transformers passes whole to its
+# model, whose modules write their outputs into it), a ``collections.abc.Mapping`` of the user's
+
+
+def member(tag: str, key: str) -> str:
+    """How a report writes the field or key ``key`` of an object :func:`described` as ``tag``:
+    ``["input_ids"]`` of a mapping (a ``BatchEncoding``), ``.values`` of the others."""
+    return f"[{json.dumps(key)}]" if tag == "$mapping" else f".{key}"
+
+
+def is_mapping(o: Any) -> bool:
+    """``o`` is a mapping that is no ``dict`` (a dict subclass is walked as a dict)."""
+    return isinstance(o, collections.abc.Mapping) and not isinstance(o, (dict, type))
+
+
+def mapping_items(o: Any) -> list[tuple[str, Any]]:
+    """``(key, value)`` of the mapping ``o``, string keys only."""
+    return [(k, v) for k, v in o.items() if isinstance(k, str)]
+
+
+def mapped(o: Any, values: dict[str, Any]) -> Any:
+    """A copy of the mapping ``o`` holding ``values``: a ``UserDict`` copied with its other
+    attributes (a ``BatchEncoding``'s encodings), another type built from the dict; ``o``
+    itself when its type refuses one."""
+    if isinstance(o, collections.UserDict):
+        new = copy.copy(o)  # (UserDict.__copy__: a new .data, the other attributes shared)
+        new.data = dict(values)
+        return new
+    try:
+        return type(o)(values)
+    except Exception:  # (a user's mapping with another constructor)
+        return o
+
+
+def rebuild_mapping(name: str, values: dict[str, Any]) -> Any:
+    """The mapping recorded as ``name`` (``module:qualname``, a type already imported) built
+    from ``values``; a plain dict when that type is not at hand or refuses them."""
+    cls = _found(name)
+    if isinstance(cls, type) and issubclass(cls, collections.abc.Mapping):
+        try:
+            return cls(values)
+        except Exception:  # (a constructor that takes no dict)
+            pass
+    return dict(values)
 
 
 def keyed_items(o: Any) -> list[tuple[str, Any]]:

@@ -36,7 +36,7 @@ from .folded_grads import FoldedGrads
 from .fractional_power import fractional_power_at_zero
 from .grad_hooks import HOOK, MODULE_HOOK, MODULE_HOOK_NODE, HookHit, HookWatch, module_hook_hit
 from .lost_eps import GuardNodes
-from .masked_grad import zero_where_nan
+from .masked_grad import last_zero, residual, zero_where_nan
 from .node_labels import NodeLabels, loss_labeller
 from .off_graph_positive import OffGraphPositive
 from .ops import OpFinder
@@ -113,6 +113,8 @@ class BackwardOrigin:
     summed: int = 0
     masked: bool = False  # NaN only where its incoming gradient is 0 (replay.masked_grad)
     flat_by: str | None = None  # and that 0 an op's derivative's, no mask's (flat_derivative)
+    zeroed_by: str | None = None  # then: the squared error's node that made that 0, if one did
+    last_zero: str | None = None  # (the last node before it to return an exact 0 gradient)
 
 
 @contextlib.contextmanager
@@ -287,7 +289,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
     found = BackwardOrigin()
     # (sums: finite gradients whose sum the engine made non-finite; folded: rows of a batch the
     # forward folded, x.reshape(N * M, ...); off: the exp of a tensor no gradient reaches)
-    handles, sums, off, feeders = [], SummedGrads(), OffGraphPositive(), Feeders()
+    handles, sums, off, feeders, custom = [], SummedGrads(), OffGraphPositive(), Feeders(), []
     guards, below, folded = GuardNodes(), BelowOneNodes([off.seen]), FoldedGrads(where or Samples())
     watch = HookWatch(where or Samples(), lambda: found.node is not None,
                       lambda: (runner.micro_batch, runner.in_loss))
@@ -308,6 +310,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
                 found.lost_eps, found.complement = guards.of(node), below.complement_at(node)
                 found.copied = copied_row(node) if found.saved_zero == "0" else None
                 custom.append(isinstance(node, torch.autograd.function.BackwardCFunction))
+            found.last_zero = last_zero(node, grad_inputs, grad_outputs) or found.last_zero
             sums.sent(node, grad_inputs)
 
         def pre(grad_outputs):
@@ -317,7 +320,6 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
                 found.micro_batch, found.in_loss = runner.micro_batch, runner.in_loss
         handles.extend([node.register_hook(hook), node.register_prehook(pre), feeders.hook(node)])
 
-    custom: list[bool] = []
     labels = NodeLabels(on_node)
     # Loss nodes are created after the root's forward hook: label them at backward time.
     run = runner.run(instrument=False, forward_ctx=lambda: _watched(watch, guards, below, folded),
@@ -368,6 +370,7 @@ def _record(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
     found.steep_power = steep_power(node)
     found.zero_divisor = zero_divisor(node)
     found.masked = zero_where_nan(grad_inputs, grad_outputs)
+    found.zeroed_by = residual(found.last_zero) if found.masked else None
 
 
 def _after_origin(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,

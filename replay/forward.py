@@ -30,6 +30,7 @@ from .findings import finish, origin_fields
 from .forward_grad import derivative_words, with_node
 from .group_counts import class_counts_hint
 from .held_divisor import held_divisor_hint
+from .input_container import written_into_input
 from .iteration import line_run
 from .kept_divisor import kept_divisor_hint
 from .last_update import last_update_text
@@ -125,8 +126,7 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
         cause = Cause("invalid", picked_hint(hit) if picked else negated_hint(hit.op))
     # (the recorder names the chain's start as module statistics show it, ``recorded``, or the
     # event's call: older ones did when a call enclosing it made the infinity its inputs held)
-    reproduced = _matches(step, origin) or _matches(step, {"module": recorded.module}) \
-        or (trigger is not None and _matches(step, {"module": trigger.module}))
+    reproduced = _reproduced(report, step, origin, (recorded, trigger), o)
     hint = _hint(step, runner, finder, o, cause, (hit, node), origin, run)
     return add_line_note(finish(report, origin, cause.name, reproduced=reproduced, hint=hint), vals)
 
@@ -327,12 +327,28 @@ def _log2_ceil(n: int) -> int:
     return max(0, (n - 1).bit_length())
 
 
+def _reproduced(report, step: Step, origin, named: tuple, o) -> bool:
+    """The re-run's origin is the event's call, the recorded chain's start or its trigger
+    (``named``), or ``o``, inside the event's call, returned the container it was given with
+    its output written into it (replay.input_container: said in a note)."""
+    recorded, trigger = named
+    if _matches(step, origin) or _matches(step, {"module": recorded.module}) \
+            or (trigger is not None and _matches(step, {"module": trigger.module})):
+        return True
+    if note := written_into_input(step, o):  # (the same event, seen closer)
+        report["problems"].append(note)
+        return True
+    return False
+
+
 def _matches(step: Step, origin) -> bool:
     ev = step.event
     if ev.get("phase") != "forward":
         return False
     recorded, found = ev.get("module"), origin["module"]
-    if ev.get("compiled") and isinstance(recorded, str):  # the origin lies inside the region
+    # the origin lies inside the region: a compiled one, or the root whose output alone an
+    # evaluation forward checks (a no-grad pass inside the loss: GradCache's embedding pass)
+    if (ev.get("compiled") or ev.get("evaluation")) and isinstance(recorded, str):
         return found == recorded or recorded == "" or found.startswith(recorded + ".")
     return recorded == found
 

@@ -86,6 +86,7 @@ class CallRecorder:
         def hook(module, args, kwargs, output):
             if self.stack:
                 self._record(name, self.stack.pop(), output)
+                self.result.calls[-1].returned_input = returned_input(output, args, kwargs)
         return hook
 
     def _output_pairs(self, outs: list[torch.Tensor]) -> list[tuple[float, float]]:
@@ -124,6 +125,14 @@ class CallRecorder:
                                       mm, parents, call_id, rows, nan, every_in, nan_free_in,
                                       running_node() is not None,
                                       self.called_at.pop(call_id, None)))
+
+
+def returned_input(output, args, kwargs) -> str | None:
+    """The type's name of ``output`` when it is a container (no tensor) the call was given as
+    an argument; else None."""
+    given = not isinstance(output, torch.Tensor) and output is not None and any(
+        output is a for a in (*args, *(kwargs or {}).values()))
+    return type(output).__name__ if given else None
 
 
 def _output_rows(outs: list[torch.Tensor], where: Samples, packed: dict) -> list[int]:

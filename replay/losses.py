@@ -64,13 +64,17 @@ def rebuild_loss(info: dict[str, Any] | None, tensors: dict[str, torch.Tensor],
 def kept_defaults(info: dict[str, Any] | None) -> str | None:
     """A note on the rebuilt loss's attributes the bundle could not store, which its class's
     default construction set (a ``torch.device``, a NumPy scalar): the re-run uses those
-    values, which may not be the run's. None when there are none."""
+    values, which may not be the run's. None when there are none. The submodules it shares
+    with the model are left out: the re-run gives it the factory's (a sentence-transformers
+    loss holding its ``SentenceTransformer``, whose tokenizer no bundle stores)."""
     found: list[str] = []
 
     def walk(node, prefix: str) -> None:
         found.extend(f"{prefix}{a}" for a in node.get("unrecorded", ()))
         for k, child in node.get("children", {}).items():
-            if isinstance(child, dict):
+            # (a submodule the loss shares with the model, ``Loss(model)`` itself, is the
+            # factory's rebuilt module in the re-run, not one the loss's construction made)
+            if isinstance(child, dict) and not isinstance(child.get("model"), str):
                 walk(child, f"{prefix}{k}.")
 
     if info and isinstance(info.get("tree"), dict):

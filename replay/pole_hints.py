@@ -26,7 +26,7 @@ from .centred_root import centred_hint, zero_deviations
 from .clamped_divisor import clamped_to_zero
 from .compat import saved_value
 from .hypot_pole import hypot_hint
-from .masked_grad import FLAT_INCOMING, MASKED_INCOMING
+from .masked_grad import FLAT_INCOMING, MASKED_INCOMING, RESIDUAL_INCOMING
 from .positive import node_op
 from .rounded_bound import RoundedBound
 from .rounded_bound import said as said_bound
@@ -124,6 +124,8 @@ def pole_hint(b, cause: Cause) -> str:
         return hint
     if b.flat_by:  # (abs's derivative at 0 sent it, no mask: replay.flat_derivative)
         return f"{hint}; but {FLAT_INCOMING.format(node=b.node, by=b.flat_by)}"
+    if b.zeroed_by:  # (no mask: a squared error's 0 at a sample the loss fits)
+        return f"{hint}; {RESIDUAL_INCOMING.format(node=b.node, zeroed=b.zeroed_by)}"
     return f"{hint}; but {MASKED_INCOMING.format(node=b.node)}"
 
 

@@ -38,6 +38,9 @@ class Call:
     # re-run (the bisection's probes) does not make
     in_backward: bool = False
     called_at: str | None = None  # the user's line that called the module (its caller's)
+    # the type's name of a container it was given and returned (a dict it wrote its output
+    # into: a sentence-transformers module's features, SchNetPack's), replay.input_container
+    returned_input: str | None = None
 
 
 @dataclass
