@@ -409,7 +409,8 @@ def as_called(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     returns it, the targets' keys overwritten) must not change the batch the bundle holds.
     Arguments with neither are kept as they are."""
     for v in (*args, *kwargs.values()) if kwargs else args:  # (a loop: it runs every step)
-        if isinstance(v, (dict, list)) or objects.is_mapping(v):  # (a BatchEncoding too)
+        if isinstance(v, (dict, list)) or type(v) is not torch.Tensor \
+                and objects.is_mapping(v):  # (a BatchEncoding too; no call for a tensor)
             return map_tensors(args, _kept), map_tensors(kwargs, _kept)
     return args, kwargs
 
