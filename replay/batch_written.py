@@ -45,17 +45,16 @@ def written_divisor_hint(op: str, ev, name: str | None, written: list[str],
     """The hint of division ``op`` (its evidence ``ev``) whose divisor was made of buffer
     ``name`` alone, when the forward wrote that buffer in place from the batch (``written``:
     :attr:`BatchWritten.names`) before it; None otherwise."""
-    if name is None or name not in written or len(ev.inputs) < 2:
-        return None
+    if name is None or name not in written or len(ev.inputs) < 2 \
+            or divisor is None or divisor.numel() < 2:  # (a per-category count: a scalar
+        return None  # running statistic, TGN's time-gap std, keeps the divisor hints' eps)
     num, den = ev.inputs[0], ev.inputs[1]
     try:
         both = bool(((num == 0) & (den == 0)).any())
     except RuntimeError:  # (shapes that do not broadcast: a value taken at the bad entries)
         both = False
     what = "0 by 0 (0/0)" if both else "x by 0 (x/0)"
-    at = ""
-    if divisor is not None and divisor.numel() > 1:
-        at = f" at {int((divisor == 0).sum())} of its {divisor.numel()} entries"
+    at = f" at {int((divisor == 0).sum())} of its {divisor.numel()} entries"
     others = [n for n in written if n != name]
     also = f" (as it wrote {', '.join(others)})" if others else ""
     zero_sum = ", and the sum divided by it is 0 too" if both else ""
@@ -63,10 +62,9 @@ def written_divisor_hint(op: str, ev, name: str | None, written: list[str],
             f"forward wrote in place from the batch before dividing{also}: a running "
             "statistic the module updates itself, under no_grad, outside optimizer.step() (an "
             "EMA codebook's cluster sizes and summed vectors, set by k-means at its first "
-            f"batch; a running class histogram; a running variance), and it is 0{at}. A count "
-            "is 0 for a category no vector of the batch fell in (a code no vector chose, a "
-            f"cluster k-means left empty){zero_sum}; a variance, where the values it was "
-            "updated from were all equal. Every sample meets the same entries, so no record "
+            f"batch; a running class histogram), and it is 0{at}. A count is 0 for a category "
+            "no vector of the batch fell in (a code no vector chose, a cluster k-means left "
+            f"empty){zero_sum}. Every sample meets the same entries, so no record "
             "is to blame. Smooth the count before dividing by it (Laplace smoothing, (n + eps) "
             "/ (N + K * eps) * N with eps > 0: vector-quantize-pytorch's eps, which 0 turns "
             "off), floor it (n.clamp_min(eps)), or keep the old value where it is 0; and "

@@ -27,7 +27,10 @@ def masked_in_loss(step: Step, origin: dict) -> tuple[str, str | None, bool] | N
         return None
     finder = watched_loss_rerun(step, origin.get("micro_batch") or 0, accept=_holds_nan)
     hit = finder and finder.masked_nan
-    if hit is None or in_package(hit.source):  # (a library's own mask: zuko's spline bins)
+    # (a library's own mask over records, zuko's spline bins, is no mask of missing targets;
+    # a product of a tensor with no sample rows, class weights a library's loss multiplies,
+    # still names where the NaN was taken: replay.masked_product)
+    if hit is None or in_package(hit.source) and origin.get("samples"):
         return None
     return hit.op, hit.source, finder.masked_by_mask
 

@@ -132,9 +132,7 @@ def zero_records_hint(report: dict[str, Any], step: Step) -> None:
     how = (f" (--try drop={which} re-runs the step without them)"
            if undroppable(step, mb) is None else "")
     if o.get("masked"):  # (the code's own where dropped the op's value there; or abs's sign(0))
-        said = f"{is_are} 0 everywhere in sample(s) {which}"
-        report["hint"] = (f"{hint}. {said}{FLAT_ZEROS.format(by=o['masked_by'])}"
-                          if o.get("masked_by") else _masked_hint(step, mb, names, hint, said, how))
+        report["hint"] = _masked_hint(step, mb, names, hint, which, how, o.get("masked_by"))
         return
     if ORDINARY in hint:  # (a count of 0, said to be a true value: which data, no filter)
         report["hint"] = f"{hint} ({is_are} 0 everywhere in sample(s) {which})"
@@ -185,10 +183,15 @@ def _records(step: Step, mb: int, inputs: bool = True, loss: bool = True
             yield name, t, d
 
 
-def _masked_hint(step: Step, mb: int, names: list[str], hint: str, said: str, how: str) -> str:
-    """A masked backward origin's hint, ``said``: ``names`` are all 0 in its samples; zeros
-    the code handles, unless every one of them is a model input (a blank record: no mask
-    need be the code's)."""
+def _masked_hint(step: Step, mb: int, names: list[str], hint: str, which: str, how: str,
+                 by: str | None) -> str:
+    """A masked backward origin's hint: ``names`` are all 0 in its samples ``which``; an op's
+    derivative sent the 0 (``by``: abs's sign(0)), else zeros the code handles, unless every
+    one of them is a model input (a blank record: no mask need be the code's)."""
+    said = f"{' and '.join(names)} {'is' if len(names) == 1 else 'are'} 0 everywhere in " \
+        f"sample(s) {which}"
+    if by:
+        return f"{hint}. {said}{FLAT_ZEROS.format(by=by)}"
     inputs = {name for name, _, _ in root_inputs(step, mb, scalars=True)}
     if names and all(name in inputs for name in names):
         return f"{hint}. But {said}{_ZERO_INPUT}{how}{_TRUE_ZERO}"
