@@ -39,3 +39,20 @@ def forward_in_loss(step: Step, i: int) -> bool:
             or not isinstance(loss, nn.Module) or model is None:
         return False
     return any(m is model for m in loss.modules()) and not _own_outputs(entry["loss_inputs"], i)
+
+
+def loss_runs_model(step: Step, i: int) -> bool:
+    """Whether micro-batch ``i``'s forward ran inside a loss that calls the model itself: the
+    loss of ``i``, or of the first micro-batch after it that has one, holds the model and
+    takes none of the step's outputs (sentence-transformers' losses, ``Loss(model)``, run the
+    model on the anchors and on the positives, two micro-batches, inside one loss call). That
+    loss's own backward goes through every such call: their recorded output gradients are no
+    second path to add."""
+    loss, model = step.loss_fn, step.model
+    if not isinstance(loss, nn.Module) or model is None \
+            or not any(m is model for m in loss.modules()):
+        return False
+    entries = step.micro_batches
+    j = next((k for k in range(i, len(entries)) if "loss_inputs" in entries[k]), None)
+    return j is not None and not any(_own_outputs(entries[j]["loss_inputs"], k)
+                                     for k in range(len(entries)))

@@ -40,7 +40,7 @@ from .load import (
     rng_state,
 )
 from .loopscale import loss_factor
-from .loss_forward import forward_in_loss
+from .loss_forward import forward_in_loss, loss_runs_model
 from .loss_params import trained_loss_params
 from .module_state import ModuleState
 from .precision import precision_hooks
@@ -305,6 +305,8 @@ class Runner:
             pairs = []  # its loss reaches the weights through the output's derivative too
         if self.create_graph and isinstance(loss, torch.Tensor) and loss.requires_grad:
             pairs = []  # (recorded output gradients are constants: the loss's graph, not them)
+        if pairs and loss_runs_model(self.step, i):
+            pairs = []  # (the loss ran the model: its own backward covers this forward)
         if pairs and (fed or self.feed_recorded or all(finite(g) for _, g in pairs)):
             # The recorded gradient of the model output is exact whatever the loop did to the
             # loss (scaling, division for accumulation); prefer it.
