@@ -33,7 +33,7 @@ from .foreign import ForeignUpdates
 from .grads import output_grad_norms, reread_changed_grads, weight_step_norms
 from .hooks import Health
 from .linalg import linalg_reason, note_error, raised_inside
-from .numeric_check import check_detail, check_reason
+from .numeric_check import check_detail, check_reason, raised_in_backward
 from .probe import Probe
 from .rewind import Rewind
 from .ring import RingBuffer, StepLayout
@@ -387,13 +387,15 @@ def _forced(tape: Tape, exc: BaseException, target: Target) -> str | None:
     if anomaly_reason(exc):
         return "anomaly"
     reason = linalg_reason(exc) or constraint_reason(exc) or check_reason(exc)
-    if reason is None or not raised_inside(
+    backward = reason == "check" and raised_in_backward(exc)  # (a gradient's check: a hook's)
+    if reason is None or not backward and not raised_inside(
             exc, [*(s.module for s in target.sites), target.loss_module()]):
         return None
     if reason == "linalg":
         note_error(tape, exc, target.loss_module())
     else:
         tape.refused = constraint_detail(exc) if reason == "constraint" else check_detail(exc)
+        tape.linalg_phase = "backward" if backward else "forward"  # (the raise's phase)
     return reason
 
 

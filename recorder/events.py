@@ -168,7 +168,8 @@ def find_event(ev: StepEvidence, reason: str) -> Event | None:
         return Event(ev.tape.step, reason, phase=ev.tape.linalg_phase,
                      detail=linalg_detail(ev.tape))
     if reason in ("constraint", "check"):  # (likewise: recorder.constraints, numeric_check)
-        return Event(ev.tape.step, reason, phase="forward", detail=ev.tape.refused)
+        return Event(ev.tape.step, reason, phase=ev.tape.linalg_phase if reason == "check"
+                     else "forward", detail=ev.tape.refused)
     if reason in ("scale_collapse", "scale_skipping"):
         scale = ev.layout.scale
         return Event(ev.tape.step, reason, phase="backward", kind="scale", detail=(

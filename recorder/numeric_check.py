@@ -7,13 +7,16 @@ module that raised never returned, so no hook saw the value and the step's stati
 there are finite: without more, the exception would end training with no bundle. Raised
 inside a call of the model or the loss, an error whose message or raising line speaks of a
 non-finite value forces the step's bundle, as a failed decomposition does
-(:mod:`recorder.linalg`); the replay finds the op that made the value (:mod:`replay.raised_check`).
+(:mod:`recorder.linalg`), and so does one a gradient's check raised in backward (a tensor hook
+of the forward's); the replay finds the op or the node that made the value
+(:mod:`replay.raised_check`).
 """
 
 from __future__ import annotations
 
 import io
 import linecache
+import os
 import re
 import tokenize
 
@@ -49,6 +52,23 @@ def _code(line: str) -> str:
     except (tokenize.TokenError, SyntaxError):
         pass
     return line
+
+
+_AUTOGRAD = os.sep + os.path.join("torch", "autograd") + os.sep
+
+
+def raised_in_backward(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of a backward pass (a tensor hook's or a Function's check on
+    a gradient, ``h.register_hook(check_finite)``): torch's autograd engine is on its
+    traceback. The forward that registered the hook registers it again in the re-run."""
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if _AUTOGRAD in code.co_filename and code.co_name in ("_engine_run_backward", "backward",
+                                                             "grad"):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def check_detail(exc: BaseException) -> str:

@@ -16,6 +16,7 @@ import torch
 
 from recorder.capture import tensor_leaves
 from recorder.finite import finite
+from recorder.numeric_check import check_reason
 
 from .dispatch import Float64, OpAt
 from .errors import StopRun
@@ -50,6 +51,8 @@ def float64_still(runner: Runner, phase: str, until, capture: OpAt | None, mb: i
                                          for c in run.calls)):
         if capture is not None and capture.outputs is not None:  # raised after the op (a
             return not all(finite(o) for o in capture.outputs)  # validate_args check)
+        if check_reason(run.error) is not None:  # the code's own NaN check fired in float64
+            return True  # too (recorder.numeric_check): the value is non-finite there
         raise run.error  # float64 made the model raise before the origin: no answer
     if phase == "forward":  # the origin's own outputs (an earlier -inf mask stays in float64)
         bad = any(not c.outputs_finite for c in run.calls

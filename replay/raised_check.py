@@ -2,7 +2,9 @@
 :mod:`recorder.numeric_check`): ``raise ValueError("NaN in attention weights")`` after a
 softmax, ``assert torch.isfinite(x).all()``, an ODE solver's assertion. The re-run raises the
 same error; the op finder, over the root's call, names the op that made the first non-finite
-value before it, classified as any forward origin. When every value was finite up to the raise
+value before it, classified as any forward origin; for a check on a gradient (a tensor hook
+raising in backward), the node that made the first non-finite gradient, as any backward origin.
+When every value was finite up to the raise
 (a step size that underflowed, a threshold the check tests), the report says so and names the
 line that raised."""
 
@@ -16,6 +18,7 @@ from .cause import classify
 from .findings import finish, origin_fields
 from .forward import find_op_in_call
 from .load import Step
+from .origins import backward_origin, report_backward
 from .rerun import Runner
 from .source import raised_at
 
@@ -30,6 +33,10 @@ def report_check(report, step: Step, runner: Runner, run) -> dict[str, Any] | No
     first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
     said = f"the step's code raised {type(exc).__name__}" + (f" ({first})" if first else "") \
         + f" at {source}"
+    if step.event.get("phase") == "backward" \
+            and (b := backward_origin(runner)).node is not None:  # (a gradient's check: a hook)
+        report["problems"].append(f"{said}, on the {b.made} gradient that {b.node} made")
+        return report_backward(report, runner, b)
     finder = find_op_in_call(runner, "", 0, mb)
     if (hit := finder.origin()) is not None:  # the value it refused: made by an op before it
         module, call = hit.within or ("", 0)

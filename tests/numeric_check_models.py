@@ -100,3 +100,39 @@ def batch(step: int, masked_at: int | None = None, big_at: int | None = None):
     if step == big_at:
         x[1] *= 1e8  # a record in another unit: the integrator's updates explode
     return x, mask, y
+
+
+def check_grad(g):
+    """A gradient check as a tensor hook, registered in the forward."""
+    if not torch.isfinite(g).all():
+        raise RuntimeError("non-finite gradient in the embedding")
+    return g
+
+
+class Distances(nn.Module):
+    """Embeds without bias and scores each record by its embedding's length (written as the
+    sqrt of a sum of squares): a record of zeros is a length of 0, whose gradient is 0/0."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 4, bias=False)
+        self.out = nn.Linear(1, 1)
+
+    def forward(self, x, mask=None):
+        h = self.embed(x)
+        if h.requires_grad:
+            h.register_hook(check_grad)
+        return self.out(torch.sqrt((h ** 2).sum(-1, keepdim=True)))
+
+
+def make_distances():
+    torch.manual_seed(0)
+    return Distances()
+
+
+def flat_batch(step: int, blank_at: int | None = None):
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+    if step == blank_at:
+        x[3] = 0.0
+    return x, None, y

@@ -17,7 +17,7 @@ from recorder.bundle import read_bundle
 pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
-def _train(out_dir, make: str = "make_model", steps: int = 5, **plant):
+def _train(out_dir, make: str = "make_model", steps: int = 5, data=M.batch, **plant):
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     crit = torch.nn.MSELoss()
@@ -25,7 +25,7 @@ def _train(out_dir, make: str = "make_model", steps: int = 5, **plant):
     with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
                         factory=f"numeric_check_models:{make}"):
         for step in range(steps):
-            x, mask, y = M.batch(step, **plant)
+            x, mask, y = data(step, **plant)
             opt.zero_grad()
             loss = crit(model(x, mask), y)
             loss.backward()
@@ -85,6 +85,23 @@ def test_a_check_that_refuses_a_finite_value_names_its_line(tmp_path):
     assert rep["origin"]["source"] == source_line(
         "numeric_check_models.py", 'raise RuntimeError(f"underflow in dt'), rep["origin"]
     assert "refused a finite one" in rep["hint"], rep["hint"]
+
+
+def test_a_gradient_check_raising_in_backward_names_the_node(tmp_path):
+    """A tensor hook the forward registers raises on a non-finite gradient (a blank record's
+    length of 0 through sqrt): raised in backward, outside any module call, it still writes
+    the bundle, and the replay names the backward node and the record; the float64 re-run,
+    whose hook raises too, still tells the cause."""
+    with pytest.raises(RuntimeError, match="non-finite gradient in the embedding"):
+        _train(tmp_path, make="make_distances", data=M.flat_batch, blank_at=2)
+    assert _reason(tmp_path) == "check"
+    rep = nanreplay_json(_bundle(tmp_path))
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["op"], o["samples"]) == (
+        2, "backward", "SqrtBackward0", [3]), o
+    assert rep["cause"] == "invalid" and rep["reproduced"], rep["cause"]
+    assert any("raised RuntimeError (non-finite gradient in the embedding)" in p
+               for p in rep["problems"]), rep["problems"]
 
 
 def test_an_error_that_is_no_numeric_check_writes_no_bundle(tmp_path):
