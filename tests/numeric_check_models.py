@@ -136,3 +136,22 @@ def flat_batch(step: int, blank_at: int | None = None):
     if step == blank_at:
         x[3] = 0.0
     return x, None, y
+
+
+class Policy(nn.Module):
+    """Samples its action from softmax(logits / temperature) with ``torch.multinomial``, which
+    refuses probabilities holding inf or NaN (its own check, in PyTorch's kernel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, obs, temperature):
+        probs = torch.softmax(self.fc(obs) / temperature, -1)
+        action = torch.multinomial(probs, 1)
+        return probs.gather(1, action).log()
+
+
+def make_policy():
+    torch.manual_seed(0)
+    return Policy()

@@ -124,3 +124,28 @@ def test_the_checks_change_nothing_in_a_healthy_run(tmp_path):
         opt.step()
         bare.append(loss.item())
     assert losses == bare and not list(tmp_path.glob("*.nan"))
+
+
+def test_multinomial_refusing_nan_probabilities_names_the_temperature_division(tmp_path):
+    """A temperature annealed to 0: logits / 0 is inf, softmax NaN, and torch.multinomial's
+    own check raises 'probability tensor contains either inf, nan or element < 0' inside the
+    policy's forward: the bundle is written and the replay names the division."""
+    model = M.make_policy()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with pytest.raises(RuntimeError, match="probability tensor contains"):
+        with FlightRecorder(model, opt, out_dir=tmp_path,
+                            factory="numeric_check_models:make_policy") as rec:
+            for step in range(5):
+                g = torch.Generator().manual_seed(step)
+                obs, adv = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+                loss = -(model(obs, torch.tensor(0.0 if step == 3 else 1.0)) * adv).mean()
+                rec.record_loss(loss)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    rep = nanreplay_json(_bundle(tmp_path))
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["module"], o["op"], o["made"]) == (
+        3, "forward", "", "aten.div", "+inf"), o
+    assert o["source"] == source_line("numeric_check_models.py", "self.fc(obs) / temperature"), o
+    assert rep["cause"] == "invalid", rep["cause"]
