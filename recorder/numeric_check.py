@@ -4,7 +4,9 @@ Code guards its values where they are made: ``if torch.isnan(w).any(): raise Val
 in attention weights")`` in a module's forward, ``assert torch.isfinite(x).all()``, an ODE
 solver's ``assert`` on a non-finite state or a step size that underflowed (torchdiffeq). The
 module that raised never returned, so no hook saw the value and the step's statistics up to
-there are finite: without more, the exception would end training with no bundle. Raised
+there are finite: without more, the exception would end training with no bundle. PyTorch's
+own kernels check too (``torch.multinomial`` of NaN probabilities, ``torch.normal`` of a NaN
+std, ``torch.bernoulli``, ``torch.poisson``), some in words of their own (``_REFUSED``). Raised
 inside a call of the model or the loss, an error whose message or raising line speaks of a
 non-finite value forces the step's bundle, as a failed decomposition does
 (:mod:`recorder.linalg`), and so does one a gradient's check raised in backward (a tensor hook
@@ -23,6 +25,9 @@ import tokenize
 # what a check on a value's finiteness says, in its message or in the line that raised
 _SPEAKS = re.compile(r"\b(nan|nans|inf|infs|infinite|infinity|non-?finite|not finite|finite|"
                      r"isnan|isinf|isfinite|isneginf|isposinf|underflow|overflow)\b", re.I)
+# PyTorch's own kernels refusing a NaN (or a value outside their domain) in words of their own
+_REFUSED = re.compile(r"normal expects all elements of std >= 0|all elements of input should be "
+                      r"between 0 and 1|Expected p_in >= 0 && p_in <= 1|invalid Poisson rate")
 _KINDS = (AssertionError, ValueError, RuntimeError, ArithmeticError)
 
 
@@ -30,7 +35,9 @@ def check_reason(exc: BaseException) -> str | None:
     """``"check"`` when ``exc`` reads as a check refusing a non-finite value."""
     if not isinstance(exc, _KINDS):
         return None
-    return "check" if _SPEAKS.search(str(exc)) or _SPEAKS.search(raising_line(exc)) else None
+    said = str(exc)
+    return "check" if _SPEAKS.search(said) or _REFUSED.search(said) \
+        or _SPEAKS.search(raising_line(exc)) else None
 
 
 def raising_line(exc: BaseException) -> str:

@@ -155,3 +155,23 @@ class Policy(nn.Module):
 def make_policy():
     torch.manual_seed(0)
     return Policy()
+
+
+class Reparam(nn.Module):
+    """Samples z ~ N(mu, sqrt(var)) with ``torch.normal``, var a raw linear output (the bug:
+    no softplus), which refuses a NaN std in words of its own ('normal expects all elements
+    of std >= 0.0')."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, x, mask=None):
+        mu, var = self.fc(x).unbind(-1)
+        z = torch.normal(mu, torch.sqrt(var))
+        return z[:, None]
+
+
+def make_reparam():
+    torch.manual_seed(0)
+    return Reparam()

@@ -104,6 +104,18 @@ def test_a_gradient_check_raising_in_backward_names_the_node(tmp_path):
                for p in rep["problems"]), rep["problems"]
 
 
+def test_torch_normal_refusing_a_nan_std_names_the_sqrt(tmp_path):
+    """torch.normal's own check says 'normal expects all elements of std >= 0.0', no word of
+    NaN: it is one of PyTorch's refusals all the same, and the replay names the sqrt of a
+    negative variance."""
+    with pytest.raises(RuntimeError, match="normal expects all elements of std"):
+        _train(tmp_path, make="make_reparam", data=M.flat_batch)
+    rep = nanreplay_json(_bundle(tmp_path))
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["module"], o["op"], o["made"]) == (0, "", "aten.sqrt", "nan"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+
+
 def test_an_error_that_is_no_numeric_check_writes_no_bundle(tmp_path):
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as info:
         _train(tmp_path, make="make_shapes")
