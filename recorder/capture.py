@@ -196,25 +196,29 @@ def unflatten_tree(node: Any, tensors: dict[str, torch.Tensor], leaf=None) -> An
     return node
 
 
-def _dataclass(node: dict[str, Any], tensors: dict[str, torch.Tensor], leaf) -> Any:
-    name, items = node["$dataclass"], node.get("$fields")
-    if not (isinstance(name, str) and isinstance(items, list)
+def _fields(node: dict[str, Any], tag: str, what: str, tensors: dict[str, torch.Tensor], leaf,
+            names: bool = True) -> tuple[Any, dict[str, Any]]:
+    """(the recorded type, its fields or keys rebuilt) of an object node ``tag`` (a type's name,
+    ``$keyed``: its names), ``names``: the keys must be identifiers; a malformed node raises."""
+    kind, items = node[tag], node.get("$fields")
+    kinds = kind if tag == "$keyed" else [kind]
+    if not (isinstance(kinds, list) and all(isinstance(k, str) for k in kinds)
+            and isinstance(items, list)
             and all(isinstance(i, list) and len(i) == 2 and isinstance(i[0], str)
-                    and i[0].isidentifier() for i in items)):
-        raise UnrebuildableLeaf(f"dataclass {str(name)[:100]} with fields {str(items)[:100]}")
-    return objects.rebuild(name, {k: unflatten_tree(v, tensors, leaf) for k, v in items})
+                    and (not names or i[0].isidentifier()) for i in items)):
+        raise UnrebuildableLeaf(f"{what} {str(kind)[:100]} with "
+                                f"{'fields' if tag == '$dataclass' else 'keys'} {str(items)[:100]}")
+    return kind, {k: unflatten_tree(v, tensors, leaf) for k, v in items}
+
+
+def _dataclass(node: dict[str, Any], tensors: dict[str, torch.Tensor], leaf) -> Any:
+    return objects.rebuild(*_fields(node, "$dataclass", "dataclass", tensors, leaf))
 
 
 def _keyed(node: dict[str, Any], tensors: dict[str, torch.Tensor], leaf) -> Any:
     """A keyed batch object (:func:`recorder.objects.is_keyed`) rebuilt by its type's
     ``from_dict``; a stand-in holding its keys as attributes when that type is not at hand."""
-    names, items = node["$keyed"], node.get("$fields")
-    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)
-            and isinstance(items, list)
-            and all(isinstance(i, list) and len(i) == 2 and isinstance(i[0], str)
-                    and i[0].isidentifier() for i in items)):
-        raise UnrebuildableLeaf(f"object {str(names)[:100]} with keys {str(items)[:100]}")
-    values = {k: unflatten_tree(v, tensors, leaf) for k, v in items}
+    names, values = _fields(node, "$keyed", "object", tensors, leaf)
     made = objects.rebuild_keyed(names, values)
     return made if made is not None else objects.rebuild(names[0] if names else "", values)
 
@@ -289,11 +293,8 @@ def _stand_in(name: str, fields: tuple[str, ...]) -> type:
 
 def _mapping(node: dict[str, Any], tensors: dict[str, torch.Tensor], leaf) -> Any:
     """A mapping that is no dict (a ``BatchEncoding``), rebuilt as its type when at hand."""
-    name, items = node["$mapping"], node.get("$fields")
-    if not (isinstance(name, str) and isinstance(items, list) and all(
-            isinstance(i, list) and len(i) == 2 and isinstance(i[0], str) for i in items)):
-        raise UnrebuildableLeaf(f"mapping {str(name)[:100]} with keys {str(items)[:100]}")
-    return objects.rebuild_mapping(name, {k: unflatten_tree(v, tensors, leaf) for k, v in items})
+    return objects.rebuild_mapping(*_fields(node, "$mapping", "mapping", tensors, leaf,
+                                            names=False))
 
 
 def tensor_leaves(obj: Any):

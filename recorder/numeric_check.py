@@ -21,6 +21,9 @@ import linecache
 import os
 import re
 import tokenize
+import traceback
+
+from .errors import first_line
 
 # what a check on a value's finiteness says, in its message or in the line that raised
 _SPEAKS = re.compile(r"\b(nan|nans|inf|infs|infinite|infinity|non-?finite|not finite|finite|"
@@ -40,14 +43,16 @@ def check_reason(exc: BaseException) -> str | None:
         or _SPEAKS.search(raising_line(exc)) else None
 
 
+def _raised_at(exc: BaseException) -> tuple[str, int] | None:
+    """(file, line) of the innermost frame of ``exc``'s traceback, None without one."""
+    frames = list(traceback.walk_tb(exc.__traceback__))
+    return (frames[-1][0].f_code.co_filename, frames[-1][1]) if frames else None
+
+
 def raising_line(exc: BaseException) -> str:
     """The source text of the line that raised ``exc`` (its innermost frame), or ''."""
-    tb = exc.__traceback__
-    if tb is None:
-        return ""
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    return _code(linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno).strip())
+    at = _raised_at(exc)
+    return _code(linecache.getline(*at).strip()) if at else ""
 
 
 def _code(line: str) -> str:
@@ -68,22 +73,15 @@ def raised_in_backward(exc: BaseException) -> bool:
     """Whether ``exc`` came out of a backward pass (a tensor hook's or a Function's check on
     a gradient, ``h.register_hook(check_finite)``): torch's autograd engine is on its
     traceback. The forward that registered the hook registers it again in the re-run."""
-    tb = exc.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if _AUTOGRAD in code.co_filename and code.co_name in ("_engine_run_backward", "backward",
-                                                             "grad"):
-            return True
-        tb = tb.tb_next
-    return False
+    return any(_AUTOGRAD in f.f_code.co_filename
+               and f.f_code.co_name in ("_engine_run_backward", "backward", "grad")
+               for f, _ in traceback.walk_tb(exc.__traceback__))
 
 
 def check_detail(exc: BaseException) -> str:
     """The event's detail: the error and the line that raised it."""
-    said = str(exc).strip().splitlines()[0] if str(exc).strip() else raising_line(exc)
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    at = f" at {tb.tb_frame.f_code.co_filename.rsplit('/', 1)[-1]}:{tb.tb_lineno}" if tb else ""
-    return (f"the step's code raised {type(exc).__name__} ({said[:160]}){at}; the step's "
+    said = first_line(exc, 160) or raising_line(exc)[:160]
+    at = _raised_at(exc)
+    where = f" at {os.path.basename(at[0])}:{at[1]}" if at else ""
+    return (f"the step's code raised {type(exc).__name__} ({said}){where}; the step's "
             "statistics up to there were finite")

@@ -8,6 +8,7 @@ on the slow path (one walk of the live objects at the event), never per step."""
 from __future__ import annotations
 
 import gc
+import traceback
 
 from .compat import disabled_scaler, is_grad_scaler, scaler_scale, scaler_tensors
 
@@ -76,9 +77,5 @@ def raised_by_scaler(exc: BaseException) -> bool:
     """Whether a GradScaler's own code raised ``exc`` (``unscale_`` refusing float16
     gradients, ``step`` on an optimizer it cannot handle): the step's gradients were still
     scaled, and their overflow is the scaler's to skip, not an event."""
-    tb = exc.__traceback__
-    while tb is not None:
-        if is_grad_scaler(tb.tb_frame.f_locals.get("self")):
-            return True
-        tb = tb.tb_next
-    return False
+    return any(is_grad_scaler(f.f_locals.get("self"))
+               for f, _ in traceback.walk_tb(exc.__traceback__))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from recorder.errors import first_line
 from recorder.numeric_check import check_reason
 
 from .cause import classify
@@ -30,7 +31,7 @@ def report_check(report, step: Step, runner: Runner, run) -> dict[str, Any] | No
     if exc is None or check_reason(exc) is None:
         return None
     mb, source = runner.micro_batch, raised_at(exc)
-    first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+    first = first_line(exc, 160)
     said = f"the step's code raised {type(exc).__name__}" + (f" ({first})" if first else "") \
         + f" at {source}"
     if step.event.get("phase") == "backward" \
