@@ -36,7 +36,7 @@ from .folded_grads import FoldedGrads
 from .fractional_power import fractional_power_at_zero
 from .grad_hooks import HOOK, MODULE_HOOK, MODULE_HOOK_NODE, HookHit, HookWatch, module_hook_hit
 from .lost_eps import GuardNodes
-from .masked_grad import last_zero, residual, zero_where_nan
+from .masked_grad import zero_where_nan
 from .node_labels import NodeLabels, loss_labeller
 from .off_graph_positive import OffGraphPositive
 from .ops import OpFinder
@@ -113,8 +113,7 @@ class BackwardOrigin:
     summed: int = 0
     masked: bool = False  # NaN only where its incoming gradient is 0 (replay.masked_grad)
     flat_by: str | None = None  # and that 0 an op's derivative's, no mask's (flat_derivative)
-    zeroed_by: str | None = None  # then: the squared error's node that made that 0, if one did
-    last_zero: str | None = None  # (the last node before it to return an exact 0 gradient)
+    zeroed_by: str | None = None  # or a squared error's node's, its residual 0 (flat_derivative)
 
 
 @contextlib.contextmanager
@@ -304,13 +303,13 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
             returned = [g for g in grad_inputs if isinstance(g, torch.Tensor)]
             if all(finite(g) for g in incoming) and not all(finite(g) for g in returned):
                 _record(found, node, name, grad_inputs, grad_outputs, where or Samples(), folded)
-                found.flat_by = feeders.flat_above(node) if found.masked else None
+                found.flat_by, found.zeroed_by = feeders.zeroed_above(node) if found.masked \
+                    else (None, None)
                 found.micro_batch, found.in_loss = runner.micro_batch, runner.in_loss
                 found.positive_input = found.positive_input or off.divisor(node)
                 found.lost_eps, found.complement = guards.of(node), below.complement_at(node)
                 found.copied = copied_row(node) if found.saved_zero == "0" else None
                 custom.append(isinstance(node, torch.autograd.function.BackwardCFunction))
-            found.last_zero = last_zero(node, grad_inputs, grad_outputs) or found.last_zero
             sums.sent(node, grad_inputs)
 
         def pre(grad_outputs):
@@ -370,7 +369,6 @@ def _record(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
     found.steep_power = steep_power(node)
     found.zero_divisor = zero_divisor(node)
     found.masked = zero_where_nan(grad_inputs, grad_outputs)
-    found.zeroed_by = residual(found.last_zero) if found.masked else None
 
 
 def _after_origin(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,

@@ -7,16 +7,16 @@ exclude it does not act on the backward, so the fix is a safe input before the o
 
 Not every 0 is a mask's: a squared or absolute error whose residual is exactly 0 (a duplicate
 pair scored 1 whose angle regresses onto it: the prediction equals its target) sends 0 back
-too. :func:`last_zero` names the node that made the 0 (the last, before the origin, to
-return an exact 0 where the gradient entering it was not); a residual's node says the loss
-is at its minimum there, and the clamp of the pole's input is the fix, no mask to move.
+too (found on the path that fed the origin, :mod:`replay.flat_derivative`); a residual's
+node says the loss is at its minimum there, and the clamp of the pole's input is the fix, no
+mask to move.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["FLAT_INCOMING", "MASKED_INCOMING", "RESIDUAL_INCOMING", "last_zero", "residual",
+__all__ = ["FLAT_INCOMING", "MASKED_INCOMING", "RESIDUAL_INCOMING", "RESIDUAL_NODES",
            "zero_where_nan"]
 
 MASKED_INCOMING = ("the gradient entering {node} is 0 at every entry where it made NaN: the "
@@ -43,25 +43,6 @@ RESIDUAL_INCOMING = ("the gradient entering {node} is 0 at every entry where it 
 # backward nodes of a squared or absolute error: a 0 they return is a residual's 0
 RESIDUAL_NODES = frozenset({"PowBackward0", "MseLossBackward0", "SmoothL1LossBackward0",
                             "HuberLossBackward0", "L1LossBackward0", "AbsBackward0"})
-
-
-def last_zero(node, grad_inputs, grad_outputs) -> str | None:
-    """``node``'s name when it returned an exact 0 where the one gradient entering it (of the
-    same shape) was not 0, every gradient it returned finite (not the origin); else None."""
-    outs = [g for g in grad_outputs if isinstance(g, torch.Tensor)]
-    if len(outs) != 1 or not outs[0].is_floating_point():
-        return None
-    returned = [g for g in grad_inputs if isinstance(g, torch.Tensor)]
-    if not all(bool(torch.isfinite(g).all()) for g in returned):
-        return None
-    made = any(g.shape == outs[0].shape and bool(((g == 0) & (outs[0] != 0)).any())
-               for g in returned)
-    return node.name() if made else None
-
-
-def residual(name: str | None) -> str | None:
-    """``name``, the node that made a 0 gradient, when it is a squared or absolute error's."""
-    return name if name in RESIDUAL_NODES else None
 
 
 def zero_where_nan(grad_inputs, grad_outputs) -> bool:
