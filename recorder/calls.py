@@ -17,6 +17,7 @@ from torch import nn
 
 from .capture import as_called, data_arguments, output_leaves
 from .compat import (
+    at_backward_end,
     func_transform,
     in_backward,
     version,
@@ -83,6 +84,10 @@ class CallHooks:
                 if not p.requires_grad:  # (frozen, held by the optimizer: read before its step)
                     continue
                 handles.append(p.register_post_accumulate_grad_hook(Hook(self.grad_hook, i)))
+        if not target.has_optimizer:  # (the large ones' grad_hook does it too)
+            large = {id(p) for _, p in target.large}
+            handles += [p.register_post_accumulate_grad_hook(Hook(self.backward_wrote))
+                        for _, p in target.params if p.requires_grad and id(p) not in large]
         return handles
 
     # ------------------------------------------------------------------------------------------
@@ -347,6 +352,26 @@ class CallHooks:
                     tape.param_norms[i] = w
                 tape.grad_seen[i] = (id(grad), version(grad))
         except Exception as e:
+            self.health.internal_error(e)
+        if not tape.close_queued and not self.target.has_optimizer:
+            self.backward_wrote(p)
+
+    def backward_wrote(self, p: torch.Tensor) -> None:
+        """No optimizer: a backward wrote a gradient while a training step is open (its
+        forward returned). The step closes when that backward ends (the autograd engine's
+        final callback), before the loop's own update (``p.data.add_(p.grad, alpha=-lr)``,
+        an optimizer not given to the recorder) writes the weights the forward read: the
+        bundle holds them as the step ran, its gradients included."""
+        tape = self.cycle.tape
+        if tape is None or tape.close_queued or tape.evaluation or not self.health.active \
+                or not tape.micro_batches or tape.micro_batches[-1].outputs is None \
+                or func_transform() is not None:
+            return  # (a backward inside the forward: not this step's)
+        tape.close_queued = True
+        try:
+            at_backward_end(partial(self.cycle.closed_by_backward, tape))
+        except Exception as e:  # (outside a backward: a hook called by hand)
+            tape.close_queued = False
             self.health.internal_error(e)
 
 

@@ -131,6 +131,13 @@ def in_backward() -> bool:
     return torch._C._current_autograd_node() is not None
 
 
+def at_backward_end(fn: Any) -> None:
+    """Run ``fn`` when the running backward has finished (DDP's and FSDP's final callback:
+    ``Variable._execution_engine.queue_callback``); an error it raises comes out of the
+    ``backward()`` call as raised. Only from inside a backward."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
 # autocast is on for some device type: one C call (instead of one per device type)
 any_autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", None) or (
     lambda: any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")))

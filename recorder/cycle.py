@@ -3,7 +3,8 @@
 A step opens at the first root-module forward after the previous step closed, capturing the RNG
 states and the pre-step value of buffers that change. Each module call adds 0-d statistics to
 the step's :class:`~recorder.tape.Tape` on the device. The step closes at ``optimizer.step()``
-(its pre-hook, so a bad step never updates the weights), or, for loops without an optimizer or
+(its pre-hook, so a bad step never updates the weights), or, for loops without an optimizer,
+when the backward that wrote its gradients ends (before the loop's own update), else, as for
 steps that a ``GradScaler`` skipped, when the next step opens. Closing stacks the statistics
 into one row of the ring buffer and reads one small probe back (finiteness of what must be
 finite, the NaN check of the rest, the GradScaler's scale; the last update's weight norms ride
@@ -179,6 +180,12 @@ class StepCycle:
 
     # ------------------------------------------------------------------------------------------
     # closing
+
+    def closed_by_backward(self, tape: Tape) -> None:
+        """The end of a backward that wrote ``tape``'s gradients, given no optimizer (see
+        recorder.calls.Calls.backward_wrote): the step closes unless another opened since."""
+        if self.tape is tape:
+            self.close_open_step(at="backward")
 
     def close_open_step(self, at: str, skipped_by_loop: bool = False) -> None:
         if self.health.active and self.tape is not None:

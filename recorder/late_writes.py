@@ -1,8 +1,9 @@
 """Weights the loop wrote after the step's forward read them.
 
-Given no optimizer, the recorder closes a step at the next root forward, so the step stays
-open through the loop's own update (``p -= lr * p.grad``, a float32 master copy written back
-into a bfloat16 model); with one, a loop may still write the weights between a step's forwards
+Given no optimizer, the recorder closes a step when the backward that writes its gradients
+ends; a step with no such backward (an update from ``torch.autograd.grad``'s gradients, a
+server's ``load_state_dict`` between evaluations) stays open until the next root forward,
+through the loop's own writes; with one, a loop may still write the weights between a step's forwards
 (SAM's ``w + e`` from the first backward's gradients). Either way a NaN made by the step's
 forward or backward reaches the weights before the step is checked. Such a weight is no
 ``weights`` event: the step's statistics show that its module's calls returned finite values,
