@@ -33,7 +33,13 @@ from .settings import SETTINGS, Settings
 from .snapshot import Sources, build_bundle
 from .tape import Tape
 from .target import Target
-from .validate import check_companions, check_loss_fn, check_model, torch_optimizer
+from .validate import (
+    check_companions,
+    check_loss_fn,
+    check_model,
+    check_not_importing,
+    torch_optimizer,
+)
 
 
 class _CallableLoss(nn.Module):
@@ -122,6 +128,7 @@ class FlightRecorder:
                  max_micro_batches: int = 1024, factory_kwargs: dict[str, Any] | None = None,
                  strict_inf: bool = False, rewind: int | None = None,
                  allow_nan: list[str] | tuple[str, ...] = ()):
+        check_not_importing()  # (nanreplay importing a factory whose module trains)
         optimizer = torch_optimizer(optimizer)  # (a Lightning or accelerate wrapper's inner)
         check_model(model, optimizer, loss_fn)
         check_loss_fn(loss_fn)

@@ -174,10 +174,32 @@ def why_unwritable(out_dir: Path, e: OSError) -> str:
     return e.strerror or str(e)
 
 
+class TrainsOnImport(RuntimeError):
+    """A :class:`~recorder.FlightRecorder` was built while :func:`import_object` imported a
+    module: the module trains when imported (its loop not under ``if __name__ ==
+    "__main__":``). Raised there, so that nanreplay's import of a factory does not run the
+    training again, writing bundles of its own."""
+
+
+_importing: list[str] = []  # the modules import_object is importing (nested: innermost last)
+
+
+def check_not_importing() -> None:
+    """Called as a recorder is built: refused inside :func:`import_object`'s import."""
+    if _importing:
+        raise TrainsOnImport(f"importing {_importing[-1]} builds a FlightRecorder (it trains "
+                             "when imported); stopped there")
+
+
 def import_object(module: str, attr: str):
     """``module`` imported, then the dotted ``attr`` looked up in it (a factory's two parts).
-    Raises whatever the import or the lookup raises: callers add their own context."""
-    obj = importlib.import_module(module)
+    Raises whatever the import or the lookup raises, :class:`TrainsOnImport` where the
+    module builds a recorder as it is imported: callers add their own context."""
+    _importing.append(module)
+    try:
+        obj = importlib.import_module(module)
+    finally:
+        _importing.pop()
     for part in attr.split("."):
         obj = getattr(obj, part)
     return obj

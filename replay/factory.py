@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from recorder.validate import import_object
+from recorder.validate import TrainsOnImport, import_object
 
 from .errors import FactoryRefused, ReplayError
 from .trust import defined_in, module_origin, trusted_path
@@ -34,6 +34,12 @@ def resolve_factory(spec: str, *, explicit: bool) -> Any:
             f"directory that holds the factory's module, or pass --factory {spec} to trust it")
     try:
         obj = import_object(mod_name, attr)
+    except TrainsOnImport:
+        raise ReplayError(
+            f"factory {spec!r}: importing {mod_name} runs its training (a FlightRecorder is "
+            "built at import), which nanreplay stopped there; put the training under `if "
+            "__name__ == \"__main__\":`, or pass --factory MOD:FN of a module that only "
+            "builds the model") from None
     except Exception as e:
         raise ReplayError(f"factory {spec!r} cannot be imported ({type(e).__name__}: {e}); "
                           "run from the directory that holds it or pass --factory MOD:FN") from None

@@ -311,3 +311,30 @@ def test_a_factory_module_that_exits_at_import_is_a_one_line_error(tmp_path, toy
         "(SystemExit(3)) with the recorded command line ['train_exit.py']; move what "
         "parses the command line or exits under `if __name__ == \"__main__\":`, or pass "
         "--factory MOD:FN of a module that does neither when imported"], r.stderr
+
+
+def test_a_factory_module_that_trains_at_import_is_stopped_at_its_recorder(tmp_path, toy):
+    """A training script with its loop at module level (no main guard), named as the factory:
+    importing it re-ran the whole training with the recorded command line, which wrote a bundle
+    of its own beside the user's, before the replay went on. Its FlightRecorder now refuses to
+    be built while nanreplay imports the module: one nanreplay line, exit 2, nothing trained."""
+    code = tmp_path / "code"
+    factory_module(code, "train_top", tmp_path / "marker")
+    src = (code / "train_top.py").read_text()
+    (code / "train_top.py").write_text(src + (
+        "\nfrom recorder import FlightRecorder\n_m = make_model()\n"
+        "_opt = torch.optim.SGD(_m.parameters(), lr=0.1)\n"
+        "with FlightRecorder(_m, _opt, out_dir='again'):\n"
+        "    for _ in range(3):\n"
+        "        _opt.zero_grad()\n"
+        "        _m(torch.full((8, 16), float('nan'))).sum().backward()\n"
+        "        _opt.step()\n"))
+    bundle = _recorded_with(toy, tmp_path / "b.nan", "train_top:make_model", ["train_top.py"])
+    r = _replay_process(bundle, code)
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
+    assert r.stderr.splitlines() == [
+        "nanreplay: factory 'train_top:make_model': importing train_top runs its training (a "
+        "FlightRecorder is built at import), which nanreplay stopped there; put the training "
+        "under `if __name__ == \"__main__\":`, or pass --factory MOD:FN of a module that only "
+        "builds the model"], r.stderr
+    assert not (code / "again").exists()
