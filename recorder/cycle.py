@@ -183,7 +183,7 @@ class StepCycle:
 
     def closed_by_backward(self, tape: Tape) -> None:
         """The end of a backward that wrote ``tape``'s gradients, given no optimizer (see
-        recorder.calls.Calls.backward_wrote): the step closes unless another opened since."""
+        recorder.calls.CallHooks.backward_wrote): the step closes unless another opened since."""
         if self.tape is tape:
             self.close_open_step(at="backward")
 

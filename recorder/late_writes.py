@@ -3,9 +3,9 @@
 Given no optimizer, the recorder closes a step when the backward that writes its gradients
 ends; a step with no such backward (an update from ``torch.autograd.grad``'s gradients, a
 server's ``load_state_dict`` between evaluations) stays open until the next root forward,
-through the loop's own writes; with one, a loop may still write the weights between a step's forwards
-(SAM's ``w + e`` from the first backward's gradients). Either way a NaN made by the step's
-forward or backward reaches the weights before the step is checked. Such a weight is no
+through the loop's own writes; with one, a loop may still write the weights between a step's
+forwards (SAM's ``w + e`` from the first backward's gradients). Either way a NaN made by the
+step's forward or backward reaches the weights before the step is checked. Such a weight is no
 ``weights`` event: the step's statistics show that its module's calls returned finite values,
 which a NaN or infinite weight does not allow. Slow path only.
 """
