@@ -1,0 +1,120 @@
+"""End to end: stable-baselines3 2.9 / gymnasium 1.4 training recorded from an SB3 callback
+(``recorder.sb3.FlightRecorderCallback``) around ``model.learn()``. PPO's updates run through
+``policy.evaluate_actions`` (no forward of the policy), so its events come from the rollouts'
+forwards; DQN's ``q_net`` and SAC's ``critic`` are recorded in their updates. Planted: an
+env's NaN reading (PPO's Categorical refuses it inside the forward, which SB3 reports to no
+callback), a features extractor's ``x / ||x||`` of an all-zero observation, a sqrt-of-energy
+gain whose derivative at 0 is infinite (backward only), an unbounded reward under SAC's TD
+target (loss computed inline by SAC), and a learning rate that blows DQN's weights up."""
+
+from __future__ import annotations
+
+import pytest
+import sb3_rl_models as M
+import torch
+from bundles import nanreplay_json, source_line
+
+from recorder import NonFiniteError
+from recorder.sb3 import FlightRecorderCallback
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+MODELS = "sb3_rl_models.py"
+
+
+def learn(model, steps: int, tmp_path, factory: str, **kw):
+    """``model.learn`` under the product's callback: the bundle of the event, and its error."""
+    cb = FlightRecorderCallback(out_dir=tmp_path, factory=f"sb3_rl_models:{factory}", **kw)
+    with pytest.raises(Exception) as err:
+        model.learn(steps, callback=cb)
+    assert not set(M.GUARDED_METHODS) & set(vars(model)), "the callback left its wrappers"
+    bundles = sorted(tmp_path.glob("*.nan"))
+    assert len(bundles) == 1, (err.value, bundles)
+    return bundles[0], err.value
+
+
+def test_healthy_dqn_and_ppo_raise_nothing_and_train_bit_identically(tmp_path, caplog):
+    def weights(model):
+        return {k: v.clone() for k, v in model.policy.state_dict().items()}
+
+    for build, part, factory in ((M.dqn, "q_net", "make_dqn_q_net"),
+                                 (M.ppo, "policy", "make_ppo_policy")):
+        plain = build()
+        plain.learn(96)
+        recorded, cb = build(), FlightRecorderCallback(
+            part=part, out_dir=tmp_path, factory=f"sb3_rl_models:{factory}")
+        recorded.learn(96, callback=cb)
+        a, b = weights(plain), weights(recorded)
+        assert all(torch.equal(a[k], b[k]) for k in a), part
+        assert not list(tmp_path.glob("*.nan"))
+    assert cb.recorder is not None and not cb.recorder.health.active
+    # PPO's updates run through policy.evaluate_actions: said once, in SB3's words
+    said = [r.getMessage() for r in caplog.records if "evaluate_actions" in r.getMessage()]
+    assert len(said) == 1 and "'features_extractor.flatten' ran on its own" in said[0]
+
+
+def test_ppo_env_nan_observation_is_an_input_event_of_the_rollout(tmp_path):
+    """The NaN reading reaches SB3's Categorical inside the policy's forward, which raises
+    ValueError before the forward returns; SB3 tells no callback, so the callback's guard of
+    ``collect_rollouts`` checks the cut-short rollout forward and writes its bundle."""
+    bundle, err = learn(M.ppo(M.ProbeEnv(nan_at=40)), 96, tmp_path, "make_ppo_policy")
+    assert isinstance(err, ValueError) and "Bundle:" in err.__notes__[0]
+    rep = nanreplay_json(bundle)
+    ev, o = rep["event"], rep["origin"]
+    assert (ev["step"], ev["phase"], ev["evaluation"]) == (0, "input", True)
+    assert (o["module"], o["samples"], rep["cause"]) == (None, [0], "input")
+    assert "observations the env returned (sample 0 at feature(s) 2 (of 4))" in rep["hint"]
+    assert "VecCheckNan" in rep["hint"] and "genotype" not in rep["hint"]
+
+
+def test_ppo_features_extractor_divides_a_zero_observation_by_its_norm(tmp_path):
+    bundle, err = learn(M.ppo(M.ProbeEnv(zero_at=40), extractor=M.UnitNorm), 96, tmp_path,
+                        "make_ppo_unit_norm")
+    assert isinstance(err, ValueError)
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], rep["event"]["phase"]) == (0, "forward")
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("features_extractor", "aten.div", [0], "invalid")
+    assert o["source"] == source_line(MODELS, "x = obs / obs.norm(dim=-1, keepdim=True)")
+    assert "all zeros" in rep["hint"]
+
+
+def test_dqn_sqrt_gain_at_a_zero_observation_is_nan_only_in_the_backward(tmp_path):
+    bundle, err = learn(M.dqn(M.ProbeEnv(zero_at=5), extractor=M.RootNorm), 200, tmp_path,
+                        "make_dqn_root_norm", part="q_net")
+    assert isinstance(err, NonFiniteError)
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], rep["event"]["phase"]) == (0, "backward")
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("features_extractor", "SqrtBackward0", [11], "invalid")
+    assert o["source"] == source_line(MODELS, "gain = 1 + torch.sqrt((h * h).mean(")
+    assert "batch is 0 everywhere in sample(s) 11" in rep["hint"]
+
+
+def test_sac_unbounded_reward_names_the_replay_rows_and_sb3s_inline_loss(tmp_path):
+    """SAC computes its critic loss inline from the replay batch: the report names the rows
+    whose reward overflowed float32 (``inf``), and says where that loss is, not that
+    SACPolicy (which holds the critic and computes no loss) should be recorded instead."""
+    env = M.ProbeEnv(continuous=True, reward_growth=1e4)
+    with pytest.warns(RuntimeWarning, match="overflow"):
+        bundle, err = learn(M.sac(env), 200, tmp_path, "make_sac_critic", part="critic")
+    assert isinstance(err, NonFiniteError)
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], rep["event"]["phase"], o["phase"]) == (0, "backward", "loss")
+    assert (o["tensor"], o["made"], rep["cause"]) == ("grad of the model output 1", "-inf", None)
+    assert o["samples"] == [0, 1, 6, 11, 15]
+    assert "sampled from the replay buffer" in rep["hint"] and "SACPolicy" not in rep["hint"]
+
+
+def test_dqn_learning_rate_too_high_overflows_the_next_forward(tmp_path):
+    bundle, err = learn(M.dqn(lr=1e30), 200, tmp_path, "make_dqn_q_net", part="q_net")
+    assert isinstance(err, NonFiniteError)
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], rep["event"]["phase"]) == (1, "forward")
+    assert (o["module"], o["op"], rep["cause"]) == ("q_net.2", "aten.addmm", "overflow")
+    assert o["all_samples"] is True
+    assert "lower the learning rate" in rep["hint"]
