@@ -8,7 +8,7 @@
 
 The recorder attaches when training starts (``model.learn`` has built the networks and their
 optimizers by then) to the network named by ``part`` (an attribute of the algorithm: its
-``policy``, DQN's ``q_net``, SAC's or TD3's ``critic`` or ``actor``) with that network's
+``policy``, DQN's ``q_net``, SAC's ``critic``, TD3's ``critic`` or ``actor``) with that network's
 optimizer, and detaches when training ends. SB3 tells a callback nothing of an exception: a
 NaN observation reaching the policy's action distribution inside its forward (a
 ``Categorical``'s or ``Normal``'s argument check raising ``ValueError``) leaves ``learn()``
@@ -36,8 +36,9 @@ GUARDED = ("collect_rollouts", "train")
 UNROOTED_ADVICE = (
     "stable-baselines3's PPO and A2C update through policy.evaluate_actions, not the policy's "
     "forward, so their updates are not recorded (the rollouts' forwards, gradients off, are "
-    "still checked as each returns); the off-policy algorithms call their networks' forwards: "
-    "record DQN's q_net, SAC's or TD3's critic or actor with FlightRecorderCallback(part=...)")
+    "still checked as each returns), and SAC's actor through actor.action_log_prob; DQN's "
+    "q_net, SAC's critic and TD3's critic and actor are updated through their forwards: "
+    "record one of those with FlightRecorderCallback(part=...)")
 
 
 class FlightRecorderCallback(BaseCallback):
@@ -45,7 +46,7 @@ class FlightRecorderCallback(BaseCallback):
 
     Args:
         part: dotted name of the algorithm's attribute holding the network (``"policy"``,
-            ``"q_net"``, ``"critic"``, ``"actor"``).
+            ``"q_net"``, ``"critic"``, TD3's ``"actor"``).
         optimizer: dotted name of its optimizer; ``None``: ``<part>.optimizer`` where that
             network has one, else ``policy.optimizer`` (DQN's ``q_net``).
         options: :class:`FlightRecorder`'s other keyword arguments (``out_dir``, ``factory``,

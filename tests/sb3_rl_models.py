@@ -174,3 +174,11 @@ def make_dqn_root_norm():
 
 def make_sac_critic():
     return sac().critic
+
+
+def make_ppo_cont():
+    return ppo(ProbeEnv(continuous=True)).policy
+
+
+def make_sac_actor():
+    return sac().actor

@@ -118,3 +118,22 @@ def test_dqn_learning_rate_too_high_overflows_the_next_forward(tmp_path):
     assert (o["module"], o["op"], rep["cause"]) == ("q_net.2", "aten.addmm", "overflow")
     assert o["all_samples"] is True
     assert "lower the learning rate" in rep["hint"]
+
+
+def test_ppo_update_that_blew_log_std_up_is_numbered_and_told_as_unrecorded(tmp_path):
+    """PPO's updates run through evaluate_actions: no step ever opens, so the update that a
+    learning rate of 1e4 made log_std NaN with is found by the next rollout forward. It was
+    numbered step -1 (the step before the first, a bundle ``step-0000001``) and told as
+    'finite gradients became non-finite weights', which nothing checked, with a note to use
+    guard_optimizer, which copies nothing here."""
+    bundle, err = learn(M.ppo(M.ProbeEnv(continuous=True), lr=1e4), 200, tmp_path,
+                        "make_ppo_cont")
+    assert isinstance(err, ValueError) and bundle.name == "step00000000-rank0.nan"
+    rep = nanreplay_json(bundle, code=1)
+    ev, o = rep["event"], rep["origin"]
+    assert (ev["step"], ev["phase"], ev["evaluation"], ev["no_step_closed"]) == \
+        (0, "optimizer", True, True)
+    assert (o["param"], rep["cause"], rep["reproduced"]) == ("log_std", "optimizer", False)
+    assert "closed no recorded step" in rep["hint"] and "lr=10000" in rep["hint"]
+    assert "finite gradients" not in rep["hint"]
+    assert any("with guard_optimizer=True either" in p for p in rep["problems"])
