@@ -24,10 +24,20 @@ ROLLOUT_ROWS = "in a rollout's forward (gradients off), one row per env of the V
 UPDATE_ROWS = "in an update, rows of the batch sampled from the replay buffer"
 
 
-def env_observation_hint(step, t: torch.Tensor | None, made: str | None) -> str | None:
-    """The hint of an input event whose batch tensor ``t`` an SB3 env made; None when the
-    bundle was not recorded through the SB3 callback or ``t`` holds nothing non-finite."""
+def observation_path(tensor: str) -> bool:
+    """Whether the readable path ``tensor`` is the root call's first argument, where SB3's
+    networks take the observation (``batch``, ``args[0]``, a dict observation's
+    ``batch["image"]``), not a critic's actions (``args[1]``)."""
+    return tensor in ("batch", "args[0]") or tensor.startswith(("batch[", "args[0]["))
+
+
+def env_observation_hint(step, t: torch.Tensor | None, made: str | None,
+                         tensor: str = "batch") -> str | None:
+    """The hint of an input event whose batch tensor ``t`` (at ``tensor``) an SB3 env made;
+    None when the bundle was not recorded through the SB3 callback, ``t`` is no observation or
+    holds nothing non-finite."""
     if (step.meta.get("recorder") or {}).get("integration") != "sb3" or t is None \
+            or not observation_path(tensor) \
             or not t.is_floating_point() or bool(torch.isfinite(t).all()):
         return None
     bad = ~torch.isfinite(t.detach())

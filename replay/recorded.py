@@ -249,7 +249,7 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
     if nan_allowed(step, root_input_name(raw)):
         return ALLOWED_NAN_LEAKED.format(tensor=tensor)
     if key and (env := env_observation_hint(  # (an SB3 env's observations)
-            step, step.tensors.get(key), origin.get("made"))):
+            step, step.tensors.get(key), origin.get("made"), tensor)):
         return env
     if g := origin.get("grouped"):  # (one row per preference pair)
         return grouped_hint(tensor, g, batch_size(step, origin.get("micro_batch") or 0))

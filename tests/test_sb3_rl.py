@@ -137,3 +137,18 @@ def test_ppo_update_that_blew_log_std_up_is_numbered_and_told_as_unrecorded(tmp_
     assert "closed no recorded step" in rep["hint"] and "lr=10000" in rep["hint"]
     assert "finite gradients" not in rep["hint"]
     assert any("with guard_optimizer=True either" in p for p in rep["problems"])
+
+
+def test_dqn_nan_observation_stored_before_learning_starts_is_an_update_input_event(tmp_path):
+    """Before learning_starts DQN acts at random (no forward): the NaN reading goes into the
+    replay buffer unseen, and the update that samples it is the event, its row named as a row
+    of the sampled batch, not a table's missing value."""
+    bundle, err = learn(M.dqn(M.ProbeEnv(nan_at=5)), 400, tmp_path, "make_dqn_q_net",
+                        part="q_net")
+    assert isinstance(err, NonFiniteError)
+    rep = nanreplay_json(bundle)
+    ev, o = rep["event"], rep["origin"]
+    assert (ev["step"], ev["phase"], ev["evaluation"]) == (0, "input", False)
+    assert (o["samples"], rep["cause"]) == ([11], "input")
+    assert "(sample 11 at feature(s) 2 (of 4)), in an update, rows of the batch sampled from " \
+           "the replay buffer" in rep["hint"]
