@@ -50,7 +50,8 @@ class FlightRecorderCallback(BaseCallback):
         optimizer: dotted name of its optimizer; ``None``: ``<part>.optimizer`` where that
             network has one, else ``policy.optimizer`` (DQN's ``q_net``).
         options: :class:`FlightRecorder`'s other keyword arguments (``out_dir``, ``factory``,
-            ``on_event``, ``allow_inf``, ...), checked now.
+            ``on_event``, ``allow_inf``, ...), checked now. The first step's index is the
+            algorithm's count of updates so far (``_n_updates``: 0 in a first ``learn()``).
     """
 
     def __init__(self, part: str = "policy", optimizer: str | None = None, **options: Any):
@@ -65,7 +66,10 @@ class FlightRecorderCallback(BaseCallback):
         net = _attribute(self.model, self.part, "part")
         name = self.optimizer_name or (f"{self.part}.optimizer"
                                        if hasattr(net, "optimizer") else "policy.optimizer")
+        # steps numbered on from the updates an earlier learn() made (reset_num_timesteps=False
+        # goes on training): DQN's and SAC's gradient steps, as SB3 counts them
         self.recorder = FlightRecorder(net, _attribute(self.model, name, "optimizer"),
+                                       start_step=int(getattr(self.model, "_n_updates", 0)),
                                        **self.options)
         self.recorder.integration = "sb3"
         self.recorder.target.unrooted_advice = UNROOTED_ADVICE

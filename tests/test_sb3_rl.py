@@ -152,3 +152,18 @@ def test_dqn_nan_observation_stored_before_learning_starts_is_an_update_input_ev
     assert (o["samples"], rep["cause"]) == ([11], "input")
     assert "(sample 11 at feature(s) 2 (of 4)), in an update, rows of the batch sampled from " \
            "the replay buffer" in rep["hint"]
+
+
+def test_a_second_learn_numbers_its_steps_on_from_the_updates_before(tmp_path):
+    """``learn(reset_num_timesteps=False)`` goes on training: its steps go on from the
+    algorithm's update count, so a bundle of the second run is not named as a first run's."""
+    model = M.dqn(M.ProbeEnv(zero_at=70), extractor=M.RootNorm)
+    cb = FlightRecorderCallback(part="q_net", out_dir=tmp_path,
+                                factory="sb3_rl_models:make_dqn_root_norm")
+    model.learn(48, callback=cb)
+    assert model._n_updates == cb.recorder.step == 8 and not list(tmp_path.glob("*.nan"))
+    with pytest.raises(NonFiniteError) as err:
+        model.learn(400, callback=cb, reset_num_timesteps=False)
+    rep = nanreplay_json(err.value.bundle_path)
+    assert (rep["event"]["step"], rep["event"]["phase"], rep["origin"]["op"]) == \
+        (13, "backward", "SqrtBackward0")
