@@ -9,7 +9,11 @@
 The recorder attaches when training starts (``model.learn`` has built the networks and their
 optimizers by then) to the network named by ``part`` (an attribute of the algorithm: its
 ``policy``, DQN's ``q_net``, SAC's ``critic``, TD3's ``critic`` or ``actor``) with that network's
-optimizer, and detaches when training ends. SB3 tells a callback nothing of an exception: a
+optimizer, and detaches when training ends. PPO and A2C update their policy through
+``policy.evaluate_actions``, which calls its parts, not its forward: the callback runs it
+through the policy's forward while ``learn()`` runs (:func:`through_forward`), so each
+minibatch's update is a recorded step, and a factory of such a policy returns
+``through_forward(policy)`` for the replay to re-run it. SB3 tells a callback nothing of an exception: a
 NaN observation reaching the policy's action distribution inside its forward (a
 ``Categorical``'s or ``Normal``'s argument check raising ``ValueError``) leaves ``learn()``
 before any callback runs again. So the callback runs the algorithm's own ``collect_rollouts``
@@ -22,8 +26,10 @@ block's exit does. Importing this module needs ``stable_baselines3``; nothing el
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
+import torch
 from stable_baselines3.common.callbacks import BaseCallback
 
 from .flight import FlightRecorder
@@ -34,11 +40,34 @@ GUARDED = ("collect_rollouts", "train")
 
 # said when an update ran without a forward of the recorded network
 UNROOTED_ADVICE = (
-    "stable-baselines3's PPO and A2C update through policy.evaluate_actions, not the policy's "
-    "forward, so their updates are not recorded (the rollouts' forwards, gradients off, are "
-    "still checked as each returns), and SAC's actor through actor.action_log_prob; DQN's "
-    "q_net, SAC's critic and TD3's critic and actor are updated through their forwards: "
-    "record one of those with FlightRecorderCallback(part=...)")
+    "stable-baselines3's SAC updates its actor through actor.action_log_prob, not the actor's "
+    "forward, so those updates are not recorded (the rollouts' forwards, gradients off, are "
+    "still checked as each returns); DQN's q_net, SAC's critic, TD3's critic and actor, and "
+    "PPO's and A2C's policy (through_forward) are updated through their forwards: record one of "
+    "those with FlightRecorderCallback(part=...)")
+
+
+def through_forward(policy):
+    """``policy`` (an ``ActorCriticPolicy``: PPO's, A2C's) with its ``evaluate_actions`` run
+    through its forward, so torch's hooks, and the recorder, see the updates: ``policy(obs,
+    actions)`` evaluates the actions, ``policy(obs)`` and ``policy(obs, deterministic)`` act as
+    the class's forward does. Patched on the instance; returns ``policy``. The callback does it
+    while ``learn()`` runs; a factory of such a policy returns ``through_forward(policy)`` so
+    the replay re-runs the same computation."""
+    if "forward" not in vars(policy):
+        policy.forward = types.MethodType(_dispatching_forward, policy)
+        policy.evaluate_actions = types.MethodType(_evaluate_through_call, policy)
+    return policy
+
+
+def _dispatching_forward(self, obs, *args, **kwargs):
+    if args and isinstance(args[0], torch.Tensor):  # evaluate_actions(obs, actions, ...)
+        return type(self).evaluate_actions(self, obs, *args, **kwargs)
+    return type(self).forward(self, obs, *args, **kwargs)
+
+
+def _evaluate_through_call(self, obs, actions, *args, **kwargs):
+    return self(obs, actions, *args, **kwargs)  # (nn.Module.__call__: the hooks run)
 
 
 class FlightRecorderCallback(BaseCallback):
@@ -60,10 +89,13 @@ class FlightRecorderCallback(BaseCallback):
         self.part, self.optimizer_name, self.options = part, optimizer, options
         self.recorder: FlightRecorder | None = None
         self._guarded: list[str] = []
+        self._patched = None  # the policy through_forward patched, undone at detach
 
     def _on_training_start(self) -> None:
         self.detach()  # a second learn() with the same callback
         net = _attribute(self.model, self.part, "part")
+        if hasattr(type(net), "evaluate_actions") and "forward" not in vars(net):
+            self._patched = through_forward(net)  # (PPO, A2C: their updates, as forwards)
         name = self.optimizer_name or (f"{self.part}.optimizer"
                                        if hasattr(net, "optimizer") else "policy.optimizer")
         # steps numbered on from the updates an earlier learn() made (reset_num_timesteps=False
@@ -106,6 +138,10 @@ class FlightRecorderCallback(BaseCallback):
         self._guarded.clear()
         if self.recorder is not None:
             self.recorder.detach()
+        if self._patched is not None:
+            for name in ("forward", "evaluate_actions"):
+                vars(self._patched).pop(name, None)
+            self._patched = None
 
 
 def _attribute(root, dotted: str, what: str):

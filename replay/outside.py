@@ -189,14 +189,15 @@ ATTACK_LOSS = (
 
 
 # stable-baselines3 (recorder.sb3): the algorithm's train() computes the loss inline, of a batch
-# sampled from the replay buffer; no module holding the network computes it (SACPolicy does not)
+# sampled from its buffer; no module holding the network computes it (SACPolicy does not)
 SB3_LOSS = (
-    "stable-baselines3's algorithm computed this loss inline in its train(), from the batch "
-    "it sampled from the replay buffer (a TD target of its rewards, dones and next "
-    "observations), which the replay cannot re-run: the samples named are the rows of that "
-    "batch whose loss gradient went non-finite; look at those transitions' rewards (an "
-    "unbounded or infinite reward) and next observations where the env made them, or bound "
-    "the reward there (a clip, VecNormalize(norm_reward=True))")
+    "stable-baselines3's algorithm computed this loss inline in its train(), which the replay "
+    "cannot re-run: from the batch it sampled from its buffer (DQN's and SAC's TD target of "
+    "the replay buffer's rewards, dones and next observations; PPO's and A2C's advantages and "
+    "returns of the rollout buffer); the samples named are the rows of that batch whose loss "
+    "gradient went non-finite: look at those transitions' rewards (an unbounded or infinite "
+    "reward) and observations where the env made them, or bound the reward there (a clip, "
+    "VecNormalize(norm_reward=True))")
 
 
 def replayable_loss_hint(step: Step) -> str:

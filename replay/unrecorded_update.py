@@ -1,7 +1,7 @@
 """An optimizer event whose update closed no recorded step (the bundle's event says
 ``no_step_closed``): ``optimizer.step()`` ran with no forward of the recorded model before it,
-only its submodules (a training method other than ``forward``: stable-baselines3's PPO and A2C
-update through ``policy.evaluate_actions``), so no step was open, its loss and gradients were
+only its submodules (a training method other than ``forward``: stable-baselines3's SAC updates
+its actor through ``actor.action_log_prob``), so no step was open, its loss and gradients were
 never checked, and the weights it broke were first found by a later check (a rollout's
 evaluation forward). Nothing of that update is in the bundle: the hint says so, with the
 learning rate it ran at, instead of the generic "finite gradients became non-finite weights",
@@ -15,11 +15,11 @@ from typing import Any
 UNRECORDED_UPDATE = (
     "{cls}'s update made {param} non-finite in an optimizer.step() that closed no recorded "
     "step: no forward of the recorded model ran before it, only its submodules (a training "
-    "method other than forward: stable-baselines3's PPO and A2C update through "
-    "policy.evaluate_actions, SAC's actor through actor.action_log_prob), so its loss and gradients were never checked and the bundle "
-    "holds only the weights it left; {lr}lower the learning rate or clip the gradients "
-    "(SB3's max_grad_norm), and to have such updates recorded, give FlightRecorder a module "
-    "whose forward the update's loss comes through")
+    "method other than forward: stable-baselines3's SAC updates its actor through "
+    "actor.action_log_prob, PPO its policy through policy.evaluate_actions), so its loss and "
+    "gradients were never checked and the bundle holds only the weights it left; {lr}lower the "
+    "learning rate or clip the gradients (SB3's max_grad_norm), and to have such updates "
+    "recorded, give FlightRecorder a module whose forward the update's loss comes through")
 
 # the note in place of findings.UPDATE_NOT_RERUN: guard_optimizer copies the weights of a step
 # it closes, and this update closed none

@@ -19,6 +19,7 @@ from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
 from torch import nn
 
 from recorder import FlightRecorder
+from recorder.sb3 import through_forward
 
 OBS = 4
 GUARDED_METHODS = ("collect_rollouts", "train")  # what recorder.sb3 wraps while learning
@@ -157,11 +158,11 @@ def sac(env: gym.Env | None = None, lr: float = 3e-4, seed: int = 0, **kw) -> SA
 
 
 def make_ppo_policy():
-    return ppo().policy
+    return through_forward(ppo().policy)
 
 
 def make_ppo_unit_norm():
-    return ppo(extractor=UnitNorm).policy
+    return through_forward(ppo(extractor=UnitNorm).policy)
 
 
 def make_dqn_q_net():
@@ -177,8 +178,12 @@ def make_sac_critic():
 
 
 def make_ppo_cont():
-    return ppo(ProbeEnv(continuous=True)).policy
+    return through_forward(ppo(ProbeEnv(continuous=True)).policy)
 
 
 def make_sac_actor():
     return sac().actor
+
+
+def make_ppo_root_norm():
+    return through_forward(ppo(extractor=RootNorm).policy)

@@ -1,7 +1,9 @@
 """End to end: stable-baselines3 2.9 / gymnasium 1.4 training recorded from an SB3 callback
 (``recorder.sb3.FlightRecorderCallback``) around ``model.learn()``. PPO's updates run through
-``policy.evaluate_actions`` (no forward of the policy), so its events come from the rollouts'
-forwards; DQN's ``q_net`` and SAC's ``critic`` are recorded in their updates. Planted: an
+``policy.evaluate_actions`` (no forward of the policy): the callback runs it through the
+policy's forward (``through_forward``, which the factories apply too), so they are recorded;
+DQN's ``q_net`` and SAC's ``critic`` are recorded in their updates through their forwards,
+SAC's actor (``action_log_prob``) is not. Planted: an
 env's NaN reading (PPO's Categorical refuses it inside the forward, which SB3 reports to no
 callback), a features extractor's ``x / ||x||`` of an all-zero observation, a sqrt-of-energy
 gain whose derivative at 0 is infinite (backward only), an unbounded reward under SAC's TD
@@ -47,10 +49,10 @@ def test_healthy_dqn_and_ppo_raise_nothing_and_train_bit_identically(tmp_path, c
         a, b = weights(plain), weights(recorded)
         assert all(torch.equal(a[k], b[k]) for k in a), part
         assert not list(tmp_path.glob("*.nan"))
+        assert cb.recorder.step == {"q_net": 20, "policy": 6}[part]  # (PPO: its minibatches)
     assert cb.recorder is not None and not cb.recorder.health.active
-    # PPO's updates run through policy.evaluate_actions: said once, in SB3's words
-    said = [r.getMessage() for r in caplog.records if "evaluate_actions" in r.getMessage()]
-    assert len(said) == 1 and "'features_extractor.flatten' ran on its own" in said[0]
+    assert "forward" not in vars(recorded.policy)  # (through_forward undone at detach)
+    assert not [r for r in caplog.records if "ran on its own" in r.getMessage()]
 
 
 def test_ppo_env_nan_observation_is_an_input_event_of_the_rollout(tmp_path):
@@ -61,7 +63,7 @@ def test_ppo_env_nan_observation_is_an_input_event_of_the_rollout(tmp_path):
     assert isinstance(err, ValueError) and "Bundle:" in err.__notes__[0]
     rep = nanreplay_json(bundle)
     ev, o = rep["event"], rep["origin"]
-    assert (ev["step"], ev["phase"], ev["evaluation"]) == (0, "input", True)
+    assert (ev["step"], ev["phase"], ev["evaluation"]) == (2, "input", True)
     assert (o["module"], o["samples"], rep["cause"]) == (None, [0], "input")
     assert "observations the env returned (sample 0 at feature(s) 2 (of 4))" in rep["hint"]
     assert "VecCheckNan" in rep["hint"] and "genotype" not in rep["hint"]
@@ -73,7 +75,7 @@ def test_ppo_features_extractor_divides_a_zero_observation_by_its_norm(tmp_path)
     assert isinstance(err, ValueError)
     rep = nanreplay_json(bundle)
     o = rep["origin"]
-    assert (rep["event"]["step"], rep["event"]["phase"]) == (0, "forward")
+    assert (rep["event"]["step"], rep["event"]["phase"]) == (2, "forward")
     assert (o["module"], o["op"], o["samples"], rep["cause"]) == \
         ("features_extractor", "aten.div", [0], "invalid")
     assert o["source"] == source_line(MODELS, "x = obs / obs.norm(dim=-1, keepdim=True)")
@@ -106,7 +108,7 @@ def test_sac_unbounded_reward_names_the_replay_rows_and_sb3s_inline_loss(tmp_pat
     assert (rep["event"]["step"], rep["event"]["phase"], o["phase"]) == (0, "backward", "loss")
     assert (o["tensor"], o["made"], rep["cause"]) == ("grad of the model output 1", "-inf", None)
     assert o["samples"] == [0, 1, 6, 11, 15]
-    assert "sampled from the replay buffer" in rep["hint"] and "SACPolicy" not in rep["hint"]
+    assert "the replay buffer's rewards" in rep["hint"] and "SACPolicy" not in rep["hint"]
 
 
 def test_dqn_learning_rate_too_high_overflows_the_next_forward(tmp_path):
@@ -120,21 +122,38 @@ def test_dqn_learning_rate_too_high_overflows_the_next_forward(tmp_path):
     assert "lower the learning rate" in rep["hint"]
 
 
-def test_ppo_update_that_blew_log_std_up_is_numbered_and_told_as_unrecorded(tmp_path):
-    """PPO's updates run through evaluate_actions: no step ever opens, so the update that a
-    learning rate of 1e4 made log_std NaN with is found by the next rollout forward. It was
-    numbered step -1 (the step before the first, a bundle ``step-0000001``) and told as
-    'finite gradients became non-finite weights', which nothing checked, with a note to use
-    guard_optimizer, which copies nothing here."""
+def test_ppo_log_std_a_high_learning_rate_blew_up_overflows_exp_in_the_next_update(tmp_path):
+    """PPO's minibatch updates are recorded (through_forward): the update at lr=1e4 sent the
+    state-independent log_std to ~1e4, and the next minibatch's ``log_std.exp()`` in SB3's
+    DiagGaussianDistribution overflows: named with the parameter and the jump before it."""
     bundle, err = learn(M.ppo(M.ProbeEnv(continuous=True), lr=1e4), 200, tmp_path,
                         "make_ppo_cont")
+    assert isinstance(err, NonFiniteError)
+    rep = nanreplay_json(bundle)
+    ev, o = rep["event"], rep["origin"]
+    assert (ev["step"], ev["phase"], ev["evaluation"]) == (1, "forward", False)
+    assert (o["module"], o["op"], o["made"], rep["cause"]) == \
+        ("", "aten.exp", "+inf", "overflow")
+    assert o["source"].endswith("distributions.py:165") and o["all_samples"] is True
+    assert "the parameter log_std" in rep["hint"] and "lower the learning rate" in rep["hint"]
+    assert [p["kind"] for p in rep["precursors"]] == ["weight_jump"]
+
+
+def test_sac_actor_update_no_step_closed_is_numbered_and_told_as_unrecorded(tmp_path):
+    """SAC updates its actor through action_log_prob, not its forward: no step opens, and the
+    update that a learning rate of 100 made the actor NaN with is found by the next rollout
+    forward. It was numbered step -1 (the step before the first, a bundle
+    ``step-0000001``) and told as 'finite gradients became non-finite weights', which nothing
+    checked, with a note to use guard_optimizer, which copies nothing here."""
+    bundle, err = learn(M.sac(lr=1e2), 400, tmp_path, "make_sac_actor", part="actor")
     assert isinstance(err, ValueError) and bundle.name == "step00000000-rank0.nan"
     rep = nanreplay_json(bundle, code=1)
     ev, o = rep["event"], rep["origin"]
     assert (ev["step"], ev["phase"], ev["evaluation"], ev["no_step_closed"]) == \
         (0, "optimizer", True, True)
-    assert (o["param"], rep["cause"], rep["reproduced"]) == ("log_std", "optimizer", False)
-    assert "closed no recorded step" in rep["hint"] and "lr=10000" in rep["hint"]
+    assert (o["param"], rep["cause"], rep["reproduced"]) == ("latent_pi.0.weight", "optimizer",
+                                                             False)
+    assert "closed no recorded step" in rep["hint"] and "lr=100:" in rep["hint"]
     assert "finite gradients" not in rep["hint"]
     assert any("with guard_optimizer=True either" in p for p in rep["problems"])
 
@@ -167,3 +186,19 @@ def test_a_second_learn_numbers_its_steps_on_from_the_updates_before(tmp_path):
     rep = nanreplay_json(err.value.bundle_path)
     assert (rep["event"]["step"], rep["event"]["phase"], rep["origin"]["op"]) == \
         (13, "backward", "SqrtBackward0")
+
+
+def test_ppo_unbounded_reward_enters_through_the_value_loss_sb3_computed_inline(tmp_path):
+    """The rollout's returns overflow (rewards 1e4 ** t, inf in float32), PPO's value loss
+    F.mse_loss(returns, values) sends NaN into the value head's output, all rows (the
+    advantages are normalised over the minibatch): the loss SB3 computed inline, said so."""
+    with pytest.warns(RuntimeWarning):
+        bundle, err = learn(M.ppo(M.ProbeEnv(reward_growth=1e4)), 96, tmp_path,
+                            "make_ppo_policy")
+    assert isinstance(err, NonFiniteError)
+    rep = nanreplay_json(bundle)
+    ev, o = rep["event"], rep["origin"]
+    assert (ev["step"], ev["phase"], o["phase"], o["tensor"]) == \
+        (0, "backward", "loss", "grad of the model output 0")
+    assert (o["all_samples"], rep["cause"]) == (True, None)
+    assert "advantages and returns of the rollout buffer" in rep["hint"]
