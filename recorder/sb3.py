@@ -54,20 +54,20 @@ def through_forward(policy):
     the class's forward does. Patched on the instance; returns ``policy``. The callback does it
     while ``learn()`` runs; a factory of such a policy returns ``through_forward(policy)`` so
     the replay re-runs the same computation."""
+    # (defined here, so a replay whose factory lacks the patch names through_forward:
+    # recorder.patched_forward's patcher)
+    def dispatching_forward(self, obs, *args, **kwargs):
+        if args and isinstance(args[0], torch.Tensor):  # evaluate_actions(obs, actions, ...)
+            return type(self).evaluate_actions(self, obs, *args, **kwargs)
+        return type(self).forward(self, obs, *args, **kwargs)
+
+    def evaluate_through_call(self, obs, actions, *args, **kwargs):
+        return self(obs, actions, *args, **kwargs)  # (nn.Module.__call__: the hooks run)
+
     if "forward" not in vars(policy):
-        policy.forward = types.MethodType(_dispatching_forward, policy)
-        policy.evaluate_actions = types.MethodType(_evaluate_through_call, policy)
+        policy.forward = types.MethodType(dispatching_forward, policy)
+        policy.evaluate_actions = types.MethodType(evaluate_through_call, policy)
     return policy
-
-
-def _dispatching_forward(self, obs, *args, **kwargs):
-    if args and isinstance(args[0], torch.Tensor):  # evaluate_actions(obs, actions, ...)
-        return type(self).evaluate_actions(self, obs, *args, **kwargs)
-    return type(self).forward(self, obs, *args, **kwargs)
-
-
-def _evaluate_through_call(self, obs, actions, *args, **kwargs):
-    return self(obs, actions, *args, **kwargs)  # (nn.Module.__call__: the hooks run)
 
 
 class FlightRecorderCallback(BaseCallback):

@@ -187,3 +187,8 @@ def make_sac_actor():
 
 def make_ppo_root_norm():
     return through_forward(ppo(extractor=RootNorm).policy)
+
+
+def make_ppo_cont_plain():
+    """The policy as a factory for a plain policy builds it: without through_forward."""
+    return ppo(ProbeEnv(continuous=True)).policy

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import sb3_rl_models as M
 import torch
-from bundles import nanreplay_json, source_line
+from bundles import invoke_cli, nanreplay_json, one_error_line, source_line
 
 from recorder import NonFiniteError
 from recorder.sb3 import FlightRecorderCallback
@@ -137,6 +137,9 @@ def test_ppo_log_std_a_high_learning_rate_blew_up_overflows_exp_in_the_next_upda
     assert o["source"].endswith("distributions.py:165") and o["all_samples"] is True
     assert "the parameter log_std" in rep["hint"] and "lower the learning rate" in rep["hint"]
     assert [p["kind"] for p in rep["precursors"]] == ["weight_jump"]
+    # a factory that builds the policy without through_forward: one line naming it
+    line = one_error_line(invoke_cli(bundle, "--factory", "sb3_rl_models:make_ppo_cont_plain"))
+    assert "call recorder.sb3.through_forward(model) in the factory" in line
 
 
 def test_sac_actor_update_no_step_closed_is_numbered_and_told_as_unrecorded(tmp_path):
