@@ -94,8 +94,6 @@ class FlightRecorderCallback(BaseCallback):
     def _on_training_start(self) -> None:
         self.detach()  # a second learn() with the same callback
         net = _attribute(self.model, self.part, "part")
-        if hasattr(type(net), "evaluate_actions") and "forward" not in vars(net):
-            self._patched = through_forward(net)  # (PPO, A2C: their updates, as forwards)
         name = self.optimizer_name or (f"{self.part}.optimizer"
                                        if hasattr(net, "optimizer") else "policy.optimizer")
         # steps numbered on from the updates an earlier learn() made (reset_num_timesteps=False
@@ -103,6 +101,8 @@ class FlightRecorderCallback(BaseCallback):
         self.recorder = FlightRecorder(net, _attribute(self.model, name, "optimizer"),
                                        start_step=int(getattr(self.model, "_n_updates", 0)),
                                        **self.options)
+        if hasattr(type(net), "evaluate_actions") and "forward" not in vars(net):
+            self._patched = through_forward(net)  # (PPO, A2C: their updates, as forwards)
         self.recorder.integration = "sb3"
         self.recorder.target.unrooted_advice = UNROOTED_ADVICE
         self.recorder.attach()
@@ -148,8 +148,9 @@ def _attribute(root, dotted: str, what: str):
     obj = root
     for part in dotted.split("."):
         if not hasattr(obj, part):
+            example = "'critic.optimizer'" if what == "optimizer" else "'q_net', 'critic'"
             raise AttributeError(f"FlightRecorderCallback: {what}={dotted!r}: "
                                  f"{type(root).__name__} has no attribute {dotted!r}; name the "
-                                 "attribute that holds it (e.g. 'q_net', 'critic')")
+                                 f"attribute that holds it (e.g. {example})")
         obj = getattr(obj, part)
     return obj

@@ -205,3 +205,12 @@ def test_ppo_unbounded_reward_enters_through_the_value_loss_sb3_computed_inline(
         (0, "backward", "loss", "grad of the model output 0")
     assert (o["all_samples"], rep["cause"]) == (True, None)
     assert "advantages and returns of the rollout buffer" in rep["hint"]
+
+
+def test_a_network_without_an_optimizer_of_its_own_is_refused_in_one_line(tmp_path):
+    """SACPolicy holds no optimizer (its actor and critic each hold one): said at
+    learn()'s start, naming an attribute that does."""
+    cb = FlightRecorderCallback(part="policy", out_dir=tmp_path)
+    with pytest.raises(AttributeError, match=r"optimizer='policy.optimizer': SAC has no "
+                                             r"attribute .*e\.g\. 'critic\.optimizer'"):
+        M.sac().learn(8, callback=cb)
