@@ -161,6 +161,11 @@ class Alarm:
         return _message(self.event, self.bundle_path, self.settings.on_event == "raise")
 
     def _write_and_report(self, tape: Tape | None, event: Event, guard=None) -> None:
+        if event.after_update and event.step < self.settings.start_step:
+            # an update whose optimizer.step() closed no step (no forward of the recorded model
+            # ran before it, only its submodules: a training method other than forward, SB3's
+            # evaluate_actions): numbered "the step before" the first, which never existed
+            event.step, event.no_step_closed = self.settings.start_step, True
         self.event = as_dict = event.as_dict()
         rank, world = distributed_rank()
         raising = self.settings.on_event == "raise"

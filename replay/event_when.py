@@ -14,8 +14,12 @@ from typing import Any
 
 def event_when(ev: dict[str, Any]) -> str:
     """``step 3``, ``evaluation forward before step 3`` or ``step 3 (found by the evaluation
-    forward after it)``."""
+    forward after it)``; an update no recorded step held (``replay.unrecorded_update``):
+    ``an update before step 0, outside every recorded step``."""
     step = ev.get("step")
+    if ev.get("no_step_closed"):
+        found = " (found by the evaluation forward after it)" if ev.get("evaluation") else ""
+        return f"an update before step {step}, outside every recorded step{found}"
     if not ev.get("evaluation"):
         return f"step {step}"
     if ev.get("phase") == "optimizer":

@@ -51,7 +51,9 @@ def base_report(step: Step) -> dict[str, Any]:
                           "compiled"))),
                   # (gradients the compiled regions' backward graphs made)
                   "through_compiled": ev.get("phase") == "backward"
-                  and bool(meta.get("compiled_regions"))},
+                  and bool(meta.get("compiled_regions")),
+                  # (an update whose step() closed no recorded step: replay.unrecorded_update)
+                  **({"no_step_closed": True} if ev.get("no_step_closed") else {})},
         "reproduced": False,
         "not_rerun": None,  # why the step, or its loss, was not re-run ("weights stripped")
         "origin": origin_fields(),

@@ -15,7 +15,7 @@ from recorder.seq_state import cloned
 
 from .cause_text import HINTS
 from .eps_text import eps0_text
-from .findings import finish, origin_fields
+from .findings import UPDATE_NOT_RERUN, finish, origin_fields
 from .half_update import half_overflow_why
 from .hyper import decode_non_finite_hyper, non_finite_hyper
 from .load import Step
@@ -25,6 +25,7 @@ from .optim import eps_lost_text, per_parameter, stale_state
 from .quantised_state import zero_scale_why
 from .reduced_grads import use_reduced_grads
 from .rerun import Runner
+from .unrecorded_update import UNRECORDED_NOT_RERUN, unrecorded_update_hint
 from .update_domain import (
     domain_why,
     negative_input,
@@ -101,10 +102,18 @@ def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[st
             f"{params[0]} from finite gradients and weights ({rerun_from}); {why}")
 
 
+def update_not_rerun(step: Step) -> str:
+    """The note of an update the bundle cannot re-run: an update no recorded step held kept
+    nothing a copy could be taken of (replay.unrecorded_update)."""
+    return UNRECORDED_NOT_RERUN if step.event.get("no_step_closed") else UPDATE_NOT_RERUN
+
+
 def after_update_hint(step: Step, params: list[str]) -> str | None:
     """The hint of an update the bundle cannot re-run (it holds the weights after it) whose
     learning rate was non-finite (the ring buffer's record of its step) or whose eps was 0 (or
     is 0 in the weights' dtype), which the bundle alone shows; else None."""
+    if unrecorded := unrecorded_update_hint(step, params):  # (no step held that update)
+        return unrecorded
     opt = step.meta.get("optimizer") or {}
     groups = [g for g in opt.get("param_groups", []) if set(g.get("params") or ()) & set(params)]
     bad = non_finite_hyper(step, step.event.get("step"), groups)

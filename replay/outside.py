@@ -188,6 +188,18 @@ ATTACK_LOSS = (
     "logits with log_softmax or logsumexp, or clamp p)")
 
 
+# stable-baselines3 (recorder.sb3): the algorithm's train() computes the loss inline, of a batch
+# sampled from its buffer; no module holding the network computes it (SACPolicy does not)
+SB3_LOSS = (
+    "stable-baselines3's algorithm computed this loss inline in its train(), which the replay "
+    "cannot re-run: from the batch it sampled from its buffer (DQN's and SAC's TD target of "
+    "the replay buffer's rewards, dones and next observations; PPO's and A2C's advantages and "
+    "returns of the rollout buffer); the samples named are the rows of that batch whose loss "
+    "gradient went non-finite: look at those transitions' rewards (an unbounded or infinite "
+    "reward) and observations where the env made them, or bound the reward there (a clip, "
+    "VecNormalize(norm_reward=True))")
+
+
 def replayable_loss_hint(step: Step) -> str:
     """How to make the loss itself replayable, in the words of the integration that recorded
     the bundle (plain loop, Hugging Face Trainer, Lightning)."""
@@ -218,6 +230,8 @@ def replayable_loss_hint(step: Step) -> str:
         return ("the training_step computed this loss inline: keep the loss module in an "
                 "attribute of the LightningModule and name it, FlightRecorderCallback("
                 "loss_fn=\"criterion\"), so the replay re-runs it and names the op")
+    if integration == "sb3":
+        return SB3_LOSS
     if held := step.meta.get("model_held_by"):
         cls, attr = held[0].get("class", "?"), held[0].get("attribute", "?")
         return (f"the loss was computed outside the recorder, and {cls.rpartition(':')[2]} "

@@ -33,6 +33,7 @@ from .cause_text import (
     WHOLE_TENSOR,
     WHOLE_TENSOR_EVALUATING,
 )
+from .env_observations import env_observation_hint
 from .findings import origin_fields
 from .group_nan import group_nan
 from .grouped_rows import grouped, grouped_hint
@@ -247,6 +248,9 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
     key, raw = origin_key(step, origin)
     if nan_allowed(step, root_input_name(raw)):
         return ALLOWED_NAN_LEAKED.format(tensor=tensor)
+    if key and (env := env_observation_hint(  # (an SB3 env's observations)
+            step, step.tensors.get(key), origin.get("made"), tensor)):
+        return env
     if g := origin.get("grouped"):  # (one row per preference pair)
         return grouped_hint(tensor, g, batch_size(step, origin.get("micro_batch") or 0))
     if whole := _whole_tensor(step, origin, key):
