@@ -31,7 +31,8 @@ OPTIONAL_MODULES = ("transformers", "accelerate", "lightning", "numpy", "opacus"
                     "ignite", "peft", "diffusers", "gpytorch", "pyro", "pytorch_optimizer",
                     "monai", "kornia", "x_transformers", "vector_quantize_pytorch", "einops",
                     "torchdiffeq", "zuko", "schedulefree", "pytorch_metric_learning",
-                    "trl", "datasets", "sentence_transformers")
+                    "trl", "datasets", "sentence_transformers", "stable_baselines3", "gymnasium",
+                    "skorch", "pytorch_tabnet")
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 
 # Hypothesis's files (example database, constants cache) go to the user's cache, not the checkout.
