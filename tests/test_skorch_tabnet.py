@@ -1,0 +1,181 @@
+"""End to end: tabular networks trained through skorch 1.4 (``NeuralNetClassifier`` /
+``NeuralNetRegressor`` fit on numpy arrays, the recorder attached from a skorch ``Callback``;
+the forward and backward run inside ``optimizer.step(closure)``) and pytorch-tabnet 4.1
+(``TabNetClassifier`` with its sparsemax attentive transformer and Ghost BatchNorm, the recorder
+attached to ``clf.network`` and ``clf._optimizer`` from its own ``Callback``), until a planted
+bug of tabular data fires, then replayed with the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import skorch_tabnet_models as M
+import torch
+from bundles import nanreplay_json, source_line
+from skorch import NeuralNetClassifier, NeuralNetRegressor
+from skorch.callbacks import EpochScoring, GradientNormClipping, LRScheduler
+
+from recorder import NonFiniteError
+
+pytestmark = [pytest.mark.usefixtures("in_tests_dir"),
+              # (TabNet's fit without an eval_set warns that it stops early on nothing)
+              pytest.mark.filterwarnings("ignore:No early stopping will be performed")]
+
+BATCH = 32
+
+
+def line_of(text: str) -> str:
+    return source_line("skorch_tabnet_models.py", text)
+
+
+def net_of(cls, module, out_dir=None, factory=None, extra=(), **params):
+    callbacks = list(extra)
+    if out_dir is not None:
+        callbacks.append(M.RecordTraining(out_dir, f"skorch_tabnet_models:{factory}"))
+    return cls(module, **{"max_epochs": 3, "lr": 0.05, "batch_size": BATCH, "train_split": None,
+                          "verbose": 0, "callbacks": callbacks, **params})
+
+
+def fire(net, X, y) -> NonFiniteError:
+    """Fit until the recorder raises; skorch calls no ``on_train_end`` after an exception, so
+    the test detaches what the callback attached."""
+    try:
+        with pytest.raises(NonFiniteError) as info:
+            net.fit(X, y)
+    finally:
+        for cb in net.callbacks:
+            if isinstance(cb, M.RecordTraining) and cb.recorder is not None:
+                cb.recorder.detach()
+    return info.value
+
+
+def report(err: NonFiniteError, step: int, phase: str) -> tuple[dict, dict]:
+    assert (err.event["step"], err.event["phase"]) == (step, phase), err.event
+    rep = nanreplay_json(err.bundle_path)
+    assert rep["reproduced"] is True, json.dumps(rep, indent=1)
+    return rep, rep["origin"]
+
+
+def test_healthy_skorch_training_raises_nothing_and_trains_bit_identically(tmp_path):
+    X, y, _ = M.tabular()
+    states = []
+    for out in (None, tmp_path):
+        torch.manual_seed(0)
+        extra = [EpochScoring("accuracy", on_train=True),
+                 LRScheduler(policy=torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5),
+                 GradientNormClipping(1.0)]
+        net = net_of(NeuralNetClassifier, M.MLPClassifier, out, "make_classifier", extra,
+                     optimizer=torch.optim.SGD, optimizer__momentum=0.9)
+        net.fit(X, y)
+        states.append({k: v.clone() for k, v in net.module_.state_dict().items()})
+        assert np.isfinite(net.history[:, "train_loss"]).all()
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    assert not list(tmp_path.glob("*.nan"))
+
+
+def test_healthy_tabnet_training_raises_nothing_and_trains_bit_identically(tmp_path):
+    X, y, _ = M.tabular()
+    states = []
+    for out in (None, tmp_path):
+        clf = M.TabNetClassifier(**M.TABNET)
+        cbs = [] if out is None else [M.TabNetRecord(out, "skorch_tabnet_models:tabnet_network")]
+        clf.fit(X, y, max_epochs=2, batch_size=64, virtual_batch_size=M.VIRTUAL_BATCH,
+                callbacks=cbs)
+        states.append({k: v.clone() for k, v in clf.network.state_dict().items()})
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    assert not list(tmp_path.glob("*.nan"))
+
+
+def test_a_missing_value_left_as_nan_in_a_numpy_column_is_an_input_event(tmp_path):
+    """Rows 70 and 75 of column 3 hold NaN (an empty cell of the CSV): batch 2 of 32, its
+    samples 6 and 11."""
+    X, y, _ = M.tabular()
+    net = net_of(NeuralNetClassifier, M.MLPClassifier, tmp_path, "make_classifier",
+                 optimizer=torch.optim.SGD, optimizer__momentum=0.9)
+    rep, o = report(fire(net, M.with_missing(X, [70, 75]), y), 2, "input")
+    assert (rep["cause"], rep["event"]["samples"]) == ("input", [6, 11])
+    assert "sample 6 at feature(s) 3" in rep["hint"] and "impute" in rep["hint"]
+
+
+def test_a_constant_column_standardised_by_its_std_of_0_is_named_at_the_scaler(tmp_path):
+    X, y, _ = M.tabular()
+    Xc = M.constant_column(X)
+    mean, std = M.column_stats(Xc)
+    net = net_of(NeuralNetClassifier, M.MLPClassifier, tmp_path, "make_scaled_classifier",
+                 module__mean=mean, module__std=std)
+    rep, o = report(fire(net, Xc, y), 0, "forward")
+    assert (o["module"], o["op"], rep["cause"]) == ("scaler", "aten.div", "invalid")
+    assert o["source"] == line_of("return (x - self.mean) / self.std")
+    assert o["all_samples"] and "scaler.std" in rep["hint"] and "entry 4" in rep["hint"]
+
+
+def test_a_target_holding_inf_is_named_as_the_loss_target(tmp_path):
+    """Row 100 of the regression target is inf: batch 3, sample 4."""
+    X, _, _ = M.tabular()
+    y = (2 * X[:, :1]).astype(np.float32)
+    y[100, 0] = np.inf
+    net = net_of(NeuralNetRegressor, M.MLPRegressor, tmp_path, "make_regressor", lr=0.01)
+    rep, o = report(fire(net, X, y), 3, "input")
+    assert (rep["cause"], o["tensor"], o["samples"]) == ("input", "loss_args[1]", [4])
+
+
+def test_balanced_class_weights_of_an_absent_class_are_named_as_the_loss_weight(tmp_path):
+    """``n / (k * count)`` counted on a split without class 2: its weight is inf, and the
+    weighted mean of CrossEntropyLoss is inf / inf on the first batch holding that class."""
+    X, y, _ = M.tabular()
+    w = torch.tensor(M.class_weights(y[y != 2]))
+    assert torch.isinf(w[2])
+    net = net_of(NeuralNetClassifier, M.LogitsClassifier, tmp_path, "make_logits_classifier",
+                 criterion=torch.nn.CrossEntropyLoss, criterion__weight=w)
+    rep, o = report(fire(net, X, y), 0, "loss")
+    assert (o["module"], o["op"], rep["cause"]) == ("<loss>", "aten.nll_loss_forward", "weights")
+    assert o["samples"] == np.flatnonzero(y[:BATCH] == 2).tolist()
+    assert "'weight' holding inf at index 2" in rep["hint"], rep["hint"]
+
+
+def test_a_poisson_deviance_masked_by_where_has_a_backward_only_nan(tmp_path):
+    """``torch.where(y > 0, y * log(y / mu), 0)``: the forward is finite, the gradient of
+    the unused branch at a count of 0 is 0 * inf."""
+    X, _, counts = M.tabular()
+    net = net_of(NeuralNetRegressor, M.MLPRegressor, tmp_path, "make_count_regressor",
+                 module__log_link=True, criterion=M.PoissonDeviance, lr=0.01)
+    rep, o = report(fire(net, X, counts.reshape(-1, 1)), 0, "backward")
+    assert (o["module"], o["op"], rep["cause"]) == ("<loss>", "LogBackward0", "invalid")
+    assert o["source"] == line_of("term = torch.where(y > 0, y * torch.log(y / mu)")
+    assert o["samples"] == np.flatnonzero(counts[:BATCH] == 0).tolist()
+    assert "xlogy" in rep["hint"]
+
+
+def test_an_unscaled_nanosecond_timestamp_column_overflows_the_first_linear(tmp_path):
+    """A datetime column as int64 nanoseconds (1.7e18, its missing entries 0): the first
+    update's gradients come from backward itself (activations of 1e17 under a squared error
+    of 3e31), and the next forward overflows. The hint blamed noise the loop added to the
+    gradients after backward (DP-SGD's), as the loss 'had not jumped' at step 0, the first
+    step of the history."""
+    X, _, _ = M.tabular()
+    net = net_of(NeuralNetRegressor, M.MLPRegressor, tmp_path, "make_regressor", lr=0.01)
+    rep, o = report(fire(net, M.nanosecond_timestamps(X), 2 * X[:, :1]), 1, "forward")
+    assert (o["module"], o["op"], rep["cause"]) == ("body.0", "aten.addmm", "overflow")
+    assert o["samples"] == list(range(1, BATCH, 2))
+    assert "DP-SGD" not in rep["hint"] and "lower the learning rate" in rep["hint"]
+
+
+def test_tabnet_with_epsilon_0_takes_log_0_of_its_sparsemax_mask(tmp_path):
+    """The sparsity regulariser ``sum(M * log(M + epsilon))`` of the attentive transformer's
+    sparsemax mask, built with ``epsilon=0``: the mask holds exact zeros, log 0 = -inf."""
+    X, y, _ = M.tabular()
+    clf = M.TabNetClassifier(**M.TABNET, epsilon=0.0)
+    cb = M.TabNetRecord(tmp_path, "skorch_tabnet_models:tabnet_network", {"epsilon": 0.0})
+    try:
+        with pytest.raises(NonFiniteError) as info:
+            clf.fit(X, y, max_epochs=1, batch_size=64, virtual_batch_size=M.VIRTUAL_BATCH,
+                    callbacks=[cb])
+    finally:
+        cb.recorder.detach()
+    rep, o = report(info.value, 0, "forward")
+    assert (o["module"], o["op"], rep["cause"], o["made"]) == \
+        ("tabnet.encoder", "aten.log", "invalid", "-inf")
+    assert o["source"].endswith("pytorch_tabnet/tab_network.py:174"), o["source"]
+    assert "attribute epsilon" in rep["hint"] and "epsilon > 0" in rep["hint"]
