@@ -19,7 +19,9 @@ import warnings
 
 import numpy as np
 import torch
+from skorch import NeuralNetRegressor
 from skorch.callbacks import Callback
+from skorch.dataset import unpack_data
 from torch import nn
 
 from recorder import FlightRecorder
@@ -74,9 +76,9 @@ def class_weights(y: np.ndarray, k: int = N_CLASSES) -> np.ndarray:
 
 def unix_seconds(X: np.ndarray, col: int = 5) -> np.ndarray:
     """A datetime column as float32 unix seconds (``df.ts.astype('int64') / 1e9``): ~1.7e9,
-    records an hour or so apart."""
+    records a minute apart."""
     X = X.copy()
-    X[:, col] = (1.7e9 + np.arange(len(X)) * 3600.0).astype(np.float32)
+    X[:, col] = (1.7e9 + np.arange(len(X)) * 60.0).astype(np.float32)
     return X
 
 
@@ -206,6 +208,20 @@ def make_batch_normed_regressor():
     return BatchNormedRegressor()
 
 
+class AutocastRegressor(NeuralNetRegressor):
+    """skorch's documented way to change the step: override ``train_step_single``, here to
+    run the forward and the loss under autocast (float16)."""
+
+    def train_step_single(self, batch, **fit_params):
+        self._set_training(True)
+        Xi, yi = unpack_data(batch)
+        with torch.autocast("cpu", dtype=torch.float16):
+            y_pred = self.infer(Xi, **fit_params)
+            loss = self.get_loss(y_pred.float(), yi, X=Xi, training=True)
+        loss.backward()
+        return {"loss": loss, "y_pred": y_pred}
+
+
 # ---------------------------------------------------------------- skorch callback
 
 class RecordTraining(Callback):
@@ -247,15 +263,22 @@ def tabnet_network(kind: str = "classifier", input_dim: int = N_FEATURES,
 class TabNetRecord(TabNetCallback):
     """pytorch-tabnet's callback: the network and optimizer exist at ``on_train_begin``."""
 
-    def __init__(self, out_dir, factory: str, factory_kwargs=None):
+    def __init__(self, out_dir, factory: str, factory_kwargs=None, wrap_loss: bool = False):
         super().__init__()
         self.out_dir, self.factory, self.factory_kwargs = out_dir, factory, factory_kwargs
+        self.wrap_loss = wrap_loss
         self.recorder = None
 
     def on_train_begin(self, logs=None):
-        self.recorder = FlightRecorder(self.trainer.network, self.trainer._optimizer,
+        """``wrap_loss``: give the recorder TabNet's loss function and put ``rec.loss_fn`` in
+        its place (``compute_loss`` calls ``self.loss_fn``), else record without a loss."""
+        tr = self.trainer
+        self.recorder = FlightRecorder(tr.network, tr._optimizer,
+                                       loss_fn=tr.loss_fn if self.wrap_loss else None,
                                        out_dir=self.out_dir, factory=self.factory,
                                        factory_kwargs=self.factory_kwargs).attach()
+        if self.wrap_loss:
+            tr.loss_fn = self.recorder.loss_fn
 
     def on_train_end(self, logs=None):
         if self.recorder is not None:

@@ -15,9 +15,11 @@ import skorch_tabnet_models as M
 import torch
 from bundles import nanreplay_json, source_line
 from skorch import NeuralNetClassifier, NeuralNetRegressor
-from skorch.callbacks import EpochScoring, GradientNormClipping, LRScheduler
+from skorch.callbacks import EarlyStopping, EpochScoring, GradientNormClipping, LRScheduler
+from skorch.dataset import ValidSplit
 
 from recorder import NonFiniteError
+from recorder.bundle import read_bundle
 
 pytestmark = [pytest.mark.usefixtures("in_tests_dir"),
               # (TabNet's fit without an eval_set warns that it stops early on nothing)
@@ -149,17 +151,84 @@ def test_a_poisson_deviance_masked_by_where_has_a_backward_only_nan(tmp_path):
 
 
 def test_an_unscaled_nanosecond_timestamp_column_overflows_the_first_linear(tmp_path):
-    """A datetime column as int64 nanoseconds (1.7e18, its missing entries 0): the first
-    update's gradients come from backward itself (activations of 1e17 under a squared error
-    of 3e31), and the next forward overflows. The hint blamed noise the loop added to the
-    gradients after backward (DP-SGD's), as the loss 'had not jumped' at step 0, the first
-    step of the history."""
+    """A datetime column as int64 nanoseconds (1.7e18 in every record): the first update's
+    gradients come from backward itself (activations of 1e17 under a squared error of 3e31),
+    and the next forward overflows. The hint blamed noise the loop added to the gradients
+    after backward (DP-SGD's), as the loss 'had not jumped' at step 0, the first step of the
+    history; now it names the column."""
+    X, _, _ = M.tabular()
+    Xt = M.nanosecond_timestamps(X, missing_every=len(X) + 1)
+    net = net_of(NeuralNetRegressor, M.MLPRegressor, tmp_path, "make_regressor", lr=0.01)
+    rep, o = report(fire(net, Xt, 2 * X[:, :1]), 1, "forward")
+    assert (o["module"], o["op"], rep["cause"], o["all_samples"]) == \
+        ("body.0", "aten.addmm", "overflow", True)
+    assert [(p["step"], p["kind"]) for p in rep["precursors"]] == \
+        [(0, "grad_norm_jump"), (1, "weight_jump")]
+    assert "DP-SGD" not in rep["hint"], rep["hint"]
+    assert "column(s) 5 of batch reach 1.7e+18" in rep["hint"] and "standardise" in rep["hint"]
+
+
+def test_timestamps_with_missing_filled_by_0_are_not_blamed_on_added_noise(tmp_path):
+    """The same column with every other entry missing and filled with 0: the records holding a
+    timestamp stand out (1.7e18 against 3.8)."""
     X, _, _ = M.tabular()
     net = net_of(NeuralNetRegressor, M.MLPRegressor, tmp_path, "make_regressor", lr=0.01)
     rep, o = report(fire(net, M.nanosecond_timestamps(X), 2 * X[:, :1]), 1, "forward")
     assert (o["module"], o["op"], rep["cause"]) == ("body.0", "aten.addmm", "overflow")
     assert o["samples"] == list(range(1, BATCH, 2))
     assert "DP-SGD" not in rep["hint"] and "lower the learning rate" in rep["hint"]
+
+
+def test_a_one_pass_batch_variance_of_unix_seconds_cancels_below_0(tmp_path):
+    """``E[x^2] - E[x]^2`` of timestamps 1.7e9 a minute apart in float32: -2.7e11, and sqrt
+    of it is NaN."""
+    X, _, _ = M.tabular()
+    net = net_of(NeuralNetRegressor, M.BatchNormedRegressor, tmp_path,
+                 "make_batch_normed_regressor", lr=0.01)
+    rep, o = report(fire(net, M.unix_seconds(X), 2 * X[:, :1]), 0, "forward")
+    assert (o["module"], o["op"], rep["cause"]) == ("norm", "aten.sqrt", "precision")
+    assert o["source"] == line_of("return (x - mean) / torch.sqrt(var + 1e-6)")
+    assert "catastrophic cancellation" in rep["hint"] and "torch.var" in rep["hint"]
+
+
+def test_an_income_in_dollars_under_float16_autocast_is_named_as_the_column(tmp_path):
+    """A ``train_step_single`` override running the forward under float16 autocast; column 2
+    is an income in dollars (2e4 to 1.15e5): the cast of the records above 65504 is +inf. The
+    hint said those records were out of the scale of the rest ('crop or rescale such
+    records', a range filter's points), then that the column was in another unit."""
+    X, _, _ = M.tabular()
+    Xi = X.copy()
+    Xi[:, 2] = np.abs(Xi[:, 2]) * 5e4 + 2e4
+    net = net_of(M.AutocastRegressor, M.MLPRegressor, tmp_path, "make_regressor", lr=1e-3)
+    rep, o = report(fire(net, Xi, 2 * X[:, :1]), 0, "forward")
+    assert (o["module"], o["op"], rep["cause"]) == ("body.0", "aten._to_copy", "overflow")
+    assert o["samples"] == np.flatnonzero(Xi[:BATCH, 2] > 65504).tolist()
+    assert "column(s) 2 of batch reach 1.15e+05" in rep["hint"], rep["hint"]
+    assert "crop or rescale such records" not in rep["hint"] and "float32" in rep["hint"]
+
+
+def test_adam_with_eps_0_on_a_column_of_zeros_is_named_as_the_optimizer(tmp_path):
+    X, y, _ = M.tabular()
+    net = net_of(NeuralNetClassifier, M.MLPClassifier, tmp_path, "make_classifier",
+                 optimizer=torch.optim.Adam, optimizer__eps=0.0, lr=0.01)
+    err = fire(net, M.constant_column(X, value=0.0), y)
+    assert (err.event["step"], err.event["phase"], err.event["params"]) == \
+        (0, "optimizer", ["hidden.weight"])
+    rep = nanreplay_json(err.bundle_path, code=1)
+    assert rep["cause"] == "optimizer" and "eps=0" in rep["hint"]
+    assert "column(s) 4 of hidden.weight" in rep["hint"], rep["hint"]
+
+
+def test_a_missing_value_in_the_validation_split_is_an_evaluation_event(tmp_path):
+    """skorch's ``ValidSplit(4)`` holds rows 0-63 out; row 10 is NaN: the validation forward
+    (no_grad, eval mode) after the 6 training batches of epoch 0."""
+    X, y, _ = M.tabular()
+    net = net_of(NeuralNetClassifier, M.MLPClassifier, tmp_path, "make_classifier",
+                 train_split=ValidSplit(4, stratified=False), extra=[EarlyStopping(patience=2)])
+    err = fire(net, M.with_missing(X, [10]), y)
+    assert err.event["evaluation"] is True
+    rep, o = report(err, 6, "input")
+    assert (rep["cause"], o["tensor"], o["samples"]) == ("input", "batch", [10])
 
 
 def test_tabnet_with_epsilon_0_takes_log_0_of_its_sparsemax_mask(tmp_path):
@@ -179,3 +248,26 @@ def test_tabnet_with_epsilon_0_takes_log_0_of_its_sparsemax_mask(tmp_path):
         ("tabnet.encoder", "aten.log", "invalid", "-inf")
     assert o["source"].endswith("pytorch_tabnet/tab_network.py:174"), o["source"]
     assert "attribute epsilon" in rep["hint"] and "epsilon > 0" in rep["hint"]
+
+
+def test_tabnet_regression_target_with_inf_through_rec_loss_fn(tmp_path):
+    """The callback hands TabNet's loss function to the recorder and puts ``rec.loss_fn`` in
+    its place (``compute_loss`` calls ``self.loss_fn``): the inf target (row 100, in batch 2 of
+    the shuffled loader) is named as the loss's target."""
+    X, _, _ = M.tabular()
+    y = (2 * X[:, :1]).astype(np.float32)
+    y[100, 0] = np.inf
+    clf = M.TabNetRegressor(**M.TABNET)
+    cb = M.TabNetRecord(tmp_path, "skorch_tabnet_models:tabnet_network",
+                        {"kind": "regressor", "output_dim": 1}, wrap_loss=True)
+    try:
+        with pytest.raises(NonFiniteError) as info:
+            clf.fit(X, y, max_epochs=1, batch_size=64, virtual_batch_size=M.VIRTUAL_BATCH,
+                    callbacks=[cb])
+    finally:
+        cb.recorder.detach()
+    rep, o = report(info.value, 2, "input")
+    assert (rep["cause"], o["tensor"]) == ("input", "loss_args[1]")
+    (row,) = o["samples"]
+    _, tensors = read_bundle(info.value.bundle_path)
+    assert torch.equal(tensors["batch/0/0"][row], torch.from_numpy(X[100]))
