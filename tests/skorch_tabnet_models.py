@@ -285,3 +285,36 @@ class TabNetRecord(TabNetCallback):
             self.recorder.end_step()
             self.recorder.detach()
             self.recorder = None
+
+
+# ---------------------------------------------------------------- more skorch modules
+
+class DictInputClassifier(nn.Module):
+    """skorch passes a dict X as keyword arguments: numeric features and a categorical code."""
+
+    def __init__(self, n_num: int = N_FEATURES - 1, n_cat: int = 4, hidden: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(n_cat, 3)
+        self.hidden = nn.Linear(n_num + 3, hidden)
+        self.output = nn.Linear(hidden, N_CLASSES)
+
+    def forward(self, x_num, x_cat):
+        h = torch.cat([x_num, self.emb(x_cat)], dim=1)
+        return torch.softmax(self.output(torch.relu(self.hidden(h))), dim=-1)
+
+
+def make_dict_classifier():
+    torch.manual_seed(0)
+    return DictInputClassifier()
+
+
+class LogProbClassifier(LogitsClassifier):
+    """Log-probabilities for ``NLLLoss`` taken as ``log(softmax)``."""
+
+    def forward(self, X):
+        return torch.log(torch.softmax(super().forward(X), dim=-1))
+
+
+def make_log_prob_classifier():
+    torch.manual_seed(0)
+    return LogProbClassifier()

@@ -170,13 +170,18 @@ def test_an_unscaled_nanosecond_timestamp_column_overflows_the_first_linear(tmp_
 
 def test_timestamps_with_missing_filled_by_0_are_not_blamed_on_added_noise(tmp_path):
     """The same column with every other entry missing and filled with 0: the records holding a
-    timestamp stand out (1.7e18 against 3.8)."""
+    timestamp stand out (1.7e18 against 3.8). The hint called them records out of scale ('a
+    wrong unit, a corrupt record': fix or filter them, --try drop= half the batch); they
+    stand out in that column only, alike, where every other record holds 0: the column's
+    unit is said instead."""
     X, _, _ = M.tabular()
     net = net_of(NeuralNetRegressor, M.MLPRegressor, tmp_path, "make_regressor", lr=0.01)
     rep, o = report(fire(net, M.nanosecond_timestamps(X), 2 * X[:, :1]), 1, "forward")
     assert (o["module"], o["op"], rep["cause"]) == ("body.0", "aten.addmm", "overflow")
     assert o["samples"] == list(range(1, BATCH, 2))
-    assert "DP-SGD" not in rep["hint"] and "lower the learning rate" in rep["hint"]
+    assert "DP-SGD" not in rep["hint"] and "--try drop" not in rep["hint"], rep["hint"]
+    assert "stand out only in column(s) 5, where they hold 1.7e+18 and every other sample " \
+        "holds 0" in rep["hint"] and "standardise that column" in rep["hint"]
 
 
 def test_a_one_pass_batch_variance_of_unix_seconds_cancels_below_0(tmp_path):
@@ -248,6 +253,32 @@ def test_tabnet_with_epsilon_0_takes_log_0_of_its_sparsemax_mask(tmp_path):
         ("tabnet.encoder", "aten.log", "invalid", "-inf")
     assert o["source"].endswith("pytorch_tabnet/tab_network.py:174"), o["source"]
     assert "attribute epsilon" in rep["hint"] and "epsilon > 0" in rep["hint"]
+
+
+def test_a_nan_in_a_dict_input_names_the_keyword_skorch_passes(tmp_path):
+    """skorch passes a dict X as keyword arguments (``forward(x_num, x_cat)``): row 40 of
+    ``x_num`` is NaN, batch 1's sample 8."""
+    X, y, _ = M.tabular()
+    Xd = {"x_num": M.with_missing(X[:, :5], [40], col=2),
+          "x_cat": (np.arange(len(X)) % 4).astype(np.int64)}
+    net = net_of(NeuralNetClassifier, M.DictInputClassifier, tmp_path, "make_dict_classifier")
+    rep, o = report(fire(net, Xd, y), 1, "input")
+    assert (rep["cause"], o["tensor"], o["samples"]) == ("input", 'kwargs["x_num"]', [8])
+    assert "sample 8 at feature(s) 2 (of 5)" in rep["hint"]
+
+
+def test_log_of_softmax_under_nll_loss_underflows(tmp_path):
+    """``log(softmax(z))`` for skorch's NLLLoss, column 1 in another unit (x1000): the
+    probabilities of the unlikely classes round to 0."""
+    X, y, _ = M.tabular()
+    Xs = X.copy()
+    Xs[:, 1] *= 1e3
+    net = net_of(NeuralNetClassifier, M.LogProbClassifier, tmp_path,
+                 "make_log_prob_classifier", criterion=torch.nn.NLLLoss)
+    rep, o = report(fire(net, Xs, y), 0, "forward")
+    assert (o["module"], o["op"], rep["cause"], o["made"]) == ("", "aten.log", "underflow", "-inf")
+    assert o["source"] == line_of("return torch.log(torch.softmax(super().forward(X), dim=-1))")
+    assert "log_softmax instead of log(softmax)" in rep["hint"]
 
 
 def test_tabnet_regression_target_with_inf_through_rec_loss_fn(tmp_path):
