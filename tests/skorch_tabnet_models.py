@@ -318,3 +318,23 @@ class LogProbClassifier(LogitsClassifier):
 def make_log_prob_classifier():
     torch.manual_seed(0)
     return LogProbClassifier()
+
+
+class GradAccRegressor(NeuralNetRegressor):
+    """skorch's FAQ recipe for gradient accumulation: ``train_step`` overridden to step the
+    optimizer every ``acc_steps`` batches, the loss divided by ``acc_steps``."""
+
+    def __init__(self, *args, acc_steps: int = 2, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.acc_steps = acc_steps
+
+    def get_loss(self, *args, **kwargs):
+        return super().get_loss(*args, **kwargs) / self.acc_steps
+
+    def train_step(self, batch, **fit_params):
+        step = self.train_step_single(batch, **fit_params)
+        self.n_seen_ = getattr(self, "n_seen_", 0) + 1
+        if self.n_seen_ % self.acc_steps == 0:
+            self.optimizer_.step()
+            self.optimizer_.zero_grad()
+        return step

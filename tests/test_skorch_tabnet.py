@@ -281,6 +281,18 @@ def test_log_of_softmax_under_nll_loss_underflows(tmp_path):
     assert "log_softmax instead of log(softmax)" in rep["hint"]
 
 
+def test_an_inf_target_in_the_second_accumulated_batch_names_its_micro_batch(tmp_path):
+    """skorch's gradient-accumulation recipe (``train_step`` stepping every 2 batches): row
+    100 is batch 3, the second micro-batch of step 1, its sample 4."""
+    X, _, _ = M.tabular()
+    y = (2 * X[:, :1]).astype(np.float32)
+    y[100, 0] = np.inf
+    net = net_of(M.GradAccRegressor, M.MLPRegressor, tmp_path, "make_regressor", lr=0.01)
+    rep, o = report(fire(net, X, y), 1, "input")
+    assert (rep["event"]["micro_batch"], rep["event"]["micro_batches"]) == (1, 2)
+    assert (rep["cause"], o["tensor"], o["samples"]) == ("input", "loss_args[1]", [4])
+
+
 def test_tabnet_regression_target_with_inf_through_rec_loss_fn(tmp_path):
     """The callback hands TabNet's loss function to the recorder and puts ``rec.loss_fn`` in
     its place (``compute_loss`` calls ``self.loss_fn``): the inf target (row 100, in batch 2 of
