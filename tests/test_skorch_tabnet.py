@@ -293,6 +293,22 @@ def test_an_inf_target_in_the_second_accumulated_batch_names_its_micro_batch(tmp
     assert (rep["cause"], o["tensor"], o["samples"]) == ("input", "loss_args[1]", [4])
 
 
+def test_a_one_cycle_schedule_s_peak_set_too_high_is_named_over_the_net_s_lr(tmp_path):
+    """skorch's ``LRScheduler(policy=OneCycleLR, max_lr=30, step_every="batch")`` over SGD
+    with ``lr=0.01``: the rate warms up from 1.2 and the run diverges at step 5, still rising.
+    The hint said only 'lower the learning rate', which reads as the net's lr=0.01 that the
+    schedule sets over; it now names the schedule's rise and its peak."""
+    X, _, _ = M.tabular()
+    sched = LRScheduler(policy=torch.optim.lr_scheduler.OneCycleLR, max_lr=30.0,
+                        total_steps=64, step_every="batch")
+    net = net_of(NeuralNetRegressor, M.MLPRegressor, tmp_path, "make_regressor", [sched],
+                 optimizer=torch.optim.SGD, lr=0.01, max_epochs=8)
+    rep, o = report(fire(net, X, 2 * X[:, :1]), 5, "forward")
+    assert (o["module"], o["op"], rep["cause"]) == ("body.2", "aten.addmm", "overflow")
+    assert "rising under a schedule up to the event, from 1.2 at step 0 to 6.239 at step 5" \
+        in rep["hint"] and "max_lr" in rep["hint"], rep["hint"]
+
+
 def test_tabnet_regression_target_with_inf_through_rec_loss_fn(tmp_path):
     """The callback hands TabNet's loss function to the recorder and puts ``rec.loss_fn`` in
     its place (``compute_loss`` calls ``self.loss_fn``): the inf target (row 100, in batch 2 of
