@@ -10,6 +10,9 @@ to lower the learning rate, which only slows the divergence the scale causes. Th
 the columns and says to standardise them; not when a few records stand out from every other
 row (:mod:`replay.data_scale` names them: one idle session's dwell makes its column wide too),
 nor when the model keeps a statistic per column as wide there (a standardiser's std buffer).
+An op on the batch's data alone that overflowed in the samples whose value of that column is
+largest (float16 autocast's cast of an income in dollars) is said of the column too: its hint's
+"those records hold values out of the scale of the rest" (``replay.batch_overflow``) is cut.
 """
 
 from __future__ import annotations
@@ -20,12 +23,21 @@ import torch
 
 from recorder.capture import batch_path
 
+from .batch_overflow import said_of_data, without_advice
 from .domains import g
 from .load import Step
 from .outliers import out_of_scale
 from .recorded import n_args
 
 _RATIO = 100.0  # a column this many times the median column's absmax is in another unit
+
+# (an op on the batch's data alone, which overflowed in the records whose value of that column
+# is largest: every record holds the column at its scale, none is out of the others')
+DATA_ALONE = ("a variable in another unit than the rest (an income in dollars among z-scores), "
+              "whose largest values pass the op's range in the samples named, while no record "
+              "stands out of the others' scale in it; standardise the columns before fitting "
+              "((x - mean) / std with the training set's statistics, log1p first for an "
+              "amount spanning decades) rather than crop those records")
 
 
 def _wide_columns(t: torch.Tensor) -> tuple[list[int], float, float] | None:
@@ -75,9 +87,13 @@ def column_scale_hint(report: dict[str, Any], step: Step) -> None:
             if _kept_per_feature(step, cols, t.shape[1]):
                 return  # (the model standardises the columns itself: their unit is no fault)
             path = batch_path(raw, n_args(mb.get("inputs")))
+            head = (f". But column(s) {', '.join(map(str, cols))} of {path} reach {g(big)} "
+                    f"where the median column reaches {g(med)}: ")
+            if said_of_data(report):  # (its records are no outliers: the column's unit is)
+                report["hint"] = without_advice(report["hint"]) + head + DATA_ALONE
+                return
             report["hint"] = (
-                f"{report['hint']}. But column(s) {', '.join(map(str, cols))} of "
-                f"{path} reach {g(big)} where the median column reaches {g(med)}: "
+                f"{report['hint']}{head}"
                 "variables in other units (millimetres among metres) make the gradients of "
                 "the weights that multiply them as much larger, so the updates throw those "
                 "weights out; standardise the columns before fitting ((x - mean) / std, "

@@ -34,6 +34,7 @@ from .outliers import (
 )
 from .precursors import INPUT_JUMP
 from .whatif import run_tries
+from .zero_filled_column import zero_filled_column, zero_filled_column_hint
 
 
 def data_scale_hint(report: dict[str, Any], step: Step) -> None:
@@ -49,6 +50,10 @@ def data_scale_hint(report: dict[str, Any], step: Step) -> None:
         found = None  # (rows that stand out in data the op never read: the rest overflow too)
     if found is not None and (grown := grown_input_note(report, *found)):
         report["hint"] = f"{report['hint']}. But {grown}"
+    elif found is not None and (zeros := zero_filled_column(
+            step, o.get("micro_batch") or 0, found[1]["key"], found[0])) is not None:
+        hint = without_advice(report["hint"])  # (a column's unit, no records to drop)
+        report["hint"] = f"{hint}. But {zero_filled_column_hint(zeros, found[0])}"
     elif found is not None:
         droppable = undroppable(step, o.get("micro_batch") or 0) is None
         hint = without_advice(report["hint"])  # (the outlier sentence says the rest)

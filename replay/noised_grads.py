@@ -8,6 +8,11 @@ gradients of 1e28 from a loss of 0.69, and one update puts the weights beyond th
 forward's range. Backward cannot make such gradients from a loss and weights that stayed where
 they were, and clipping them (which runs before the noise) bounds nothing: the growth hint
 names what the loop adds to the gradients instead of the learning rate.
+
+Not when the forward of that step could make them: a weight's gradient is an activation times
+the gradient the loss sends back, so activations of 1e17 (a column of nanosecond timestamps
+fed unscaled to a ``Linear``) under a squared error of 1e31 give gradients far beyond 1.8e19
+from backward alone, with no jump to see at the first step recorded.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ import math
 import statistics
 
 from .precursors import JUMP, history, overflowed_norms
+
+# (a float32 norm overflows at 1.8e19; over a million entries, each may be 1e3 times smaller)
+_REACHED = 1.8e19 / 1e3
 
 NOISED = (
     "the gradients' norm overflowed float32 at step {s} while the loss there ({loss:.4g}) and "
@@ -35,11 +43,26 @@ def noised_grads_advice(step) -> str | None:
     if jump is None:
         return None
     i = hist["steps"].index(jump["step"])
+    if backward_reaches(hist, i):
+        return None
     for col in ("loss", "weight_norm"):
         values = hist.get(col) or []
         if i >= len(values) or not _steady(values[: i + 1]):
             return None
     return NOISED.format(s=jump["step"], loss=hist["loss"][i])
+
+
+def backward_reaches(hist: dict, i: int) -> bool:
+    """Whether the forward of the ``i``-th step of the history could make gradients whose
+    float32 norm overflows: its layers' largest absmax times the derivative a loss of that
+    size sends back (at most about its square root for a squared error, 1 for a
+    cross-entropy) reaches ``_REACHED``."""
+    rows, losses = hist.get("absmax") or [], hist.get("loss") or []
+    row = rows[i] if i < len(rows) else []
+    big = max((abs(v) for v in row if v is not None and math.isfinite(v)), default=0.0)
+    loss = losses[i] if i < len(losses) else None
+    scale = math.sqrt(abs(loss)) if loss is not None and math.isfinite(loss) else 1.0
+    return big * max(1.0, scale) >= _REACHED
 
 
 def _steady(values: list) -> bool:

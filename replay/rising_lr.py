@@ -7,6 +7,11 @@ without ``min(step, warmup)`` keeps raising the rate past its base value at ever
 growth hint's remedies (a lower base rate, less weight decay, clipping) only move the failure
 on: a rate still rising at the event needs its schedule capped. Read from the bundle's ring (the
 rate each step ran with), so a run recorded without a rewind window is told too.
+
+A warmup toward a peak set too high (OneCycleLR's ``max_lr=30`` on SGD, skorch's
+``LRScheduler(policy=OneCycleLR, step_every="batch")``) is still rising at the event by less
+than that; the growth hint's "lower the learning rate" then reads as the optimizer's ``lr``,
+which such a schedule sets over: :func:`warming_lr_text` names the schedule's rise and its peak.
 """
 
 from __future__ import annotations
@@ -40,6 +45,29 @@ def rising_lr_text(hist: dict[str, Any]) -> str | None:
         if v1 / v0 >= MIN_GROWTH:
             return _text(g, groups, s0, v0, s1, v1, rises)
     return None
+
+
+WARM_RISES = 3  # consecutive rises up to the event that make a schedule still warming up
+WARM_GROWTH = 2.0
+
+
+def warming_lr_text(hist: dict[str, Any]) -> str | None:
+    """The first parameter group's rate rising at each of the last WARM_RISES or more recorded
+    steps up to the event, WARM_GROWTH-fold or more (a schedule still warming up when the run
+    diverged), said as what to lower; None otherwise."""
+    event = hist.get("event_step")
+    series = [(s, row[0]) for s, row in zip(hist.get("steps") or [], hist.get("lr") or [])
+              if (event is None or s <= event) and row and math.isfinite(row[0]) and row[0] > 0]
+    i = len(series) - 1
+    while i > 0 and series[i][0] == series[i - 1][0] + 1 and series[i][1] > series[i - 1][1]:
+        i -= 1
+    (s0, v0), (s1, v1) = series[i] if series else (0, 0.0), series[-1] if series else (0, 0.0)
+    if len(series) - 1 - i < WARM_RISES or v1 < WARM_GROWTH * v0:
+        return None
+    return (f"the rate was rising under a schedule up to the event, from {v0:.4g} at step {s0} "
+            f"to {v1:.4g} at step {s1} ({v1 / v0:.3g}x): lower the peak it warms up to "
+            "(OneCycleLR's or CyclicLR's max_lr, a warmup's target rate), which the schedule "
+            "sets over the optimizer's own lr")
 
 
 def _text(g: int, groups: int, s0: int, v0: float, s1: int, v1: float, rises: int) -> str:

@@ -25,7 +25,7 @@ from .line_search import no_line_search_advice
 from .no_warmup import no_warmup_advice
 from .noised_grads import noised_grads_advice
 from .precursors import history
-from .rising_lr import rising_lr_text
+from .rising_lr import rising_lr_text, warming_lr_text
 from .source import user_source
 from .unscaled_update import unscaled_update_advice
 
@@ -140,8 +140,12 @@ def diverging_advice(step, windowed: bool) -> str:
     found = None if windowed else probed_scale(step)
     if found:
         return lead + scale_text(found, probed=True)
-    return rising or grown_state_advice(step) or no_line_search_advice(step) \
-        or no_warmup_advice(step) or DO["diverging_window" if windowed else "diverging"]
+    if rising:
+        return rising
+    plain = DO["diverging_window" if windowed else "diverging"]
+    warming = warming_lr_text(history(step.meta, step.tensors))
+    return grown_state_advice(step) or no_line_search_advice(step) \
+        or no_warmup_advice(step) or (f"{plain}; {warming}" if warming else plain)
 
 
 def scale_text(found: dict[str, Any], probed: bool = False) -> str:
