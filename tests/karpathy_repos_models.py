@@ -170,7 +170,7 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, return_logits=True):
         device = idx.device
         b, t = idx.size()
         assert t <= self.config.block_size, f"Cannot forward sequence of length {t}"
@@ -191,6 +191,9 @@ class GPT(nn.Module):
         else:
             logits = self.lm_head(x[:, [-1], :])
             loss = None
+        # there are performance reasons why not returning logits is prudent, if not needed
+        if not return_logits:
+            logits = None
         return logits, loss
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, **kw):
@@ -239,8 +242,9 @@ def make_gpt_long_block():
     return GPT(GPTConfig(block_size=32))
 
 
-def get_batch(data, g, batch_size=4, block_size=16):
-    """nanoGPT's ``get_batch``: random windows of the token stream, targets shifted by one."""
+def get_batch(data, g=None, batch_size=4, block_size=16):
+    """nanoGPT's ``get_batch``: random windows of the token stream, targets shifted by one
+    (drawn from the global RNG, as nanoGPT does, when ``g`` is None)."""
     ix = torch.randint(len(data) - block_size, (batch_size,), generator=g)
     x = torch.stack([data[i:i + block_size] for i in ix])
     y = torch.stack([data[i + 1:i + 1 + block_size] for i in ix])
@@ -527,3 +531,8 @@ def bigram_pairs(words=NAMES):
             xs.append(stoi.get(ch1, 0))
             ys.append(stoi.get(ch2, 0))
     return torch.tensor(xs), torch.tensor(ys)
+
+
+def make_gpt_dropout_big_init():
+    """The mis-scaled init of ``make_gpt_manual_big_init`` with nanoGPT's fine-tuning dropout."""
+    return GPT(GPTConfig(flash=False, n_embd=64, init_std=7.0, dropout=0.1))

@@ -40,9 +40,11 @@ def get_lr(it, learning_rate=6e-4, warmup_iters=2, lr_decay_iters=8, min_lr=6e-5
 
 
 def nanogpt(make, out_dir, dtype="float32", steps=4, accum=2, eps=1e-8, record=True,
-            poison=None, checkpoint=None, eval_interval=2):
+            poison=None, checkpoint=None, eval_interval=2, global_rng=False):
     """nanoGPT's ``train.py``. ``poison(it, micro, Y)`` edits the targets fetched for the next
-    micro-batch; ``checkpoint(state_dict)`` is what ``init_from='resume'`` loads."""
+    micro-batch; ``checkpoint(state_dict)`` is what ``init_from='resume'`` loads;
+    ``global_rng``: ``get_batch`` draws from the global RNG, as nanoGPT's does, between a
+    micro-batch's forward (its dropout) and the next one's."""
     torch.manual_seed(1337)
     model = getattr(M, make)()
     if checkpoint is not None:
@@ -53,7 +55,7 @@ def nanogpt(make, out_dir, dtype="float32", steps=4, accum=2, eps=1e-8, record=T
                "float16": torch.float16}[dtype]
     ctx = contextlib.nullcontext() if dtype == "float32" else \
         torch.autocast("cpu", dtype=ptdtype)
-    data, g = M.token_stream(), torch.Generator().manual_seed(0)
+    data, g = M.token_stream(), None if global_rng else torch.Generator().manual_seed(0)
 
     @torch.no_grad()
     def estimate_loss():
@@ -74,7 +76,7 @@ def nanogpt(make, out_dir, dtype="float32", steps=4, accum=2, eps=1e-8, record=T
         for it in range(steps):
             for param_group in optimizer.param_groups:
                 param_group["lr"] = get_lr(it)
-            if it % eval_interval == 0:
+            if eval_interval and it % eval_interval == 0:
                 estimate_loss()
             for micro_step in range(accum):
                 with ctx:
@@ -216,6 +218,24 @@ def test_float16_attention_scores_of_a_mis_scaled_init_overflow_in_the_first_eva
     assert "grow with the query and key projections' weights in training" not in hint
 
 
+def test_float16_overflow_under_dropout_in_the_second_micro_batch_is_replayed_as_run(tmp_path):
+    """The same init with nanoGPT's fine-tuning dropout (0.1), no evaluation, three
+    micro-batches fetched from the global RNG between each forward and its backward: the
+    overflow depends on the dropout mask of micro-batch 1, which the replay restores; only
+    sequence 3's NaN is the first layer's (sequence 0's logits go NaN in a later layer)."""
+    event, bundle = fire(nanogpt, "make_gpt_dropout_big_init", tmp_path, dtype="float16",
+                         steps=1, accum=3, eval_interval=0, global_rng=True)
+    assert (event["step"], event["phase"], event["module"], event["micro_batch"]) == (
+        0, "forward", "transformer.h.0.attn", 1)
+    report = nanreplay_json(bundle)
+    origin = report["origin"]
+    assert report["reproduced"] is True
+    assert (origin["op"], origin["module"], origin["micro_batch"], origin["made"]) == (
+        "aten.bmm", "transformer.h.0.attn", 1, "+inf")
+    assert origin["samples"] == [3]
+    assert report["cause"] == "overflow"
+
+
 def test_attention_entropy_bonus_by_xlogy_is_nan_in_the_backward_only(tmp_path):
     """``-xlogy(att, att)`` of the causal softmax (an entropy bonus against entropy collapse,
     kept on the attention module as ``self.entropy`` and added to the loss by ``GPT``): 0 at
@@ -292,7 +312,8 @@ def test_learning_rate_typo_with_decoupled_weight_decay_flips_and_grows_the_weig
     """makemore's AdamW with ``learning_rate=5e4`` (5e-4 meant) and ``weight_decay=0.01``:
     each update multiplies the weights by 1 - 500 = -499, until the MLP's first layer
     overflows float32."""
-    event, bundle = fire(makemore, "make_mlp", tmp_path, learning_rate=5e4, steps=20)
+    event, bundle = fire(makemore, "make_mlp", tmp_path, learning_rate=5e4, steps=20,
+                         workers=2)
     assert (event["step"], event["phase"], event["module"]) == (13, "forward", "")
     report = nanreplay_json(bundle)
     origin = report["origin"]
