@@ -536,3 +536,72 @@ def bigram_pairs(words=NAMES):
 def make_gpt_dropout_big_init():
     """The mis-scaled init of ``make_gpt_manual_big_init`` with nanoGPT's fine-tuning dropout."""
     return GPT(GPTConfig(flash=False, n_embd=64, init_std=7.0, dropout=0.1))
+
+
+# ------------------------------------------------- makemore part 3: the lecture's own layers
+
+
+class BatchNorm1d(nn.Module):
+    """The lecture's BatchNorm1d, as an ``nn.Module``: batch statistics in training (``x.var``
+    with Bessel's correction), running ones updated under ``torch.no_grad``."""
+
+    def __init__(self, dim, eps=1e-5, momentum=0.1):
+        super().__init__()
+        self.eps = eps
+        self.momentum = momentum
+        self.gamma = nn.Parameter(torch.ones(dim))
+        self.beta = nn.Parameter(torch.zeros(dim))
+        self.register_buffer("running_mean", torch.zeros(dim))
+        self.register_buffer("running_var", torch.ones(dim))
+
+    def forward(self, x):
+        if self.training:
+            xmean = x.mean(0, keepdim=True)  # batch mean
+            xvar = x.var(0, keepdim=True)  # batch variance
+        else:
+            xmean = self.running_mean
+            xvar = self.running_var
+        xhat = (x - xmean) / torch.sqrt(xvar + self.eps)  # normalize to unit variance
+        self.out = self.gamma * xhat + self.beta
+        if self.training:
+            with torch.no_grad():
+                self.running_mean.mul_(1 - self.momentum).add_(self.momentum * xmean[0])
+                self.running_var.mul_(1 - self.momentum).add_(self.momentum * xvar[0])
+        return self.out
+
+
+class WaveNetMLP(nn.Module):
+    """makemore part 3's MLP: ``C[X]`` flattened, then Linear(bias=False), BatchNorm1d, Tanh,
+    and the output Linear (its weight scaled by 0.1 so the first loss is near log 27)."""
+
+    def __init__(self, vocab_size=27, block_size=3, n_embd=10, n_hidden=64):
+        super().__init__()
+        self.C = nn.Embedding(vocab_size, n_embd)
+        self.layers = nn.Sequential(
+            nn.Linear(n_embd * block_size, n_hidden, bias=False), BatchNorm1d(n_hidden),
+            nn.Tanh(), nn.Linear(n_hidden, vocab_size))
+        with torch.no_grad():
+            self.layers[-1].weight *= 0.1
+
+    def forward(self, x):
+        return self.layers(self.C(x).flatten(1))
+
+
+def make_lecture_mlp():
+    return WaveNetMLP()
+
+
+def build_dataset(words=NAMES, block_size=3):
+    """The lecture's ``build_dataset``: every (context of ``block_size`` characters, next
+    character) pair, contexts padded with ``.`` (0) at the start."""
+    chars = sorted(set("".join(NAMES)))
+    stoi = {s: i + 1 for i, s in enumerate(chars)}
+    X, Y = [], []
+    for w in words:
+        context = [0] * block_size
+        for ch in w + ".":
+            ix = stoi.get(ch, 0)
+            X.append(context)
+            Y.append(ix)
+            context = context[1:] + [ix]
+    return torch.tensor(X), torch.tensor(Y)

@@ -173,6 +173,29 @@ def bigram_lecture(out_dir, lr, steps=16, record=True):
     return model
 
 
+def lecture_mlp(out_dir, batch_size, epochs=2, record=True):
+    """makemore part 3's MLP with the lecture's BatchNorm1d, through a shuffling DataLoader
+    that keeps the last, incomplete batch (``drop_last=False``, the default)."""
+    torch.manual_seed(2147483647)
+    model = M.make_lecture_mlp()
+    X, Y = M.build_dataset()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y),
+                                         batch_size=batch_size, shuffle=True,
+                                         generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    criterion = torch.nn.CrossEntropyLoss()
+    rec = FlightRecorder(model, optimizer, loss_fn=criterion, out_dir=out_dir,
+                         factory="karpathy_repos_models:make_lecture_mlp") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        for _ in range(epochs):
+            for Xb, Yb in loader:
+                loss = criterion(model(Xb), Yb)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+    return model
+
+
 def fire(train, *args, **kw):
     with pytest.raises(NonFiniteError) as info:
         train(*args, **kw)
@@ -289,6 +312,23 @@ def test_fine_tuning_micro_batch_whose_targets_are_all_masked_is_0_over_0(tmp_pa
     assert "ignore_index (-1)" in report["hint"] and "max(count, 1)" in report["hint"]
 
 
+@pytest.mark.filterwarnings("ignore:var\\(\\). degrees of freedom:UserWarning")
+def test_lecture_batchnorm_of_the_last_batch_of_one_is_an_unbiased_variance_of_one_value(
+        tmp_path):
+    """107 examples in batches of 53: each epoch's third batch holds one example, and the
+    lecture's ``x.var(0)`` divides by n - 1 = 0 in the hand-written BatchNorm1d."""
+    event, bundle = fire(lecture_mlp, tmp_path, batch_size=53)
+    assert (event["step"], event["phase"], event["module"]) == (2, "forward", "layers.1")
+    report = nanreplay_json(bundle)
+    origin = report["origin"]
+    assert (origin["op"], origin["module"], origin["made"]) == ("aten.var", "layers.1", "nan")
+    assert origin["source"] == line_of("xvar = x.var(0, keepdim=True)  # batch variance")
+    assert origin["samples"] == [0]
+    assert report["cause"] == "invalid"
+    hint = report["hint"]
+    assert "a batch norm written by hand" in hint and "drop_last=True" in hint
+
+
 def test_resumed_checkpoint_with_a_nan_token_row_of_the_tied_embedding(tmp_path):
     """``init_from='resume'`` loads a checkpoint whose tied ``wte`` / ``lm_head`` weight has a
     NaN row (token 5): the evaluation at iteration 0 reads it first, in the embedding."""
@@ -328,16 +368,16 @@ def test_learning_rate_typo_with_decoupled_weight_decay_flips_and_grows_the_weig
     ("nanogpt", {"make": "make_gpt_manual", "dtype": "bfloat16"}),
     ("makemore", {"make": "make_gru", "workers": 2}),
     ("makemore", {"make": "make_bow"}),
+    ("lecture", {"batch_size": 16}),
 ])
 def test_healthy_runs_are_not_stopped_and_train_identically(tmp_path, loop, kw):
     """No event in the healthy loops (evaluations under no_grad / inference_mode between
     steps, fp16 with the GradScaler, the -inf causal fill), and the recorder changes nothing
     they compute."""
-    train = {"nanogpt": nanogpt, "makemore": makemore}[loop]
-    kw = dict(kw)
-    make = kw.pop("make")
-    recorded = train(make, tmp_path, **kw)
-    bare = train(make, tmp_path, record=False, **kw)
+    train = {"nanogpt": nanogpt, "makemore": makemore, "lecture": lecture_mlp}[loop]
+    args = (kw.pop("make"),) if "make" in (kw := dict(kw)) else ()
+    recorded = train(*args, tmp_path, **kw)
+    bare = train(*args, tmp_path, record=False, **kw)
     for (name, a), b in zip(recorded.state_dict().items(), bare.state_dict().values()):
         assert torch.equal(a, b), name
     assert not list(tmp_path.glob("*.nan"))
