@@ -42,6 +42,7 @@ class GPTConfig:
     hand_ln: bool = False
     init_std: float = 0.02
     entropy_reg: float = 0.0
+    masked_value: int = 0  # the causal buffer's entries masked_fill replaces (0: the future)
 
 
 class LayerNorm(nn.Module):
@@ -82,6 +83,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.n_embd = config.n_embd
         self.dropout = config.dropout
+        self.masked_value = config.masked_value
         self.flash = config.flash and hasattr(F, "scaled_dot_product_attention")
         if not self.flash:
             # causal mask to ensure that attention is only applied to the left in the input
@@ -101,7 +103,7 @@ class CausalSelfAttention(nn.Module):
                 is_causal=True)
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            att = att.masked_fill(self.bias[:, :, :T, :T] == self.masked_value, float("-inf"))
             att = F.softmax(att, dim=-1)
             # attention entropy, kept to fight entropy collapse (Zhai et al. 2023)
             self.entropy = -torch.special.xlogy(att, att).sum(-1).mean()
@@ -224,6 +226,11 @@ def make_gpt_manual():
 def make_gpt_manual_big_init():
     """``_init_weights`` with ``std=n_embd ** 0.5`` where ``n_embd ** -0.5`` was meant."""
     return GPT(GPTConfig(flash=False, n_embd=64, init_std=64 ** 0.5))
+
+
+def make_gpt_mask_flipped():
+    """The manual path's fill written ``self.bias == 1``: the past and the diagonal masked."""
+    return GPT(GPTConfig(flash=False, masked_value=1))
 
 
 def make_gpt_entropy_reg():

@@ -259,6 +259,27 @@ def test_float16_overflow_under_dropout_in_the_second_micro_batch_is_replayed_as
     assert report["cause"] == "overflow"
 
 
+def test_causal_fill_written_where_the_tril_buffer_is_1_masks_the_last_query_whole(tmp_path):
+    """``att.masked_fill(self.bias[:, :, :T, :T] == 1, -inf)`` (``== 0`` meant): each query's
+    own position and its past are masked, the last query has no key in any sample. The hint
+    names the buffer and the inverted condition, not a finite fill (a leak of the future)."""
+    event, bundle = fire(nanogpt, "make_gpt_mask_flipped", tmp_path)
+    assert (event["step"], event["phase"], event["module"]) == (0, "forward",
+                                                                "transformer.h.0.attn")
+    report = nanreplay_json(bundle)
+    origin = report["origin"]
+    assert (origin["op"], origin["module"], origin["made"]) == (
+        "aten._softmax", "transformer.h.0.attn", "nan")
+    assert origin["source"] == line_of("att = F.softmax(att, dim=-1)")
+    assert origin["chain"][0]["op"] == "aten.masked_fill" and origin["chain"][0]["intentional"]
+    assert origin["samples"] == [0, 1, 2, 3] and origin["all_samples"] is True
+    assert report["cause"] == "invalid"
+    hint = report["hint"]
+    assert "transformer.h.0.attn.bias is a causal mask" in hint and "inverted" in hint
+    assert "masked_fill(self.bias[:, :, :T, :T] == 0" in hint
+    assert "mask with a large finite negative number" not in hint
+
+
 def test_attention_entropy_bonus_by_xlogy_is_nan_in_the_backward_only(tmp_path):
     """``-xlogy(att, att)`` of the causal softmax (an entropy bonus against entropy collapse,
     kept on the attention module as ``self.entropy`` and added to the loss by ``GPT``): 0 at
