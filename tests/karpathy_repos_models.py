@@ -43,6 +43,7 @@ class GPTConfig:
     init_std: float = 0.02
     entropy_reg: float = 0.0
     masked_value: int = 0  # the causal buffer's entries masked_fill replaces (0: the future)
+    new_gelu: bool = False  # llm.c's and minGPT's NewGELU (the tanh form written out)
 
 
 class LayerNorm(nn.Module):
@@ -114,12 +115,21 @@ class CausalSelfAttention(nn.Module):
         return y
 
 
+class NewGELU(nn.Module):
+    """Implementation of the GELU activation function currently in Google BERT repo (identical
+    to OpenAI GPT). Reference: Gaussian Error Linear Units (GELU) paper."""
+
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi)
+                                           * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
 class MLP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU()
+        self.gelu = NewGELU() if config.new_gelu else nn.GELU()
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -226,6 +236,11 @@ def make_gpt_manual():
 def make_gpt_manual_big_init():
     """``_init_weights`` with ``std=n_embd ** 0.5`` where ``n_embd ** -0.5`` was meant."""
     return GPT(GPTConfig(flash=False, n_embd=64, init_std=64 ** 0.5))
+
+
+def make_llmc_big_init():
+    """llm.c's ``train_gpt2.py`` model (NewGELU, the flash path) with the mis-scaled init."""
+    return GPT(GPTConfig(n_embd=64, init_std=8.0, new_gelu=True))
 
 
 def make_gpt_mask_flipped():

@@ -196,6 +196,34 @@ def lecture_mlp(out_dir, batch_size, epochs=2, record=True):
     return model
 
 
+def llmc(make, out_dir, dtype=torch.float16, steps=2, grad_accum_steps=2, record=True):
+    """llm.c's ``train_gpt2.py``: autocast to ``--dtype`` with no GradScaler, the loss of
+    ``model(x, y, return_logits=False)`` over ``grad_accum_steps``, ``lossf`` kept detached,
+    the global norm clipped at 1.0, ``get_lr`` set on each group."""
+    torch.manual_seed(42)
+    model = getattr(M, make)()
+    optimizer = model.configure_optimizers(0.0, 6e-4, (0.9, 0.95), "cpu")
+    data, g = M.token_stream(), torch.Generator().manual_seed(0)
+    rec = FlightRecorder(model, optimizer, out_dir=out_dir,
+                         factory=f"karpathy_repos_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        for step in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            lossf = 0.0
+            for _ in range(grad_accum_steps):
+                x, y = M.get_batch(data, g)
+                with torch.autocast("cpu", dtype=dtype):
+                    _, loss = model(x, y, return_logits=False)
+                loss = loss / grad_accum_steps
+                lossf += loss.detach()
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            for param_group in optimizer.param_groups:
+                param_group["lr"] = get_lr(step)
+            optimizer.step()
+    return model
+
+
 def fire(train, *args, **kw):
     with pytest.raises(NonFiniteError) as info:
         train(*args, **kw)
@@ -278,6 +306,25 @@ def test_causal_fill_written_where_the_tril_buffer_is_1_masks_the_last_query_who
     assert "transformer.h.0.attn.bias is a causal mask" in hint and "inverted" in hint
     assert "masked_fill(self.bias[:, :, :T, :T] == 0" in hint
     assert "mask with a large finite negative number" not in hint
+
+
+def test_new_gelu_cube_overflows_float16_hidden_by_tanh_then_nan_in_its_backward(tmp_path):
+    """llm.c's NewGELU, ``tanh(c * (x + 0.044715 * torch.pow(x, 3.0)))``, under float16 autocast
+    with no GradScaler and the mis-scaled init: ``x ** 3`` is inf in the forward, which
+    ``tanh`` saturates to 1 (the output is x, finite); the backward's 0 from tanh times the
+    power's derivative ``3 * x ** 2``, inf in float16, is NaN. The second block's runs first."""
+    event, bundle = fire(llmc, "make_llmc_big_init", tmp_path)
+    assert (event["step"], event["phase"]) == (0, "backward")
+    report = nanreplay_json(bundle)
+    origin = report["origin"]
+    assert (origin["phase"], origin["op"], origin["module"], origin["micro_batch"]) == (
+        "backward", "PowBackward0", "transformer.h.1.mlp.gelu", 0)
+    assert origin["source"] == line_of("* (x + 0.044715 * torch.pow(x, 3.0))))")
+    assert origin["samples"] == [0, 1, 2, 3]
+    assert report["cause"] == "overflow"
+    hint = report["hint"]
+    assert "x ** 3 overflowed float16 in the forward too" in hint
+    assert "F.gelu(x, approximate='tanh')" in hint and "where x ** n was not" not in hint
 
 
 def test_attention_entropy_bonus_by_xlogy_is_nan_in_the_backward_only(tmp_path):
@@ -390,12 +437,14 @@ def test_learning_rate_typo_with_decoupled_weight_decay_flips_and_grows_the_weig
     ("makemore", {"make": "make_gru", "workers": 2}),
     ("makemore", {"make": "make_bow"}),
     ("lecture", {"batch_size": 16}),
+    ("llmc", {"make": "make_gpt", "dtype": torch.bfloat16}),
 ])
 def test_healthy_runs_are_not_stopped_and_train_identically(tmp_path, loop, kw):
     """No event in the healthy loops (evaluations under no_grad / inference_mode between
     steps, fp16 with the GradScaler, the -inf causal fill), and the recorder changes nothing
     they compute."""
-    train = {"nanogpt": nanogpt, "makemore": makemore, "lecture": lecture_mlp}[loop]
+    train = {"nanogpt": nanogpt, "makemore": makemore, "lecture": lecture_mlp,
+             "llmc": llmc}[loop]
     args = (kw.pop("make"),) if "make" in (kw := dict(kw)) else ()
     recorded = train(*args, tmp_path, **kw)
     bare = train(*args, tmp_path, record=False, **kw)
