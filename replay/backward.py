@@ -99,7 +99,8 @@ class BackwardOrigin:
     lost_eps: float | None = None
     # why a quotient's divisor is 0 there (replay.pole_hints.zero_divisor): "data" (it needs
     # no gradient), "constant" (a scalar 0: x / cap, cap = 0), "clamped" (a learned one a ReLU cut),
-    # "xlogy" (xlogy(x, y)'s x / y at x = y = 0), "xlogy_of_x" (the same, y 0 where x is)
+    # "xlogy" (xlogy(x, y)'s x / y at x = y = 0), "xlogy_of_x" (the same, y 0 where x is),
+    # "xlogy_of_itself" (xlogy(p, p): an entropy)
     zero_divisor: str | None = None
     complement: bool = False  # it took 1 - y of a y below 1 (replay.below_one)
     scalar_pole: bool = False  # it saved only 0-d values, one exactly 0 (replay.scalar_pole)

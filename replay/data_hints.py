@@ -42,6 +42,7 @@ from typing import Any
 from .absent_channels import absent_channels_hint
 from .batch_overflow import data_alone_hint
 from .began_batch import began_batch_note
+from .causal_buffer import causal_buffer_hint
 from .chunk_rows import chunk_note
 from .column_scale import column_scale_hint
 from .constant_columns import constant_columns_hint
@@ -111,6 +112,7 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     empty_counts_hint(report, step)  # (log of a library size of a cell with no counts)
     zero_records_hint(report, step)  # (a metric depth scaled by a focal length left at 0)
     padded_units_hint(report, step)  # (HAN's padding sentences through its word attention)
+    causal_buffer_hint(report, step)  # (nanoGPT's masked_fill(self.bias == 1): the diagonal)
     constant_columns_hint(report, step)  # (x.std(0) of a gene no cell of the batch expresses)
     grown_number_hint(report, step)  # (an augmented Lagrangian's rho past float32's range)
     column_scale_hint(report, step)  # (a variable in millimetres among metres: NOTEARS' X)

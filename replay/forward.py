@@ -172,7 +172,7 @@ def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin,
     hint = kept_divisor_hint(hint, finder, hit)  # (whole columns of x / (self.std + eps))
     hint = offset_divisor_hint(hint, cause.name, finder, hit, runner.model)  # (mask + lam)
     hint = self_edge_hint(hint, cause.name, hit, step, o.micro_batch)  # (i == j in edge_index)
-    hint = attention_logits_hint(hint, cause.name, origin)  # (float16 q @ k.T, then softmax)
+    hint = attention_logits_hint(hint, cause.name, origin, step)  # (float16 q @ k.T, then softmax)
     return coincident_hint(hint, cause.name, hit, step, o.micro_batch)  # (cdist(a, b) of 0)
 
 

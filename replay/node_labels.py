@@ -67,11 +67,22 @@ class NodeLabels:
 
     def _post(self, name: str, module, args, output) -> None:
         before, pending = self.calls.pop() if self.calls else (-1, [])
-        stopped = self.label(grad_fns(tensor_leaves(output)) + pending, name, before)
+        made = grad_fns(tensor_leaves(output)) + kept_on(module, before)
+        stopped = self.label(made + pending, name, before)
         if self.calls:
             self.calls[-1][1].extend(stopped)
         else:  # made before the model's forward (from its inputs): the root's, as before
             self.label(stopped, name)
+
+
+def kept_on(module, before: int) -> list:
+    """The nodes behind the tensors this call of ``module`` kept on its own attributes (an
+    attention's ``self.entropy``, a mixture-of-experts layer's ``self.aux_loss``, a VAE
+    encoder's ``self.kl``) newer than its inputs: its own code made them, though no output
+    leads to them (the parent adds them to the loss), so they are named by it, not by the
+    caller whose graph reaches them first."""
+    return [n for n in grad_fns(v for v in vars(module).values() if isinstance(v, torch.Tensor))
+            if sequence_nr(n) > before]
 
 
 def grad_fns(tensors) -> list:

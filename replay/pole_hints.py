@@ -34,7 +34,7 @@ from .scalar_pole import SCALAR_POLE
 from .source import installed_package
 from .unit_complement import unit_root_hint
 from .unit_eps import narrow_eps
-from .xlogy_pole import ZERO_OF_X, ZERO_ZERO, xlogy_at_zero, xlogy_of_x
+from .xlogy_pole import OF_ITSELF, ZERO_OF_X, ZERO_ZERO, xlogy_at_zero, xlogy_of_itself, xlogy_of_x
 
 # a backward origin at a quotient whose divisor needs no gradient
 DIVISOR_OF_DATA = (
@@ -98,12 +98,17 @@ def constant_zero_divisor(node) -> bool:
     return isinstance(other, torch.Tensor) and other.dim() == 0 and float(other) == 0.0
 
 
+XLOGY_HINTS = {"xlogy": ZERO_ZERO, "xlogy_of_x": ZERO_OF_X, "xlogy_of_itself": OF_ITSELF}
+
+
 def zero_divisor(node) -> str | None:
     """Why quotient node ``node``'s divisor is 0 (see BackwardOrigin.zero_divisor), if it is."""
     if divisor_of_data(node):
         return "data"
     if constant_zero_divisor(node):
         return "constant"
+    if xlogy_of_itself(node):  # (an entropy: xlogy(p, p))
+        return "xlogy_of_itself"
     if xlogy_at_zero(node):  # ("xlogy_of_x": y made from x, 0 where x is)
         return "xlogy_of_x" if xlogy_of_x(node) else "xlogy"
     return "clamped" if clamped_to_zero(node) else None
@@ -119,7 +124,8 @@ def pole_hint(b, cause: Cause) -> str:
         # clamp's bound rounded onto the edge says so itself: replay.rounded_bound)
     if not b.masked or cause.name not in ("invalid", "precision") or "both branches" in hint \
             or zero_deviations(b) \
-            or b.zero_divisor in ("constant", "clamped", "xlogy", "xlogy_of_x"):  # (their hints say the
+            or b.zero_divisor in ("constant", "clamped", "xlogy", "xlogy_of_x",
+                                  "xlogy_of_itself"):  # (their hints say the
         # forward hid it)
         return hint
     if b.flat_by:  # (abs's derivative at 0 sent it, no mask: replay.flat_derivative)
@@ -137,8 +143,8 @@ def _pole_hint(b, cause: Cause) -> str:
     data = b.zero_divisor == "data" and b.saved_zero == "0" and b.samples
     if data and cause.name == "invalid":
         return DIVISOR_OF_DATA.format(node=b.node)
-    if b.zero_divisor in ("xlogy", "xlogy_of_x") and cause.name == "invalid":
-        return (ZERO_ZERO if b.zero_divisor == "xlogy" else ZERO_OF_X).format(node=b.node)
+    if b.zero_divisor in XLOGY_HINTS and cause.name == "invalid":
+        return XLOGY_HINTS[b.zero_divisor].format(node=b.node)
     if b.zero_divisor in ("constant", "clamped") and cause.name == "invalid":
         text = CONSTANT_ZERO_DIVISOR if b.zero_divisor == "constant" else CLAMPED_DIVISOR
         return text.format(node=b.node)

@@ -8,7 +8,9 @@ finite, the backward NaN: the generic hint (a masked forward's other branch) doe
 Where y is 0 exactly where x is (y made from x: a Poisson deviance's ``xlogy(y, y / mu)``, a
 KL's ``xlogy(p, p / q)``), every x of 0, the valid value the convention is for (a policy with
 no claim), is at the pole, whatever the model makes: the log is split instead
-(:data:`ZERO_OF_X`), and no record is to drop.
+(:data:`ZERO_OF_X`), and no record is to drop. Where y is x itself (an entropy's ``xlogy(p, p)``: a softmax's exact 0s
+under a -inf mask) splitting cannot help: the log's argument is kept off 0 instead
+(:data:`OF_ITSELF`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,25 @@ ZERO_OF_X = (
     "of 0), is on the pole, whatever the model makes: split the log so that y does not take "
     "x's zeros, xlogy(x, x) - x * log(m) (with the model's log output for log(m) where it has "
     "one), and keep those samples")
+
+
+OF_ITSELF = (
+    "{node} made a non-finite gradient from finite incoming gradients, in float64 too: "
+    "xlogy(p, p) is an entropy's p log p, 0 at p = 0 by convention, but its derivative "
+    "log p + 1 is -inf there (the gradient for the log's p is p / p, 0/0 = NaN): every "
+    "probability of exactly 0 (a softmax over a -inf mask, an exp that underflowed) is on the "
+    "pole, whatever the model makes, and splitting the log cannot move it; keep the log's "
+    "argument off 0, xlogy(p, p.clamp_min(torch.finfo(p.dtype).tiny)) (still 0 at p = 0, "
+    "with a finite gradient), or take the entropy of the scores, -(p * log_softmax(s)).sum(-1), "
+    "with masked scores filled with torch.finfo(s.dtype).min rather than -inf")
+
+
+def xlogy_of_itself(node) -> bool:
+    """:func:`xlogy_at_zero` of ``xlogy(p, p)`` (an entropy): x and y are the same values."""
+    if not xlogy_at_zero(node):
+        return False
+    x, y = saved_value(node, "self"), saved_value(node, "other")
+    return x.shape == y.shape and bool(torch.equal(x, y))
 
 
 def xlogy_of_x(node) -> bool:
