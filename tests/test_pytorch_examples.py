@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 import pytorch_examples_models as M
 import torch
+import torch.nn.functional as F
 from bundles import nanreplay_json, source_line
 from torch import nn
+from torch.distributions import Categorical
 
 from recorder import FlightRecorder, NonFiniteError
 
@@ -164,6 +166,33 @@ def test_lbfgs_closure_on_a_sine_wave_with_a_missing_value(tmp_path):
     assert "feature(s) 11" in rep["hint"]
 
 
+def test_lbfgs_float32_without_line_search_diverges_to_an_mse_overflow(tmp_path):
+    """The example runs LBFGS in float64 at lr 0.8; in float32 at lr 5, without a line
+    search, the quasi-Newton steps diverge and mse_loss overflows at closure evaluation 29;
+    the hint names the missing line search."""
+    data = M.sine_waves(n=20, length=40)
+    input, target = data[3:, :-1], data[3:, 1:]
+    seq = M.make_sequence()
+    criterion = nn.MSELoss()
+    optimizer = torch.optim.LBFGS(seq.parameters(), lr=5)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = criterion(seq(input), target)
+        loss.backward()
+        return loss
+
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(seq, optimizer, loss_fn=criterion, out_dir=tmp_path,
+                            factory="pytorch_examples_models:make_sequence"):
+            for _ in range(8):
+                optimizer.step(closure)
+    rep = nanreplay_json(info.value.bundle_path)
+    step, module, op, cause, _ = _origin(rep)
+    assert (step, module, op, cause) == (29, "<loss>", "aten.mse_loss", "overflow")
+    assert 'line_search_fn="strong_wolfe"' in rep["hint"]
+
+
 # --- reinforcement_learning ----------------------------------------------------------------
 
 def test_reinforce_one_step_episode_normalises_returns_by_a_nan_std(tmp_path):
@@ -192,6 +221,50 @@ def test_reinforce_one_step_episode_normalises_returns_by_a_nan_std(tmp_path):
     assert rep["reproduced"] is True
     assert _origin(rep) == (3, "<loss>", "aten.std", "invalid", [])
     assert rep["origin"]["source"] == source_line(MODELS, "(returns.std() + EPS)")
+    assert "over an episode of one step" in rep["hint"], rep["hint"]
+
+
+def test_actor_critic_loss_in_the_loop_is_said_to_enter_the_value_head(tmp_path):
+    """actor_critic.py computes its loss in the loop (smooth_l1_loss on a NaN normalised
+    return of a one-step episode): the recorder sees the NaN gradient entering the value head
+    (model output 1) at step 3, which nothing the model did made; no op can be named."""
+    model = M.make_actor_critic()
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-2)
+    env = M.CartPole()
+    with pytest.raises(NonFiniteError) as info, pytest.warns(UserWarning, match="std"):
+        with FlightRecorder(model, optimizer, out_dir=tmp_path,
+                            factory="pytorch_examples_models:make_actor_critic"):
+            for i_episode in range(6):
+                state = env.reset(length=1 if i_episode == 3 else 5)
+                saved_actions, rewards = [], []
+                for _ in range(1, 10000):
+                    probs, state_value = model(state.float())
+                    m = Categorical(probs)
+                    action = m.sample()
+                    saved_actions.append((m.log_prob(action), state_value))
+                    state, reward, done = env.step(action.item())
+                    rewards.append(reward)
+                    if done:
+                        break
+                R, policy_losses, value_losses, returns = 0.0, [], [], []
+                for r in rewards[::-1]:
+                    R = r + 0.99 * R
+                    returns.insert(0, R)
+                returns = torch.tensor(returns)
+                returns = (returns - returns.mean()) / (returns.std() + M.EPS)
+                for (log_prob, value), R in zip(saved_actions, returns):
+                    advantage = R - value.item()
+                    policy_losses.append(-log_prob * advantage)
+                    value_losses.append(F.smooth_l1_loss(value, torch.tensor([R])))
+                optimizer.zero_grad()
+                loss = torch.stack(policy_losses).sum() + torch.stack(value_losses).sum()
+                loss.backward()
+                optimizer.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (3, "backward")
+    rep = nanreplay_json(info.value.bundle_path)
+    assert rep["cause"] is None and rep["origin"]["phase"] == "loss", rep["origin"]
+    assert "loss was computed outside the recorder" in rep["hint"]
 
 
 # --- siamese_network -----------------------------------------------------------------------
