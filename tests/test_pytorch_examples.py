@@ -79,11 +79,12 @@ def test_healthy_word_language_model_raises_nothing_and_trains_bit_identically(t
 # --- vae -----------------------------------------------------------------------------------
 
 def test_vae_nan_image_is_the_input_event_of_its_batch_sample(tmp_path):
-    """A corrupt record (image 37 all NaN) reaches binary_cross_entropy, which raises on the
-    NaN reconstruction; the recorder checks the cut-short step and names the batch row."""
+    """A corrupt record (image 37 all NaN), loaded by two workers, reaches
+    binary_cross_entropy, which raises on the NaN reconstruction; the recorder checks the
+    cut-short step and names the batch row."""
     model = M.make_vae()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    loader = M.mnist_loader(bad=(37, float("nan")))
+    loader = M.mnist_loader(bad=(37, float("nan")), num_workers=2)
     with pytest.raises(RuntimeError, match="between 0 and 1"):
         with FlightRecorder(model, optimizer, loss_fn=M.vae_loss_function, out_dir=tmp_path,
                             factory="pytorch_examples_models:make_vae") as rec:
@@ -94,6 +95,7 @@ def test_vae_nan_image_is_the_input_event_of_its_batch_sample(tmp_path):
                 loss = rec.loss_fn(recon_batch, data, mu, logvar)
                 loss.backward()
                 optimizer.step()
+    del loader  # (its workers, before a later garbage collection waits for them)
     rep = nanreplay_json(_the_bundle(tmp_path))
     assert rep["reproduced"] is True
     assert _origin(rep) == (2, None, None, "input", [37 - 32])
@@ -289,6 +291,35 @@ def test_siamese_second_image_inf_names_the_second_argument_and_its_row(tmp_path
     rep = nanreplay_json(_the_bundle(tmp_path))
     assert _origin(rep) == (4, None, None, "input", [6])
     assert rep["origin"]["tensor"] == "args[1]"
+
+
+# --- super_resolution ----------------------------------------------------------------------
+
+def test_super_resolution_fp16_autocast_overflow_of_an_unscaled_16_bit_image(tmp_path):
+    """The Net (PixelShuffle) under float16 autocast with a GradScaler; image 2 of batch 3 is a
+    16-bit PNG never divided by 65535: conv1 overflows float16 on that row alone."""
+    model = M.make_srnet()
+    criterion = nn.MSELoss()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, optimizer, loss_fn=criterion, scaler=scaler,
+                            out_dir=tmp_path, factory="pytorch_examples_models:make_srnet"):
+            for iteration in range(6):
+                input, target = M.bsds_batch(iteration)
+                if iteration == 3:
+                    input[2] *= 65535.0
+                    target[2] *= 65535.0
+                optimizer.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = criterion(model(input), target)
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+    rep = nanreplay_json(info.value.bundle_path)
+    assert _origin(rep) == (3, "conv1", "aten.convolution", "overflow", [2])
+    assert rep["origin"]["source"] == source_line(MODELS, "x = self.relu(self.conv1(x))")
+    assert "out of scale" in rep["hint"]
 
 
 # --- mnist_forward_forward -----------------------------------------------------------------
