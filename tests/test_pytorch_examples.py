@@ -6,6 +6,8 @@ two inputs, and mnist_forward_forward's layers with the Adam each builds for its
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import pytorch_examples_models as M
 import torch
@@ -33,26 +35,31 @@ def _the_bundle(out_dir):
 
 # --- word_language_model -------------------------------------------------------------------
 
-def _train_lm(out_dir=None, steps=6, lr=20.0, clip=0.25):
+def _train_lm(out_dir=None, kind="LSTM", steps=6, lr=20.0, clip=0.25):
     """main.py's train(): BPTT batches, repackage_hidden, clip_grad_norm_, and the update
-    written by hand (p.data.add_(p.grad, alpha=-lr)); the recorder has no optimizer."""
-    model = M.make_rnn_lm()
+    written by hand (p.data.add_(p.grad, alpha=-lr)); the recorder has no optimizer. The
+    Transformer takes its causal mask (a float mask holding -inf) as an argument."""
+    model = M.make_rnn_lm() if kind == "LSTM" else M.make_transformer_lm()
     criterion = nn.NLLLoss()
-    train_data = M.batchify(M.corpus(), 4)
+    train_data = M.batchify(M.corpus(max(400, 4 * steps * M.BPTT + 8)), 4)
     torch.manual_seed(1)
     losses = []
 
     def epoch():
         model.train()
-        hidden = model.init_hidden(4)
+        hidden = model.init_hidden(4) if kind == "LSTM" else None
         for i in range(0, steps * M.BPTT, M.BPTT):
             data, targets = M.get_batch(train_data, i)
             model.zero_grad()
-            hidden = M.repackage_hidden(hidden)
-            output, hidden = model(data, hidden)
-            loss = criterion(output, targets)
+            if kind == "LSTM":
+                hidden = M.repackage_hidden(hidden)
+                output, hidden = model(data, hidden)
+            else:
+                output = model(data, model._generate_square_subsequent_mask(len(data)))
+            loss = criterion(output.view(-1, M.NTOKEN), targets)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             for p in model.parameters():
                 p.data.add_(p.grad, alpha=-lr)
             losses.append(loss.item())
@@ -61,15 +68,18 @@ def _train_lm(out_dir=None, steps=6, lr=20.0, clip=0.25):
         epoch()
     else:
         with FlightRecorder(model, None, loss_fn=criterion, out_dir=out_dir,
-                            factory="pytorch_examples_models:make_rnn_lm"):
+                            factory="pytorch_examples_models:make_rnn_lm"
+                            if kind == "LSTM" else "pytorch_examples_models:make_transformer_lm"):
             epoch()
     return model, losses
 
 
-def test_healthy_word_language_model_raises_nothing_and_trains_bit_identically(tmp_path):
+@pytest.mark.parametrize("kind", ["LSTM", "Transformer"])
+def test_healthy_word_language_model_raises_nothing_and_trains_bit_identically(tmp_path, kind):
     """The recorder changes nothing: same losses and weights, bit for bit, and no bundle."""
-    plain, plain_losses = _train_lm()
-    recorded, rec_losses = _train_lm(tmp_path)
+    plain, plain_losses = _train_lm(kind=kind)
+    recorded, rec_losses = _train_lm(tmp_path, kind=kind)
+    assert len(rec_losses) == 6 and all(map(math.isfinite, rec_losses))
     assert rec_losses == plain_losses
     for (n, a), b in zip(plain.state_dict().items(), recorded.state_dict().values()):
         assert torch.equal(a, b), n
@@ -150,6 +160,20 @@ def test_vae_nan_image_is_the_input_event_of_its_batch_sample(tmp_path):
     assert rep["origin"]["tensor"] == "batch"
 
 
+def test_transformer_lm_without_clipping_diverges_to_a_layer_norm_overflow(tmp_path):
+    """--clip dropped from the Transformer LM's hand-written SGD at the example's lr of 20: the
+    loss jumps at step 2 and at step 7 layer norm's variance overflows float32 in every
+    column of the batch (sequence-first); the hint says to clip, not to widen the type."""
+    with pytest.raises(NonFiniteError) as info:
+        _train_lm(tmp_path, kind="Transformer", steps=20, clip=None)
+    rep = nanreplay_json(info.value.bundle_path)
+    assert rep["reproduced"] is True
+    assert _origin(rep) == (7, "encoder.layers.1.norm1", "aten.native_layer_norm", "overflow",
+                            [0, 1, 2, 3])
+    assert "clip the gradients" in rep["hint"], rep["hint"]
+    assert any(p["kind"] == "grad_norm_jump" and p["step"] == 2 for p in rep["precursors"])
+
+
 # --- dcgan ---------------------------------------------------------------------------------
 
 def test_dcgan_hand_written_bce_of_a_saturated_sigmoid_is_precision_not_the_fakes(tmp_path):
@@ -226,7 +250,7 @@ def test_lbfgs_float32_without_line_search_diverges_to_an_mse_overflow(tmp_path)
 
 # --- reinforcement_learning ----------------------------------------------------------------
 
-@pytest.mark.filterwarnings("ignore:std\\(\\). degrees of freedom:UserWarning")  # (the replay's)
+@pytest.mark.filterwarnings("ignore::UserWarning")  # (torch.std of one value, in the replay too)
 def test_reinforce_one_step_episode_normalises_returns_by_a_nan_std(tmp_path):
     """finish_episode's (R - mean) / (std + eps): an episode of one step has an unbiased std
     of 0/0, which eps does not help. The loss function computing it is named, with aten.std."""
