@@ -174,6 +174,32 @@ def test_transformer_lm_without_clipping_diverges_to_a_layer_norm_overflow(tmp_p
     assert any(p["kind"] == "grad_norm_jump" and p["step"] == 2 for p in rep["precursors"])
 
 
+# --- vae (diverging) -----------------------------------------------------------------------
+
+def test_vae_at_lr_1_overflows_exp_in_reparameterize(tmp_path):
+    """Adam at lr 1.0 (--lr typed for SGD): the weights jump 15x in step 1 and at step 2 the
+    encoder's logvar is so large that reparameterize's exp(0.5 * logvar) overflows for every
+    row; binary_cross_entropy then raises on the NaN reconstruction. The root's own code is
+    named (the VAE's forward), with the exp's line and the divergence."""
+    model = M.make_vae()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1.0)
+    loader = M.mnist_loader(n=64)
+    with pytest.raises(RuntimeError, match="between 0 and 1"):
+        with FlightRecorder(model, optimizer, loss_fn=M.vae_loss_function, out_dir=tmp_path,
+                            factory="pytorch_examples_models:make_vae") as rec:
+            for _ in range(3):
+                for data, _ in loader:
+                    optimizer.zero_grad()
+                    recon_batch, mu, logvar = model(data)
+                    rec.loss_fn(recon_batch, data, mu, logvar).backward()
+                    optimizer.step()
+    rep = nanreplay_json(_the_bundle(tmp_path))
+    assert rep["reproduced"] is True
+    assert _origin(rep) == (2, "", "aten.exp", "overflow", list(range(16)))
+    assert rep["origin"]["source"] == source_line(MODELS, "std = torch.exp(0.5 * logvar)")
+    assert "lower the learning rate" in rep["hint"]
+
+
 # --- dcgan ---------------------------------------------------------------------------------
 
 def test_dcgan_hand_written_bce_of_a_saturated_sigmoid_is_precision_not_the_fakes(tmp_path):
