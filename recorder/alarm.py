@@ -27,6 +27,7 @@ from .events import Event, StepEvidence
 from .finite import tensors_kind
 from .holders import holders_of
 from .hooks import Health
+from .kept_targets import settle_targets
 from .late_writes import moved_in_step
 from .pre_update import written_before_update_event
 from .replaced import swapped_in_event
@@ -92,6 +93,7 @@ class Alarm:
                 stale=unused_grads(target),
                 weights_moved=not target.has_optimizer or moved_in_step(tape, target.watched))
             event = events.find_event(evidence, reason)
+            settle_targets(tape.micro_batches)  # (each micro-batch's kept loss call chosen)
             if event is not None and event.phase == "optimizer":  # (or the loop's swap-in)
                 event = swapped_in_event(event.step, event.params, target.replaced_bad) or event
             if event is not None and event.phase == "backward" and event.params:

@@ -28,6 +28,7 @@ from .finite import (
     pair_ok,
     tensors_kind,
 )
+from .kept_targets import kept_targets_moved
 from .late_writes import read_finite, written_after_forward
 from .linalg import linalg_detail
 from .loss_data import loss_data_taken
@@ -369,7 +370,7 @@ def _loss_event(ev: StepEvidence) -> Event | None:
                 event.loss_given = True
                 event.detail = ("the loss given to record_loss is non-finite while loss_fn's "
                                 "loss was finite: a term the loop added to it made the value")
-            if mb.targets_changed:  # (the loop wrote over them: the stats saw them as they were)
+            if mb.targets_changed and kept_targets_moved(mb):  # (the loop wrote over them)
                 event.detail += (", and the loop wrote into the loss's targets after the loss "
                                  "took them (the bundle holds them as the loop left them)")
         return event

@@ -8,9 +8,8 @@
 
 The bundle may decide alone (:mod:`replay.recorded`); else two re-runs must agree and match the
 recording (:mod:`replay.fidelity`), and the phase that made the first non-finite value is
-localised: the forward (:mod:`replay.forward`), the others (:mod:`replay.origins`). A rewind
-window is re-run from its copy (:mod:`replay.window_report`), and the what-ifs after
-(:mod:`replay.whatif`).
+localised (:mod:`replay.forward`, :mod:`replay.origins`); then a rewind window
+(:mod:`replay.window_report`) and the what-ifs (:mod:`replay.whatif`).
 """
 
 from __future__ import annotations
@@ -78,6 +77,7 @@ from .shards import shard_set
 from .source import distributed_call
 from .state import forward_written, state_notes
 from .trained_input import trained_input_hint
+from .unrecorded_steps import report_unrecorded
 from .unset_state import unset_state_or_raise
 from .update_params import others_note, update_params
 from .weight_scale import diverging_advice
@@ -212,8 +212,7 @@ def _elsewhere(step: Step) -> bool:
 
 
 def _strict(step: Step) -> bool:
-    """The recording's +-Inf policy: by the default one (False) a +-Inf in the batch (a float
-    mask) or a buffer is bad data only where it leads to a NaN."""
+    """The +-Inf policy: by default (False) a batch's or buffer's +-Inf is bad only if NaN."""
     return bool(step.meta.get("strict_inf", True))
 
 
@@ -223,8 +222,7 @@ def _after_update(step: Step) -> bool:
 
 
 def _from_bundle(report, step: Step) -> dict[str, Any] | None:
-    """The report when the bundle alone decides (bad input, bad weights, an update that cannot
-    be re-run, nothing to re-run), else None."""
+    """The report when the bundle alone decides (bad input or weights, an update not re-run)."""
     after_update = _after_update(step)
     # buffers the forward itself wrote non-finite (in an earlier step) are re-run, not blamed
     written = {} if after_update else forward_written(step)
@@ -234,6 +232,8 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
         # the update's own evidence first: a batch that is non-finite too came after it (a
         # GAN's fakes from a generator the same kind of update broke), not before
         params, others = update_params(step, bad_weights)
+        if (unseen := report_unrecorded(report, step, params)) is not None:  # (no step)
+            return unseen
         report["problems"].extend(filter(None, [others_note(step, others)]))
         hint = params and after_update_hint(step, params)
         if not hint and (before := nan_before_update(report, step, params)) is not None:
@@ -411,7 +411,7 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
             f"{fidelity.mismatch(fid)}, so the re-run says nothing about training: the origin above is what the "
             "recorder saw; see the fidelity line"))
     origin = run1.forward_origin()
-    if not _strict(step) and run1.chain()[2]:  # the event's infinity came in with the batch
+    if not _strict(step) and run1.chain()[2] and not run1.loss_first(origin):  # (came in)
         o = input_origin(step)
         return finish(report, o, "input", reproduced=True, hint=data_hint(o, step))
     if run1.error is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from recorder.capture import tensor_leaves
+
 from .load import Step, autocast_dtype, differentiates_model, loss_inputs
 from .moved import Moved
 from .ops import OpFinder
@@ -45,11 +47,24 @@ def loss_args(step: Step, run: Run, mb: int, finder: OpFinder | None = None,
         for o, arg in derived:  # (a softplus output the loop cast: still softplus's)
             if id(o) in made_from:
                 finder.mark_made_by(made_from[id(o)].grad_fn, arg)
+        trained += graph_args(step, mb, args, kwargs)
         finder.lineage.seed_learned([*trained, *step.loss_fn.parameters()]
                                     if isinstance(step.loss_fn, torch.nn.Module) else trained)
         finder.lineage.seed_samples(args, kwargs, skip=[d for o in outputs for d in o]
                                     + [arg for _, arg in derived], batched=True)
     return args, kwargs
+
+
+def graph_args(step: Step, mb: int, args, kwargs) -> list[torch.Tensor]:
+    """The loss's arguments that had an autograd graph as the loss took them and are no model
+    output (``loss_grad_args``: made from the outputs by code the bundle does not hold, a GAN
+    discriminator the recorder was not given, run on the recorded generator's fakes): values
+    something learned, not data, though the replay holds them as values."""
+    held = [t for k in step.micro_batches[mb].get("loss_grad_args") or ()
+            if isinstance(t := step.tensors.get(k), torch.Tensor)]
+    return [t for t in tensor_leaves((args, kwargs)) if any(
+        t is h or (t.shape == h.shape and t.dtype == h.dtype
+                   and torch.equal(t, h.to(t.device))) for h in held)] if held else []
 
 
 def loss_samples(step: Step, run: Run, mb: int) -> list[int]:

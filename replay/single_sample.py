@@ -12,8 +12,9 @@ variance, a std over the samples) is 0 over copies of one sample too: where the 
 backward event, its gradient: Pearson's ``sqrt(vx)`` with the eps after the root) is finite
 only beside a second, different sample (the copy's float values halved), that is the reason.
 An unbiased ``std`` or ``var`` over the batch (a batch norm written by hand, as makemore's
-lecture writes ``x.var(0)``; ProGAN's minibatch-std layer in a discriminator
-the generator's loss runs) is NaN over one sample and finite over two copies: named as the
+lecture writes ``x.var(0)``; ProGAN's minibatch-std layer in a discriminator the generator's
+loss runs; REINFORCE's returns normalised by their std, over an episode of one step) is NaN
+over one sample and finite over two copies: named as the
 batch's spread, not as a sum over the other samples; so is one the model's own forward takes
 (that discriminator recorded itself), when its output is finite with the batch's tensors
 holding the one sample twice.
@@ -107,10 +108,12 @@ def _spread_text(op: str, what: str) -> str:
     return (f"; but the micro-batch holds 1 sample, and the {what} is finite on that sample "
             f"given twice: {op} reduces over the batch's samples (a batch norm written by "
             "hand, x.var(0), which nn.BatchNorm1d refuses in training for a batch of one; a "
-            "minibatch-std layer of a GAN discriminator, a spread of the batch's outputs), "
-            "whose unbiased form divides by "
-            "n - 1 = 0 for one sample, and correction=0 would give 0, no spread: drop the last "
-            "incomplete batch (DataLoader(..., drop_last=True)) or skip batches of one sample")
+            "minibatch-std layer of a GAN discriminator, a spread of the batch's outputs; a "
+            "policy gradient's returns normalised by their std, (R - R.mean()) / (R.std() + "
+            "eps), over an episode of one step), whose unbiased form divides by n - 1 = 0 for "
+            "one sample, and correction=0 would give 0, no spread: drop the last incomplete "
+            "batch (DataLoader(..., drop_last=True)) or skip batches of one sample (an episode "
+            "of one step: leave its return unnormalised)")
 
 
 def _forward_spread(report: dict[str, Any], step: Step) -> None:

@@ -295,7 +295,8 @@ def test_zero_reading_under_mape_with_a_nan_null_names_the_division_on_its_windo
     assert rep["origin"]["samples"] == [0, 1, 2], rep["origin"]
     assert rep["cause"] == "invalid", rep["cause"]
     assert "computed from the batch's data alone" in rep["hint"], rep["hint"]
-    assert "skip them in the loss" in rep["hint"], rep["hint"]
+    # (the prediction the loop inverse-transformed is learned, not data: the divisor's advice)
+    assert "leave them out of the loss (a mask of divisor > 0)" in rep["hint"], rep["hint"]
 
 
 def test_stuck_sensor_zero_std_names_the_column_of_every_window(tmp_path):

@@ -1,0 +1,47 @@
+"""An ``optimizer`` event of a recording that never recorded a step: no micro-batch and no
+row of history. The loop's forward never ran through the recorded model's ``__call__``
+(``model.forward(x)`` called directly, as mnist_forward_forward's ``Layer.train`` calls
+``self.forward(x_pos)``, or only the model's parts called), so no step opened, nothing was
+checked, and only the last update's evidence, read as the recorder detached, saw the
+weights non-finite. The gradients the bundle holds are the last backward's, made through
+those weights: they say nothing of the update that first broke them, which is unknown."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .findings import finish, origin_fields
+from .load import Step
+
+UNRECORDED = (
+    "no step of the model was recorded (no micro-batch, no history): its forward never ran "
+    "through the recorded model's __call__, so no hook ran and nothing was checked before "
+    "this, the last update's check as the recorder detached; call the model itself, model(x), "
+    "not model.forward(x) (which runs no hooks), or give FlightRecorder the module the loop "
+    "calls; then the first non-finite loss, gradient or update is caught at its step")
+
+
+def unrecorded(step: Step) -> bool:
+    """The bundle holds no micro-batch and no row of history, and its event is of the step
+    before the first (no step ever opened: a loop that runs no forward at all, Reptile's
+    meta-update, counts a step at each ``optimizer.step()``)."""
+    ring, at = step.meta.get("ring") or {}, step.event.get("step")
+    return not step.micro_batches and not ring.get("stored") and isinstance(at, int) and at < 0
+
+
+def report_unrecorded(report: dict[str, Any], step: Step, params: list[str]
+                      ) -> dict[str, Any] | None:
+    """The report of an update's event in a recording with no step (see the module's
+    docstring): not reproduced, with what to change in the loop; None when a step was
+    recorded."""
+    if not unrecorded(step):
+        return None
+    kinds = [k for k in ("nan", "inf") if any(
+        (g := step.tensors.get(f"grads/{n}")) is not None and bool(
+            (g.isnan() if k == "nan" else g.isinf()).any()) for n in params)]
+    grads = (f" (the bundle's gradients of {params[0]} hold {' and '.join(kinds)}: those of the "
+             "last backward, through the broken weights)" if kinds else "")
+    origin = origin_fields(phase="optimizer", params=params, param=(params or [None])[0])
+    return finish(report, origin, "not_reproduced", reproduced=False,
+                  hint=f"the weights {', '.join(params)} were non-finite after an update at "
+                  f"an unknown step{grads}; {UNRECORDED}")
