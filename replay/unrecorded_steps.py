@@ -22,11 +22,15 @@ UNRECORDED = (
 
 
 def unrecorded(step: Step) -> bool:
-    """The bundle holds no micro-batch and no row of history, and its event is of the step
-    before the first (no step ever opened: a loop that runs no forward at all, Reptile's
-    meta-update, counts a step at each ``optimizer.step()``)."""
+    """The bundle holds no micro-batch and no row of history, and its event is an update that
+    closed no recorded step (``no_step_closed``; before it was marked, the step before the
+    first): no step ever opened (a loop that runs no forward at all, Reptile's meta-update,
+    counts a step at each ``optimizer.step()``). With a micro-batch (an evaluation forward
+    found the weights broken: SB3's rollout after its SAC actor's update) the update's own
+    hint is ``replay.unrecorded_update``'s."""
     ring, at = step.meta.get("ring") or {}, step.event.get("step")
-    return not step.micro_batches and not ring.get("stored") and isinstance(at, int) and at < 0
+    closed_none = step.event.get("no_step_closed") or (isinstance(at, int) and at < 0)
+    return not step.micro_batches and not ring.get("stored") and bool(closed_none)
 
 
 def report_unrecorded(report: dict[str, Any], step: Step, params: list[str]
