@@ -126,7 +126,7 @@ def train_transformer(out_dir, *, clip=True, epochs=2):
     return model
 
 
-def train_dqn(out_dir, *, eps=1e-8, steps=5, action=None):
+def train_dqn(out_dir, *, eps=1e-8, steps=5, action=None, nan_reward=None):
     """``optimize_model`` then the soft update: Q(s, a) gathered, the target network's max over
     the next states (0 at terminal ones), SmoothL1Loss, clip_grad_value_(100), AdamW(amsgrad);
     the target's state_dict blended with TAU = 0.005."""
@@ -140,6 +140,8 @@ def train_dqn(out_dir, *, eps=1e-8, steps=5, action=None):
     def loop():
         for step in range(steps):
             state, act, nxt, done, reward = M.transitions(step, action=action)
+            if nan_reward is not None and step == nan_reward[0]:
+                reward[nan_reward[1]] = float("nan")
             non_final_mask = ~done
             state_action_values = policy_net(state).gather(1, act)
             next_state_values = torch.zeros(len(state))
@@ -315,6 +317,10 @@ def test_adamw_amsgrad_with_eps0_names_the_rows_no_transition_reached(tmp_path):
     assert rep["cause"] == "optimizer"
     assert "layer3.weight" in rep["origin"]["params"]
     assert "eps=0" in rep["hint"] and "whose gradient was all 0" in rep["hint"]
+    # (rows of a Linear are output units: a Q-value no transition's action took, a unit a
+    # ReLU closed; no entries absent from the batch, as an embedding's are)
+    assert "(an output unit no sample's loss reached" in rep["hint"]
+    assert "absent from the batch" not in rep["hint"]
 
 
 def test_corrupt_digit_image_is_an_input_event_on_its_row(tmp_path):
@@ -358,3 +364,17 @@ def test_hand_written_norm_of_an_unknown_text_is_a_backward_only_nan(tmp_path):
         ("SqrtBackward0", "", [5], ["embedding.weight"])
     assert o["source"].startswith(source_line(MODELS, "torch.sqrt((embedded ** 2).sum("))
     assert "torch.linalg.vector_norm" in rep["hint"]
+
+
+def test_nan_reward_from_the_environment_is_the_losss_target_on_its_row(tmp_path):
+    """Transition 6 of the replay sample at step 2 carries a NaN reward (an environment's
+    reward of a crashed episode): the policy's Q-values are finite, the expected values the
+    loop built from the reward and the target network are not. An input event of the loss's
+    target, on that row, which says the loop or the data made it."""
+    err = event_of(train_dqn, tmp_path, nan_reward=(2, 6))
+    assert (err.event["step"], err.event["phase"]) == (2, "input")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert rep["reproduced"] is True and rep["cause"] == "input"
+    assert (o["tensor"], o["made"], o["samples"]) == ("loss_args[1]", "nan", [6])
+    assert "an argument of the loss, not data the model took" in rep["hint"]
