@@ -27,10 +27,10 @@ def event_of(fn, *args, **kw) -> NonFiniteError:
     return info.value
 
 
-def recorder(out_dir, model, opt, loss_fn, factory):
+def recorder(out_dir, model, opt, loss_fn, factory, scaler=None):
     if out_dir is None:
         return None
-    return FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir,
+    return FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir, scaler=scaler,
                           factory=f"pytorch_tutorials_models:{factory}").attach()
 
 
@@ -94,15 +94,19 @@ def train_char_rnn(out_dir, *, factory="make_char_rnn", lr=0.0005, steps=6):
     return rnn
 
 
-def train_transformer(out_dir, *, clip=True, epochs=2):
+def train_transformer(out_dir, *, clip=True, epochs=2, amp=False):
     """``train``: SGD lr 5, CrossEntropyLoss of the flattened logits, clip_grad_norm_(0.5)
-    (``clip``), StepLR(1, gamma=0.95) each epoch; the last batch's mask cut to its length."""
+    (``clip``), StepLR(1, gamma=0.95) each epoch; the last batch's mask cut to its length.
+    With ``amp``, the AMP recipe's float16 autocast and GradScaler (unscale_ before the
+    clipping)."""
     model = M.make_transformer_lm()
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=5.0)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1.0, gamma=0.95)
+    scaler = torch.amp.GradScaler("cpu", enabled=amp)
     train_data = M.batchify()
-    rec = recorder(out_dir, model, optimizer, criterion, "make_transformer_lm")
+    rec = recorder(out_dir, model, optimizer, criterion, "make_transformer_lm",
+                   scaler if amp else None)
 
     def loop():
         model.train()
@@ -113,13 +117,16 @@ def train_transformer(out_dir, *, clip=True, epochs=2):
                 seq_len = data.size(0)
                 if seq_len != M.BPTT:  # only on last batch
                     src_mask = src_mask[:seq_len, :seq_len]
-                output = model(data, src_mask)
-                loss = criterion(output.view(-1, M.NTOKENS), targets)
+                with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+                    output = model(data, src_mask)
+                    loss = criterion(output.view(-1, M.NTOKENS), targets)
                 optimizer.zero_grad()
-                loss.backward()
+                scaler.scale(loss).backward()
                 if clip:
+                    scaler.unscale_(optimizer)
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-                optimizer.step()
+                scaler.step(optimizer)
+                scaler.update()
             scheduler.step()
             src_mask = M.generate_square_subsequent_mask(M.BPTT)
     run(rec, loop)
@@ -287,6 +294,11 @@ def test_log_of_softmax_in_the_char_rnn_generator_is_an_underflow(tmp_path):
     assert (o["op"], o["module"], o["made"], o["samples"]) == ("aten.log", "", "-inf", [0])
     assert o["source"].startswith(source_line(MODELS, "torch.log(F.softmax(output, dim=1))"))
     assert "log_softmax instead of log(softmax)" in rep["hint"]
+    # (names 0-2 took 3, 6 and 6 calls: backwards ended steps 2, 8 and 14; the note says the
+    # step numbers count calls and where in its name the event is)
+    assert any("step numbers count the model's calls, not the loop's iterations; step 16 is "
+               "call 2 since the last backward, which ended step 14" in p
+               for p in rep["problems"]), rep["problems"]
 
 
 def test_transformer_lm_without_clipping_diverges_and_says_so(tmp_path):
@@ -305,6 +317,30 @@ def test_transformer_lm_without_clipping_diverges_and_says_so(tmp_path):
     assert o["samples"] and set(o["samples"]) <= {0, 1, 2, 3}
     assert "the run was diverging" in rep["hint"] and "clip the gradients" in rep["hint"]
     assert {"grad_norm_jump", "loss_jump"} <= {p["kind"] for p in rep["precursors"]}
+
+
+def test_healthy_amp_transformer_raises_no_event(tmp_path):
+    """float16 autocast and a GradScaler, unscaled and clipped: no event, the same weights."""
+    recorded = train_transformer(tmp_path, amp=True)
+    plain = train_transformer(None, amp=True)
+    assert list(tmp_path.rglob("*.nan")) == []
+    _same_weights(recorded, plain)
+
+
+def test_amp_transformer_without_clipping_overflows_float16_and_says_it_diverged(tmp_path):
+    """Under float16 autocast, without the clipping, the diverging activations pass float16's
+    65504 in the second layer's dropout (its 1 / (1 - p) scaling) at step 13: an overflow of
+    float16 whose hint says the run was diverging, not only to compute the op in float32."""
+    err = event_of(train_transformer, tmp_path, clip=False, epochs=3, amp=True)
+    assert (err.event["step"], err.event["phase"]) == (13, "forward")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert rep["reproduced"] is True and rep["cause"] == "overflow"
+    assert (o["op"], o["module"], o["made"]) == \
+        ("aten.mul", "transformer_encoder.layers.1.dropout1", "+inf")
+    assert o["samples"] and set(o["samples"]) <= {0, 1, 2, 3}  # (chaos: see above)
+    assert "beyond float16's largest value" in rep["hint"]
+    assert "the run was diverging" in rep["hint"] and "clip the gradients" in rep["hint"]
 
 
 def test_adamw_amsgrad_with_eps0_names_the_rows_no_transition_reached(tmp_path):
@@ -349,6 +385,8 @@ def test_polynomial_fit_at_100x_the_learning_rate_blames_the_forward_not_the_dat
     assert len(o["samples"]) == 1994 and 999 not in o["samples"]
     assert "out of scale" not in rep["hint"]
     assert "the forward had left the scale" in rep["hint"]
+    # (one call of the model per backward: no note that the steps count calls)
+    assert not any("count the model's calls" in p for p in rep["problems"])
 
 
 def test_hand_written_norm_of_an_unknown_text_is_a_backward_only_nan(tmp_path):
