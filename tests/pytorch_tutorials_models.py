@@ -134,6 +134,20 @@ def make_seq2seq() -> Seq2Seq:
     return Seq2Seq()
 
 
+def make_encoder_decoder() -> tuple[EncoderRNN, AttnDecoderRNN]:
+    """The tutorial's two networks, as its main block builds them."""
+    torch.manual_seed(0)
+    return EncoderRNN(IN_WORDS, HIDDEN), AttnDecoderRNN(HIDDEN, OUT_WORDS)
+
+
+def make_encoder() -> EncoderRNN:
+    return make_encoder_decoder()[0]
+
+
+def make_decoder() -> AttnDecoderRNN:
+    return make_encoder_decoder()[1]
+
+
 def make_masked_seq2seq() -> Seq2Seq:
     torch.manual_seed(0)
     return Seq2Seq(masked=True)

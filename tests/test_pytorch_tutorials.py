@@ -71,6 +71,35 @@ def train_seq2seq(out_dir, *, factory="make_seq2seq", empty=None, epochs=2):
     return model
 
 
+def train_encoder_decoder(out_dir, *, record="decoder", empty=None, masked=True, epochs=2):
+    """The tutorial's own structure: ``encoder`` and ``decoder`` two modules, called in turn by
+    ``train_epoch``, one of them recorded with its own Adam (the decoder with the loss); the
+    source padding mask passed to the decoder."""
+    encoder, decoder = M.make_encoder_decoder()
+    enc_opt = torch.optim.Adam(encoder.parameters(), lr=0.001)
+    dec_opt = torch.optim.Adam(decoder.parameters(), lr=0.001)
+    criterion = nn.NLLLoss()
+    loader = torch.utils.data.DataLoader(M.sentence_pairs(empty=empty), batch_size=8)
+    rec = (recorder(out_dir, decoder, dec_opt, criterion, "make_decoder") if record == "decoder"
+           else recorder(out_dir, encoder, enc_opt, None, "make_encoder"))
+
+    def loop():
+        for _ in range(epochs):
+            for input_tensor, target_tensor in loader:
+                enc_opt.zero_grad()
+                dec_opt.zero_grad()
+                encoder_outputs, encoder_hidden = encoder(input_tensor)
+                decoder_outputs, _, _ = decoder(encoder_outputs, encoder_hidden, target_tensor,
+                                                pad_mask=input_tensor == 0 if masked else None)
+                loss = criterion(decoder_outputs.view(-1, decoder_outputs.size(-1)),
+                                 target_tensor.view(-1))
+                loss.backward()
+                enc_opt.step()
+                dec_opt.step()
+    run(rec, loop)
+    return decoder
+
+
 def train_char_rnn(out_dir, *, factory="make_char_rnn", lr=0.0005, steps=6):
     """The generation tutorial's ``train``: one name a step, the NLLLoss of each letter summed
     over the name's ``rnn`` calls, then ``p.data.add_(p.grad.data, alpha=-learning_rate)``."""
@@ -244,8 +273,9 @@ def _same_weights(a: nn.Module, b: nn.Module) -> None:
         assert torch.equal(x, y), name
 
 
-@pytest.mark.parametrize("train", [train_seq2seq, train_char_rnn, train_transformer, train_dqn,
-                                   train_stn, train_polynomial, train_text])
+@pytest.mark.parametrize("train", [train_seq2seq, train_encoder_decoder, train_char_rnn,
+                                   train_transformer, train_dqn, train_stn, train_polynomial,
+                                   train_text])
 def test_healthy_tutorial_trains_bit_identically_without_an_event(tmp_path, train):
     """Each tutorial's loop as written (dropout, teacher forcing, two Adams, hand-written SGD,
     clipping, StepLR, the DQN's soft update, the Function's hand updates): no bundle, and the
@@ -279,6 +309,35 @@ def test_padding_mask_over_an_empty_source_sentence_is_a_fully_masked_softmax(tm
         ("aten._softmax", "decoder.attention", "nan", [5])
     assert o["source"].startswith(source_line(MODELS, "weights = F.softmax(scores, dim=-1)"))
     assert "fully masked row" in rep["hint"] and "--try drop=5" in rep["hint"]
+
+
+def test_empty_source_sentence_with_the_decoder_recorded_alone(tmp_path):
+    """The tutorial's two modules, the decoder recorded with its Adam and the loss: the same
+    softmax, module and row; its inputs are the encoder's outputs, so no blank record is
+    named, only the fully masked row."""
+    err = event_of(train_encoder_decoder, tmp_path, empty=13)
+    assert (err.event["step"], err.event["phase"]) == (1, "forward")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    assert (o["op"], o["module"], o["made"], o["samples"]) == \
+        ("aten._softmax", "attention", "nan", [5])
+    assert "pad_mask is True (masked) at every position of samples [5]" in rep["hint"]
+
+
+def test_empty_source_sentence_with_the_encoder_recorded_alone_points_downstream(tmp_path):
+    """Recorded on the encoder alone, the NaN enters its outputs' gradient from the decoder's
+    attention, row 5. The hint only said to pass the loss as loss_fn, which would not re-run
+    the decoder between the encoder and the loss; it now says the value may be a network's
+    that the loop ran on the model's output, and to record a module holding both."""
+    err = event_of(train_encoder_decoder, tmp_path, record="encoder", empty=13)
+    assert (err.event["step"], err.event["phase"]) == (1, "backward")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert rep["reproduced"] is True and rep["cause"] is None
+    assert (o["phase"], o["samples"]) == ("loss", [5])
+    assert "the seq2seq tutorial's decoder on the encoder's outputs" in rep["hint"]
+    assert "record a module that holds both" in rep["hint"]
 
 
 def test_log_of_softmax_in_the_char_rnn_generator_is_an_underflow(tmp_path):
