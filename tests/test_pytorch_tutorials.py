@@ -428,12 +428,14 @@ def test_corrupt_digit_image_is_an_input_event_on_its_row(tmp_path):
     assert (o["tensor"], o["made"], o["samples"]) == ("batch", "nan", [5])
 
 
-def test_polynomial_fit_at_100x_the_learning_rate_blames_the_forward_not_the_data(tmp_path):
+def test_polynomial_fit_at_100x_the_learning_rate_is_a_divergence_not_the_data(tmp_path):
     """The hand update at lr 5e-4 moves d from 0.3 to 2e6 in two steps; the loss's square of
-    a 1e27 prediction overflows. The report names aten.pow in the loss and sends the reader to
-    the forward's scale. It used to add that samples 0..1999 but the six nearest x = 0 were
-    'out of scale, 400x the other rows' largest': most of the batch standing above a few rows
-    near 0 is a grid's range, not corrupt records."""
+    a 1e27 prediction overflows. The report names aten.pow in the loss. It used to add that
+    samples 0..1999 but the six nearest x = 0 were 'out of scale, 400x the other rows'
+    largest': most of the batch standing above a few rows near 0 is a grid's range, not
+    corrupt records. With one step before it, the loss's and the gradient norm's jumps at
+    step 1 (4.4e6x, 7.8e5x) were no precursors (two steps were needed for a median); a
+    thousandfold jump is one from a single step, and the hint says the run was diverging."""
     err = event_of(train_polynomial, tmp_path, learning_rate=5e-4)
     assert (err.event["step"], err.event["phase"], err.event["module"]) == (2, "loss", "<loss>")
     rep = nanreplay_json(err.bundle_path)
@@ -443,7 +445,9 @@ def test_polynomial_fit_at_100x_the_learning_rate_blames_the_forward_not_the_dat
     assert o["source"].startswith(source_line(MODELS, "return (y_pred - y).pow(2).sum()"))
     assert len(o["samples"]) == 1994 and 999 not in o["samples"]
     assert "out of scale" not in rep["hint"]
-    assert "the forward had left the scale" in rep["hint"]
+    assert "the run was diverging" in rep["hint"] and "lower the learning rate" in rep["hint"]
+    assert {(p["step"], p["kind"]) for p in rep["precursors"]} >= \
+        {(1, "grad_norm_jump"), (1, "loss_jump")}
     # (one call of the model per backward: no note that the steps count calls)
     assert not any("count the model's calls" in p for p in rep["problems"])
 
