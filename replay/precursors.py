@@ -174,8 +174,7 @@ def find_precursors(hist: dict[str, Any], *, factor: float = JUMP,
         runaway growth): the line says through which step and how far it went. A layer's
         absmax of exactly 0 (an output identically zero: a zero-initialised branch, LoRA's
         ``B``, before its first updates) measures no scale and is no baseline: growth from it
-        is training starting, not a jump. With ``one``, a single step before is a baseline
-        for a thousandfold jump (:func:`_unmistakable`)."""
+        is training starting, not a jump. ``one``: see :func:`_unmistakable`."""
         seen = []
         run = None  # the jump the steps since have stayed above the median with
         for s, v in zip(steps, values):
@@ -206,7 +205,6 @@ def find_precursors(hist: dict[str, Any], *, factor: float = JUMP,
              "learning rate" + (f" (group {g})" if groups > 1 else ""))
     if groups > 1:
         out += _added_groups(hist, factor, event)
-    # (the step's global measures: a thousandfold jump from one step is one, _unmistakable)
     scan(hist["grad_norm"], "grad_norm_jump", "gradient norm", one=True)
     # weights are state, not a noisy measure: one earlier value is a baseline
     scan(hist.get("weight_norm") or [], "weight_jump",
