@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .cause_text import HINTS
+from .forward_steps import forward_steps_note
 from .load import Step
 from .precursors import find_precursors, history, module_dtypes
 from .source import statement
@@ -62,7 +63,7 @@ def base_report(step: Step) -> dict[str, Any]:
         "precursors": find_precursors(hist, dtypes=dtypes),
         "bisection": None,
         "fidelity": None,
-        "problems": list(step.problems),
+        "problems": list(step.problems) + forward_steps_note(meta, hist),
         "window": None,  # the rewind window re-run (replay.window_report)
         "what_if": [],  # the --try what-ifs (replay.whatif)
         "history": hist,

@@ -31,11 +31,13 @@ def outlier_input(step: Step, mb: int, rows: list[int], factor: float = FACTOR,
     """The first floating tensor of micro-batch ``mb`` (model inputs, then loss arguments)
     whose largest magnitude in ``rows`` is ``factor`` times that of every other row:
     ``{"tensor": its readable name, "value": that magnitude, "others": the other rows'}``;
-    None when there is none (or ``rows`` is empty or the whole batch)."""
+    None when there is none (or ``rows`` is empty or more than half the batch: records out of
+    scale are the few, and where most rows stand above the rest it is the rest that are small,
+    as the points of a grid near its 0)."""
     if not rows:
         return None
     for key, name, per in _row_magnitudes(step, mb, skip):
-        if max(rows) >= len(per) or len(rows) >= len(per):
+        if max(rows) >= len(per) or not _few(rows, per):
             continue
         mask = torch.zeros(len(per), dtype=torch.bool)
         mask[rows] = True
@@ -44,6 +46,12 @@ def outlier_input(step: Step, mb: int, rows: list[int], factor: float = FACTOR,
             return {"tensor": name, "value": top, "others": others, "key": key,
                     "fill": fill_value(step, mb, key, rows)}
     return None
+
+
+def _few(rows: list[int], per: torch.Tensor) -> bool:
+    """Whether ``rows`` are at most half of the ``len(per)`` rows (:func:`outlier_rows`'s
+    bound): a majority standing apart from a minority is no set of outlying records."""
+    return 2 * len(rows) <= len(per)
 
 
 def fill_value(step: Step, mb: int, key: str, rows: list[int]) -> float | None:
@@ -68,7 +76,7 @@ def undersized_input(step: Step, mb: int, rows: list[int], factor: float = FACTO
     if not rows:
         return None
     for key, name, per in _row_magnitudes(step, mb):
-        if max(rows) >= len(per) or len(rows) >= len(per) or (
+        if max(rows) >= len(per) or not _few(rows, per) or (
                 step.tensors[key].numel() == len(per)):
             continue
         mask = torch.zeros(len(per), dtype=torch.bool)

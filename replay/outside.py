@@ -242,7 +242,14 @@ def replayable_loss_hint(step: Step) -> str:
     return ("the loss was computed outside the recorder: pass it as FlightRecorder(..., "
             "loss_fn=...) (a loss module, or a function called as rec.loss_fn) so the replay "
             "re-runs it and names the op; rec.record_loss(loss) at least checks its value "
-            "every step")
+            "every step. " + DOWNSTREAM)
+
+
+# what else than the loss makes the gradient entering the output of a model recorded alone
+DOWNSTREAM = ("Where the loop runs another network on the model's output before the loss (the "
+              "seq2seq tutorial's decoder on the encoder's outputs, a head or a discriminator "
+              "with an optimizer of its own), the value may be that network's: record a module "
+              "that holds both, or that network with the loss as loss_fn")
 
 
 def trainer_loss_hint(step: Step) -> str:

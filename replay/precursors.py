@@ -168,13 +168,13 @@ def find_precursors(hist: dict[str, Any], *, factor: float = JUMP,
 
     watched: dict[int, set[int]] = {}  # step -> layers with enough history to jump there
 
-    def scan(values, kind, what, layer=None, least=2):
+    def scan(values, kind, what, layer=None, least=2, one=False):
         """A jump (a value ``factor`` times the median of the ``least`` or more before) is one
         line, however many steps stay above that after it (a learning rate set higher, a
         runaway growth): the line says through which step and how far it went. A layer's
         absmax of exactly 0 (an output identically zero: a zero-initialised branch, LoRA's
         ``B``, before its first updates) measures no scale and is no baseline: growth from it
-        is training starting, not a jump."""
+        is training starting, not a jump. ``one``: see :func:`_unmistakable`."""
         seen = []
         run = None  # the jump the steps since have stayed above the median with
         for s, v in zip(steps, values):
@@ -182,7 +182,7 @@ def find_precursors(hist: dict[str, Any], *, factor: float = JUMP,
                 break
             if v is None or not math.isfinite(v) or (layer is not None and v == 0):
                 continue
-            if len(seen) >= least:
+            if len(seen) >= least or one and _unmistakable(seen, v, factor):
                 med = statistics.median(seen)
                 if med > 0 and v >= factor * med and run is not None:
                     run["more"], run["through"] = run["more"] + 1, s
@@ -205,11 +205,11 @@ def find_precursors(hist: dict[str, Any], *, factor: float = JUMP,
              "learning rate" + (f" (group {g})" if groups > 1 else ""))
     if groups > 1:
         out += _added_groups(hist, factor, event)
-    scan(hist["grad_norm"], "grad_norm_jump", "gradient norm")
+    scan(hist["grad_norm"], "grad_norm_jump", "gradient norm", one=True)
     # weights are state, not a noisy measure: one earlier value is a baseline
     scan(hist.get("weight_norm") or [], "weight_jump",
          "weight norm (as the update before left them)", least=1)
-    scan(hist["loss"], "loss_jump", "loss")
+    scan(hist["loss"], "loss_jump", "loss", one=True)
     for li, layer in enumerate(hist["layers"]):
         col = [row[li] for row in hist["absmax"]]
         scan(col, "absmax_jump", f"absmax of {layer or '<root>'}", li)
@@ -221,6 +221,14 @@ def find_precursors(hist: dict[str, Any], *, factor: float = JUMP,
     out = _one_line_per_jump(out + overflowed_norms(hist), hist, watched)
     out.sort(key=lambda p: (p["step"], p["kind"]))
     return [{k: p[k] for k in ("step", "kind", "detail")} for p in out]
+
+
+def _unmistakable(seen: list[float], v: float, factor: float) -> bool:
+    """A jump from the one step before of ``factor ** 3`` or more (a thousandfold): one
+    baseline is too few for a noisy measure's median, but no noise makes such a jump (a
+    learning rate 100x too high, diverging from the first update: a polynomial fit's loss
+    462, 2.1e9, inf)."""
+    return len(seen) == 1 and seen[0] > 0 and v >= factor ** 3 * seen[0]
 
 
 # the norms the ring holds whose +inf the recorder's checks show to be an overflow of the norm

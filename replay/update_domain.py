@@ -17,7 +17,10 @@ from . import domains
 from .cause_text import DO
 from .ops import OpHit
 
-__all__ = ["update_domain", "domain_why", "updated_rows", "rows_of_weights"]
+__all__ = ["update_domain", "domain_why", "updated_rows", "rows_of_weights", "owner_type"]
+
+# torch's layers whose weight rows (dim 0) are output units, not entries looked up per sample
+UNIT_ROWS = ("torch.nn.modules.linear.", "torch.nn.modules.conv.")
 
 
 def update_domain(hit: OpHit | None) -> str | None:
@@ -53,16 +56,37 @@ def domain_why(domain: str) -> str:
             "torch.where(norm > 0, ratio, 1.0))")
 
 
-def updated_rows(name: str, p: torch.Tensor) -> tuple[dict, str]:
+def updated_rows(name: str, p: torch.Tensor, owner: str | None = None) -> tuple[dict, str]:
     """The rows (dim 0) of parameter ``name`` that the re-run update made non-finite, when only
     some are (an embedding table's entities), as the origin's ``rows``/``rows_of`` and the
     hint's words, which say when their gradient was all 0 there (rows absent from the batch:
-    the 0 a Riemannian expmap's u / ||u|| or a g / ||g|| divides by); ({}, "") otherwise."""
-    return rows_of_weights(name, p.detach(), p.grad)
+    the 0 a Riemannian expmap's u / ||u|| or a g / ||g|| divides by; output units no loss
+    reached, where ``owner``, the holding module's class, is a Linear or a convolution);
+    ({}, "") otherwise."""
+    return rows_of_weights(name, p.detach(), p.grad, owner=owner)
+
+
+def owner_type(meta: dict, name: str) -> str | None:
+    """The class (``module.QualName``) of the module that holds parameter ``name``, from the
+    bundle's ``modules``; None when it is not listed."""
+    owner = name.rpartition(".")[0]
+    return next((m.get("type") for m in meta.get("modules") or [] if m.get("name") == owner),
+                None)
+
+
+def _zero_rows(owner: str | None) -> str:
+    """Why a row's gradient was all 0: an entry no sample looked up, or, for a layer whose rows
+    are output units, a unit no sample's loss reached."""
+    if owner is None or not owner.startswith(UNIT_ROWS):
+        return " (absent from the batch)"
+    return (" (an output unit no sample's loss reached: a logit the loss never takes, as the "
+            "Q-value of an action no transition of the batch took or a class no label names, "
+            "or a unit a ReLU closed on the whole batch)")
 
 
 def rows_of_weights(name: str, w: torch.Tensor, g: torch.Tensor | None,
-                    first: torch.Tensor | None = None) -> tuple[dict, str]:
+                    first: torch.Tensor | None = None, owner: str | None = None
+                    ) -> tuple[dict, str]:
     """:func:`updated_rows` of weights ``w`` after the update and the gradient ``g`` it was
     given (a bundle that holds the weights after the update: its recorded gradient, or the
     second moment the update left, with ``first`` the first moment: a second moment 0 where
@@ -80,7 +104,7 @@ def rows_of_weights(name: str, w: torch.Tensor, g: torch.Tensor | None,
     return ({"rows": rows, "rows_of": w.shape[0]},
             f"; it made only row(s) {shown} of {w.shape[0]} of {name} non-finite"
             + (_underflowed(g.dtype) if lost else
-               ", every one a row whose gradient was all 0 (absent from the batch)"
+               ", every one a row whose gradient was all 0" + _zero_rows(owner)
                if zero else ""))
 
 
