@@ -250,6 +250,14 @@ def scaler_scale(scaler) -> torch.Tensor | None:
     return getattr(scaler, "_scale", None)
 
 
+def scaler_unscaled(scaler, optimizer) -> bool:
+    """The GradScaler unscaled ``optimizer``'s gradients this step (``unscale_``, or inside
+    ``scaler.step``: its ``OptState``), so they hold what the update takes; False while they
+    are still scaled (a loop calling ``opt.step()`` past the scaler)."""
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
+    return getattr(state and state.get("stage"), "name", None) in ("UNSCALED", "STEPPED")
+
+
 def scaler_token(scaler) -> int | None:
     """Changes exactly when a step ends for the scaler: ``update()`` replaces this dict."""
     return id(getattr(scaler, "_per_optimizer_states", None)) if scaler is not None else None

@@ -11,7 +11,7 @@ import operator
 
 import torch
 
-from .compat import version
+from .compat import scaler_unscaled, version
 from .finite import checkable, stored
 from .shards import PLAIN, local
 from .slots import GRAD, STRICT
@@ -98,7 +98,7 @@ def reread_changed_grads(tape: Tape, target: Target, param_norms: bool) -> None:
                 and _STRIDED.issuperset(map(_LAYOUT, grads)) and not any(map(_REQUIRES_GRAD, grads)):
             with tape.lock:
                 tape.grad_norms.update(zip(idx, tape.slots.sq_norm_each(grads, GRAD)))
-                tape.grads_reread = True
+                tape.grads_reread = _unscaled(target)
             return
     seen = tape.grad_seen
     strided = torch.strided
@@ -119,13 +119,21 @@ def reread_changed_grads(tape: Tape, target: Target, param_norms: bool) -> None:
                 grad = local(grad)
             grads.append(grad.detach() if grad.requires_grad else grad)
     if not idx:
+        if every:  # (no large gradient: the small ones' norms, taken after this, are as read)
+            tape.grads_reread = _unscaled(target)
         return
     with tape.lock:
         tape.grad_norms.update(zip(idx, tape.slots.sq_norm_each(grads, GRAD)))
-        tape.grads_reread = True
+        tape.grads_reread = _unscaled(target)
         if param_norms and not target.grad_hooks:
             weights = [local(target.params[i][1]).detach() for i in idx]
             tape.param_norms.update(zip(idx, tape.slots.sq_norm_each(weights, STRICT)))
+
+
+def _unscaled(target: Target) -> bool:
+    """Gradients read now hold what the update takes: no GradScaler, or it unscaled them
+    (else the step's norms are divided by its scale: see ``Tape.grads_reread``)."""
+    return not target.has_scaler or scaler_unscaled(target.scaler(), target.optimizer())
 
 
 def first_weight_norms(tape: Tape, target: Target) -> None:

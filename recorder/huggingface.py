@@ -16,6 +16,7 @@ callback ``accelerate`` (which the Trainer needs); nothing else in ``recorder`` 
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ class FlightRecorderCallback(TrainerCallback):
         check_callback_options(options.get("loss_fn"), options)
         self.options = options
         self.recorder: FlightRecorder | None = None
+        self._raised = None  # the hook that sees the model's forward raise
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None,
                        lr_scheduler=None, **kwargs):
@@ -49,6 +51,17 @@ class FlightRecorderCallback(TrainerCallback):
         self.recorder.target.compiled_elsewhere = bool(getattr(args, "torch_compile", False))
         self.recorder.integration = "huggingface"
         self.recorder.attach()
+        # the Trainer tells no callback of an exception: the model's own NaN check raising in
+        # its forward (which computes the loss) is seen here, as a ``with`` block's exit would
+        self._raised = model.register_forward_hook(self._forward_raised, always_call=True)
+
+    def _forward_raised(self, module, args, output) -> None:
+        """The model's forward raised (``always_call``: output None, inside torch's handler):
+        the step it cut short is checked, and a bundle written for a check that refused a
+        non-finite value; the exception goes on with the recorder's summary as a note."""
+        exc = sys.exc_info()[1] if output is None else None
+        if exc is not None and self.recorder is not None:
+            self.recorder.cycle.check_on_exception(exc)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.recorder is not None:
@@ -58,6 +71,9 @@ class FlightRecorderCallback(TrainerCallback):
     def detach(self) -> None:
         """Remove the recorder's hooks (done at the end of training; after a
         ``NonFiniteError`` they are inert until this is called)."""
+        if self._raised is not None:
+            self._raised.remove()
+            self._raised = None
         if self.recorder is not None:
             self.recorder.detach()
 

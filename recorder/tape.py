@@ -205,7 +205,8 @@ class Tape:
         # (micro-batch, output index, slot ref of its squared norm): the gradient backward
         # brought to each root output, checked like the parameters' (recorder.grads)
         self.out_grad_norms: list[tuple[int, int, tuple[int, int]]] = []
-        self.grads_reread = False  # norms re-read before the update (not as backward wrote)
+        # norms read before the update from unscaled gradients (else divided by the scale)
+        self.grads_reread = False
         self.evaluation = False  # an evaluation forward between steps, not a training step
         self.cut_short = False  # closed by the loop's exception, maybe before its loss ran
         # versions, at the step's start, of the trained parameters the optimizer does not hold

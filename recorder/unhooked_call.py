@@ -7,6 +7,7 @@ recorder is built, with what to record instead."""
 from __future__ import annotations
 
 import logging
+import sys
 
 from torch import nn
 
@@ -45,3 +46,22 @@ def warn_unhooked(model, loss_fn=None) -> None:
             "instead (for a GP, an nn.Module holding the model and the marginal log likelihood "
             "whose forward returns -mll(model(x), y)), with the optimizer over its parameters",
             what, type(module).__name__, cls.__module__, cls.__qualname__, seen)
+
+
+def forward_called_directly(root) -> bool:
+    """The root's ``forward`` is running on the current stack, but not under its
+    ``__call__``: the loop called ``model.forward(x)`` itself (PyTorch's forward-forward
+    example's ``self.forward(x_pos)``), which runs no hook, so no step opens. Read once, when
+    a submodule first runs outside a step (see ``StepCycle.outside_step``)."""
+    code = getattr(getattr(type(root), "forward", None), "__code__", None)
+    frame = sys._getframe(1)
+    while frame is not None and code is not None:
+        if frame.f_code is code and frame.f_locals.get("self") is root:
+            caller = frame.f_back
+            return caller is None or caller.f_code.co_name not in _CALL_FRAMES
+        frame = frame.f_back
+    return False
+
+
+# the frames of nn.Module.__call__ that run a forward with its hooks
+_CALL_FRAMES = frozenset({"_call_impl", "_wrapped_call_impl", "inner"})

@@ -68,3 +68,19 @@ class Clicks(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         x = torch.randn(8, generator=torch.Generator().manual_seed(i))
         return {"x": x * 30 if i in self.wrong_unit else x, "labels": torch.tensor(float(i % 2))}
+
+
+class CheckedClicker(Clicker):
+    """The click model with its own guard on the loss it computes, as training code adds one
+    after a NaN run: it raises inside the forward, before any hook sees the value."""
+
+    def forward(self, x, labels=None):
+        out = super().forward(x, labels)
+        if labels is not None and not torch.isfinite(out["loss"]):
+            raise ValueError(f"non-finite loss {out['loss'].item()}")
+        return out
+
+
+def make_checked_clicker() -> CheckedClicker:
+    torch.manual_seed(0)
+    return CheckedClicker()

@@ -20,6 +20,7 @@ import hf_models as H  # noqa: E402
 import torch  # noqa: E402
 
 from recorder import NonFiniteError  # noqa: E402
+from recorder.bundle import read_bundle  # noqa: E402
 from recorder.huggingface import FlightRecorderCallback  # noqa: E402
 from replay import replay  # noqa: E402
 
@@ -209,3 +210,31 @@ def test_bf16_training_is_replayed_under_the_autocast_accelerate_wraps_the_forwa
     o = rep["origin"]
     assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.log", "-inf", [4])
     assert "bfloat16" in rep["hint"] and "binary_cross_entropy_with_logits" in rep["hint"]
+
+
+def test_the_models_own_nan_check_raising_in_the_trainer_writes_the_bundle(tmp_path):
+    """The Trainer calls no callback when training raises, so a model whose forward checks
+    its loss (``raise ValueError("non-finite loss")``) ended ``train()`` with its own error
+    and no bundle. The callback now sees the forward raise: the step is bundled as a ``check``
+    event, the error goes on with the bundle's path as a note, and the replay names the op."""
+    bad = 2 * 8 + 4  # sample 4 of step 2
+    cb = FlightRecorderCallback(out_dir=tmp_path / "b", factory="hf_models:make_checked_clicker")
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, max_steps=6,
+        learning_rate=1e-3, bf16=True, report_to=[], save_strategy="no", use_cpu=True,
+        disable_tqdm=True, logging_strategy="no")
+    trainer = InOrder(model=H.make_checked_clicker(), args=args, callbacks=[cb],
+                      train_dataset=H.Clicks(wrong_unit={bad}))
+    with pytest.raises(ValueError, match="non-finite loss") as info:
+        trainer.train()
+    notes = getattr(info.value, "__notes__", [])
+    bundles = sorted((tmp_path / "b").glob("*.nan"))
+    assert len(bundles) == 1 and any(str(bundles[0]) in n for n in notes), notes
+    cb.detach()
+    assert not any(m._forward_hooks for m in trainer.model.modules())
+    rep = replay(bundles[0])
+    meta = read_bundle(bundles[0], want=lambda name: False)[0]
+    assert (meta["event"]["step"], meta["event"]["reason"]) == (2, "check"), meta["event"]
+    o = rep["origin"]
+    assert rep["reproduced"] is True and rep["cause"] == "precision", rep
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.log", "-inf", [4])

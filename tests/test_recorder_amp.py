@@ -259,3 +259,41 @@ def test_the_scalers_own_error_is_no_gradient_event(out_dir, nan_input):
     (path,) = written
     event = read_bundle(path, want=lambda name: False)[0]["event"]
     assert (event["step"], event["phase"], event["samples"]) == (0, "input", [3]), event
+
+
+@pytest.mark.parametrize("width", [16, 256], ids=["small_params", "large_params"])
+def test_gradient_norms_in_the_history_are_the_unscaled_ones(out_dir, width):
+    """A model whose parameters are all small (more than 16 of them, each under 32768
+    elements: their norms are batched when the step closes, after ``scaler.unscale_``) had
+    its gradient norms divided by the loss scale a second time in the history (1.3e-5 for
+    0.85 at scale 65536): no large parameter's norm was re-read before the update, so the
+    step's norms were taken for the scaled ones backward wrote. They are the norms the
+    loop's ``clip_grad_norm_`` measured, for large parameters as before."""
+    torch.manual_seed(0)
+    depth = 9 if width == 16 else 1  # (18 small parameters; a 256 x 16 and a 4 x 256 weight)
+    layers = [m for _ in range(depth) for m in (nn.Linear(16, width), nn.Tanh())]
+    model = nn.Sequential(*layers, nn.Linear(width, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    crit = nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(0)
+    clipped = []
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, scaler=scaler, out_dir=out_dir):
+            for step in range(4):
+                x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+                if step == 3:
+                    x[2] = float("nan")
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = crit(model(x), y)
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                clipped.append(float(nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
+                scaler.step(opt)
+                scaler.update()
+    _, tensors = read_bundle(info.value.bundle_path)
+    steps, norms = tensors["ring/steps"].tolist(), tensors["ring/grad_norm"].tolist()
+    recorded = {int(s): n for s, n in zip(steps, norms) if s >= 0}
+    for s in range(3):
+        assert recorded[s] == pytest.approx(clipped[s], rel=1e-3), (s, recorded, clipped)

@@ -657,3 +657,37 @@ def test_a_loop_that_never_calls_the_model_is_told_once(out_dir, caplog, through
     else:
         assert rec.step == 0 and len(said) == 1, said
         assert "no forward of the recorded model" in said[0] and "'enc'" in said[0]
+
+
+class _SelfForwarding(nn.Linear):
+    """PyTorch's forward-forward example's layer: a Linear whose training calls
+    ``self.forward(x)``, and whose forward calls a submodule."""
+
+    def __init__(self):
+        super().__init__(8, 8)
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        return self.relu(super().forward(x))
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["model.forward(x)", "model.relu(x)"])
+def test_a_loop_calling_forward_itself_is_told_to_call_the_model(out_dir, caplog, direct):
+    """``model.forward(x)`` runs no hook: no step opens, and the warning named the submodule
+    its forward called ('relu' ran on its own), advising to record another module. It now
+    says the loop calls the forward itself, and to call the model; a loop that does call a
+    part of the model on its own is still told so."""
+    torch.manual_seed(0)
+    m = _SelfForwarding()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with caplog.at_level("WARNING", logger="nanreplay"), \
+            FlightRecorder(m, opt, out_dir=out_dir) as rec:
+        for _ in range(2):
+            opt.zero_grad()
+            x = torch.randn(4, 8)
+            (m.forward(x) if direct else m.relu(x) * m.weight.sum()).sum().backward()
+            opt.step()
+    said = [r.getMessage() for r in caplog.records if r.name == "nanreplay"]
+    assert len(said) == 1 and rec.step == 0, said
+    assert ("the loop calls its forward itself (model.forward(x))" in said[0]) is direct, said
+    assert ("submodule 'relu' ran on its own" in said[0]) is not direct, said
