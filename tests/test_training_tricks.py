@@ -202,3 +202,70 @@ def test_ema_teacher_with_decay_above_1_names_the_teacher_and_the_decay(out_dir)
     assert o["samples"] == ev["samples"] and 4 not in o["samples"], o
     assert "(teacher_outputs)" in rep["hint"], rep["hint"]
     assert "a decay above 1" in rep["hint"], rep["hint"]
+
+
+def _two_step(which, out_dir):
+    """timm's Lookahead around AdamW (its step), or davda54's ASAM over SGD (first_step to
+    w + e(w), a second forward and backward, second_step back to w and the base step),
+    recorded with the optimizer whose step() updates: the wrapper, SAM's base_optimizer."""
+    model = M.make_model()
+    crit = nn.CrossEntropyLoss(label_smoothing=0.1)
+    if which == "lookahead":
+        opt = recorded = M.Lookahead(torch.optim.AdamW(model.parameters(), lr=1e-3), k=3)
+    else:
+        opt = M.SAM(model.parameters(), torch.optim.SGD, rho=2.0, adaptive=True, lr=0.1,
+                    momentum=0.9)
+        recorded = opt.base_optimizer
+
+    def loop():
+        for x, y in M.loader(n=96):
+            crit(model(x), y).backward()
+            if which == "lookahead":
+                opt.step()
+                opt.zero_grad()
+            else:
+                opt.first_step(zero_grad=True)
+                crit(model(x), y).backward()
+                opt.second_step(zero_grad=True)
+
+    if out_dir is None:
+        loop()
+    else:
+        with FlightRecorder(model, recorded, loss_fn=crit, out_dir=out_dir,
+                            factory="training_tricks_models:make_model") as rec:
+            loop()
+        assert rec.health.internal_errors == 0
+    return model
+
+
+@pytest.mark.parametrize("which", ["lookahead", "sam"])
+def test_lookahead_and_sam_train_bit_identically_under_the_recorder(out_dir, caplog, which):
+    """Lookahead's slow update after its base step (its state beside the base's moments) and
+    SAM's weights moved between a step's two forwards: both train with no event and no
+    warning, to the same weights as without the recorder."""
+    with caplog.at_level(logging.WARNING):
+        model = _two_step(which, out_dir)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert not list(Path(out_dir).glob("*.nan"))
+    plain = _two_step(which, None)
+    for a, b in zip(model.state_dict().values(), plain.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_sam_given_itself_warns_to_record_its_base_optimizer(out_dir, caplog):
+    """Given SAM itself, whose step() the loop never calls (first_step and second_step step
+    its base_optimizer), the recorder warns that the optimizer it was given never stepped;
+    the warning now names what to give it instead: optimizer.base_optimizer."""
+    model = M.make_model()
+    crit = nn.CrossEntropyLoss()
+    opt = M.SAM(model.parameters(), torch.optim.SGD, lr=0.1)
+    with caplog.at_level(logging.WARNING), \
+            FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir):
+        for x, y in M.loader(n=48):
+            crit(model(x), y).backward()
+            opt.first_step(zero_grad=True)
+            crit(model(x), y).backward()
+            opt.second_step(zero_grad=True)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "never stepped" in warned[0], warned
+    assert "FlightRecorder(model, optimizer.base_optimizer)" in warned[0], warned

@@ -16,6 +16,7 @@ timm writes them, on a tiny ViT, for ``test_training_tricks.py``:
 from __future__ import annotations
 
 import math
+from collections import OrderedDict, defaultdict
 
 import numpy as np
 import torch
@@ -335,3 +336,88 @@ def cosine_with_warmup(opt, warmup_steps, total_steps):
 def warmup_steps_of(warmup_epochs, steps_per_epoch):
     """The warm-up length as the script computes it from the epoch count (numpy ints)."""
     return np.int64(warmup_epochs) * np.int64(steps_per_epoch)
+
+
+# --- SAM / ASAM (davda54/sam) and Lookahead (timm.optim.lookahead) ---
+
+class SAM(torch.optim.Optimizer):
+    def __init__(self, params, base_optimizer, rho=0.05, adaptive=False, **kwargs):
+        defaults = dict(rho=rho, adaptive=adaptive, **kwargs)
+        super().__init__(params, defaults)
+        self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+        self.defaults.update(self.base_optimizer.defaults)
+
+    @torch.no_grad()
+    def first_step(self, zero_grad=False):
+        grad_norm = self._grad_norm()
+        for group in self.param_groups:
+            scale = group["rho"] / (grad_norm + 1e-12)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                self.state[p]["old_p"] = p.data.clone()
+                e_w = (torch.pow(p, 2) if group["adaptive"] else 1.0) * p.grad * scale.to(p)
+                p.add_(e_w)  # climb to the local maximum "w + e(w)"
+        if zero_grad:
+            self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self, zero_grad=False):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                p.data = self.state[p]["old_p"]  # get back to "w" from "w + e(w)"
+        self.base_optimizer.step()  # do the actual "sharpness-aware" update
+        if zero_grad:
+            self.zero_grad()
+
+    def step(self, closure=None):
+        raise NotImplementedError("SAM requires first_step and second_step")
+
+    def _grad_norm(self):
+        shared_device = self.param_groups[0]["params"][0].device
+        norm = torch.norm(torch.stack([
+            ((torch.abs(p) if group["adaptive"] else 1.0) * p.grad).norm(p=2).to(shared_device)
+            for group in self.param_groups for p in group["params"] if p.grad is not None]), p=2)
+        return norm
+
+
+class Lookahead(torch.optim.Optimizer):
+    """timm's Lookahead wrapper: no Optimizer.__init__, the base optimizer's groups shared,
+    the step-hook dicts torch's hooked step() reads set by hand."""
+
+    def __init__(self, base_optimizer, alpha=0.5, k=6):
+        defaults = dict(lookahead_alpha=alpha, lookahead_k=k, lookahead_step=0)
+        self.base_optimizer = base_optimizer
+        self.param_groups = self.base_optimizer.param_groups
+        self.defaults = base_optimizer.defaults
+        self.defaults.update(defaults)
+        self.state = defaultdict(dict)
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        for name, default in defaults.items():
+            for group in self.param_groups:
+                group.setdefault(name, default)
+
+    @torch.no_grad()
+    def update_slow(self, group):
+        for fast_p in group["params"]:
+            if fast_p.grad is None:
+                continue
+            param_state = self.state[fast_p]
+            if "slow_buffer" not in param_state:
+                param_state["slow_buffer"] = torch.empty_like(fast_p.data)
+                param_state["slow_buffer"].copy_(fast_p.data)
+            slow = param_state["slow_buffer"]
+            slow.add_(fast_p.data - slow, alpha=group["lookahead_alpha"])
+            fast_p.data.copy_(slow)
+
+    def step(self, closure=None):
+        loss = self.base_optimizer.step(closure)
+        for group in self.param_groups:
+            group["lookahead_step"] += 1
+            if group["lookahead_step"] % group["lookahead_k"] == 0:
+                self.update_slow(group)
+        return loss
