@@ -269,3 +269,28 @@ def test_sam_given_itself_warns_to_record_its_base_optimizer(out_dir, caplog):
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warned) == 1 and "never stepped" in warned[0], warned
     assert "FlightRecorder(model, optimizer.base_optimizer)" in warned[0], warned
+
+
+def test_pure_float16_adamw_names_eps_lost_in_float16(out_dir):
+    """model.half() with AdamW's default eps=1e-8, which float16 rounds to 0: under the
+    zero-initialised head every gradient before it is 0 at step 0, and m / (sqrt(v) + eps) is
+    0/0 in every one of those parameters (underflow of the eps, not of the data)."""
+    model = M.make_zero_head().half()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    crit = nn.CrossEntropyLoss(label_smoothing=0.1)
+    err = None
+    try:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="training_tricks_models:make_zero_head"):
+            for x, y in M.loader(n=32):
+                crit(model(x.half()).float(), y).backward()
+                opt.step()
+                opt.zero_grad()
+    except NonFiniteError as e:
+        err = e
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["params"][0]) == (0, "optimizer", "cls_token"), ev
+    rep = nanreplay_json(err.bundle_path, code=1)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["param"]) == (False, "optimizer", "cls_token"), o
+    assert "eps=1e-08 is 0 in float16" in rep["hint"], rep["hint"]
