@@ -202,6 +202,8 @@ def test_ema_teacher_with_decay_above_1_names_the_teacher_and_the_decay(out_dir)
     assert o["samples"] == ev["samples"] and 4 not in o["samples"], o
     assert "(teacher_outputs)" in rep["hint"], rep["hint"]
     assert "a decay above 1" in rep["hint"], rep["hint"]
+    assert "its finite entries reach 6.69e+09" in rep["hint"], rep["hint"]
+    assert "an EMA whose decay is above 1 lerps with weight 1 - decay < 0" in rep["hint"]
 
 
 def _two_step(which, out_dir):
