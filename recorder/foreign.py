@@ -28,7 +28,9 @@ WARNING = ("nanreplay: the model's weights were updated but the optimizer given 
            "FlightRecorder never stepped: the loop steps another optimizer (one created after "
            "the recorder?). Each forward now closes the step, after the update, so gradients "
            "are not checked and a bad update is not stopped: give FlightRecorder the optimizer "
-           "the loop steps.")
+           "the loop steps (a wrapper whose own methods step an optimizer it holds, SAM's "
+           "first_step() and second_step(): that one, FlightRecorder(model, "
+           "optimizer.base_optimizer)).")
 
 
 class ForeignUpdates:

@@ -114,7 +114,8 @@ WHOLE_TENSOR = (
     "the batch itself holds NaN/Inf, and every value of {tensor} is {kind}: no sample and no "
     "feature stands out, so the code that made the whole tensor did (a division by a scalar "
     "that is 0, as a sampler's x / sqrt(alpha_bar) where the schedule reaches alpha_bar = 0, "
-    "or a multiplication by a NaN/Inf scalar), not a record of the data{evaluating}")
+    "or a multiplication by a NaN/Inf scalar or weight: a mixup lambda from Beta(0, 0), "
+    "x / (x + y) of two 0 draws), not a record of the data{evaluating}")
 WHOLE_TENSOR_EVALUATING = (
     "; this forward ran with gradients off between steps, so the loop's code before it (a "
     "sampling loop feeding the model what it computed from the last output) is the first "
@@ -132,8 +133,9 @@ LOSS_ARGUMENT = ("{tensor} is an argument of the loss, not data the model took (
                  "were finite){every}: if the loop computes it (a teacher's or a momentum/EMA "
                  "target network's output, a target built from the batch), that code made the "
                  "{kind}: check it and the weights of the network behind it (an EMA update "
-                 "with a non-finite momentum); if it is data (labels, regression targets), fix "
-                 "the data pipeline for these samples")
+                 "with a non-finite momentum, or a decay above 1, which steps away from the "
+                 "model and grows the weights each update); if it is data (labels, regression "
+                 "targets), fix the data pipeline for these samples")
 LOSS_ARGUMENT_EVERY = (", and every row holds {kind}: a cause the rows share, not one sample's "
                        "data (a network's weights, or a statistic of the batch: targets "
                        "standardised per batch, (y - y.mean()) / y.std(), divide by a std of 0 "

@@ -57,6 +57,7 @@ from .empty_graphs import empty_graphs_hint
 from .empty_records import empty_records_hint
 from .fp16_drift import fp16_drift_hint
 from .grouped_arg import grouped_arg_hint
+from .grown_arg import grown_argument_hint
 from .grown_number import grown_number_hint
 from .ignored_micro_batch import ignored_micro_batch_hint
 from .inf_normalised import inf_normalised_hint
@@ -99,6 +100,7 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     masked_overflow_hint(report, step)  # (padded steps' overflow, masked by nll * mask)
     data_overflow_hint(report, step)  # (a loss's pow of its targets alone: 0..255 heatmaps)
     huge_output_hint(report, step)  # (mse of traces a CFL-unstable simulation made 1e35)
+    grown_argument_hint(report, step)  # (an EMA teacher's logits of 1e9 with decay > 1)
     grouped_arg_hint(report, step)  # (a preference pair's NaN rating gap: the pair's rows)
     single_sample_hint(report, step)  # (InfoLOOB's negatives of a last batch of one)
     same_record_pairs_hint(report, step)  # (a triplet whose positive is its anchor's text)
