@@ -6,8 +6,8 @@ recorder is built, with what to record instead."""
 
 from __future__ import annotations
 
+import inspect
 import logging
-import sys
 
 from torch import nn
 
@@ -54,7 +54,7 @@ def forward_called_directly(root) -> bool:
     example's ``self.forward(x_pos)``), which runs no hook, so no step opens. Read once, when
     a submodule first runs outside a step (see ``StepCycle.outside_step``)."""
     code = getattr(getattr(type(root), "forward", None), "__code__", None)
-    frame = sys._getframe(1)
+    frame = inspect.currentframe()
     while frame is not None and code is not None:
         if frame.f_code is code and frame.f_locals.get("self") is root:
             caller = frame.f_back
