@@ -177,3 +177,19 @@ def unit_data(n: int = 96, seed: int = 0) -> TensorDataset:
     y = torch.sigmoid(2 * x[:, 0])
     y[x[:, 1] < -0.3] = 0.0
     return TensorDataset(x, c, y)
+
+
+class BinaryCrossEntropy(nn.Module):
+    """Binary cross entropy written from its formula, on the model's probabilities."""
+
+    def forward(self, logits, target):
+        p = torch.sigmoid(logits)
+        return -(target * torch.log(p) + (1 - target) * torch.log(1 - p)).mean()
+
+
+def binary_data(n: int = 96, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, N_NUM, generator=g)
+    c = torch.randint(0, N_CAT, (n,), generator=g)
+    y = (x[:, 0] + 0.3 * torch.randn(n, generator=g) > 0).float()
+    return TensorDataset(x, c, y)

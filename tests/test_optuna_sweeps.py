@@ -28,7 +28,7 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 HEALTHY = dict(lr=1e-3, optimizer="Adam", weight_decay=1e-5, eps=1e-8, batch_size=32,
                n_layers=2, width=16, dropout=0.0, activation="relu")
 DATA = {"pearson": M.regression_data, "mse": M.regression_data, "lasso": M.regression_data,
-        "count": M.count_data, "distill": M.class_data}
+        "count": M.count_data, "distill": M.class_data, "bce": M.binary_data}
 
 
 def line_of(text: str) -> str:
@@ -52,6 +52,8 @@ def suggest(trial: optuna.Trial, task: str) -> dict:
         trial.suggest_float("temperature", 0.0, 4.0, step=0.5)
     if task == "lasso":
         trial.suggest_float("group_lasso", 1e-4, 1e-1, log=True)
+    if task == "bce":
+        trial.suggest_categorical("precision", ["fp32", "bf16"])
     # (the settings the search does not vary, which the factory needs as well)
     return {**trial.params, "n_out": 3 if task == "distill" else 1}
 
@@ -64,6 +66,7 @@ def build(params: dict, task: str):
                         weight_decay=params["weight_decay"], **extra)
     loss_fn = {"pearson": lambda: M.PearsonLoss(), "mse": lambda: nn.MSELoss(),
                "count": lambda: nn.PoissonNLLLoss(log_input=False),
+               "bce": lambda: M.BinaryCrossEntropy(),
                "distill": lambda: M.DistillLoss(M.make_teacher(), params.get("temperature")),
                "lasso": lambda: M.GroupLassoLoss(nn.MSELoss(), model,
                                                  params.get("group_lasso"))}[task]()
@@ -74,12 +77,13 @@ def train(model, optimizer, loss_fn, params, task, epochs, trial=None):
     """The trial's loop: the last batch's loss, or a reported value per epoch."""
     loader = DataLoader(DATA[task](), batch_size=params["batch_size"], shuffle=True,
                         generator=torch.Generator().manual_seed(0))
-    losses = []
+    losses, bf16 = [], params.get("precision") == "bf16"
     for epoch in range(epochs):
         model.train()
         for x, c, y in loader:
             optimizer.zero_grad()
-            out = model(x, c)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                out = model(x, c)
             loss = loss_fn(out, x, c, y) if task == "distill" else loss_fn(out, y)
             loss.backward()
             optimizer.step()
@@ -272,3 +276,20 @@ def test_group_lasso_on_a_zero_row_is_a_backward_only_nan(tmp_path):
         True, "invalid", "<loss>", "SqrtBackward0", "+inf"), rep
     assert o["source"] == line_of("norms = self.model.embed.weight.pow(2)")
     assert "torch.linalg.vector_norm(d, dim=-1)" in rep["hint"], rep["hint"]
+
+
+def test_bf16_trial_rounds_a_probability_to_one_under_a_hand_written_bce(tmp_path):
+    """The trial that picked bf16 autocast: the logits come out in bfloat16, their sigmoid
+    rounds to 1 in sample 18 at step 4 (float64 keeps it below 1), and ``log(1 - p)`` is
+    -inf, times a label of 0 NaN: precision, with the logits form as the fix."""
+    ev, rep = failed(tmp_path, "bce", {"lr": 0.2, "precision": "bf16"})
+    assert ev == {"step": 4, "phase": "loss", "module": "<loss>"}
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "precision", "<loss>", "aten.log", "-inf", [18]), rep
+    assert o["source"] == line_of("torch.log(1 - p)).mean()")
+    assert "rounded to 1 in bfloat16" in rep["hint"], rep["hint"]
+    assert "binary_cross_entropy_with_logits" in rep["hint"], rep["hint"]
+    # the same trial in float32 trains through
+    study = sweep(tmp_path / "fp32", "bce", {"lr": 0.2, "precision": "fp32"})
+    assert study.trials[0].state == TrialState.COMPLETE
