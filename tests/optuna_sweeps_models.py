@@ -193,3 +193,9 @@ def binary_data(n: int = 96, seed: int = 0) -> TensorDataset:
     c = torch.randint(0, N_CAT, (n,), generator=g)
     y = (x[:, 0] + 0.3 * torch.randn(n, generator=g) > 0).float()
     return TensorDataset(x, c, y)
+
+
+def make_strict(n_layers: int, width: int, dropout: float, activation: str,
+                link: str = "identity", n_out: int = 1) -> SweepNet:
+    """A factory that takes exactly the model's own settings (no ``**kwargs``)."""
+    return SweepNet(n_layers, width, dropout, activation, link, n_out)

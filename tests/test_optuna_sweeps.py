@@ -293,3 +293,25 @@ def test_bf16_trial_rounds_a_probability_to_one_under_a_hand_written_bce(tmp_pat
     # the same trial in float32 trains through
     study = sweep(tmp_path / "fp32", "bce", {"lr": 0.2, "precision": "fp32"})
     assert study.trials[0].state == TrialState.COMPLETE
+
+
+def test_trial_params_given_to_a_factory_of_the_model_settings_alone(tmp_path):
+    """``factory_kwargs=trial.params`` with a factory that takes only the model's settings
+    (no ``**kwargs``): the replay called it with the optimizer's and the loop's keys too and
+    failed (exit 2, 'unexpected keyword argument lr'); now those keys are left out, a note
+    names them, and the trial's network (3 layers) is rebuilt."""
+    params = {**HEALTHY, "n_layers": 3, "dropout": 1.0}
+    torch.manual_seed(0)
+    model, optimizer, loss_fn = build({**params, "n_out": 1}, "pearson")
+    with pytest.raises(NonFiniteError) as e:
+        with FlightRecorder(model, optimizer, loss_fn=loss_fn, out_dir=tmp_path,
+                            factory="optuna_sweeps_models:make_strict", factory_kwargs=params):
+            train(model, optimizer, loss_fn, params, "pearson", 1)
+    rep = nanreplay_json(e.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"]) == (
+        True, "invalid", "body.2", "aten.div"), rep
+    assert rep["fidelity"]["matches"] is True, rep["fidelity"]
+    assert any("factory_kwargs lr, optimizer, weight_decay, eps, batch_size are no parameters "
+               "of the factory optuna_sweeps_models:make_strict" in p
+               for p in rep["problems"]), rep["problems"]
