@@ -315,3 +315,21 @@ def test_trial_params_given_to_a_factory_of_the_model_settings_alone(tmp_path):
     assert any("factory_kwargs lr, optimizer, weight_decay, eps, batch_size are no parameters "
                "of the factory optuna_sweeps_models:make_strict" in p
                for p in rep["problems"]), rep["problems"]
+
+
+def test_trial_the_pruner_stops_inside_the_recorder_leaves_no_bundle_and_no_hooks(tmp_path):
+    """``raise optuna.TrialPruned()`` from ``trial.should_prune()`` inside the recorder's
+    ``with`` (a MedianPruner stopping a trial at lr=3, worse than the first after its first
+    epoch, before it overflows): no event, no bundle, no hook left on that trial's model; the
+    next trial trains and completes."""
+    models: list[nn.Module] = []
+    study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=0),
+                                pruner=optuna.pruners.MedianPruner(n_startup_trials=1))
+    for o in ({}, {"lr": 3.0, "optimizer": "SGD"}, {"activation": "silu"}):
+        study.enqueue_trial({**HEALTHY, **o})
+    study.optimize(objective_for("mse", tmp_path, models=models), n_trials=3)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.PRUNED,
+                                               TrialState.COMPLETE]
+    assert study.trials[1].last_step == 0 and "bundle" not in study.trials[1].user_attrs
+    assert not list(tmp_path.rglob("*.nan"))
+    assert [_hooks(m) for m in models] == [0, 0, 0]
