@@ -50,13 +50,15 @@ ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh, "silu": nn.SiLU, "gelu": nn.GEL
 class SweepNet(nn.Module):
     def __init__(self, n_layers: int = 2, width: int = 16, dropout: float = 0.0,
                  activation: str = "relu", link: str = "identity", n_out: int = 1,
-                 emb_dim: int = 3):
+                 emb_dim: int = 3, norm: str = "none"):
         super().__init__()
         self.embed = nn.Embedding(N_CAT, emb_dim, padding_idx=0)
         layers: list[nn.Module] = []
         d = N_NUM + emb_dim
         for _ in range(n_layers):
             layers += [nn.Linear(d, width), ACTIVATIONS[activation](), MCDropout(dropout)]
+            if norm == "batchnorm":
+                layers.append(nn.BatchNorm1d(width))
             d = width
         self.body = nn.Sequential(*layers)
         self.head = nn.Linear(d, n_out)
@@ -74,9 +76,9 @@ class SweepNet(nn.Module):
 
 def make_model(n_layers: int = 2, width: int = 16, dropout: float = 0.0,
                activation: str = "relu", link: str = "identity", n_out: int = 1,
-               **_unused) -> SweepNet:
+               norm: str = "none", **_unused) -> SweepNet:
     """One trial's network from its ``trial.params`` (keys the model does not take ignored)."""
-    return SweepNet(n_layers, width, dropout, activation, link, n_out)
+    return SweepNet(n_layers, width, dropout, activation, link, n_out, norm=norm)
 
 
 class PearsonLoss(nn.Module):

@@ -27,7 +27,8 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 # a trial that trains well; each test overrides what its planted failure needs
 HEALTHY = dict(lr=1e-3, optimizer="Adam", weight_decay=1e-5, eps=1e-8, batch_size=32,
                n_layers=2, width=16, dropout=0.0, activation="relu")
-DATA = {"pearson": M.regression_data, "mse": M.regression_data, "lasso": M.regression_data,
+DATA = {"pearson": M.regression_data, "mse": M.regression_data, "bn": M.regression_data,
+        "lasso": M.regression_data,
         "count": M.count_data, "distill": M.class_data, "bce": M.binary_data}
 
 
@@ -54,6 +55,8 @@ def suggest(trial: optuna.Trial, task: str) -> dict:
         trial.suggest_float("group_lasso", 1e-4, 1e-1, log=True)
     if task == "bce":
         trial.suggest_categorical("precision", ["fp32", "bf16"])
+    if task == "bn":
+        trial.suggest_categorical("norm", ["none", "batchnorm"])
     # (the settings the search does not vary, which the factory needs as well)
     return {**trial.params, "n_out": 3 if task == "distill" else 1}
 
@@ -65,6 +68,7 @@ def build(params: dict, task: str):
     optimizer = opt_cls(model.parameters(), lr=params["lr"],
                         weight_decay=params["weight_decay"], **extra)
     loss_fn = {"pearson": lambda: M.PearsonLoss(), "mse": lambda: nn.MSELoss(),
+               "bn": lambda: nn.MSELoss(),
                "count": lambda: nn.PoissonNLLLoss(log_input=False),
                "bce": lambda: M.BinaryCrossEntropy(),
                "distill": lambda: M.DistillLoss(M.make_teacher(), params.get("temperature")),
@@ -333,3 +337,18 @@ def test_trial_the_pruner_stops_inside_the_recorder_leaves_no_bundle_and_no_hook
     assert study.trials[1].last_step == 0 and "bundle" not in study.trials[1].user_attrs
     assert not list(tmp_path.rglob("*.nan"))
     assert [_hooks(m) for m in models] == [0, 0, 0]
+
+
+def test_batchnorm_trial_with_a_last_batch_of_one_fails_without_an_event(tmp_path):
+    """BatchNorm1d refuses a training batch of one sample itself (a ValueError, no NaN): the
+    study's ``catch=(ValueError,)`` marks that trial failed; the recorder wrote nothing and
+    left no hook, and the next trial completes."""
+    models: list[nn.Module] = []
+    study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=0))
+    for o in ({"batch_size": 95, "norm": "batchnorm"}, {"norm": "none"}):
+        study.enqueue_trial({**HEALTHY, **o})
+    study.optimize(objective_for("bn", tmp_path, models=models), n_trials=2,
+                   catch=(ValueError,))
+    assert [t.state for t in study.trials] == [TrialState.FAIL, TrialState.COMPLETE]
+    assert not list(tmp_path.rglob("*.nan"))
+    assert [_hooks(m) for m in models] == [0, 0]
