@@ -99,7 +99,8 @@ def train(model, optimizer, loss_fn, params, task, epochs, trial=None):
     return losses
 
 
-def objective_for(task: str, out_root, epochs: int = 3, models: list | None = None):
+def objective_for(task: str, out_root, epochs: int = 3, models: list | None = None,
+                  **rec_kw):
     def objective(trial: optuna.Trial) -> float:
         params = suggest(trial, task)
         torch.manual_seed(trial.number)
@@ -110,7 +111,7 @@ def objective_for(task: str, out_root, epochs: int = 3, models: list | None = No
             with FlightRecorder(model, optimizer, loss_fn=loss_fn,
                                 out_dir=out_root / f"trial{trial.number}",
                                 factory="optuna_sweeps_models:make_model",
-                                factory_kwargs=params) as rec:
+                                factory_kwargs=params, **rec_kw) as rec:
                 losses = train(model, optimizer, rec.loss_fn, params, task, epochs, trial)
         except NonFiniteError as e:
             trial.set_user_attr("bundle", str(e.bundle_path))
@@ -120,19 +121,20 @@ def objective_for(task: str, out_root, epochs: int = 3, models: list | None = No
     return objective
 
 
-def sweep(tmp_path, task: str, *overrides: dict, models: list | None = None):
+def sweep(tmp_path, task: str, *overrides: dict, models: list | None = None, **rec_kw):
     """A study whose first trials are ``overrides`` of HEALTHY (enqueued, as a sweep seeds its
     search with known points), run in this process."""
     study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=0))
     for o in overrides:
         study.enqueue_trial({**HEALTHY, **o})
-    study.optimize(objective_for(task, tmp_path, models=models), n_trials=len(overrides))
+    study.optimize(objective_for(task, tmp_path, models=models, **rec_kw),
+                   n_trials=len(overrides))
     return study
 
 
-def failed(tmp_path, task: str, override: dict, code: int = 0) -> tuple[dict, dict]:
+def failed(tmp_path, task: str, override: dict, code: int = 0, **rec_kw) -> tuple[dict, dict]:
     """The one trial of ``override``: its event and its bundle's ``--json`` report."""
-    t = sweep(tmp_path, task, override).trials[0]
+    t = sweep(tmp_path, task, override, **rec_kw).trials[0]
     assert t.state == TrialState.PRUNED and "bundle" in t.user_attrs, (t.state, t.user_attrs)
     return t.user_attrs["event"], nanreplay_json(t.user_attrs["bundle"], code=code)
 
@@ -227,6 +229,14 @@ def test_adam_eps_of_zero_names_the_embedding_padding_row(tmp_path):
     assert "embed's padding row, padding_idx=0, which Embedding never gives a gradient" in \
         rep["hint"], rep["hint"]
     assert "absent from the batch" not in rep["hint"], rep["hint"]
+    # recorded with guard_optimizer=True, the update is re-run: the same row, named the same
+    ev, rep = failed(tmp_path / "guard", "pearson", {"optimizer": "AdamW", "eps": 0.0,
+                                                     "weight_decay": 0.05}, guard_optimizer=True)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["param"], o["op"]) == (
+        True, "optimizer", "embed.weight", "aten.addcdiv_"), rep
+    assert "embed's padding row, padding_idx=0, which Embedding never gives a gradient" in \
+        rep["hint"] and "absent from the batch" not in rep["hint"], rep["hint"]
 
 
 def test_distillation_temperature_of_zero_replays_the_teacher_and_names_the_attribute(tmp_path):
