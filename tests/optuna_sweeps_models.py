@@ -7,17 +7,19 @@ suggested (the others, ``lr``, ``optimizer``, ``batch_size``..., are ignored by 
 
 - ``SweepNet``: a tabular MLP over numeric features and one categorical column embedded with a
   padding row (``padding_idx=0``, the "unknown" category); ``n_layers`` x (``Linear``, the
-  suggested activation, ``MCDropout`` of rate ``dropout``), and a head whose ``link`` is
-  ``"identity"`` (regression), ``"softplus"`` or ``"exp"`` (a count's rate, Poisson
-  regression).
+  suggested activation, ``MCDropout`` of rate ``dropout``, a ``BatchNorm1d`` when ``norm`` is
+  ``"batchnorm"``), and a head whose ``link`` is ``"identity"`` (regression), ``"softplus"``
+  or ``"exp"`` (a count's rate, Poisson regression). ``make_strict`` builds it from the
+  model's settings alone (no ``**kwargs``), as many sweeps' ``build_model`` is written.
 - ``MCDropout``: the hand-written inverted dropout of MC-dropout code (kept on at evaluation):
   ``x * mask / (1 - p)``.
 
 Losses the objectives pick: ``PearsonLoss`` (1 - the Pearson correlation of a batch, the
 metric of Numerai-style regression sweeps, unbiased std), ``DistillLoss`` (Hinton's KD with
 a suggested temperature: ``KL(softmax(t / T) || softmax(s / T)) * T^2`` beside the hard-label
-cross entropy), ``PowerLoss`` (``|pred - y| ** power`` with a suggested power, a robust loss
-for values clipped into their range).
+cross entropy), ``GroupLassoLoss`` (a base loss plus a hand-written
+group lasso ``sqrt(sum(w ** 2))`` over the embedding's rows, the model held by the loss),
+``BinaryCrossEntropy`` (BCE from its formula, on ``sigmoid(logits)``).
 """
 
 from __future__ import annotations
@@ -109,18 +111,6 @@ class DistillLoss(nn.Module):
         return self.alpha * soft * T * T + (1 - self.alpha) * hard
 
 
-class PowerLoss(nn.Module):
-    """``mean(|clamp(pred, 0, 1) - y| ** power)``: a robust loss on a target in [0, 1]."""
-
-    def __init__(self, power: float):
-        super().__init__()
-        self.power = power
-
-    def forward(self, pred, target):
-        err = (pred.clamp(0.0, 1.0) - target).abs()
-        return err.pow(self.power).mean()  # power < 1: d/dx at err = 0 is inf * 0
-
-
 class GroupLassoLoss(nn.Module):
     """A base loss plus a group-lasso penalty on the categorical embedding's rows (one group
     per category, to prune the categories the model does not need), written by hand."""
@@ -168,16 +158,6 @@ def class_data(n: int = 96, seed: int = 0) -> TensorDataset:
     x = torch.randn(n, N_NUM, generator=g)
     c = torch.randint(0, N_CAT, (n,), generator=g)
     y = (x[:, 0] > 0).long() + (x[:, 1] > 1).long()
-    return TensorDataset(x, c, y)
-
-
-def unit_data(n: int = 96, seed: int = 0) -> TensorDataset:
-    """A target in [0, 1] with exact 0s (a rate that is often none at all)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, N_NUM, generator=g)
-    c = torch.randint(0, N_CAT, (n,), generator=g)
-    y = torch.sigmoid(2 * x[:, 0])
-    y[x[:, 1] < -0.3] = 0.0
     return TensorDataset(x, c, y)
 
 
