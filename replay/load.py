@@ -30,6 +30,7 @@ from recorder.rng import rng_from_bundle
 from .attributes import built_otherwise, restore_attributes, restore_trained, restored_note
 from .errors import FactoryRefused, ReplayError, one_line
 from .factory import recorded_argv, resolve_factory
+from .factory_params import taken_kwargs
 from .loss_params import attach_loss_params
 from .losses import Unrebuildable, kept_defaults, rebuild_loss
 from .optim import build_optimizer
@@ -214,6 +215,9 @@ def _build(step: Step, spec: str, explicit: bool, factory_kwargs: dict[str, Any]
     fn = resolve_factory(spec, explicit=explicit)
     kwargs = factory_kwargs if factory_kwargs is not None else meta.get("factory_kwargs") or {}
     step.factory_kwargs = dict(kwargs)
+    kwargs, left_out = taken_kwargs(fn, kwargs, spec)  # (a sweep's trial.params: lr, ...)
+    if left_out:
+        step.problems.append(left_out)
     # Build on the meta device so loading the bundle's weights does not hold two copies; fall
     # back to a real build for factories that need real tensors.
     try:

@@ -232,6 +232,7 @@ def _module(node: dict[str, Any], tensors, device, *, top: bool = False,
         _clear(m, k)
         m.add_module(k, None if child is None else _module(child, tensors, device,
                                                             shared=shared, into=made))
+    _drop_unrecorded(m, node)
     # each node's own recorded mode, not train()'s recursion, which would put a child's eval
     # mode (a perceptual loss's extractor, set eval in its __init__) back to training
     m.training = bool(node.get("training", True))
@@ -241,6 +242,21 @@ def _module(node: dict[str, Any], tensors, device, *, top: bool = False,
                             f"{', '.join(lost[:3])}: not JSON values, tensors, modules or "
                             f"importable functions), so it was not rebuilt; {_FACTORY_WAY[3:]}")
     return m
+
+
+def _drop_unrecorded(m: nn.Module, node: dict[str, Any]) -> None:
+    """Remove the submodules, parameters and buffers the class's default construction made
+    that the recorded module did not hold (a distillation loss's teacher network built
+    shallower than its class's defaults, ``SweepNet(n_layers=1)``: the defaults' extra layers
+    would run after the recorded ones, which ``add_module`` puts last)."""
+    for table, names in (("children", [n for n, _ in m.named_children()]),
+                         ("params", [n for n, _ in m.named_parameters(recurse=False)]),
+                         ("buffers", [n for n, _ in m.named_buffers(recurse=False)])):
+        recorded = node.get(table)
+        if isinstance(recorded, dict):
+            for k in names:
+                if k not in recorded:
+                    _clear(m, k)
 
 
 def _class_name(cls: type) -> str:

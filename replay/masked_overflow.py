@@ -28,6 +28,7 @@ from .load import Step
 from .masked_after import masked_in_loss
 from .masked_product import mask_dropped
 from .unfilled import UNFILLED
+from .zero_coefficient import zero_coefficient
 
 
 def _non_finite(leaves) -> bool:
@@ -54,6 +55,8 @@ def masked_overflow_hint(report: dict[str, Any], step: Step) -> None:
         hint = _lead(report["hint"]) if UNFILLED in report["hint"] else report["hint"]
         report["hint"] = hint + BRANCH.format(op=op, at=at)
         return
+    if zero_coefficient(watch.factors, step.loss_fn):
+        return  # (a number or 0-d factor of 0, a distillation's T * T at T = 0: no mask)
     if report["cause"] == "invalid":  # (an op at its pole; a mask's product already said)
         # (the masked entries' 0 is no unfilled slot to look for: that advice is replaced)
         hint = _lead(report["hint"]) if UNFILLED in report["hint"] else report["hint"]

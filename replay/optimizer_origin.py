@@ -62,8 +62,8 @@ def report_optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
                            chain=finder.chain(), made=made)
     domain = update_domain(hit)
     origin["domain"] = domain
-    rows, where = updated_rows(bad[0], params[bad[0]], owner_type(step.meta, bad[0])) \
-        if bad else ({}, "")
+    rows, where = updated_rows(bad[0], params[bad[0]], owner_type(step.meta, bad[0]),
+                               step.model) if bad else ({}, "")
     where += zero_input_columns_text(step, bad[0], params[bad[0]]) if bad else ""
     origin.update(rows)  # (an embedding's entities: which the update broke)
     hint = optimizer_hint(step, hit.op if hit else None, made, bad, step.event.get("step"),
@@ -128,7 +128,7 @@ def after_update_hint(step: Step, params: list[str]) -> str | None:
         # gradient was; the bundle's gradients may be a later backward's, through the NaN)
         why += rows_of_weights(params[0], w, _second_moment(step, params[0]),
                                step.tensors.get(f"optim/{params[0]}/exp_avg"),
-                               owner_type(step.meta, params[0]))[1]
+                               owner_type(step.meta, params[0]), step.model)[1]
         why += zero_input_columns_text(step, params[0], w)
     return why and (f"{opt.get('class', '').rpartition('.')[2]}'s update at step "
                     f"{step.event.get('step')} made {params[0]} non-finite (not re-run: the "

@@ -10,6 +10,7 @@ names the op's values, as a forward op's cause does, and ``--try auto`` proposes
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from recorder.finite import bad_rows
 
@@ -56,14 +57,15 @@ def domain_why(domain: str) -> str:
             "torch.where(norm > 0, ratio, 1.0))")
 
 
-def updated_rows(name: str, p: torch.Tensor, owner: str | None = None) -> tuple[dict, str]:
+def updated_rows(name: str, p: torch.Tensor, owner: str | None = None,
+                 model: nn.Module | None = None) -> tuple[dict, str]:
     """The rows (dim 0) of parameter ``name`` that the re-run update made non-finite, when only
     some are (an embedding table's entities), as the origin's ``rows``/``rows_of`` and the
     hint's words, which say when their gradient was all 0 there (rows absent from the batch:
-    the 0 a Riemannian expmap's u / ||u|| or a g / ||g|| divides by; output units no loss
-    reached, where ``owner``, the holding module's class, is a Linear or a convolution);
-    ({}, "") otherwise."""
-    return rows_of_weights(name, p.detach(), p.grad, owner=owner)
+    the 0 a Riemannian expmap's u / ||u|| or a g / ||g|| divides by; an embedding's padding
+    row, found in ``model``; output units no loss reached, where ``owner``, the holding
+    module's class, is a Linear or a convolution); ({}, "") otherwise."""
+    return rows_of_weights(name, p.detach(), p.grad, owner=owner, model=model)
 
 
 def owner_type(meta: dict, name: str) -> str | None:
@@ -85,7 +87,8 @@ def _zero_rows(owner: str | None) -> str:
 
 
 def rows_of_weights(name: str, w: torch.Tensor, g: torch.Tensor | None,
-                    first: torch.Tensor | None = None, owner: str | None = None
+                    first: torch.Tensor | None = None, owner: str | None = None,
+                    model: nn.Module | None = None
                     ) -> tuple[dict, str]:
     """:func:`updated_rows` of weights ``w`` after the update and the gradient ``g`` it was
     given (a bundle that holds the weights after the update: its recorded gradient, or the
@@ -104,8 +107,27 @@ def rows_of_weights(name: str, w: torch.Tensor, g: torch.Tensor | None,
     return ({"rows": rows, "rows_of": w.shape[0]},
             f"; it made only row(s) {shown} of {w.shape[0]} of {name} non-finite"
             + (_underflowed(g.dtype) if lost else
-               ", every one a row whose gradient was all 0" + _zero_rows(owner)
+               ", every one a row whose gradient was all 0" + (
+                   _padding_rows(model, name, rows) or _zero_rows(owner))
                if zero else ""))
+
+
+def _padding_rows(model: nn.Module | None, name: str, rows: list[int]) -> str:
+    """Why rows of an embedding table got a gradient of 0 when one is the table's padding row
+    (``nn.Embedding(..., padding_idx=0)``, an "unknown" category's row), whose gradient the
+    embedding keeps at 0 whatever ids the batch holds; '' for any other rows."""
+    owner_name, _, attr = name.rpartition(".")
+    try:
+        owner = model.get_submodule(owner_name) if model is not None else None
+    except AttributeError:
+        owner = None
+    pad = getattr(owner, "padding_idx", None)
+    if attr != "weight" or not isinstance(owner, (nn.Embedding, nn.EmbeddingBag)) \
+            or pad not in rows:
+        return ""
+    where = (f"{owner_name}'s padding row, padding_idx={pad}, which {type(owner).__name__} "
+             "never gives a gradient, whatever ids the batch holds")
+    return f" ({where})" if rows == [pad] else f" ({where}; the others absent from the batch)"
 
 
 def _underflowed(dtype: torch.dtype) -> str:
