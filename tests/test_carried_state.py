@@ -111,6 +111,8 @@ def test_an_overflow_right_after_the_weights_jumped_is_hinted_as_a_diverging_run
     it in float64', since the jump is listed at the event step itself)."""
     rep = json.loads(invoke_cli(exploding_lm(tmp_path), "--json").stdout)
     assert rep["cause"] == "overflow", json.dumps(rep, indent=1)
-    assert [p["kind"] for p in rep["precursors"] if p["step"] < 2] == [], rep["precursors"]
+    # (the gradient norm's jump at step 1, before the weights', is the first sign)
+    assert [p["kind"] for p in rep["precursors"] if p["step"] < 2] == ["grad_norm_jump"], \
+        rep["precursors"]
     assert "the run was diverging" in rep["hint"] and "--try lr=0.1x" in rep["hint"], \
         rep["hint"]
