@@ -46,14 +46,16 @@ def unselected_targets_hint(report: dict[str, Any], step: Step) -> None:
     same = [(n, t) for n, t in data if t.shape == lab.shape and n != name]
     masks = [t for _, t in same if zero_one(t)]  # (a tokenizer's attention_mask)
     ids = [(n, t) for n, t in same if not zero_one(t) and bool(t.ne(0).any())]
-    real = int(masks[0].ne(0).sum()) if masks else int(ids[0][1].ne(0).sum()) if ids else 0
+    # (without an attention mask, id 0 may be a real token: a raw token stream's)
+    real = int(masks[0].ne(0).sum()) if masks else ids[0][1].numel() if ids else 0
     if not ids or not real:  # (padding throughout: replay.padding_batch's)
         return
     id_name = ids[0][0]
     where = f"micro-batch {mb}" if len(step.micro_batches) > 1 else "the batch"
+    tokens = f"{real} tokens that are not padding" if masks else f"tokens at all {real} positions"
     report["hint"] = (
         f"{hint}. Here {name} is {ignore} at all {lab.numel()} positions of {where} while "
-        f"{id_name}, of the same shape, holds {real} tokens that are not padding: no padding "
+        f"{id_name}, of the same shape, holds {tokens}: no padding "
         "batch, the labelling selected no position to predict (a fine-tuning example whose "
         f"prompt is labelled {ignore} and whose answer a max_length truncation cut off; a "
         "masked-LM collator's random choice of positions that picked none in a batch of short "

@@ -378,6 +378,8 @@ def test_fine_tuning_micro_batch_whose_targets_are_all_masked_is_0_over_0(tmp_pa
     assert origin["source"] == line_of("loss = F.cross_entropy(logits.view(-1, logits.size(-1))")
     assert report["cause"] == "invalid"
     assert "ignore_index (-1)" in report["hint"] and "max(count, 1)" in report["hint"]
+    # (no attention mask: token id 0 is a token of the stream, not padding)
+    assert "holds tokens at all 64 positions: no padding batch" in report["hint"], report["hint"]
 
 
 @pytest.mark.filterwarnings("ignore:var\\(\\). degrees of freedom:UserWarning")
