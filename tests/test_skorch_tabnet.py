@@ -330,3 +330,56 @@ def test_tabnet_regression_target_with_inf_through_rec_loss_fn(tmp_path):
     (row,) = o["samples"]
     _, tensors = read_bundle(info.value.bundle_path)
     assert torch.equal(tensors["batch/0/0"][row], torch.from_numpy(X[100]))
+
+
+# ---------------------------------------------------------------------------------------------
+# recorder.skorch: the callback the product ships
+
+
+def _product_net(module, tmp_path, factory, **params):
+    from recorder.skorch import FlightRecorderCallback
+
+    cb = FlightRecorderCallback(out_dir=tmp_path, factory=f"skorch_tabnet_models:{factory}")
+    net = NeuralNetClassifier(module, **{"max_epochs": 3, "lr": 0.05, "batch_size": BATCH,
+                                         "train_split": None, "verbose": 0, "callbacks": [cb],
+                                         "criterion": torch.nn.CrossEntropyLoss, **params})
+    return net, cb
+
+
+def test_the_skorch_callback_records_the_fit_and_leaves_nothing_on_the_module(tmp_path):
+    """A NaN cell at rows 70 and 75: the event of batch 2 comes out of ``fit`` as with the
+    user's own callback, and, although skorch skips ``on_train_end`` after it, no hook of the
+    recorder's is left on the module, nor the wrapper of the net's ``fit_loop``."""
+    X, y, _ = M.tabular()
+    net, cb = _product_net(M.LogitsClassifier, tmp_path, "make_logits_classifier")
+    with pytest.raises(NonFiniteError) as info:
+        net.fit(M.with_missing(X, [70, 75]), y)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in net.module_.modules())
+    assert "fit_loop" not in vars(net)
+    rep, o = report(info.value, 2, "input")
+    assert (rep["cause"], rep["event"]["samples"]) == ("input", [6, 11])
+    net.fit(X, y)  # (a healthy fit after it: recorded again, nothing raised)
+    assert cb.recorder is not None and not list(tmp_path.glob("step00000010*"))
+
+
+def test_the_modules_own_nan_check_raising_in_fit_writes_the_bundle(tmp_path):
+    """The module raises ``ValueError("NaN in logits")`` on the 0/0 of a constant column's
+    std of 0. skorch tells no callback of the exception, so a callback attaching in
+    ``on_train_begin`` wrote nothing; the product's callback checks the step the exception
+    cut short: the scaler's NaN output, seen before the check raised, is a forward event at
+    step 0, the error noted with its bundle, replayed to the scaler's division."""
+    X, y, _ = M.tabular()
+    Xc = M.constant_column(X)
+    mean, std = M.column_stats(Xc)
+    net, _ = _product_net(M.CheckedClassifier, tmp_path, "make_checked_classifier",
+                          module__mean=mean, module__std=std)
+    with pytest.raises(ValueError, match="NaN in logits") as info:
+        net.fit(Xc, y)
+    [bundle] = tmp_path.glob("*.nan")
+    assert any(str(bundle) in n for n in getattr(info.value, "__notes__", []))
+    meta, _ = read_bundle(bundle, want=lambda name: False)
+    ev = meta["event"]
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "forward", "scaler"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], rep["cause"]) == ("scaler", "aten.div", "invalid"), o
