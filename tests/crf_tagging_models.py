@@ -236,3 +236,21 @@ class BertCRF(nn.Module):
 def make_bert_crf() -> nn.Module:
     torch.manual_seed(0)
     return BertCRF()
+
+
+def bio_allowed() -> torch.Tensor:
+    """(from, to) transitions BIO allows: I-X only after B-X or I-X."""
+    allowed = torch.ones(len(TAGS), len(TAGS), dtype=torch.bool)
+    for j, to in enumerate(TAGS):
+        if to.startswith("I-"):
+            for i, frm in enumerate(TAGS):
+                allowed[i, j] = frm[2:] == to[2:]
+    return allowed
+
+
+def forbid_bio(crf: CRF, value: float) -> None:
+    """BIO constraints written into pytorch-crf's trained scores, as NER repos do after
+    building the model: illegal transitions and I- starts set to ``value``."""
+    with torch.no_grad():
+        crf.transitions[~bio_allowed()] = value
+        crf.start_transitions[[i for i, t in enumerate(TAGS) if t.startswith("I-")]] = value

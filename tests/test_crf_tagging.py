@@ -164,3 +164,30 @@ def test_padding_emissions_at_minus_inf_are_a_backward_nan_of_a_hand_written_crf
     assert origin(rep) == ("backward", "crf", "LogsumexpBackward0", [0, 1, 2, 3, 4, 6, 7],
                            "invalid"), rep
     assert "instead of -inf" in rep["hint"], rep["hint"]
+
+
+def test_bio_constraints_written_as_minus_inf_into_pytorch_crf_say_where_a_mask_belongs(tmp_path):
+    """The BIO constraints written into pytorch-crf's trained ``transitions`` and
+    ``start_transitions`` as -inf after the model was built (with -1e4 the run is healthy):
+    a weights event at step 0. The hint said the weights came in so 'with the state_dict
+    loaded before (a checkpoint, a model soup, a TIES merge...)' and 'as an element-wise
+    division makes where its divisor is 0': they hold -inf and nothing else, a mask value,
+    and the hint now says so and where a mask belongs."""
+    for value in (-1e4, float("-inf")):
+        model = M.make_tagger()
+        M.forbid_bio(model.crf, value)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        try:
+            with FlightRecorder(model, opt, loss_fn=M.crf_nll, out_dir=tmp_path,
+                                factory=FACTORY) as rec:
+                fit(model, opt, rec.loss_fn, M.Sentences())
+        except NonFiniteError as err:
+            e = err
+        else:
+            assert value == -1e4 and not list(tmp_path.glob("*.nan"))
+    assert (e.event["step"], e.event["phase"], e.event["kind"]) == (0, "weights", "-inf")
+    rep = nanreplay_json(e.bundle_path)
+    assert (rep["origin"]["phase"], rep["cause"]) == ("weights", "weights"), rep
+    assert "they were -inf, and only -inf, at the first step" in rep["hint"], rep["hint"]
+    assert "masked_fill(~allowed, -inf)" in rep["hint"], rep["hint"]
+    assert "TIES" not in rep["hint"], rep["hint"]
