@@ -193,6 +193,12 @@ def _frozen_hint(step: Step, bad: list[str], names: str, held: str) -> str:
             + (grown_rule_hint(step, bad) or ""))
 
 
+# where an intended -inf in a trained parameter belongs
+_NO_MASK = ("An intended -inf (forbidden transitions, a mask) does not belong in a trained "
+            "parameter, whose updates and norms it spoils: keep a boolean mask in a buffer and "
+            "apply it in forward (w.masked_fill(~allowed, -inf), or a large finite negative "
+            "such as -1e4)")
+
 # the end of a hint for parameters non-finite at the first step the recorder saw
 _CAME_IN = ("they were non-finite at the first step the recorder saw: no update of the loop ran "
             "since it attached, so they came in so, from the checkpoint or state_dict they were "
@@ -211,6 +217,11 @@ def _held_written_hint(step: Step, bad: list[str], names: str) -> str | None:
     one = len(bad) == 1
     them, they, head = ("it", "it was", f"{names} trains") if one else \
         ("them", "they were", f"{names} train")
+    if first_recorded(step) and _only_minus_inf(step, bad):
+        return (f"{head} and the recorded optimizer holds {them}, and {they} -inf, and only "
+                "-inf, at the first step the recorder saw: no update ran since it attached, "
+                "so the code before it wrote that mask value in (forbidden transitions of a "
+                "CRF set with transitions.data[~allowed] = -inf, a constraint). " + _NO_MASK)
     if first_recorded(step):
         return (f"{head} and the recorded optimizer holds {them}, and {they} "
                 "non-finite at the first step the recorder saw: no update ran since it "
@@ -237,6 +248,12 @@ def _held_written_hint(step: Step, bad: list[str], names: str) -> str | None:
             + (f"; {spread}" if spread else "") + ". Check that code, and each tensor it "
             "loads (torch.isfinite(t).all()) before loading it; skip a non-finite "
             "contribution, and resume from a checkpoint before it")
+
+
+def _only_minus_inf(step: Step, bad: list[str]) -> bool:
+    """Every non-finite entry of the bundle's ``bad`` weights is -inf: a mask's value."""
+    kept = [step.tensors.get(f"weights/{n}") for n in bad]
+    return all(t is not None and kind_of(t.detach()) == "-inf" for t in kept)
 
 
 def _spread(step: Step, bad: list[str]) -> str | None:
@@ -353,10 +370,7 @@ def built_non_finite_hint(step: Step, bad: list[str]) -> str | None:
                 "or written by hand). Check torch.isfinite over what it loads, and load an "
                 "earlier checkpoint or re-initialise those entries" + _read_late(step, first))
     return (f"the factory builds {names} non-finite: the model starts so, no update or write "
-            "of the loop made them. An intended -inf (forbidden transitions, a mask) does not "
-            "belong in a trained parameter, whose updates and norms it spoils: keep a boolean "
-            "mask in a buffer and apply it in forward (w.masked_fill(~allowed, -inf), or a "
-            "large finite negative such as -1e4); else fix the initialisation")
+            f"of the loop made them. {_NO_MASK}; else fix the initialisation")
 
 
 def _frozen_throughout(step: Step, bad: list[str]) -> bool:

@@ -11,7 +11,12 @@ and views to a log; :func:`with_product_underflow` then says so in the hint. A p
 running in a loop (``p = p * term``: a Plackett-Luce ranking's softmax terms over a shrinking
 candidate set, an HMM's unscaled forward pass) is no ``prod``: its ``mul`` ops are counted
 as a chain of factors (a ``torch.ones`` start counts none), and a ``mul`` of at least three
-factors whose 0 two nonzero operands made is the product's underflow.
+factors whose 0 two nonzero operands made is the product's underflow. An HMM's or a CRF's
+forward pass in probability space, ``alpha = (alpha @ A) * emit`` kept by
+``torch.where(mask, alpha_new, alpha)`` over padding, chains its factors through the matrix
+product and the ``where`` too: a ``matmul`` counts both operands' factors (its 0 of a nonzero
+row and a nonzero matrix is the underflow), a ``where`` keeps the most of its two choices',
+and a sum over the final alpha carries its 0 to the log.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ from .wrapped_index import with_wrapped_index
 
 # ops a product's 0 passes through to the log unchanged in kind (a mixture's psi * hist + ...)
 _CARRY = {"mul", "add", "sub", "rsub", "view", "reshape", "_unsafe_view", "squeeze",
-          "unsqueeze", "clone", "index", "select", "slice", "expand", "t", "transpose"}
+          "unsqueeze", "clone", "index", "select", "slice", "expand", "t", "transpose", "where",
+          "sum"}
+_MATMULS = {"mm", "matmul", "bmm"}  # a running vector times one matrix factor per step
 _LOGS = {"log", "log2", "log10"}
 _ONES = {"ones", "ones_like"}  # the start of a running product, no factor of its own
 _CHAIN = 3  # factors of a running product before its 0 reads as an underflow
@@ -60,24 +67,33 @@ class ProductUnderflow:
             if bool(((out == 0) & nonzero).any()):  # (0 of nonzero factors: an underflow)
                 self._made.add(out)
                 self._n = x.numel() if dim is None else x.shape[dim]
-        elif name == "mul" and self._running(args, out):
+        elif name in ("mul", *_MATMULS) and self._running(args, out, name != "mul"):
             return
+        elif name == "where" and len(args) == 3:
+            self._factors.put(out, max(self._factors.get(t) or 0 for t in args[1:]
+                                       if isinstance(t, torch.Tensor)))
+            if any(isinstance(t, torch.Tensor) and t in self._made for t in args[1:]):
+                self._made.add(out)
         elif name in _CARRY and any(isinstance(a, torch.Tensor) and a in self._made
                                     for a in args):
             self._made.add(out)
         elif name in _LOGS and x in self._made:
             self.found = self._n
 
-    def _running(self, args, out: torch.Tensor) -> bool:
-        """Count a ``mul`` of two floating tensors as a running product's next factor; True
-        where it made a 0 of nonzero factors after at least ``_CHAIN`` of them."""
+    def _running(self, args, out: torch.Tensor, matmul: bool = False) -> bool:
+        """Count a ``mul`` (or a matrix product) of two floating tensors as a running
+        product's next factor; True where it made a 0 of nonzero factors after at least
+        ``_CHAIN`` of them."""
         a, b = args[0], args[1] if len(args) > 1 else None
         if not isinstance(b, torch.Tensor) or not a.is_floating_point() \
-                or not b.is_floating_point() or out.shape not in (a.shape, b.shape):
+                or not b.is_floating_point() \
+                or (a.dim() < 2 or b.dim() < 2 if matmul else out.shape not in (a.shape, b.shape)):
             return False
         n = sum(1 if (k := self._factors.get(t)) is None else k for t in (a, b))
         self._factors.put(out, n)
-        if n < _CHAIN or not bool(((out == 0) & (a != 0) & (b != 0)).any()):
+        made = (out == 0) & (a != 0).all(-1, keepdim=True) & bool((b != 0).all()) if matmul \
+            else (out == 0) & (a != 0) & (b != 0)
+        if n < _CHAIN or not bool(made.any()):
             return False
         self._made.add(out)
         self._n, self.running = n, True

@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from .chain_product import PRODUCT_OPS, RUNNING
+from .log_sum_exp import MARK as LOG_SUM_EXP
 from .run_result import Call, Run
 
 # (the end of an overflow's hint; a report says it once)
@@ -86,7 +87,7 @@ def add_line_note(report: dict[str, Any], sizes: list[float]) -> dict[str, Any]:
     :func:`add_iterates_note` to see."""
     o = report.get("origin") or {}
     d = grew(_chunk_peaks(sizes))
-    if d is None:
+    if d is None or LOG_SUM_EXP in (report.get("hint") or ""):  # (growth it explains)
         return report
     report["problems"].append(
         f"{o.get('op')} at its line grew from {d['first']:.3g} (run {d['from_call']}) to "
@@ -117,7 +118,8 @@ def add_iterates_note(report: dict[str, Any], run: Run) -> dict[str, Any]:
         return report
     d = diverging_iterates(run, o["module"], math.inf if backward else o["call"],
                            o.get("micro_batch") or 0)
-    if d is None or _STEPS in (report.get("hint") or ""):  # (the line's loop said it)
+    hint = report.get("hint") or ""
+    if d is None or _STEPS in hint or LOG_SUM_EXP in hint:  # (the line's loop said it)
         return report
     name = o["module"] or "<root>"
     where = ("in the forward, and the backward took those values" if backward else

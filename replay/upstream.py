@@ -91,10 +91,24 @@ def diverging(sizes: list[float]) -> tuple[float, float] | None:
     return (mid, last) if rising >= STEADY * (len(sizes) - 1) else None
 
 
+_GREW = ("; but the op's {n} earlier calls here grew from a median of {mid:.3g} to {last:.3g}, "
+         "call after call: the iterates of a loop were diverging, which a wider type only "
+         "postpones: ")
+
+
 def _diverging(ev: Evidence) -> str:
     grew = diverging(ev.sizes)
     if grew is None or is_fill(grew[1], ev.dtype):  # (a mask's -finfo.max: no iterate)
         return ""
-    return (f"; but the op's {len(ev.sizes)} earlier calls here grew from a "
-            f"median of {grew[0]:.3g} to {grew[1]:.3g}, call after call: the iterates of a "
-            "loop were diverging, which a wider type only postpones: " + DO["iteration"])
+    return _GREW.format(n=len(ev.sizes), mid=grew[0], last=grew[1]) + DO["iteration"]
+
+
+def without_diverging(hint: str) -> str:
+    """``hint`` without :func:`_diverging`'s sentence, where a finding explains the growth
+    (a hand-written log-sum-exp over a sequence's time steps)."""
+    head = _GREW.split("{n}")[0]
+    start = hint.find(head)
+    end = hint.find(DO["iteration"], start)
+    if start < 0 or end < 0:
+        return hint
+    return hint[:start] + hint[end + len(DO["iteration"]):]
