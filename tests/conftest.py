@@ -32,7 +32,8 @@ OPTIONAL_MODULES = ("transformers", "accelerate", "lightning", "numpy", "opacus"
                     "monai", "kornia", "x_transformers", "vector_quantize_pytorch", "einops",
                     "torchdiffeq", "zuko", "schedulefree", "pytorch_metric_learning",
                     "trl", "datasets", "sentence_transformers", "stable_baselines3", "gymnasium",
-                    "skorch", "pytorch_tabnet", "optuna")
+                    "skorch", "pytorch_tabnet", "optuna",
+                    "torchcrf")
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 
 # Hypothesis's files (example database, constants cache) go to the user's cache, not the checkout.
