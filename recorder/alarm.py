@@ -91,7 +91,10 @@ class Alarm:
                 seq_first=target.seq_first, recurrent=target.recurrent,
                 constants=target.constants,
                 stale=unused_grads(target),
-                weights_moved=not target.has_optimizer or moved_in_step(tape, target.watched))
+                # (no optimizer: the loop's own update may have run, unless the step closed
+                # as its backward ended, recorder.calls.CallHooks.backward_wrote)
+                weights_moved=not target.has_optimizer and not tape.close_queued
+                or moved_in_step(tape, target.watched))
             event = events.find_event(evidence, reason)
             settle_targets(tape.micro_batches)  # (each micro-batch's kept loss call chosen)
             if event is not None and event.phase == "optimizer":  # (or the loop's swap-in)
