@@ -105,10 +105,14 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, hidden: int = 64):
+    def __init__(self, cfg: dict, hidden: int = 64):
         super().__init__()
-        self.w1 = nn.Linear(DIM, hidden, bias=False)
-        self.w3 = nn.Linear(DIM, hidden, bias=False)
+        if cfg["lora_mlp"]:  # torchtune's apply_lora_to_mlp
+            self.w1 = LoRALinear(DIM, hidden, cfg["r"], cfg["alpha"], cfg["lora_dropout"])
+            self.w3 = LoRALinear(DIM, hidden, cfg["r"], cfg["alpha"], cfg["lora_dropout"])
+        else:
+            self.w1 = nn.Linear(DIM, hidden, bias=False)
+            self.w3 = nn.Linear(DIM, hidden, bias=False)
         self.w2 = nn.Linear(hidden, DIM, bias=False)
 
     def forward(self, x):
@@ -121,7 +125,7 @@ class Layer(nn.Module):
         self.attn_norm = RMSNorm(DIM, cfg["norm_eps"], cfg["norm_style"])
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(DIM, cfg["norm_eps"], cfg["norm_style"])
-        self.mlp = SwiGLU()
+        self.mlp = SwiGLU(cfg)
 
     def forward(self, x, pos, mask):
         h = x + self.attn(self.attn_norm(x), pos, mask)
@@ -132,7 +136,7 @@ class Llama(nn.Module):
     def __init__(self, **overrides):
         super().__init__()
         cfg = dict(r=4, alpha=8.0, lora_dropout=0.0, norm_eps=1e-6, norm_style="rsqrt",
-                   rope_base=10000.0, tied=True, packed=True, ckpt=True)
+                   rope_base=10000.0, tied=True, packed=True, ckpt=True, lora_mlp=False)
         cfg.update(overrides)
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(VOCAB, DIM, padding_idx=0)
@@ -180,12 +184,6 @@ def make_sqrt_norm():
     """RMSNorm written as ``x / (sqrt(mean(x^2)) + eps)``: the root's slope at 0 is infinite."""
     torch.manual_seed(0)
     return lora_only(Llama(norm_style="sqrt"))
-
-
-def make_alpha_blowup():
-    """``lora_alpha`` typed as 1e36 (a config's exponent slip): scaling alpha / r = 2.5e35."""
-    torch.manual_seed(0)
-    return lora_only(Llama(alpha=1e38))
 
 
 def make_bf16():
@@ -246,15 +244,47 @@ def softmax_ce(logits, labels):
     return -(picked.log() * keep).sum() / keep.sum()
 
 
-def sequence_logps(logits, labels):
-    """Each sequence's summed log-probability of its labels (``-100`` left out)."""
+def sequence_logps(logits, labels, average: bool = False):
+    """TRL's get_batch_logps: each sequence's log-probability of its labels (``-100`` left
+    out), summed, or averaged over its response tokens (``average_log_prob``, IPO's)."""
     keep = labels != -100
     lp = logits.float().log_softmax(-1).gather(-1, labels.clamp_min(0)[..., None])[..., 0]
+    if average:
+        return (lp * keep).sum(-1) / keep.sum(-1)
     return (lp * keep).sum(-1)
 
 
-def dpo_loss(policy_logits, ref_logits, labels, beta: float = 0.1):
-    """Rows 0::2 chosen, 1::2 rejected; the reference's logits come from the frozen copy."""
-    pi, ref = sequence_logps(policy_logits, labels), sequence_logps(ref_logits, labels)
+def dpo_loss(policy_logits, ref_logits, labels, beta: float = 0.1, ipo: bool = False):
+    """Rows 0::2 chosen, 1::2 rejected; the reference's logits come from the frozen copy.
+    DPO: ``-logsigmoid(beta * margin)``; IPO: ``(margin - 1 / (2 beta))^2`` over averaged
+    log-probabilities."""
+    pi = sequence_logps(policy_logits, labels, ipo)
+    ref = sequence_logps(ref_logits, labels, ipo)
     margin = (pi[0::2] - pi[1::2]) - (ref[0::2] - ref[1::2])
+    if ipo:
+        return (margin - 1 / (2 * beta)).pow(2).mean()
     return -F.logsigmoid(beta * margin).mean()
+
+
+def ipo_loss(policy_logits, ref_logits, labels):
+    return dpo_loss(policy_logits, ref_logits, labels, ipo=True)
+
+
+def preference_batch(g: torch.Generator, pairs: int = 2, identical=None):
+    """(tokens, pos, doc_ids, labels), chosen and rejected interleaved: each pair shares a
+    prompt; the prompt is found as the pair's common prefix and masked -100 (the response
+    starts where they differ). Pair ``identical`` has its rejected equal to its chosen."""
+    tokens = torch.randint(1, VOCAB, (2 * pairs, SEQ), generator=g)
+    for i in range(pairs):
+        tokens[2 * i + 1, :6] = tokens[2 * i, :6]
+    if identical is not None:
+        tokens[2 * identical + 1] = tokens[2 * identical]
+    labels = torch.full_like(tokens, -100)
+    for i in range(pairs):
+        c, r = tokens[2 * i], tokens[2 * i + 1]
+        differ = (c != r).nonzero()
+        start = int(differ[0]) if len(differ) else SEQ
+        labels[2 * i, start - 1:-1] = c[start:]
+        labels[2 * i + 1, start - 1:-1] = r[start:]
+    pos = torch.arange(SEQ).expand(2 * pairs, SEQ).clone()
+    return tokens, pos, torch.zeros_like(tokens), labels

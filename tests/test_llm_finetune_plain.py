@@ -33,10 +33,10 @@ def cosine_with_warmup(step: int, warmup: int = 1, total: int = STEPS) -> float:
 
 def train(make: str, out_dir, record: bool = True, accum: int = 2, per_micro: bool = False,
           ignored_micro: bool = False, pad_rows=(), eps: float = 1e-8, loss: str = "chunked",
-          lr: float = 3e-3):
+          lr: float = 3e-3, clip: float | None = 1.0):
     """The recipe's loop: ``accum`` micro-batches per step, the loss summed over tokens and
     divided by the unmasked tokens of the step (``per_micro``: of each micro-batch, the bug),
-    clip at 1.0, AdamW over the adapters only. ``ignored_micro``: the last step's last
+    clip at ``clip``, AdamW over the adapters only. ``ignored_micro``: the last step's last
     micro-batch holds only -100 labels (prompts whose responses were truncated away)."""
     model = getattr(M, make)()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
@@ -62,16 +62,47 @@ def train(make: str, out_dir, record: bool = True, accum: int = 2, per_micro: bo
                     count = (labels != -100).sum() if per_micro else step_tokens
                     out = loss_fn(logits, labels, count)
                 out.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if clip is not None:  # (torchtune's LoRA configs: clip_grad_norm: null)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
     return model
 
 
+def train_preference(out_dir, record: bool = True, loss: str = "dpo", identical=None):
+    """A DPO recipe: the LoRA policy against a frozen reference built by the same factory
+    (its adapters' B at 0: the base model), the reference's logits under no_grad passed to
+    the loss; pair ``identical`` of the last step is one whose chosen equals its rejected."""
+    model, ref = M.make_llama(), M.make_llama().eval().requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    base_loss = M.dpo_loss if loss == "dpo" else M.ipo_loss
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(model, opt, loss_fn=base_loss, out_dir=out_dir,
+                         factory="llm_finetune_plain_models:make_llama") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else base_loss
+        for step in range(STEPS):
+            tokens, pos, doc_ids, labels = M.preference_batch(
+                g, identical=identical if step == STEPS - 1 else None)
+            with torch.no_grad():
+                ref_logits = ref(tokens, pos, doc_ids)
+            loss_fn(model(tokens, pos, doc_ids), ref_logits, labels).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return model
+
+
 def fire(make: str, tmp_path, **kw):
     with pytest.raises(NonFiniteError) as info:
         train(make, tmp_path, **kw)
+    return info.value.event, info.value.bundle_path
+
+
+def fire_preference(tmp_path, **kw):
+    with pytest.raises(NonFiniteError) as info:
+        train_preference(tmp_path, **kw)
     return info.value.event, info.value.bundle_path
 
 
@@ -164,3 +195,30 @@ def test_adamw_eps_zero_on_lora_a_whose_gradient_is_zero(tmp_path):
     assert report["origin"]["param"] == "layers.0.attn.q_proj.lora_a.weight"
     assert report["cause"] == "optimizer"
     assert "eps=0" in report["hint"] and "m = v = 0" in report["hint"]
+
+
+def test_healthy_dpo_over_a_frozen_reference_trains_identically(tmp_path):
+    """DPO's summed log-probabilities: a pair whose chosen equals its rejected has no scored
+    token, so its margin is 0 and its loss log 2, finite. No event, identical weights."""
+    recorded = train_preference(tmp_path, identical=1)
+    bare = train_preference(tmp_path, identical=1, record=False)
+    for (name, a), b in zip(recorded.state_dict().items(), bare.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert not list(tmp_path.glob("*.nan"))
+
+
+def test_ipo_pair_whose_chosen_equals_its_rejected_has_no_scored_token(tmp_path):
+    """IPO's log-probabilities averaged over the response tokens; pair 1 of the last batch is
+    identical, its common prefix (the prompt) is the whole row, every label -100: the mean
+    over no token is 0/0 on rows 2 and 3, which the hint names by their labels."""
+    event, bundle = fire_preference(tmp_path, loss="ipo", identical=1)
+    assert (event["step"], event["phase"], event["module"]) == (2, "loss", "<loss>")
+    report = nanreplay_json(bundle)
+    origin = report["origin"]
+    assert (origin["op"], origin["made"]) == ("aten.div", "nan")
+    assert origin["samples"] == [2, 3]
+    assert origin["source"] == line_of("return (lp * keep).sum(-1) / keep.sum(-1)")
+    assert report["cause"] == "invalid"
+    hint = report["hint"]
+    assert "Sample(s) 2,3 have no scored token" in hint and "(labels) is -100" in hint
+    assert "special tokens" not in hint and "--try drop=2,3" in hint
