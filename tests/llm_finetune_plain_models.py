@@ -136,12 +136,13 @@ class Llama(nn.Module):
     def __init__(self, **overrides):
         super().__init__()
         cfg = dict(r=4, alpha=8.0, lora_dropout=0.0, norm_eps=1e-6, norm_style="rsqrt",
-                   rope_base=10000.0, tied=True, packed=True, ckpt=True, lora_mlp=False)
+                   rope_base=10000.0, tied=True, packed=True, ckpt=True, lora_mlp=False,
+                   final_norm_style=None)
         cfg.update(overrides)
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(VOCAB, DIM, padding_idx=0)
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(LAYERS))
-        self.norm = RMSNorm(DIM, cfg["norm_eps"], cfg["norm_style"])
+        self.norm = RMSNorm(DIM, cfg["norm_eps"], cfg["final_norm_style"] or cfg["norm_style"])
         self.output = nn.Linear(DIM, VOCAB, bias=False)
         if cfg["tied"]:
             self.output.weight = self.tok_embeddings.weight
@@ -184,6 +185,19 @@ def make_sqrt_norm():
     """RMSNorm written as ``x / (sqrt(mean(x^2)) + eps)``: the root's slope at 0 is infinite."""
     torch.manual_seed(0)
     return lora_only(Llama(norm_style="sqrt"))
+
+
+def make_rope_base_zero():
+    """``rope_base`` left 0 by a config that meant "the checkpoint's": the cached table's
+    angles are 0 * inf at position 0."""
+    torch.manual_seed(0)
+    return lora_only(Llama(rope_base=0.0))
+
+
+def make_sqrt_norm_in_layers():
+    """The sqrt RMSNorm in the (checkpointed) layers only, the final norm torchtune's."""
+    torch.manual_seed(0)
+    return lora_only(Llama(norm_style="sqrt", final_norm_style="rsqrt"))
 
 
 def make_bf16():
@@ -242,6 +256,16 @@ def softmax_ce(logits, labels):
     keep = labels != -100
     picked = p.gather(-1, labels.clamp_min(0)[..., None])[..., 0]
     return -(picked.log() * keep).sum() / keep.sum()
+
+
+def stable_softmax_ce(logits, labels):
+    """The same with the row max subtracted (no overflow), then log of the probability rather
+    than log_softmax."""
+    e = (logits - logits.amax(-1, keepdim=True)).exp()
+    p = e / e.sum(-1, keepdim=True)
+    keep = labels != -100
+    logp = p.gather(-1, labels.clamp_min(0)[..., None])[..., 0].log()
+    return -(logp * keep).sum() / keep.sum()
 
 
 def sequence_logps(logits, labels, average: bool = False):

@@ -42,7 +42,8 @@ def train(make: str, out_dir, record: bool = True, accum: int = 2, per_micro: bo
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
                             eps=eps, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_with_warmup)
-    base_loss = M.token_loss if loss == "chunked" else M.softmax_ce
+    base_loss = {"chunked": M.token_loss, "softmax": M.softmax_ce,
+                 "stable": M.stable_softmax_ce}[loss]
     g = torch.Generator().manual_seed(0)
     rec = FlightRecorder(model, opt, loss_fn=base_loss, out_dir=out_dir, lr_scheduler=sched,
                          factory=f"llm_finetune_plain_models:{make}") if record else None
@@ -222,3 +223,46 @@ def test_ipo_pair_whose_chosen_equals_its_rejected_has_no_scored_token(tmp_path)
     hint = report["hint"]
     assert "Sample(s) 2,3 have no scored token" in hint and "(labels) is -100" in hint
     assert "special tokens" not in hint and "--try drop=2,3" in hint
+
+
+def test_log_of_a_hand_written_softmax_underflows_bfloat16(tmp_path):
+    """The row max subtracted (no overflow), but ``log(p)`` of the softmax rather than
+    log_softmax: a label whose logit is ~100 below the row's max has p = 0 in bfloat16."""
+    event, bundle = fire("make_bf16", tmp_path, loss="stable")
+    assert (event["step"], event["phase"], event["module"]) == (0, "loss", "<loss>")
+    report = nanreplay_json(bundle)
+    origin = report["origin"]
+    assert (origin["op"], origin["made"], origin["dtype"]) == ("aten.log", "-inf", "bfloat16")
+    assert origin["samples"] == [0, 1, 2, 3]
+    assert origin["source"] == line_of("logp = p.gather(-1, labels.clamp_min(0)[..., None])[..., 0].log()")
+    assert report["cause"] == "underflow"
+    assert "log_softmax instead of log(softmax)" in report["hint"]
+
+
+def test_sqrt_rmsnorm_inside_checkpointed_layers_is_named_at_the_layer(tmp_path):
+    """The sqrt RMSNorm only in the layers, each under checkpoint(use_reentrant=False): the
+    first backward NaN is the last layer's MLP norm, a node the recomputation made inside the
+    backward; named at its module and line, with no create_graph hint."""
+    event, bundle = fire("make_sqrt_norm_in_layers", tmp_path, pad_rows=(1,))
+    assert (event["step"], event["phase"]) == (0, "backward")
+    report = nanreplay_json(bundle)
+    origin = report["origin"]
+    assert (origin["op"], origin["module"]) == ("SqrtBackward0", "layers.1.mlp_norm")
+    assert origin["samples"] == [1]
+    assert origin["source"] == line_of("normed = x32 / (x32.pow(2).mean(-1, keepdim=True)")
+    assert report["cause"] == "invalid"
+    assert "create_graph" not in report["hint"] and "add an eps" in report["hint"]
+
+
+def test_rope_base_zero_is_a_cached_table_the_factory_builds_nan(tmp_path):
+    """``rope_base=0``: ``1 / 0 ** (2i/d)`` is inf past i = 0, position 0's angle 0 * inf;
+    the table indexed by the position ids (``cache[pos]``) carries it into q and k."""
+    event, bundle = fire("make_rope_base_zero", tmp_path)
+    assert (event["step"], event["phase"], event["module"]) == (0, "forward", "layers.0.attn")
+    report = nanreplay_json(bundle)
+    origin = report["origin"]
+    assert (origin["phase"], origin["param"], origin["op"]) == ("weights", "layers.0.attn.rope",
+                                                                "aten.index")
+    assert origin["source"] == line_of("rope = cache[pos][:, None]")
+    assert report["cause"] == "weights"
+    assert "the factory builds" in report["hint"]
