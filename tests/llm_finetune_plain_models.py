@@ -175,6 +175,12 @@ def make_untied_causal():
     return lora_only(Llama(tied=False, packed=False))
 
 
+def make_dropout():
+    """LoRA dropout 0.1 on the adapters' input (torchtune's lora_dropout)."""
+    torch.manual_seed(0)
+    return lora_only(Llama(lora_dropout=0.1))
+
+
 def make_eps_zero():
     """``norm_eps=0.0`` read from a config that meant "library default"."""
     torch.manual_seed(0)

@@ -111,11 +111,11 @@ def line_of(text: str) -> str:
     return source_line("llm_finetune_plain_models.py", text)
 
 
-@pytest.mark.parametrize("make", ["make_llama", "make_untied_causal"])
+@pytest.mark.parametrize("make", ["make_llama", "make_untied_causal", "make_dropout"])
 def test_healthy_runs_are_not_stopped_and_train_identically(tmp_path, make):
-    """Packed documents (block-causal mask) or is_causal, tied or untied, padded rows whose
-    embedding is the zero padding row, checkpointed layers: no event, and the recorder changes
-    nothing the loop computes."""
+    """Packed documents (block-causal mask) or is_causal, tied or untied, LoRA dropout under
+    checkpointed layers, padded rows whose embedding is the zero padding row: no event, and
+    the recorder changes nothing the loop computes."""
     recorded = train(make, tmp_path, pad_rows=(1,))
     bare = train(make, tmp_path, pad_rows=(1,), record=False)
     for (name, a), b in zip(recorded.state_dict().items(), bare.state_dict().values()):
