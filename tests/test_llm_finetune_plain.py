@@ -125,7 +125,8 @@ def test_healthy_runs_are_not_stopped_and_train_identically(tmp_path, make):
 
 def test_micro_batch_without_unmasked_tokens_is_0_over_0(tmp_path):
     """The loss normalised by each micro-batch's own token count, and the step's last
-    micro-batch holds only -100 labels: the chunked sum is 0, its count 0."""
+    micro-batch holds only -100 labels: the chunked sum is 0, its count 0. The hint names
+    that micro-batch's labels and the accumulation's fix (the step's count)."""
     event, bundle = fire("make_llama", tmp_path, per_micro=True, ignored_micro=True)
     assert (event["step"], event["phase"], event["micro_batch"]) == (2, "loss", 1)
     report = nanreplay_json(bundle)
@@ -134,7 +135,10 @@ def test_micro_batch_without_unmasked_tokens_is_0_over_0(tmp_path):
     assert origin["made"] == "nan" and origin["samples"] == []
     assert origin["source"] == line_of("return chunked_ce(logits, labels) / num_tokens")
     assert report["cause"] == "invalid"
-    assert "0/0" in report["hint"] and "clamp_min(1)" in report["hint"]
+    hint = report["hint"]
+    assert "0/0" in hint and "clamp_min(1)" in hint
+    assert "Every label of micro-batch 1 (of 2 this step accumulated) is -100" in hint
+    assert "loss_args[1]" in hint and "count of targets over the whole step" in hint
 
 
 def test_rmsnorm_eps_of_zero_on_a_padding_row(tmp_path):
