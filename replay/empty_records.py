@@ -9,7 +9,8 @@ lack, a 0/1 tensor of the batch (a mask, a one-hot sequence) with no entry set i
 while every other sample has one (not a right-padded batch's padding mask, True at the
 padding: its rows with none set are the longest records), or token ids holding in their rows nothing but the ids every
 sample holds (``<cls>``, ``<eos>``) and their padding, so the user can filter such records
-where they are made. Where real-valued data of the batch is 0 everywhere in just those rows
+where they are made (labels ignored at every position of those rows:
+:mod:`replay.ignored_rows`). Where real-valued data of the batch is 0 everywhere in just those rows
 too (an MRI volume's padding slice: its k-space, its target and its body outline all 0), the
 hint names it beside the mask: the divided 0 may be that data's max or norm (k-space
 normalised by its max, SSIM's ``C1``/``C2`` from the target's range), not a count.
@@ -24,6 +25,7 @@ import torch
 from recorder.capture import batch_path, loss_path
 from recorder.finite import zero_one
 
+from .ignored_rows import ignored_rows_hint
 from .load import Step
 from .recorded import n_args, samples
 
@@ -72,6 +74,12 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
             "dataset, the collate_fn) or floor the count (count.clamp_min(1)) "
             f"(--try drop={which} re-runs the step without them)")
         return
+    if not ignored_rows_hint(report, data, rows):
+        _special_hint(report, data, rows)
+
+
+def _special_hint(report: dict[str, Any], data: list, rows: list[int]) -> None:
+    """Append the token ids holding in exactly ``rows`` nothing but special tokens."""
     names = [name for name, t, d in data if _special_only(t, d, rows)]
     if names:  # (token ids: a crop or a cleaning left <cls> <eos> and padding)
         which = ",".join(str(r) for r in rows)

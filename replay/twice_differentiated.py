@@ -4,9 +4,14 @@ loss's backward differentiates the forward's ops twice. The node that made the v
 one of that first derivative's (``DivBackward0`` of the norm's gradient, made at the
 ``autograd.grad`` line): it is named at the forward op whose derivative made it (its module
 and line, where the fix goes). And at a sqrt's or a norm's 0, ``torch.linalg.vector_norm``
-is no fix: its gradient, masked to 0 at a zero vector, is 0/0 to differentiate again."""
+is no fix: its gradient, masked to 0 at a zero vector, is 0/0 to differentiate again.
+Non-reentrant activation checkpointing (``checkpoint(layer, h, use_reentrant=False)``) also
+makes nodes inside the backward: the block's forward, re-run where its saved tensors are
+unpacked. Those are forward nodes, never a derivative's: told by their creation stack."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -36,12 +41,26 @@ def derived(node) -> bool:
 
 def _parent(node):
     """The node whose backward made ``node``; None for a custom Function's (reentrant
-    checkpointing re-runs its block's forward there: forward nodes, not a derivative's)."""
+    checkpointing re-runs its block's forward there: forward nodes, not a derivative's), and
+    for a node non-reentrant checkpointing's recomputation made (:func:`_recomputed`)."""
     try:
-        parent = (getattr(node, "metadata", None) or {}).get("parent_")
+        meta = getattr(node, "metadata", None) or {}
     except RuntimeError:  # (a node that cannot hold metadata)
         return None
-    return None if isinstance(parent, torch.autograd.function.BackwardCFunction) else parent
+    parent = meta.get("parent_")
+    if parent is None or isinstance(parent, torch.autograd.function.BackwardCFunction):
+        return None
+    return None if _recomputed(meta.get("traceback_")) else parent
+
+
+def _recomputed(stack) -> bool:
+    """Whether anomaly mode's creation stack of a node runs through the unpack hook of
+    ``torch.utils.checkpoint`` (the non-reentrant variant's recomputation of the forward)."""
+    frames = stack if isinstance(stack, (list, tuple)) else str(stack or "").splitlines()
+    return any(_CHECKPOINT_FILE in str(f) and "unpack_hook" in str(f) for f in frames)
+
+
+_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
 
 
 def at_forward_node(b, names: dict) -> None:
