@@ -17,6 +17,7 @@ from torchmetrics.functional.image import (
     peak_signal_noise_ratio,
     total_variation,
 )
+from torchmetrics.image import MultiScaleStructuralSimilarityIndexMeasure
 
 # --- models ---------------------------------------------------------------------------------
 
@@ -150,6 +151,22 @@ class MixLoss(nn.Module):
 
     def forward(self, pred, target):
         return self.alpha * self.ms_ssim(pred, target) + (1 - self.alpha) * F.l1_loss(pred, target)
+
+
+class MetricMixLoss(nn.Module):
+    """The same mix through torchmetrics' ``MultiScaleStructuralSimilarityIndexMeasure`` metric
+    object (a module with states, updated by each call; its ``forward`` returns the batch's
+    value), which also reports the epoch's running MS-SSIM through ``compute()``."""
+
+    def __init__(self, alpha: float = 0.84, normalize="relu"):
+        super().__init__()
+        self.alpha = alpha
+        self.ms_ssim = MultiScaleStructuralSimilarityIndexMeasure(
+            data_range=1.0, kernel_size=5, sigma=0.8, betas=(0.2, 0.3, 0.5), normalize=normalize)
+
+    def forward(self, pred, target):
+        ms = self.ms_ssim(pred, target)
+        return self.alpha * (1 - ms) + (1 - self.alpha) * F.l1_loss(pred, target)
 
 
 class PSNRLoss(nn.Module):

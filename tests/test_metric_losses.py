@@ -84,6 +84,21 @@ def test_ms_ssim_of_a_tanh_output_without_normalize_is_a_negative_base_to_a_frac
     assert "(y + 1) / 2 of a tanh" in rep["hint"], rep["hint"]
 
 
+def test_the_same_ms_ssim_through_a_torchmetrics_metric_object_in_the_loss_replays_alike(
+        out_dir):
+    """The mix through torchmetrics' ``MultiScaleStructuralSimilarityIndexMeasure`` object (a
+    module with states the loss updates at each call): the replay rebuilds and re-runs it and
+    names the same pow, samples and ranges."""
+    lq, gt = M.noisy_patches(8, size=32)
+    err = _train(M.make_tanh_restorer(), M.MetricMixLoss(normalize=None), _loader(lq, gt),
+                 out_dir=out_dir, factory="metric_losses_models:make_tanh_restorer")
+    rep, o = _report(err, 0, "loss")
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("<loss>", "aten.pow", [0, 1, 2, 3], "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == source_line(MODELS, "ms = self.ms_ssim(pred, target)")
+    assert "spans [0.1, 0.9], never below 0" in rep["hint"], rep["hint"]
+
+
 def test_per_image_psnr_of_one_clean_pair_names_the_perfect_fit_of_that_sample(out_dir):
     """``-PSNR`` per image (``dim=(1, 2, 3)``) of an identity-initialised residual denoiser: the
     pair that drew no noise is reproduced exactly, its mse is 0 and ``log(0)`` is -inf. The
@@ -160,10 +175,10 @@ def test_total_variation_of_an_8_bit_output_under_float16_autocast_overflows_its
 
 def test_healthy_perceptual_ssim_loss_raises_nothing_and_trains_bit_identically(out_dir):
     """L1 + (1 - SSIM) (pytorch-msssim) + a perceptual feature loss, and L1 + (1 - MS-SSIM)
-    with torchmetrics' default ``normalize="relu"``, on noisy and clean pairs: no event, and
-    the same weights as the run without the recorder."""
+    with torchmetrics' default ``normalize="relu"`` (functional and as a metric object), on
+    noisy and clean pairs: no event, and the same weights as the run without the recorder."""
     lq, gt = M.noisy_patches(8, size=32, clean_at=(2,))
-    for crit in (M.PerceptualSSIMLoss(), M.MixLoss()):
+    for crit in (M.PerceptualSSIMLoss(), M.MixLoss(), M.MetricMixLoss()):
         plain = _train(M.make_restorer(), crit, _loader(lq, gt))
         recorded = _train(M.make_restorer(), crit, _loader(lq, gt), out_dir=out_dir,
                           factory="metric_losses_models:make_restorer")
