@@ -36,7 +36,8 @@ loss's weighted mean over a batch whose weights are all 0 (``replay.zero_weights
 loss's pole at the 0 error of a model output equal to its target, in every entry or in the
 origin's samples (``replay.perfect_fit``); a loss's op out of its domain on a model output
 holding negative values beside data that holds none (``replay.output_range``); a loss's pole
-at the spread of a model output constant within each named sample (``replay.constant_output``)."""
+at the spread of a model output constant within each named sample (``replay.constant_output``),
+or at a non-negative model output's exact zeros under positive data (``replay.zero_output``)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,7 @@ from .unselected_targets import unselected_targets_hint
 from .zero_bound import zero_bound_hint
 from .zero_eps_attribute import zero_eps_attribute_hint
 from .zero_number import zero_number_hint
+from .zero_output import zero_output_hint
 from .zero_records import zero_records_hint
 from .zero_weights_batch import zero_weights_hint
 
@@ -136,3 +138,4 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     perfect_fit_hint(report, step)  # (PSNR's max² / mse of an identity net on a clean pair)
     output_range_hint(report, step)  # (MS-SSIM's sim ** beta of a tanh output in [-1, 1])
     constant_output_hint(report, step)  # (a Pearson loss of a persistence forecast: flat)
+    zero_output_hint(report, step)  # (a KL of a ReLU-normalised histogram: a bin at 0)

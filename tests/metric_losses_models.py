@@ -101,6 +101,20 @@ def make_histogram_net():
     return HistogramNet()
 
 
+class RectifiedHistogramNet(HistogramNet):
+    """Predicts a histogram as rectified scores normalised to sum 1 (non-negative, as an NMF
+    decoder's or a count model's intensities), not a softmax: a bin can be exactly 0."""
+
+    def forward(self, x):
+        s = F.relu(self.body(x))
+        return s / s.sum(-1, keepdim=True)
+
+
+def make_rectified_histogram_net():
+    torch.manual_seed(0)
+    return RectifiedHistogramNet()
+
+
 def make_sharp_histogram_net():
     torch.manual_seed(0)
     return HistogramNet(temperature=0.005)

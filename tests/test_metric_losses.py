@@ -161,6 +161,24 @@ def test_kl_of_a_sharpened_softmax_underflowing_to_0_is_underflow(out_dir):
     assert "compute in log space" in rep["hint"], rep["hint"]
 
 
+def test_kl_of_a_relu_normalised_histogram_with_an_empty_bin_names_the_prediction_s_zeros(
+        out_dir):
+    """``kl_divergence(target, q)`` of a histogram predicted as ``relu(s) / relu(s).sum()``:
+    bins at exactly 0 where the smoothed target holds mass make ``p / q`` inf. The hint said
+    only 'add an eps to the denominator or skip the rows'; it now says the divisor is the
+    prediction, exactly 0 under positive target mass, and to floor it or work in log space."""
+    x, h = M.histograms(8)
+    err = _train(M.make_rectified_histogram_net(), M.HistKLLoss(), _loader(x, h),
+                 out_dir=out_dir, factory="metric_losses_models:make_rectified_histogram_net")
+    rep, o = _report(err, 0, "loss")
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("<loss>", "aten.div", [0, 1, 2, 3], "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == source_line(MODELS, "return kl_divergence(target, pred)")
+    assert "the model's output, never negative, is exactly 0 at 22 entries of samples " \
+        "[0, 1, 2, 3] where loss_args[1]" in rep["hint"], rep["hint"]
+    assert "kl_divergence(..., log_prob=True)" in rep["hint"], rep["hint"]
+
+
 def test_total_variation_of_an_8_bit_output_under_float16_autocast_overflows_its_sum(out_dir):
     """A net predicting 0-255 intensities under float16 autocast with a total-variation prior:
     torchmetrics' per-image ``abs().sum([1, 2, 3])`` of its float16 output passes 65504."""
