@@ -11,6 +11,7 @@ pair whose input is its target, which teaches the model nothing).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -86,7 +87,19 @@ def outputs_and_data(step: Step, mb: int) -> tuple[list, list] | None:
     """(the model's outputs of micro-batch ``mb``, run again, and the loss's floating data
     arguments as ``(name, tensor)``, those that take no gradient); None when the bundle keeps
     none of those or the forward cannot run (the bundle keeps the loss's data, not the model's
-    output)."""
+    output). The last step's answer is kept: the loss hints after this one ask it again."""
+    held = _LAST.get("step")
+    if held is not None and held() is step and _LAST.get("mb") == mb:
+        return _LAST["found"]
+    found = _outputs_and_data(step, mb)
+    _LAST.update(step=weakref.ref(step), mb=mb, found=found)
+    return found
+
+
+_LAST: dict[str, Any] = {}  # step (a weak reference), mb, found: outputs_and_data's last
+
+
+def _outputs_and_data(step: Step, mb: int) -> tuple[list, list] | None:
     entry = step.micro_batches[mb]
     learned = set(entry.get("loss_grad_args") or ())
     data = [(loss_path(raw), step.tensors.get(key))
@@ -113,4 +126,6 @@ def _equal_where(t: torch.Tensor, out: torch.Tensor, rows: list[int]) -> str | N
     idx = torch.tensor(rows, device=out.device)
     if not torch.equal(t.index_select(0, idx), out.index_select(0, idx)):
         return None
-    return f"in sample{'s' if len(rows) > 1 else ''} {rows}, every entry of {'each' if len(rows) > 1 else 'it'}"
+    if len(rows) == 1:
+        return f"in sample {rows}, every entry of it"
+    return f"in samples {rows}, every entry of each"
