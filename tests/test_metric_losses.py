@@ -120,7 +120,8 @@ def test_per_series_rmse_of_a_flat_series_is_a_backward_sqrt_at_0_not_a_masked_b
     residual forecaster: a flat series is forecast exactly at step 0, its RMSE is 0 and
     ``sqrt``'s derivative there is inf, inf * 0 = NaN in backward only. The hint said 'one 0-d
     value for the whole batch ... no row is to blame' (the masked-batch case) while naming
-    sample 1: the zero ``d`` of ``d * d`` is the model's error, no mask."""
+    sample 1: the zero ``d`` of ``d * d`` is the model's error, no mask. It now names the
+    perfect fit of that series and the RMSE's infinite slope there."""
     x, y = M.series_windows(8, flat_at=(1,))
     err = _train(M.make_forecaster(), M.RMSELoss(), _loader(x, y), out_dir=out_dir,
                  factory="metric_losses_models:make_forecaster")
@@ -129,7 +130,9 @@ def test_per_series_rmse_of_a_flat_series_is_a_backward_sqrt_at_0_not_a_masked_b
         ("<loss>", "SqrtBackward0", [1], "invalid"), json.dumps(rep, indent=1)
     assert o["source"] == source_line(MODELS, "per_series = [mean_squared_error(")
     assert "no row is to blame" not in rep["hint"], rep["hint"]
-    assert "sqrt(x + eps)" in rep["hint"], rep["hint"]
+    assert "that 0 is the error of a perfect fit" in rep["hint"], rep["hint"]
+    assert "in sample [1], every entry of it" in rep["hint"], rep["hint"]
+    assert "report the RMSE as a metric, or take sqrt(mse + eps)" in rep["hint"], rep["hint"]
 
 
 def test_pearson_over_a_constant_forecast_is_a_pole_of_its_max_deviation(out_dir):
