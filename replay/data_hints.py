@@ -33,7 +33,11 @@ in one micro-batch of several, every target ignored (``replay.ignored_micro_batc
 token labels ignored at every position beside real tokens (``replay.unselected_targets``); a
 distance at 0 between samples that are one record in pairs (``replay.same_record_pairs``); a
 loss's weighted mean over a batch whose weights are all 0 (``replay.zero_weights_batch``); a
-loss's pole at the 0 error of a model output equal to its target (``replay.perfect_fit``)."""
+loss's pole at the 0 error of a model output equal to its target, in every entry or in the
+origin's samples (``replay.perfect_fit``); a loss's op out of its domain on a model output
+holding negative values beside data that holds none (``replay.output_range``); a loss's pole
+at the spread of a model output constant within each named sample (``replay.constant_output``),
+or at a non-negative model output's exact zeros under positive data (``replay.zero_output``)."""
 
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ from .causal_buffer import causal_buffer_hint
 from .chunk_rows import chunk_note
 from .column_scale import column_scale_hint
 from .constant_columns import constant_columns_hint
+from .constant_output import constant_output_hint
 from .data_overflow import data_overflow_hint
 from .data_pole import data_pole_hint
 from .data_scale import data_scale_hint
@@ -70,6 +75,7 @@ from .nan_cast import nan_cast_hint
 from .negative_rows import negative_hint
 from .other_inputs import other_inputs_note
 from .output_overflow import huge_output_hint
+from .output_range import output_range_hint
 from .padded_units import padded_units_hint
 from .padding_batch import padding_batch_hint
 from .perfect_fit import perfect_fit_hint
@@ -81,6 +87,7 @@ from .unselected_targets import unselected_targets_hint
 from .zero_bound import zero_bound_hint
 from .zero_eps_attribute import zero_eps_attribute_hint
 from .zero_number import zero_number_hint
+from .zero_output import zero_output_hint
 from .zero_records import zero_records_hint
 from .zero_weights_batch import zero_weights_hint
 
@@ -129,3 +136,6 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     nan_cast_hint(report, step)  # (NaN intrinsics' frustum points voxelised by .long())
     ignored_micro_batch_hint(report, step)  # (gold SQL no action of kept, one micro-batch)
     perfect_fit_hint(report, step)  # (PSNR's max² / mse of an identity net on a clean pair)
+    output_range_hint(report, step)  # (MS-SSIM's sim ** beta of a tanh output in [-1, 1])
+    constant_output_hint(report, step)  # (a Pearson loss of a persistence forecast: flat)
+    zero_output_hint(report, step)  # (a KL of a ReLU-normalised histogram: a bin at 0)

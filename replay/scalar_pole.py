@@ -28,7 +28,9 @@ def scalar_at_pole(node, saved) -> bool:
 
 def _masked_to_zero(node, depth: int = 6) -> bool:
     """A ``MulBackward0`` within ``depth`` nodes below ``node`` saved a factor that is 0 at
-    every entry (the mask of a batch with nothing valid)."""
+    every entry and takes no gradient (the mask of a batch with nothing valid; not the
+    error ``d`` of a perfect fit in ``d * d``, which the model's output made: a per-series
+    RMSE's series forecast exactly)."""
     seen, frontier = set(), [node]
     for _ in range(depth):
         nxt = []
@@ -39,7 +41,7 @@ def _masked_to_zero(node, depth: int = 6) -> bool:
                 seen.add(f)
                 if type(f).__name__ == "MulBackward0" and any(
                         isinstance(t, torch.Tensor) and t.numel() > 1 and t.is_floating_point()
-                        and not bool(t.any()) for t in _factors(f)):
+                        and not t.requires_grad and not bool(t.any()) for t in _factors(f)):
                     return True
                 nxt.append(f)
         frontier = nxt

@@ -1,0 +1,65 @@
+"""A loss's pole at 0 where the model's output is constant within each sample the origin names,
+while the data it is compared with varies there: the 0 is the output's spread. A correlation
+loss, ``1 - pearson_corrcoef(pred.T, target.T)`` over each series' horizon, of a persistence
+forecaster at initialisation (the last value repeated, its correction's head at 0):
+torchmetrics scales the variance by ``max_abs_dev ** -2``, inf at a spread of 0, and
+``0 * inf`` is NaN; a z-score or cosine of the row has the same pole. The op's advice (a count
+or degree clamped, an eps) does not say that the prediction is flat; the hint does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .load import Step
+from .perfect_fit import outputs_and_data
+
+# (the pole texts of replay.domains: "of 0 (a pole: 1/0)", "by 0 (x/0, a pole)", a pow's)
+_AT_ZERO = ("of 0 (", "by 0 (", "of 0 by 0", "of 0 to a negative power")
+
+
+def constant_output_hint(report: dict[str, Any], step: Step) -> None:
+    """Append to a loss origin's pole at 0 the samples whose model output is constant."""
+    o, hint = report.get("origin") or {}, report.get("hint") or ""
+    mb = o.get("micro_batch") or 0
+    rows = [r for r in o.get("samples") or () if isinstance(r, int) and r >= 0]
+    if report.get("cause") != "invalid" or o.get("phase") != "loss" or not rows \
+            or not any(z in hint for z in _AT_ZERO) or "perfect fit" in hint \
+            or mb >= len(step.micro_batches):
+        return
+    made = _flat_output(step, mb, rows)
+    if made is None:
+        return
+    report["hint"] = (
+        f"{hint}; that 0 is the spread of {made}: it is constant within each of samples "
+        f"{rows} (every entry of the sample's row equal: a persistence forecast, a head "
+        "initialised to 0, an output collapsed to its mean) while the data it is compared "
+        "with varies there, and a statistic normalised by the prediction's spread "
+        "(pearson_corrcoef, concordance_corrcoef, a cosine or a z-score of the row) is 0/0 "
+        "or 0 * inf at a flat prediction: add an eps to that spread, or weigh the term in "
+        "only once the prediction varies (an mse warm-up); the data is not to blame")
+
+
+def _flat_output(step: Step, mb: int, rows: list[int]) -> str | None:
+    """The name of a model output constant along every dimension after the first in each of
+    ``rows``, beside a data argument of its shape that is not constant in any of them."""
+    pair = outputs_and_data(step, mb)
+    if pair is None:
+        return None
+    outs, data = pair
+    for j, out in enumerate(outs):
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point() \
+                or out.dim() < 2 or out[0].numel() < 2 or max(rows) >= out.shape[0]:
+            continue
+        idx = torch.tensor(rows, device=out.device)
+        picked = out.detach().index_select(0, idx).flatten(1)
+        if not bool((picked == picked[:, :1]).all()):
+            continue
+        for _name, t in data:
+            if t.shape != out.shape:
+                continue
+            d = t.to(out.device).index_select(0, idx).flatten(1)
+            if bool((d != d[:, :1]).any(1).all()):
+                return "the model's output" if len(outs) == 1 else f"the model's output {j}"
+    return None
