@@ -118,8 +118,10 @@ class Alarm:
             tape.slots.zero(GRAD)
             with self._lock:
                 self.fired = False
-            # (Adam's square of such a gradient: the update's state, checked after it)
-            self.state_check = target.has_optimizer and not tape.evaluation
+            # (Adam's square of such a gradient: the update's state, checked after it; not
+            # under torch.distributed, where the ranks agree on events in the step's read)
+            self.state_check = target.has_optimizer and not tape.evaluation \
+                and target.ranks is None
             return
         if tape.evaluation:
             event.evaluation = True
