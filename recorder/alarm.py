@@ -39,6 +39,7 @@ from .settings import Settings
 from .shards import local
 from .slots import GRAD
 from .stale_grads import held_first, unused_grads
+from .state_check import non_finite_state, state_detail
 from .tape import Tape
 from .target import Target
 from .validate import why_unwritable
@@ -66,6 +67,7 @@ class Alarm:
         self.renamed: dict[str, str] = {}  # parameters renamed since attach (Target.rename)
         self.bundle_path: Path | None = None
         self._lock = threading.RLock()
+        self.state_check = False  # the next update checks the state it wrote (state_check)
 
     def _claim(self) -> bool:
         with self._lock:
@@ -116,6 +118,10 @@ class Alarm:
             tape.slots.zero(GRAD)
             with self._lock:
                 self.fired = False
+            # (Adam's square of such a gradient: the update's state, checked after it; not
+            # under torch.distributed, where the ranks agree on events in the step's read)
+            self.state_check = target.has_optimizer and not tape.evaluation \
+                and target.ranks is None
             return
         if tape.evaluation:
             event.evaluation = True
@@ -154,6 +160,18 @@ class Alarm:
             self._write_and_report(None, event)
         else:
             self._write_and_report(tape, event, guard=guard)
+
+    def state_event(self, optimizer, step: int) -> None:
+        """The update of ``step`` after one whose norms overflowed: its optimizer state, read
+        now (see recorder.state_check); a non-finite entry is an ``optimizer`` event."""
+        self.state_check = False
+        bad, kind = non_finite_state(optimizer, {id(p): n for n, p in self.target.params})
+        if not bad or not self._claim():
+            return
+        self.renamed = self.target.rename()
+        event = events.optimizer_event(step, list(bad), after_update=True, kind=kind)
+        event.state, event.detail = bad, state_detail(bad)
+        self._write_and_report(None, event)
 
     def _take_part(self, step: int) -> None:
         """A rank that already reported its own event (an evaluation's, which the ranks do not

@@ -45,7 +45,7 @@ __all__ = ["Event", "StepEvidence", "find_event", "optimizer_event", "output_gra
 # keys a bundle's event holds only when they are set
 _OPTIONAL = ("after_update", "first_seen_step", "last_update_step", "evaluation", "compiled",
              "ranks", "written_after_forward", "before_update", "nan_handled", "loss_given",
-             "batch_size", "no_step_closed")
+             "batch_size", "no_step_closed", "state")
 
 
 @dataclass
@@ -82,6 +82,7 @@ class Event:
     loss_given: bool | None = None
     batch_size: int | None = None  # the micro-batch's samples, when ``samples`` names some
     no_step_closed: bool | None = None  # an update whose step() closed none (recorder.alarm)
+    state: dict[str, list[str]] | None = None  # its non-finite state keys (state_check)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items()

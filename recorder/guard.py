@@ -22,6 +22,7 @@ from .alarm import Alarm
 from .compat import foreach_norm
 from .compiled import disabled
 from .cycle import StepCycle, UpdateEvidence
+from .errors import NonFiniteError
 from .grads import reread_changed_grads
 from .hooks import Health, Hook
 from .inner_optim import full_state
@@ -195,6 +196,13 @@ class OptimizerGuard:
         self.cycle.foreign.stepped(self.cycle.tape, self.target.watched)
         if not self.health.active:
             return None
+        if self.alarm.state_check and not self.alarm.fired:  # (rare: see state_check)
+            try:
+                self.alarm.state_event(optimizer, self.cycle.step - 1)
+            except NonFiniteError:
+                raise
+            except Exception as e:
+                self.health.internal_error(e)
         if not self.settings.guard_optimizer:
             try:
                 self._measure_update()

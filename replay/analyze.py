@@ -76,6 +76,7 @@ from .second_order import adapted_from_gradient, report_made_weights, report_sec
 from .shards import shard_set
 from .source import distributed_call
 from .state import forward_written, state_notes
+from .state_overflow import state_report
 from .trained_input import trained_input_hint
 from .unrecorded_steps import report_unrecorded
 from .unset_state import unset_state_or_raise
@@ -90,9 +91,8 @@ __all__ = ["analyze", "analyze_bundle", "scale_of_the_step"]
 
 
 def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
-    """The report for one bundle (``step`` already passed through :func:`load.build`); with a
-    rewind window, its re-run (which makes an optimizer event replayable); ``tries`` are the
-    ``--try`` what-ifs, run after the analysis whose cause ``auto`` reads."""
+    """The report for one built bundle; with a rewind window, its re-run (an optimizer event
+    replayable); ``tries``: the ``--try`` what-ifs, run after the analysis ``auto`` reads."""
     report = base_report(step)
     changed = step.meta.get("changed_in_step")
     if changed:
@@ -102,7 +102,7 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
         report["problems"].append((said := scaler_not_given(step.meta))[0].lower() + said[1:-1])
     if (late := sorted(_late(step))) and not step.event.get("before_update"):
         report["problems"].append(fidelity.late_note(late, bool(step.meta.get("optimizer"))))
-    report = _from_bundle(report, step) or _from_rerun(report, step)
+    report = state_report(report, step) or _from_bundle(report, step) or _from_rerun(report, step)
     if note := number_note(step, report):  # (a NaN number the forward took: no input)
         report["problems"].append(note)
     if not add_window(step, report) and below_zero(step) is None:  # (else the precursors;

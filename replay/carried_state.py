@@ -64,6 +64,8 @@ def carried_note(step: Step, origin: dict[str, Any], keys: set[str]) -> str | No
     already reaches the square root of its type's largest value (one product from overflow);
     None otherwise."""
     mb = origin.get("micro_batch") or 0
+    if mb >= len(step.micro_batches):  # (an update's event: no batch)
+        return None
     entry = step.micro_batches[mb]
     rows = origin.get("samples") or []
     top: tuple[float, str, str] | None = None

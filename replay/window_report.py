@@ -80,6 +80,9 @@ def _not_rerunnable(step: Step, report: dict[str, Any]) -> str | None:
         return ("a forward of the event step ran with weights the bundle does not hold "
                 "(passed in through functional_call, as a MAML inner loop does), and the "
                 "window's steps would run with the model's own")
+    if not step.micro_batches and step.event.get("after_update"):
+        return ("the event was found after its step's update, and the bundle holds no batch of "
+                "that step to re-run it with (guard_optimizer=True keeps it)")
     if not step.micro_batches:
         return ("the event step ran no forward of the recorded model (the loop wrote its "
                 "gradients, as Reptile's from a copy it trained), which a re-run cannot make")

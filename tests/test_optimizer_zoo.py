@@ -72,20 +72,19 @@ def test_a_window_re_runs_past_an_optimizer_state_that_overflowed(out_dir):
     """A step decay written as a LambdaLR with its exponent's sign flipped (0.1 ** -(s // 2):
     the rate grows 10x every two steps): AdamW's exp_avg_sq of norm.weight overflowed to +inf
     a step before the backward event, its weights still finite. Training's check reads the
-    weights, so it trained on; the window's re-run stopped at that state and said the event
-    did not come back ('first non-finite at step 17, not the recorded event'), a re-run that
-    left training's path. Now it re-runs to the event and notes the state."""
+    weights, so it trained on to a backward event at step 18. The state is now checked
+    after an update whose step's norms overflowed: the update of step 17 is the event, its
+    hint names the state, the gradient whose square overflowed and the rate's growth."""
     err = _train(out_dir, lambda m: torch.optim.AdamW(ZF.param_groups(m), lr=1e-3),
                  lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.1 ** -(s // 2)),
                  epochs=5, batch_size=64, rewind=4)
-    assert (err.event["step"], err.event["phase"]) == (18, "backward")
-    rep = nanreplay_json(err.bundle_path)
-    w = rep["window"]
-    assert w["reproduced"] and w["event_step"] == 18, w["first_non_finite"]
-    assert w["first_non_finite"]["phase"] == "backward"
-    assert any("exp_avg_sq of norm.weight became +inf in the update at step 17" in p
-               for p in rep["problems"]), rep["problems"]
-    assert "learning rate (parameter group 0) 1e+04 is 10x" in rep["hint"], rep["hint"]
+    # (the state's +inf is the event now, at its update: recorder.state_check)
+    assert (err.event["step"], err.event["phase"]) == (17, "optimizer"), err.event
+    assert "exp_avg_sq" in err.event["state"]["norm.weight"], err.event["state"]
+    rep = nanreplay_json(err.bundle_path, code=None)
+    assert rep["cause"] == "overflow" and "exp_avg_sq of norm.weight" in rep["hint"], rep
+    assert "the learning rate had jumped at step 2" in rep["hint"], rep["hint"]
+    assert any("no batch of that step" in p for p in rep["problems"]), rep["problems"]
 
 
 def test_an_inf_warm_up_rate_at_step_0_proposes_the_scheduler_s_initial_rate(out_dir):
