@@ -1,0 +1,117 @@
+"""Bayesian optimisation with BoTorch 0.18.1: a ``SingleTaskGP`` with ``Normalize`` and
+``Standardize`` fitted by ``fit_gpytorch_mll`` (scipy's L-BFGS-B through a closure over the
+recorded ``GPStep``, no torch optimizer) or by a hand-written Adam loop, and a deep-kernel GP
+trained with Adam. GPyTorch's modules bypass torch's hooks, so the recorded module is the
+``-mll(model(x), y)`` step."""
+
+from __future__ import annotations
+
+import botorch_bo_models as M
+import pytest
+import torch
+from botorch.fit import fit_gpytorch_mll
+from bundles import nanreplay_json
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = [pytest.mark.usefixtures("in_tests_dir"),
+              pytest.mark.filterwarnings("ignore::botorch.exceptions.warnings.InputDataWarning"),
+              pytest.mark.filterwarnings("ignore:A not p.d.")]
+
+STGP = "botorch_bo_models:make_stgp"
+
+
+def _fit(step, rec=None):
+    """``fit_gpytorch_mll`` with the closure over the recorded step (scipy's L-BFGS-B)."""
+    if rec is None:
+        return fit_gpytorch_mll(step.mll, closure=M.step_closure(step))
+    with FlightRecorder(step, **rec):
+        return fit_gpytorch_mll(step.mll, closure=M.step_closure(step))
+
+
+def _adam(step, steps, lr, rec):
+    opt = torch.optim.Adam(step.parameters(), lr=lr)
+    x, y = M.train_batch(step)
+    step.train()
+    with FlightRecorder(step, opt, **rec):
+        for _ in range(steps):
+            opt.zero_grad()
+            step(x, y).backward()
+            opt.step()
+
+
+def test_healthy_fit_has_no_event_and_fits_bit_identically(out_dir):
+    plain, recorded = M.make_stgp(), M.make_stgp()
+    _fit(plain)
+    _fit(recorded, rec=dict(out_dir=out_dir, factory=STGP))
+    assert not list(out_dir.glob("*.nan"))
+    for (n, a), (_, b) in zip(plain.named_parameters(), recorded.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_collapsed_dkl_features_are_a_0d_divisor(out_dir):
+    """A DKL model whose hidden layers start with a bias of -10 (every ReLU dead): the feature
+    extractor returns one value for every row, and ``ScaleToBounds``'s ``1.9 / (max - min)``
+    is 1/0. Before, the hint said to skip the rows where the divisor is 0 (there are none: the
+    divisor is 0-d); now it is named as one value for every element, a statistic over the
+    batch whose values were all equal."""
+    kw = {"dead_bias": -10.0, "d_out": 1}
+    with pytest.raises(RuntimeError) as info:
+        _adam(M.make_dkl(**kw), 5, 0.01,
+              dict(out_dir=out_dir, factory="botorch_bo_models:make_dkl", factory_kwargs=kw))
+    assert type(info.value).__name__ == "NanError", info.value
+    bundle, = out_dir.glob("*.nan")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["module"], o["op"], rep["cause"],
+            o["samples"]) == (0, "forward", "model.scale_to_bounds", "aten.reciprocal",
+                              "invalid", list(range(32))), rep
+    assert "in a 0-d divisor" in rep["hint"] and "every value equal" in rep["hint"] \
+        and "skip the rows" not in rep["hint"], rep["hint"]
+
+
+def test_normalize_bounds_of_zero_width_name_the_coefficient(out_dir):
+    """``Normalize`` given bounds of zero width in a pinned input (0.5 to 0.5) that the past
+    trials varied: ``(X - offset) / coefficient`` is x/0 in that column, and linear_operator's
+    Cholesky raises NanError (a ``linalg`` event). Before, the hint called the divisor a
+    statistic over the batch (a dead ReLU unit, Barlow Twins' eps); now it names the buffer
+    ``model.input_transform._coefficient`` and its zero entry."""
+    kw = {"bounds": [[0, 0, 0.5], [10, 5, 0.5]]}
+    with pytest.raises(RuntimeError) as info:
+        _adam(M.make_stgp(**kw), 5, 0.05, dict(out_dir=out_dir, factory=STGP, factory_kwargs=kw))
+    assert type(info.value).__name__ == "NanError", info.value
+    bundle, = out_dir.glob("*.nan")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], rep["event"]["phase"], o["op"], rep["cause"],
+            o["samples"]) == (0, "forward", "aten.div", "invalid", list(range(12))), rep
+    assert any(p.startswith("aten.linalg_cholesky_ex raised on the +inf that aten.div made")
+               for p in rep["problems"]), rep["problems"]
+    assert "the buffer model.input_transform._coefficient" in rep["hint"] \
+        and "entry (0, 2)" in rep["hint"] and "statistic over the batch" not in rep["hint"], \
+        rep["hint"]
+
+
+def test_outcomes_in_raw_units_overflow_float32(out_dir):
+    """Outcomes of scale 1e25 without ``Standardize``, in float32: the MLL's squared
+    residuals overflow at the first closure evaluation of ``fit_gpytorch_mll``."""
+    kw = {"scale": 1e25, "standardize": False, "dtype": "float32"}
+    with pytest.raises(NonFiniteError) as info:
+        _fit(M.make_stgp(**kw), rec=dict(out_dir=out_dir, factory=STGP, factory_kwargs=kw))
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["module"], o["op"], rep["cause"],
+            o["samples"]) == (0, "forward", "", "aten.pow", "overflow", list(range(12))), rep
+
+
+def test_infinite_observation_is_an_input_event_on_its_row(out_dir):
+    """An evaluation that returned +inf (a failed simulation's sentinel) kept without
+    ``Standardize``: BoTorch's own check refuses NaN only, so the fit's first closure
+    evaluation is an input event on the targets' row 5."""
+    kw = {"standardize": False, "bad_obs": {"5": "inf"}}
+    with pytest.raises(NonFiniteError) as info:
+        _fit(M.make_stgp(**kw), rec=dict(out_dir=out_dir, factory=STGP, factory_kwargs=kw))
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], rep["cause"], o["samples"]) == \
+        (0, "input", "input", [5]), rep
