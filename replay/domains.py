@@ -208,7 +208,8 @@ def _inverse(op: str, ev: Evidence, low: str, negative: bool) -> tuple[str, str]
     over the batch: no row to skip, the total's advice."""
     if negative:
         return f"{op} of a negative number (as low as {low})", "domain"
-    one = ev.zero_dim[:1] == [True]
+    # (one made of the weights or the data alone keeps the advice that says so)
+    one = ev.zero_dim[:1] == [True] and not (ev.of_weights or ev.of_data)
     return f"{op} of 0 (a pole: 1/0){' in a 0-d divisor' if one else ''}", \
         "divide_total" if one else "divide"
 

@@ -94,7 +94,9 @@ def test_normalize_bounds_of_zero_width_name_the_coefficient(out_dir):
 
 def test_outcomes_in_raw_units_overflow_float32(out_dir):
     """Outcomes of scale 1e25 without ``Standardize``, in float32: the MLL's squared
-    residuals overflow at the first closure evaluation of ``fit_gpytorch_mll``."""
+    residuals overflow at the first closure evaluation of ``fit_gpytorch_mll``. Before, the
+    hint said to subtract the row max before exp or bound a learned exponent; now it names the
+    targets' scale and the outcome transform."""
     kw = {"scale": 1e25, "standardize": False, "dtype": "float32"}
     with pytest.raises(NonFiniteError) as info:
         _fit(M.make_stgp(**kw), rec=dict(out_dir=out_dir, factory=STGP, factory_kwargs=kw))
@@ -102,6 +104,8 @@ def test_outcomes_in_raw_units_overflow_float32(out_dir):
     o = rep["origin"]
     assert (rep["event"]["step"], o["phase"], o["module"], o["op"], rep["cause"],
             o["samples"]) == (0, "forward", "", "aten.pow", "overflow", list(range(12))), rep
+    assert "the batch's args[1], which holds values up to 5.21e+25" in rep["hint"] \
+        and "Standardize(m=1)" in rep["hint"] and "row max" not in rep["hint"], rep["hint"]
 
 
 def test_infinite_observation_is_an_input_event_on_its_row(out_dir):
