@@ -85,8 +85,9 @@ def make_stgp(n=12, *, dtype="float64", duplicates=0, bad_obs=None, scale=1.0,
     if noise_floor is not None:
         kw["likelihood"] = gpytorch.likelihoods.GaussianLikelihood(
             noise_constraint=gpytorch.constraints.GreaterThan(noise_floor))
-    if ls_prior is not None:
-        kw["covar_module"] = gpytorch.kernels.RBFKernel(ard_num_dims=3, lengthscale_prior=ls_prior)
+    if ls_prior is not None:  # (concentration, rate) of a Gamma prior on the lengthscales
+        kw["covar_module"] = gpytorch.kernels.RBFKernel(
+            ard_num_dims=3, lengthscale_prior=gpytorch.priors.GammaPrior(*ls_prior))
     b = BOUNDS if bounds is None else torch.as_tensor(bounds, dtype=torch.float64)
     model = SingleTaskGP(x, y, input_transform=Normalize(d=3, bounds=b.to(x.dtype)),
                          outcome_transform=Standardize(m=1) if standardize else None, **kw)

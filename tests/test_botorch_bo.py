@@ -119,3 +119,28 @@ def test_infinite_observation_is_an_input_event_on_its_row(out_dir):
     o = rep["origin"]
     assert (rep["event"]["step"], o["phase"], rep["cause"], o["samples"]) == \
         (0, "input", "input", [5]), rep
+
+
+def test_lengthscale_prior_toward_zero_names_the_vanished_divisor(out_dir):
+    """A Gamma(0.2, 50) lengthscale prior, whose density grows without bound at 0: L-BFGS-B
+    drives the raw lengthscale to -355 (the lengthscale 4e-155). Evaluations whose Cholesky
+    failed raise inside the model and BoTorch's closure catches them (a NaN loss for scipy);
+    the first evaluation that returned with a NaN gradient is the event: ``DivBackward0`` of
+    GPyTorch's ``x.div(lengthscale)``, whose ``-x / d²`` overflows. Before, the hint said to
+    make the op's input safe (torch.where) or add an eps, and the note read the caught
+    forwards as a recurrent cell's calls; now it names the learned divisor and its value, and
+    the note the forwards that raised, from step 214."""
+    kw = {"ls_prior": [0.2, 50.0]}
+    with pytest.raises(NonFiniteError) as info:
+        _fit(M.make_stgp(**kw), rec=dict(out_dir=out_dir, factory=STGP, factory_kwargs=kw))
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["module"], o["op"], o["param"],
+            rep["cause"]) == (273, "backward", "", "DivBackward0",
+                              "model.covar_module.raw_lengthscale", "invalid"), rep
+    assert "a learned value (model.covar_module.raw_lengthscale) that is not 0 but as small " \
+        "as 4.08e-155" in rep["hint"] and "GreaterThan(1e-4)" in rep["hint"] \
+        and "torch.where" not in rep["hint"], rep["hint"]
+    assert any("33 of the 63 steps before this one, the earliest recorded step 214, ended "
+               "without the model's forward returning" in p for p in rep["problems"]), \
+        rep["problems"]
