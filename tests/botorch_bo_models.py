@@ -16,10 +16,18 @@ import math
 
 import gpytorch
 import torch
+from botorch.acquisition import (
+    LogExpectedImprovement,
+    UpperConfidenceBound,
+    qLogNoisyExpectedImprovement,
+)
+from botorch.fit import fit_gpytorch_mll
 from botorch.models import MixedSingleTaskGP, SingleTaskGP
 from botorch.models.transforms.input import Normalize
 from botorch.models.transforms.outcome import Standardize
+from botorch.optim import optimize_acqf
 from botorch.optim.closures import ForwardBackwardClosure
+from botorch.sampling import SobolQMCNormalSampler
 from gpytorch.mlls import ExactMarginalLogLikelihood
 from torch import nn
 
@@ -145,3 +153,30 @@ def make_dkl(n=32, *, dead_bias=None, d_out=2):
         for layer in (model.feature_extractor[0], model.feature_extractor[2]):
             nn.init.constant_(layer.bias, dead_bias)
     return GPStep(model)
+
+
+def bo_loop(rounds=3, *, record=None):
+    """A BO loop that refits each round: a ``SingleTaskGP`` fitted with ``fit_gpytorch_mll``
+    (through ``step_closure``; under ``record(step)``, a context manager such as a
+    ``FlightRecorder``, when given), then LogEI, qLogNEI (BoTorch's advised form of qNEI) and
+    UCB in turn optimised with ``optimize_acqf`` over ``BOUNDS``, the candidate evaluated and
+    appended. Returns the data."""
+    x, y = initial_data(8)
+    for r in range(rounds):
+        torch.manual_seed(r)
+        step = GPStep(SingleTaskGP(x, y, input_transform=Normalize(d=3, bounds=BOUNDS),
+                                   outcome_transform=Standardize(m=1)))
+        if record is None:
+            fit_gpytorch_mll(step.mll, closure=step_closure(step))
+        else:
+            with record(step):
+                fit_gpytorch_mll(step.mll, closure=step_closure(step))
+        model = step.model
+        acqf = (LogExpectedImprovement(model, best_f=y.max()) if r % 3 == 0 else
+                qLogNoisyExpectedImprovement(model, X_baseline=x, prune_baseline=False,
+                                          sampler=SobolQMCNormalSampler(torch.Size([32]), seed=r))
+                if r % 3 == 1 else UpperConfidenceBound(model, beta=0.2))
+        cand, _ = optimize_acqf(acqf, bounds=BOUNDS, q=1, num_restarts=2, raw_samples=16,
+                                options={"maxiter": 20})
+        x, y = torch.cat([x, cand]), torch.cat([y, branin_like(cand).unsqueeze(-1)])
+    return x, y
