@@ -6,6 +6,8 @@ trained with Adam. GPyTorch's modules bypass torch's hooks, so the recorded modu
 
 from __future__ import annotations
 
+import logging
+
 import botorch_bo_models as M
 import pytest
 import torch
@@ -74,6 +76,24 @@ def test_healthy_bo_loop_and_adam_fits_have_no_event(out_dir):
         for (n, a), (_, b) in zip(plain.named_parameters(), recorded.named_parameters()):
             assert torch.equal(a, b), n
     assert not list(out_dir.glob("*.nan"))
+
+
+def test_model_and_mll_recorded_as_given_say_how_fit_gpytorch_mll_is_recorded(out_dir, caplog):
+    """The first try: ``FlightRecorder(model, loss_fn=mll)`` with no optimizer around
+    ``fit_gpytorch_mll(mll)``. GPyTorch's ``__call__`` runs no torch hook, and the fit calls the
+    MLL itself: nothing is recorded. Before, the warning said to record a wrapper module "with
+    the optimizer over its parameters", which a scipy fit has not; now it says to give
+    ``fit_gpytorch_mll`` a closure calling that module."""
+    model = M.make_stgp().model
+    mll = M.ExactMarginalLogLikelihood(model.likelihood, model)
+    with caplog.at_level(logging.WARNING, logger="recorder"):
+        with FlightRecorder(model, loss_fn=mll, out_dir=out_dir) as rec:
+            fit_gpytorch_mll(mll)
+    assert rec.step == 0 and not list(out_dir.glob("*.nan"))
+    text = [r.getMessage() for r in caplog.records]
+    assert any(t.startswith("nanreplay: the model SingleTaskGP is called through gpytorch")
+               and "fit_gpytorch_mll(mll, closure=ForwardBackwardClosure(forward=lambda: "
+               "step(x, y)" in t for t in text), text
 
 
 def test_collapsed_dkl_features_are_a_0d_divisor(out_dir):
