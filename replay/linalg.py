@@ -265,7 +265,7 @@ def report_linalg(report, step: Step, runner: Runner, run) -> dict[str, Any] | N
     of_data = not failed.learned and 0 < len(origin["samples"]) < (batch_size(step, mb) or 0)
     cause, hint = judge(failed.op, failed.matrix, exact, of_data, origin["samples"])
     if cause == "invalid" and failed.negative and "is indefinite" in hint:
-        hint = negative_scales_hint(hint, failed.negative)
+        hint = negative_scales_hint(hint, failed.negative, runner.model)
     if exact.occurrence < failed.occurrence:  # (the float64 run stopped at an earlier call)
         hint = hint.replace("(float64 re-run: ", f"(the float64 re-run refused call "
                             f"{exact.occurrence} of it already, {failed.occurrence - exact.occurrence}"

@@ -191,3 +191,23 @@ def test_lengthscale_prior_toward_zero_names_the_vanished_divisor(out_dir):
     assert any("33 of the 63 steps before this one, the earliest recorded step 214, ended "
                "without the model's forward returning" in p for p in rep["problems"]), \
         rep["problems"]
+
+
+def test_mixed_gp_with_adam_crosses_the_unenforced_noise_bound(out_dir):
+    """A MixedSingleTaskGP trained by a hand-written Adam loop (lr=0.05): BoTorch's
+    likelihood declares its noise ``GreaterThan(1e-4, transform=None)``, a bound only
+    fit_gpytorch_mll's L-BFGS-B is given, so the first step takes the noise itself to -0.043
+    and the next Cholesky raises NotPSDError. The hint names the parameter (as before) and now
+    also the constraint that no transform enforces, and fitting with fit_gpytorch_mll."""
+    with pytest.raises(RuntimeError) as info:
+        _adam(M.make_mixed(), 5, 0.05,
+              dict(out_dir=out_dir, factory="botorch_bo_models:make_mixed"))
+    assert type(info.value).__name__ == "NotPSDError", info.value
+    bundle, = out_dir.glob("*.nan")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["module"], o["op"], rep["cause"]) == \
+        (1, "forward", "", "aten.linalg_cholesky_ex", "invalid"), rep
+    assert "model.likelihood.noise_covar.raw_noise = -0.0433, below 0" in rep["hint"] \
+        and "raw_noise_constraint (GreaterThan, lower bound 0.0001) has no transform" \
+        in rep["hint"] and "fit with fit_gpytorch_mll" in rep["hint"], rep["hint"]
