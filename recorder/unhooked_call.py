@@ -44,7 +44,12 @@ def warn_unhooked(model, loss_fn=None) -> None:
             "nanreplay: the %s %s is called through %s.%s.__call__, which runs forward without "
             "torch's module hooks: the recorder sees none of its calls, so %s. Record a torch module whose forward calls it "
             "instead (for a GP, an nn.Module holding the model and the marginal log likelihood "
-            "whose forward returns -mll(model(x), y)), with the optimizer over its parameters",
+            "whose forward returns -mll(model(x), y)), with the optimizer over its parameters; "
+            "a fitting routine that calls the model or the loss itself, with no torch "
+            "optimizer (BoTorch's fit_gpytorch_mll: scipy's L-BFGS-B), must be given a closure "
+            "that calls that module instead (fit_gpytorch_mll(mll, closure="
+            "ForwardBackwardClosure(forward=lambda: step(x, y), parameters=dict(step."
+            "named_parameters()))), else it runs unrecorded",
             what, type(module).__name__, cls.__module__, cls.__qualname__, seen)
 
 

@@ -52,6 +52,7 @@ from .summed_grads import SummedGrads
 from .twice_differentiated import at_forward_node, derived, forward_node
 from .unflattened import packed_rows, unflattened_rows
 from .unit_complement import unit_at_root
+from .vanished_divisor import vanished_divisor
 
 
 @dataclass
@@ -102,6 +103,7 @@ class BackwardOrigin:
     # "xlogy" (xlogy(x, y)'s x / y at x = y = 0), "xlogy_of_x" (the same, y 0 where x is),
     # "xlogy_of_itself" (xlogy(p, p): an entropy)
     zero_divisor: str | None = None
+    vanished: float | None = None  # and for "vanished", its smallest |d| (vanished_divisor)
     complement: bool = False  # it took 1 - y of a y below 1 (replay.below_one)
     scalar_pole: bool = False  # it saved only 0-d values, one exactly 0 (replay.scalar_pole)
     copied: CopiedRow | None = None  # a sqrt's 0 distance to a parameter row copied from it
@@ -369,6 +371,8 @@ def _record(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
     found.centred_root = centred_root(node)
     found.steep_power = steep_power(node)
     found.zero_divisor = zero_divisor(node)
+    if found.zero_divisor == "vanished":
+        found.vanished = vanished_divisor(node)
     found.masked = zero_where_nan(grad_inputs, grad_outputs)
 
 

@@ -10,7 +10,8 @@ a loss argument normalised by an infinite total (``replay.inf_normalised``);
 a NaN the loss made that a mask's 0 then met (``replay.masked_after``); an overflow in
 entries a mask's 0 then met (``replay.masked_overflow``); an overflow of an op
 that took the loss's data alone (``replay.data_overflow``), or a model output already near the
-type's range (``replay.output_overflow``); the samples a loss argument of a
+type's range (``replay.output_overflow``); a square of a batch tensor in raw units beyond the
+type's range (``replay.squared_data``); the samples a loss argument of a
 value per pair or group reaches (``replay.grouped_arg``); a loss made non-finite by a
 micro-batch of one sample (``replay.single_sample``); a 0/0 over records with nothing in them
 (``replay.empty_records``), or over a class one-hot labels hold none of in those records
@@ -83,6 +84,7 @@ from .record_ids import record_ids_note
 from .same_record_pairs import same_record_pairs_hint
 from .sentinel_inputs import sentinel_inputs_hint
 from .single_sample import single_sample_hint
+from .squared_data import squared_data_hint
 from .unselected_targets import unselected_targets_hint
 from .zero_bound import zero_bound_hint
 from .zero_eps_attribute import zero_eps_attribute_hint
@@ -107,6 +109,7 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     masked_overflow_hint(report, step)  # (padded steps' overflow, masked by nll * mask)
     data_overflow_hint(report, step)  # (a loss's pow of its targets alone: 0..255 heatmaps)
     huge_output_hint(report, step)  # (mse of traces a CFL-unstable simulation made 1e35)
+    squared_data_hint(report, step)  # (a GP's squared residual of outcomes of 1e25, float32)
     grown_argument_hint(report, step)  # (an EMA teacher's logits of 1e9 with decay > 1)
     grouped_arg_hint(report, step)  # (a preference pair's NaN rating gap: the pair's rows)
     single_sample_hint(report, step)  # (InfoLOOB's negatives of a last batch of one)

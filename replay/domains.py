@@ -181,8 +181,7 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
     if base == "sqrt":
         return f"{op} of a negative number (as low as {low})", "domain"
     if base in ("rsqrt", "reciprocal"):
-        return ((f"{op} of a negative number (as low as {low})", "domain") if neg and not zero
-                else (f"{op} of 0 (a pole: 1/0)", "divide"))
+        return _inverse(op, ev, low, neg and not zero)
     if base == "addcdiv" and len(ins) >= 3 and bool((ins[2] == 0).any()):
         return _update_quotient(op, ins)
     den = None
@@ -201,6 +200,18 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
         return (f"{op} of {'0' if zero else 'a negative number'} (at a pole or outside its "
                 "domain)", "pole" if zero else "domain")
     return f"{op} at a pole or outside its domain", "pole"
+
+
+def _inverse(op: str, ev: Evidence, low: str, negative: bool) -> tuple[str, str]:
+    """1/x and 1/sqrt(x) at 0 or below. A 0-d divisor (``c / (x.max() - x.min())``, GPyTorch's
+    ``ScaleToBounds`` over features all equal) is one value for every element, a statistic
+    over the batch: no row to skip, the total's advice."""
+    if negative:
+        return f"{op} of a negative number (as low as {low})", "domain"
+    # (one made of the weights or the data alone keeps the advice that says so)
+    one = ev.zero_dim[:1] == [True] and not (ev.of_weights or ev.of_data)
+    return f"{op} of 0 (a pole: 1/0){' in a 0-d divisor' if one else ''}", \
+        "divide_total" if one else "divide"
 
 
 def _unit(op: str, base: str, x: torch.Tensor) -> tuple[str, str]:

@@ -37,7 +37,9 @@ from .few_samples import few_samples_note
 from .findings import finish, origin_fields
 from .float64_step import in_float64
 from .forward import find_op_in_call
+from .held_divisor import held_divisor_hint
 from .indefinite import indefinite_hint
+from .kept_divisor import kept_divisor_hint
 from .learned import Learned
 from .load import Step
 from .negative_scales import NegativeScales, negative_scales_hint
@@ -263,7 +265,7 @@ def report_linalg(report, step: Step, runner: Runner, run) -> dict[str, Any] | N
     of_data = not failed.learned and 0 < len(origin["samples"]) < (batch_size(step, mb) or 0)
     cause, hint = judge(failed.op, failed.matrix, exact, of_data, origin["samples"])
     if cause == "invalid" and failed.negative and "is indefinite" in hint:
-        hint = negative_scales_hint(hint, failed.negative)
+        hint = negative_scales_hint(hint, failed.negative, runner.model)
     if exact.occurrence < failed.occurrence:  # (the float64 run stopped at an earlier call)
         hint = hint.replace("(float64 re-run: ", f"(the float64 re-run refused call "
                             f"{exact.occurrence} of it already, {failed.occurrence - exact.occurrence}"
@@ -378,5 +380,9 @@ def _non_finite_matrix(report, runner: Runner, failed: Failed, origin) -> dict[s
                   samples=hit.rows or [], inputs_finite=True)
     report["problems"].append(f"aten.{failed.op} raised on the {hit.made} that {hit.op} made "
                               f"({failed.error})")
-    hint = cause.name == "invalid" and buffer_divisor_hint(cause.hint, runner.model, finder, hit)
+    # (a divisor the model keeps as a buffer, 0 there: named as a forward event's would be)
+    hint = cause.name == "invalid" and (
+        buffer_divisor_hint(cause.hint, runner.model, finder, hit)
+        or held_divisor_hint(cause.hint, cause.name, finder, hit, runner.model.named_buffers())
+        or kept_divisor_hint(cause.hint, finder, hit))
     return finish(report, origin, cause.name, reproduced=True, hint=hint or cause.hint)

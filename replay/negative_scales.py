@@ -64,9 +64,10 @@ class NegativeScales:
         return {n: self.values[n] for n in sorted(names)}
 
 
-def negative_scales_hint(indefinite: str, params: dict[str, float]) -> str:
+def negative_scales_hint(indefinite: str, params: dict[str, float], model=None) -> str:
     """The hint of an indefinite matrix (its :func:`~replay.indefinite.indefinite_hint`'s
-    first clause kept) made from the negative parameters ``params``."""
+    first clause kept) made from the negative parameters ``params``; with ``model``, the
+    bound a constraint of theirs declares but no transform enforces, said too."""
     said = ", ".join(f"{n} = {g(v)}" for n, v in params.items())
     head = indefinite.split(", not singular", 1)[0]
     return (f"{head}, built from parameter(s) {said}, below 0: a variance or scale parameter (a "
@@ -74,4 +75,29 @@ def negative_scales_hint(indefinite: str, params: dict[str, float]) -> str:
             "which an optimizer step larger than it took past 0, so no jitter mends the matrix: "
             "parameterise it to stay positive (s = exp(log_s), softplus(raw) + eps) or clamp it "
             "after each step (with torch.no_grad(): s.clamp_(min=eps)), and lower the learning "
-            "rate if it jumped")
+            "rate if it jumped" + _unenforced(model, params))
+
+
+def _unenforced(model, params: dict[str, float]) -> str:
+    """What a parameter's declared but unenforced lower bound says: a GPyTorch constraint
+    built with ``transform=None`` (BoTorch's noise ``GreaterThan(1e-4, transform=None)``),
+    which only an optimizer given the bounds keeps (``fit_gpytorch_mll``'s L-BFGS-B), not a
+    torch optimizer's step."""
+    if model is None:
+        return ""
+    for name in params:
+        owner, _, short = name.rpartition(".")
+        try:
+            constraint = getattr(model.get_submodule(owner), f"{short}_constraint", None)
+        except AttributeError:
+            continue
+        if constraint is None or getattr(constraint, "enforced", True) \
+                or not isinstance(low := getattr(constraint, "lower_bound", None), torch.Tensor):
+            continue
+        return (f". Its constraint {owner}.{short}_constraint ({type(constraint).__name__}, "
+                f"lower bound {g(float(low.min()))}) has no transform, so it is only a bound "
+                "that an optimizer must be given (BoTorch's fit_gpytorch_mll passes it to "
+                "scipy's L-BFGS-B), which a torch optimizer's step ignores: fit with "
+                "fit_gpytorch_mll, clamp the raw value to the bound after each step, or "
+                "register a constraint with a transform (softplus) in its place")
+    return ""

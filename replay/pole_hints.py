@@ -34,6 +34,7 @@ from .scalar_pole import SCALAR_POLE
 from .source import installed_package
 from .unit_complement import unit_root_hint
 from .unit_eps import narrow_eps
+from .vanished_divisor import VANISHED_DIVISOR, vanished_divisor
 from .xlogy_pole import OF_ITSELF, ZERO_OF_X, ZERO_ZERO, xlogy_at_zero, xlogy_of_itself, xlogy_of_x
 
 # a backward origin at a quotient whose divisor needs no gradient
@@ -111,7 +112,9 @@ def zero_divisor(node) -> str | None:
         return "xlogy_of_itself"
     if xlogy_at_zero(node):  # ("xlogy_of_x": y made from x, 0 where x is)
         return "xlogy_of_x" if xlogy_of_x(node) else "xlogy"
-    return "clamped" if clamped_to_zero(node) else None
+    if clamped_to_zero(node):
+        return "clamped"
+    return "vanished" if vanished_divisor(node) is not None else None  # (d² underflowed)
 
 
 def pole_hint(b, cause: Cause) -> str:
@@ -148,6 +151,9 @@ def _pole_hint(b, cause: Cause) -> str:
     if b.zero_divisor in ("constant", "clamped") and cause.name == "invalid":
         text = CONSTANT_ZERO_DIVISOR if b.zero_divisor == "constant" else CLAMPED_DIVISOR
         return text.format(node=b.node)
+    if b.zero_divisor == "vanished" and cause.name == "invalid" and b.vanished is not None:
+        of = f" ({', '.join(b.params)})" if b.params else ""
+        return VANISHED_DIVISOR.format(node=b.node, of=of, low=b.vanished)
     if isinstance(b.lost_eps, RoundedBound):  # (a clamp's bound rounded onto acos's edge)
         return cause.hint + said_bound(b.lost_eps) if b.saved_zero == "1" else cause.hint
     if b.lost_eps is None or b.saved_zero != "0" or b.dtype is None:

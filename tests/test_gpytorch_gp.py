@@ -14,6 +14,7 @@ import logging
 
 import gpytorch
 import gpytorch_gp_models as M
+import linear_operator
 import pytest
 import torch
 from bundles import nanreplay_json, source_line
@@ -94,6 +95,15 @@ def test_nan_target_is_an_input_event_on_its_row(out_dir):
     assert "args[1]" in o["tensor"] or "y" in str(o), o
 
 
+@pytest.fixture
+def gpytorch_cholesky_tries():
+    """linear_operator's default of 3 Cholesky tries (jitter up to 1e-4 in float32), which
+    importing BoTorch (another test file, same worker) raises to 6 for the whole process."""
+    with linear_operator.settings.cholesky_max_tries(3):
+        yield
+
+
+@pytest.mark.usefixtures("gpytorch_cholesky_tries")
 def test_not_psd_error_of_jittered_cholesky_writes_the_bundle(out_dir):
     """Duplicated training points, the noise constraint lowered to 1e-10 and an outputscale
     of 1e3: the kernel matrix is singular past the 1e-4 jitter linear_operator's
