@@ -33,7 +33,8 @@ OPTIONAL_MODULES = ("transformers", "accelerate", "lightning", "numpy", "opacus"
                     "torchdiffeq", "zuko", "schedulefree", "pytorch_metric_learning",
                     "trl", "datasets", "sentence_transformers", "stable_baselines3", "gymnasium",
                     "skorch", "pytorch_tabnet", "optuna",
-                    "torchcrf", "torchmetrics", "pytorch_msssim")
+                    "torchcrf", "torchmetrics", "pytorch_msssim",
+                    "botorch")
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 
 # Hypothesis's files (example database, constants cache) go to the user's cache, not the checkout.
