@@ -15,10 +15,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .domains import g
 from .findings import finish, origin_fields
+from .grown_number import number_attributes
 from .load import Step
 
 _F32_MAX = 3.4028234663852886e38
+_LARGE = 1e6  # a float attribute this large is a scale, not a setting
 
 
 def state_report(report: dict[str, Any], step: Step) -> dict[str, Any] | None:
@@ -43,6 +46,11 @@ def state_report(report: dict[str, Any], step: Step) -> dict[str, Any] | None:
             "what made the gradients that large (a scale the loss or the model multiplies in: "
             "a LoRA alpha / r, an unnormalised target or loss weight; see the precursors) and "
             "clip them before the update (torch.nn.utils.clip_grad_norm_)")
+    if big := _largest_number(step):
+        owner, k, v = big
+        hint += (f". Here {owner}'s attribute {k} is {g(v)} as the step closed: a factor that "
+                 "large multiplies into the gradients (a penalty weight grown with no cap, as "
+                 "an augmented Lagrangian's rho without rho_max; a LoRA alpha / r): cap it")
     report["problems"].append(
         "the bundle holds the optimizer state after the update that made it non-finite (the "
         "weights it left are finite), so the update is not re-run")
@@ -52,3 +60,16 @@ def state_report(report: dict[str, Any], step: Step) -> dict[str, Any] | None:
                     hint=hint)
     report["not_rerun"] = "the bundle holds the state after the update"
     return report
+
+
+def _largest_number(step: Step) -> tuple[str, str, float] | None:
+    """(owner, attribute, value) of the largest plain float attribute of the loss or of a
+    module (as the step closed, or as built) at or above ``_LARGE``, or None."""
+    owners = ["<loss>", *(m.get("name") for m in step.meta.get("modules") or ())]
+    found = [(o, k, v) for o in owners if o is not None
+             for k, v in number_attributes(step, o, built=True).items()
+             if type(v) is float and math.isfinite(v) and abs(v) >= _LARGE]
+    if not found:
+        return None
+    o, k, v = max(found, key=lambda t: abs(t[2]))
+    return ("the loss" if o == "<loss>" else o or "the model", k, v)
