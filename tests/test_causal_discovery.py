@@ -113,15 +113,29 @@ def fire(fn, *args, **kw):
     return info.value.event, info.value.bundle_path
 
 
-def test_rho_grown_past_float32_names_the_penalty_product_and_the_attribute(tmp_path):
+def test_rho_grown_without_a_cap_overflows_adams_state_first_and_names_rho(tmp_path):
     """NOTEARS' outer loop without ``rho_max``: ``h`` never drops to a quarter of its last
-    value under two Adam steps per round, so ``rho`` gains a factor 10 every epoch and passes
-    float32's 3.4e38 within 40 rounds (80 steps). Python still holds 1e39; ``0.5 * rho * h *
-    h`` is +inf in the loss. The replay names that product and, rather than a mask constant
-    written for float32 or the learning rate the gradient-norm jumps suggest, the loss's
-    attribute ``rho`` and its cap."""
+    value under two Adam steps per round, so ``rho`` gains a factor 10 every epoch. At step 56
+    (rho 1e27) the gradient of ``0.5 * rho * h * h`` reaches 5.6e21, and Adam's exp_avg_sq of
+    its square is +inf: W trains no more (every later update 0), silently, until the loss
+    itself overflowed at step 80, the event before the optimizer's state was checked. The
+    update of step 56 is the event now, and its hint names the loss's attribute ``rho``."""
     ev, bundle = fire(train_notears, "make_notears", tmp_path, steps=200)
-    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (80, "loss", "<loss>",
+    assert (ev["step"], ev["phase"], ev["state"]) == (56, "optimizer", {"W": ["exp_avg_sq"]}), ev
+    rep = nanreplay_json(bundle, code=None)
+    assert rep["cause"] == "overflow" and rep["origin"]["param"] == "W", rep["origin"]
+    assert "the loss's attribute rho is 1e+27" in rep["hint"] and "rho_max" in rep["hint"], \
+        rep["hint"]
+
+
+def test_a_penalty_grown_past_float32_names_the_product_and_the_attribute(tmp_path):
+    """The same loop under a plain SGD so slow that W stays put (the gradients never reach an
+    optimizer's state): ``alpha += rho * h`` passes float32's 3.4e38 at step 74 while Python
+    still holds it; ``self.alpha * h`` is +inf in the loss. The replay names that product and,
+    rather than a mask constant written for float32 or the learning rate the gradient-norm
+    jumps suggest, the loss's attribute and its cap."""
+    ev, bundle = fire(train_notears, "make_notears", tmp_path, steps=200, sgd=1e-30)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (74, "loss", "<loss>",
                                                                    "+inf"), ev
     rep = nanreplay_json(bundle)
     o = rep["origin"]
@@ -130,7 +144,7 @@ def test_rho_grown_past_float32_names_the_penalty_product_and_the_attribute(tmp_
     assert o["source"] == line_of("0.5 * self.rho * h * h"), o
     assert rep["cause"] == "overflow", rep
     hint = rep["hint"]
-    assert hint.startswith("the loss's attribute rho is 1e+39") and "rho_max" in hint, hint
+    assert hint.startswith("the loss's attribute alpha is 3.67e+50") and "rho_max" in hint, hint
     assert "learning rate" not in hint.replace("rather than change the learning rate", ""), hint
 
 

@@ -92,16 +92,28 @@ def test_healthy_gradcache_raises_nothing_and_trains_as_without_the_recorder(tmp
 
 
 def test_huge_but_finite_cached_gradients_then_the_no_grad_pass_raise_nothing(tmp_path):
-    # exp(88) = 1.7e38: every cached gradient is finite but its squared norm overflows, which
-    # the recorder rightly lets pass. The +inf norms stayed in its slots, and the next step's
-    # no-grad forwards (an evaluation to the recorder, which writes no gradient norm) read them
-    # back: "non-finite statistic with no identifiable source" at step 5, not reproduced
-    model, loss_fn, losses = train_gradcache(tmp_path, steps=7, init=88.0, scale_lr=0.1)
+    # exp(50) = 5.2e21: every cached gradient is finite but its squared norm overflows, which
+    # the recorder rightly lets pass (AdamW's state, checked after such an update, stays
+    # finite). The +inf norms stayed in its slots, and the next step's no-grad forwards (an
+    # evaluation to the recorder, which writes no gradient norm) read them back: "non-finite
+    # statistic with no identifiable source" at step 5, not reproduced
+    model, loss_fn, losses = train_gradcache(tmp_path, steps=7, init=50.0, scale_lr=0.1)
     assert not list(tmp_path.iterdir())
     assert all(torch.isfinite(v) for v in losses), losses
-    assert loss_fn.logit_scale.item() < 88.0  # (the scale did learn down)
-    bare, bare_loss, _ = train_gradcache(None, steps=7, record=False, init=88.0, scale_lr=0.1)
+    assert loss_fn.logit_scale.item() < 50.0  # (the scale did learn down)
+    bare, bare_loss, _ = train_gradcache(None, steps=7, record=False, init=50.0, scale_lr=0.1)
     assert same(model, bare) and same(loss_fn, bare_loss)
+
+
+def test_cached_gradients_whose_squares_overflow_adams_state_are_an_optimizer_event(tmp_path):
+    # exp(88) = 1.7e38: the gradients are finite, AdamW's (1 - beta2) g ** 2 is not, and every
+    # later update of those entries would be 0 (the weights frozen, silently): the update of
+    # step 0 is the event, naming the state
+    with pytest.raises(NonFiniteError) as info:
+        train_gradcache(tmp_path, steps=7, init=88.0, scale_lr=0.1)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (0, "optimizer"), ev
+    assert ev["state"]["embed.weight"] == ["exp_avg_sq"], ev["state"]
 
 
 def test_unclamped_logit_scale_past_float32_names_the_exp_on_the_detached_reps(tmp_path):
