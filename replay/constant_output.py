@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .load import Step
-from .perfect_fit import outputs_and_data
+from .perfect_fit import loss_pole, output_data_pairs
 
 # (the pole texts of replay.domains: "of 0 (a pole: 1/0)", "by 0 (x/0, a pole)", a pow's)
 _AT_ZERO = ("of 0 (", "by 0 (", "of 0 by 0", "of 0 to a negative power")
@@ -21,13 +21,10 @@ _AT_ZERO = ("of 0 (", "by 0 (", "of 0 by 0", "of 0 to a negative power")
 
 def constant_output_hint(report: dict[str, Any], step: Step) -> None:
     """Append to a loss origin's pole at 0 the samples whose model output is constant."""
-    o, hint = report.get("origin") or {}, report.get("hint") or ""
-    mb = o.get("micro_batch") or 0
-    rows = [r for r in o.get("samples") or () if isinstance(r, int) and r >= 0]
-    if report.get("cause") != "invalid" or o.get("phase") != "loss" or not rows \
-            or not any(z in hint for z in _AT_ZERO) or "perfect fit" in hint \
-            or mb >= len(step.micro_batches):
+    hint, gate = report.get("hint") or "", loss_pole(report, step, _AT_ZERO)
+    if gate is None or not gate[1] or "perfect fit" in hint:
         return
+    mb, rows = gate
     made = _flat_output(step, mb, rows)
     if made is None:
         return
@@ -44,22 +41,12 @@ def constant_output_hint(report: dict[str, Any], step: Step) -> None:
 def _flat_output(step: Step, mb: int, rows: list[int]) -> str | None:
     """The name of a model output constant along every dimension after the first in each of
     ``rows``, beside a data argument of its shape that is not constant in any of them."""
-    pair = outputs_and_data(step, mb)
-    if pair is None:
-        return None
-    outs, data = pair
-    for j, out in enumerate(outs):
-        if not isinstance(out, torch.Tensor) or not out.is_floating_point() \
-                or out.dim() < 2 or out[0].numel() < 2 or max(rows) >= out.shape[0]:
+    idx = torch.tensor(rows)
+    for made, out, _name, t in output_data_pairs(step, mb):
+        if out.dim() < 2 or out[0].numel() < 2 or max(rows) >= out.shape[0]:
             continue
-        idx = torch.tensor(rows, device=out.device)
-        picked = out.detach().index_select(0, idx).flatten(1)
-        if not bool((picked == picked[:, :1]).all()):
-            continue
-        for _name, t in data:
-            if t.shape != out.shape:
-                continue
-            d = t.to(out.device).index_select(0, idx).flatten(1)
-            if bool((d != d[:, :1]).any(1).all()):
-                return "the model's output" if len(outs) == 1 else f"the model's output {j}"
+        picked = out.index_select(0, idx.to(out.device)).flatten(1)
+        d = t.index_select(0, idx.to(out.device)).flatten(1)
+        if bool((picked == picked[:, :1]).all()) and bool((d != d[:, :1]).any(1).all()):
+            return made
     return None

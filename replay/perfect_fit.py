@@ -66,21 +66,41 @@ def _equal_pair(step: Step, mb: int, rows: list[int]) -> tuple[str, str, str] | 
     in every row of ``rows`` (the origin's samples: a per-image PSNR, ``dim=(1, 2, 3)``, whose
     one clean pair is reproduced exactly while the batch's others are not): the forward run
     again (the bundle keeps the loss's data, not the model's output)."""
+    for made, out, name, t in output_data_pairs(step, mb):
+        where = _equal_where(t.to(out.dtype), out, rows)
+        if where is not None:
+            return made, name, where
+    return None
+
+
+def output_data_pairs(step: Step, mb: int):
+    """Each (the output's name for the hint, the floating model output of micro-batch ``mb``
+    detached, a loss data argument's name, that argument on the output's device) whose
+    shapes match (see :func:`outputs_and_data`)."""
     pair = outputs_and_data(step, mb)
     if pair is None:
-        return None
+        return
     outs, data = pair
     for j, out in enumerate(outs):
         if not isinstance(out, torch.Tensor) or not out.is_floating_point():
             continue
+        made = "the model's output" if len(outs) == 1 else f"the model's output {j}"
         for name, t in data:
-            if t.shape != out.shape:
-                continue
-            where = _equal_where(t.to(out.device, out.dtype), out.detach(), rows)
-            if where is not None:
-                return ("the model's output" if len(outs) == 1
-                        else f"the model's output {j}"), name, where
-    return None
+            if t.shape == out.shape:
+                yield made, out.detach(), name, t.to(out.device)
+
+
+def loss_pole(report: dict[str, Any], step: Step, said: tuple[str, ...]
+              ) -> tuple[int, list[int]] | None:
+    """(micro-batch, sample rows) of an ``invalid`` loss origin whose hint says one of
+    ``said`` (the op's domain or pole text) and whose micro-batch the bundle holds: the gate
+    of the hints that compare the model's output with the loss's data; None otherwise."""
+    o, hint = report.get("origin") or {}, report.get("hint") or ""
+    mb = o.get("micro_batch") or 0
+    if report.get("cause") != "invalid" or o.get("phase") != "loss" \
+            or not any(z in hint for z in said) or mb >= len(step.micro_batches):
+        return None
+    return mb, [r for r in o.get("samples") or () if isinstance(r, int) and r >= 0]
 
 
 def outputs_and_data(step: Step, mb: int) -> tuple[list, list] | None:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .load import Step
-from .perfect_fit import outputs_and_data
+from .perfect_fit import loss_pole, output_data_pairs
 
 # (the pole texts of replay.domains: "by 0 (x/0, a pole)", "of 0 (a pole: 1/0)", log's)
 _AT_ZERO = ("by 0 (", "of 0 (")
@@ -21,13 +21,10 @@ _AT_ZERO = ("by 0 (", "of 0 (")
 
 def zero_output_hint(report: dict[str, Any], step: Step) -> None:
     """Append to a loss origin's pole at 0 the model output's exact zeros under positive data."""
-    o, hint = report.get("origin") or {}, report.get("hint") or ""
-    mb = o.get("micro_batch") or 0
-    rows = [r for r in o.get("samples") or () if isinstance(r, int) and r >= 0]
-    if report.get("cause") != "invalid" or o.get("phase") != "loss" or not rows \
-            or not any(z in hint for z in _AT_ZERO) or "perfect fit" in hint \
-            or "the spread of" in hint or mb >= len(step.micro_batches):
+    hint, gate = report.get("hint") or "", loss_pole(report, step, _AT_ZERO)
+    if gate is None or not gate[1] or "perfect fit" in hint or "the spread of" in hint:
         return
+    mb, rows = gate
     found = _zeros_under_data(step, mb, rows)
     if found is None:
         return
@@ -45,24 +42,13 @@ def zero_output_hint(report: dict[str, Any], step: Step) -> None:
 def _zeros_under_data(step: Step, mb: int, rows: list[int]):
     """(the output's name, how many entries, the data argument's name) for a model output with
     no negative entry that is 0 in ``rows`` where a data argument of its shape is positive."""
-    pair = outputs_and_data(step, mb)
-    if pair is None:
-        return None
-    outs, data = pair
-    for j, out in enumerate(outs):
-        if not isinstance(out, torch.Tensor) or not out.is_floating_point() \
-                or out.dim() < 1 or max(rows) >= out.shape[0]:
+    idx = torch.tensor(rows)
+    for made, out, name, t in output_data_pairs(step, mb):
+        if out.dim() < 1 or max(rows) >= out.shape[0] or not bool(torch.isfinite(out).all()) \
+                or float(out.min()) < 0:
             continue
-        out = out.detach()
-        if not bool(torch.isfinite(out).all()) or float(out.min()) < 0:
-            continue
-        idx = torch.tensor(rows, device=out.device)
-        picked = out.index_select(0, idx)
-        for name, t in data:
-            if t.shape != out.shape:
-                continue
-            hit = (picked == 0) & (t.to(out.device).index_select(0, idx) > 0)
-            if bool(hit.flatten(1).any(1).all()) if hit.dim() > 1 else bool(hit.all()):
-                made = "the model's output" if len(outs) == 1 else f"the model's output {j}"
-                return made, int(hit.sum()), name
+        i = idx.to(out.device)
+        hit = (out.index_select(0, i) == 0) & (t.index_select(0, i) > 0)
+        if bool(hit.flatten(1).any(1).all()) if hit.dim() > 1 else bool(hit.all()):
+            return made, int(hit.sum()), name
     return None
