@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .finite import tensors_kind
+from .inner_optim import SEP, full_state
 from .shards import local
 
 
@@ -25,8 +26,9 @@ def non_finite_state(optimizer, names: dict[int, str]) -> tuple[dict[str, list[s
     found = []
     for group in optimizer.param_groups:
         for p in group["params"]:
-            name, state = names.get(id(p)), optimizer.state.get(p) or {}
-            keys = [k for k, v in state.items() if name is not None and k != "step"
+            name, state = names.get(id(p)), full_state(optimizer, p)  # (a wrapper's inner's)
+            keys = [k for k, v in state.items()
+                    if name is not None and k.rpartition(SEP)[2] != "step"
                     and isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
                     and not bool(torch.isfinite(local(v)).all())]
             if keys:
