@@ -46,7 +46,7 @@ from .loss_grad import loop_differentiation, not_rerun_term
 from .masked_targets import masked_loss_hint
 from .moved_weights import report_moved_weights
 from .negative_lr import below_zero, negative_lr_hint
-from .optimizer_origin import after_update_hint, report_optimizer, update_not_rerun
+from .optimizer_origin import after_update_hint, mark_update_not_rerun, report_optimizer
 from .origins import (
     infinity_the_loss_took,
     report_backward,
@@ -238,7 +238,7 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
         hint = params and after_update_hint(step, params)
         if not hint and (before := nan_before_update(report, step, params)) is not None:
             return before  # (NaN the loop wrote after the update before: a renorm's 0/0)
-        report["problems"].append(update_not_rerun(step))
+        mark_update_not_rerun(report, step)
         return finish(report, origin_fields(phase="optimizer", params=params,
                                             param=(params or [None])[0]), "optimizer",
                       reproduced=False, hint=hint)

@@ -104,10 +104,14 @@ def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[st
             f"{params[0]} from finite gradients and weights ({rerun_from}); {why}")
 
 
-def update_not_rerun(step: Step) -> str:
-    """The note of an update the bundle cannot re-run: an update no recorded step held kept
-    nothing a copy could be taken of (replay.unrecorded_update)."""
-    return UNRECORDED_NOT_RERUN if step.event.get("no_step_closed") else UPDATE_NOT_RERUN
+def mark_update_not_rerun(report: dict[str, Any], step: Step) -> None:
+    """Say an update the bundle holds the weights after was not re-run: the report's first
+    line ("not re-run", not "NOT reproduced", which reads as nondeterminism) and its note (an
+    update no recorded step held kept nothing a copy could be taken of,
+    replay.unrecorded_update)."""
+    report["not_rerun"] = "the bundle holds the weights after the update"
+    report["problems"].append(UNRECORDED_NOT_RERUN if step.event.get("no_step_closed")
+                              else UPDATE_NOT_RERUN)
 
 
 def after_update_hint(step: Step, params: list[str]) -> str | None:

@@ -10,6 +10,7 @@ import math
 import pytest
 import rewind_models as R
 import torch
+from bundles import invoke_cli
 from test_rewind import nanreplay, what_if
 from torch import nn
 
@@ -67,6 +68,12 @@ def test_without_a_window_the_bundle_alone_says_eps_is_lost(out_dir):
     rep = nanreplay(info.value.bundle_path)
     assert (rep["cause"], rep["reproduced"], rep["origin"]["param"]) == \
         ("optimizer", False, "emb.weight")
+    # its first line read "NOT reproduced", which says the re-run came out finite
+    # (nondeterminism), when nothing of the update was re-run
+    assert rep["not_rerun"] == "the bundle holds the weights after the update"
+    text = invoke_cli(info.value.bundle_path).stdout
+    assert text.splitlines()[0] == ("nanreplay: step 0, optimizer event — not re-run (the "
+                                    "bundle holds the weights after the update)"), text
     assert rep["hint"].startswith("Adam's update at step 0 made emb.weight non-finite (not "
                                   "re-run: the bundle holds the weights after it); eps=1e-08 "
                                   "is 0 in float16")
