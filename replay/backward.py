@@ -35,6 +35,7 @@ from .flat_derivative import Feeders
 from .folded_grads import FoldedGrads
 from .fractional_power import fractional_power_at_zero
 from .grad_hooks import HOOK, MODULE_HOOK, MODULE_HOOK_NODE, HookHit, HookWatch, module_hook_hit
+from .grad_rows import batch_rows, batch_rows_in, node_rows
 from .lost_eps import GuardNodes
 from .masked_grad import zero_where_nan
 from .node_labels import NodeLabels, loss_labeller
@@ -42,7 +43,6 @@ from .off_graph_positive import OffGraphPositive
 from .ops import OpFinder
 from .other_rows import lead_rows
 from .pole_hints import zero_divisor
-from .pooled import pooled_size
 from .positive import exp_of_parameter, made_positive, node_op, segment_sum_of_positive
 from .power_grad import steep_power
 from .rerun import Runner
@@ -125,71 +125,6 @@ def _anomaly():
         warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled..."
         with torch.autograd.detect_anomaly(check_nan=True):
             yield
-
-
-def batch_rows(node, returned: list, where: Samples) -> list[int]:
-    """The samples of the first non-finite gradient the node returned for an activation
-    (one that has the batch's samples); gradients bound for a parameter (an
-    ``AccumulateGrad``) are skipped, as theirs is no batch even when a size matches, and so
-    are those for a value that pools the batch (:func:`replay.pooled.pooled_size`)."""
-    if not where.size:
-        return []
-    nexts = list(node.next_functions)
-    for i, g in enumerate(returned):
-        if not isinstance(g, torch.Tensor) or where.dim(g) is None:
-            continue
-        target = nexts[i][0] if i < len(nexts) else None
-        if _for_parameter(target):
-            continue
-        if not finite(g):
-            # (a value pooled over the batch, a batch-wise Dice's per-class sums: no samples)
-            if target is not None and (size := pooled_size(target, where)) is not None \
-                    and g.numel() <= size:
-                continue
-            return where.rows(g)
-    return []
-
-
-# nodes that hand a gradient on to their one input only rearranged (F.linear's W.t(), a cast
-# of a weight under autocast): no batch is summed there, so a weight's gradient stays one
-_LAYOUT = {"T", "Transpose", "Permute", "View", "UnsafeView", "ReshapeAlias", "Squeeze",
-           "Unsqueeze", "Alias", "Clone", "ToCopy"}
-
-
-def _for_parameter(target, depth: int = 4) -> bool:
-    """Whether a gradient sent to node ``target`` is a parameter's: its ``AccumulateGrad``,
-    reached through :data:`_LAYOUT` nodes only (a hidden size equal to the batch's made the
-    rows of linear's weight gradient, through its TBackward0, read as samples)."""
-    for _ in range(depth):
-        if target is None:
-            return False
-        if type(target).__name__ == "AccumulateGrad":
-            return True
-        name = target.name()
-        if name[:name.rfind("Backward")] not in _LAYOUT:
-            return False
-        target = next((f for f, _ in target.next_functions if f is not None), None)
-    return False
-
-
-def node_rows(node, returned: list, where: Samples) -> list[int]:
-    """The graphs of the first non-finite gradient ``node`` returned for a value per node of
-    the graph batch (:meth:`Samples.per_node`), none bound for a parameter."""
-    nexts = list(node.next_functions)
-    for i, g in enumerate(returned):
-        target = nexts[i][0] if i < len(nexts) else None
-        if isinstance(g, torch.Tensor) and where.per_node(g) and not finite(g) \
-                and not _for_parameter(target):
-            return where.rows(g)
-    return []
-
-
-def batch_rows_in(grads, where: Samples) -> list[int]:
-    """The samples of the first non-finite gradient among ``grads`` that has the batch's."""
-    if not where.size:
-        return []
-    return next((where.rows(g) for g in grads if isinstance(g, torch.Tensor)
-                 and where.dim(g) is not None and not finite(g)), [])
 
 
 def saved_tensors(node) -> list[torch.Tensor] | None:

@@ -28,7 +28,8 @@ from recorder.capture import tensor_leaves
 from recorder.finite import finite
 from recorder.samples import Samples
 
-from .backward import batch_rows, saved_facts
+from .backward import saved_facts
+from .grad_rows import batch_rows
 from .node_labels import grad_fns
 from .rerun import Runner
 from .source import node_source, node_tracebacks

@@ -465,6 +465,25 @@ def make_custom_function_net() -> nn.Module:
     return CustomFunctionNet()
 
 
+class GainNet(nn.Module):
+    """Hidden features scaled by a learned gain kept non-negative by hand, ``sqrt(|g|)``, one
+    gain per feature: as many as the batch has rows (HIDDEN == BATCH)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, HIDDEN)
+        self.gain = nn.Parameter(torch.ones(HIDDEN))
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.lin(x)) * self.gain.abs().sqrt())
+
+
+def make_gain_net() -> nn.Module:
+    torch.manual_seed(0)
+    return GainNet()
+
+
 class Angle(nn.Module):
     """The angle between the two halves of each row: acos of the cosine of their unit vectors,
     without a clamp to [-1, 1] (a geodesic distance, an ArcFace margin)."""

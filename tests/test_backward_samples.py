@@ -144,6 +144,29 @@ def test_sqrt_at_zero_names_its_row_not_the_weight_rows(tmp_path):
           samples=[6], cause="invalid", reproduced=True)
 
 
+def test_a_gain_as_wide_as_the_batch_names_no_samples(tmp_path):
+    """A loop that prunes feature 2 by zeroing its gain, ``sqrt(|g|)``'s pole at 0: sqrt's
+    gradient there is no sample's, it is the gain's. It named samples [2] (the gain's entry,
+    read as a row of a batch of as many rows)."""
+    assert C.HIDDEN == R.BATCH
+    model = C.make_gain_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="cause_models:make_gain_net"):
+            for step in range(6):
+                if step == K:
+                    with torch.no_grad():
+                        model.gain[2] = 0.0
+                x, y = R.batch(step)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    check(rep, step=K, phase="backward", module="", op="SqrtBackward0", samples=[], param="gain", cause="invalid", reproduced=True)
+
+
 def test_distance_of_a_duplicated_pair_names_the_pair(tmp_path):
     """A metric-learning pair whose two inputs are the same sample: distance 0, sqrt's
     derivative at 0 is inf. Two such pairs in a batch of 16: both rows named."""
