@@ -66,7 +66,8 @@ class Trunk(nn.Module):
 
 
 class MeanVarianceNet(nn.Module):
-    """Mean and log-variance heads (``scale="log_var"``) or mean and a softplus std."""
+    """Mean and log-variance heads (``scale="log_var"``), or mean and a std: softplus,
+    ReLU (``"relu"``) or the head's value as is (``"raw"``)."""
 
     def __init__(self, scale: str = "log_var"):
         super().__init__()
@@ -80,6 +81,10 @@ class MeanVarianceNet(nn.Module):
         mu, s = self.mean(h)[:, 0], self.spread(h)[:, 0]
         if self.scale == "log_var":
             return mu, s
+        if self.scale == "relu":  # (a positive scale by ReLU: 0 for every x past its kink)
+            return mu, F.relu(s)
+        if self.scale == "raw":  # (the variance read off the head as is)
+            return mu, s
         return mu, F.softplus(s) + 1e-4
 
 
@@ -92,15 +97,17 @@ class GaussianNLL(nn.Module):
 
 
 class TorchGaussianNLL(nn.Module):
-    """``nn.GaussianNLLLoss`` on the predicted std (squared to a variance)."""
+    """``nn.GaussianNLLLoss`` on the predicted std squared to a variance, or (``squared=
+    False``) on the head's output taken as the variance itself."""
 
-    def __init__(self):
+    def __init__(self, squared: bool = True):
         super().__init__()
         self.nll = nn.GaussianNLLLoss(eps=1e-6)
+        self.squared = squared
 
     def forward(self, out, y):
         mu, std = out
-        return self.nll(mu, y, std ** 2)
+        return self.nll(mu, y, std ** 2 if self.squared else std)
 
 
 class StudentTNLL(nn.Module):
@@ -316,6 +323,16 @@ def make_mean_variance():
 def make_softplus_scale():
     torch.manual_seed(0)
     return MeanVarianceNet("softplus")
+
+
+def make_relu_scale():
+    torch.manual_seed(0)
+    return MeanVarianceNet("relu")
+
+
+def make_raw_scale():
+    torch.manual_seed(0)
+    return MeanVarianceNet("raw")
 
 
 def make_mdn():

@@ -249,3 +249,29 @@ def test_a_learning_rate_too_high_collapses_the_predicted_variance(tmp_path):
     assert (o["module"], o["op"], o["made"], rep["cause"]) == (
         "<loss>", "aten.exp", "+inf", "overflow"), json.dumps(rep, indent=1)
     assert "the run was diverging" in rep["hint"], rep["hint"]
+
+
+def test_a_raw_variance_head_refused_by_gaussian_nll_loss_names_the_head(tmp_path):
+    """``nn.GaussianNLLLoss`` given the head's output as the variance, as is: a feature read
+    in the wrong unit (x = -40) drives it below 0 at that sample, and the loss raises its own
+    ``ValueError: var has negative entry/entries``. The recorder let that error through with
+    no bundle (it knew only torch.distributions' checks); the check is now a constraint event,
+    and the replay reads the refused ``var`` from the loss's frame: the head's addmm, the
+    sample, invalid, a positive parametrisation."""
+    x, y, _ = M.heteroscedastic()
+    x[4] = -40.0
+    loss = M.TorchGaussianNLL(squared=False)
+    model, opt = make("make_raw_scale", loss)
+    with pytest.raises(ValueError, match="var has negative") as info:
+        with FlightRecorder(model, opt, loss_fn=loss, out_dir=tmp_path,
+                            factory="robust_regression_models:make_raw_scale") as rec:
+            fit(model, loss, (x, y), opt, rec)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "gaussian_nll_loss refused its argument var" in notes, notes
+    rep = nanreplay_json(notes.split("Bundle: ")[1].split(";")[0])
+    o = rep["origin"]
+    assert rep["event"]["step"] == 0
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == (
+        "spread", "aten.addmm", [4], "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == line_of("mu, s = self.mean(h)[:, 0], self.spread(h)[:, 0]")
+    assert "satisfy it by construction (a scale through softplus" in rep["hint"], rep["hint"]
