@@ -7,14 +7,16 @@ evidential regression): the factories, losses and data of ``test_robust_regressi
   and a censoring threshold (readings above ``CEIL`` stored as ``CEIL``, the flag beside them).
 - ``MeanVarianceNet``: a shared trunk, a mean head and a log-variance head
   (``GaussianNLL``, hand-written: ``0.5 (log_var + (y - mu)^2 exp(-log_var))``), or a softplus
-  scale for ``nn.GaussianNLLLoss``, ``StudentTNLL`` and ``LaplaceNLL`` (``torch.distributions``).
+  scale for ``nn.GaussianNLLLoss``, ``StudentTNLL`` and ``LaplaceNLL`` (``torch.distributions``);
+  a ReLU scale, or the head's value taken as the variance as is.
 - ``MixtureDensityNet`` + ``MDNLoss``: K components, softmax weights, per-component sigma,
   the likelihood summed over components (``logsumexp`` of log-weights and log-densities, or
   the textbook density sum then ``log``).
 - ``QuantileNet`` + ``PinballLoss``: several quantiles, the pinball loss and a penalty on
   crossed quantiles.
 - ``BarronLoss``: Barron's general robust loss with learnable shape ``alpha`` and scale ``c``
-  (Huber, Cauchy and Tukey's biweight beside it as ``RobustLoss(kind)``).
+  (Huber, Cauchy and Tukey's biweight beside it as ``RobustLoss(kind)``, and the biweight as
+  IRLS, ``TukeyIRLS``: detached weights, the weighted mean normalised by their sum).
 - ``BoxCoxNLL``: a Gaussian NLL in Box-Cox space with a learnable lambda and the Jacobian term
   ``(lambda - 1) log y``; ``YeoJohnson`` the transform for targets of either sign.
 - ``TobitNLL``: the censored likelihood, ``log pdf`` for observed rows, ``log(1 - Phi(z))`` for
@@ -230,6 +232,21 @@ class RobustLoss(nn.Module):
             return (0.5 * self.c ** 2 * torch.log1p((r / self.c) ** 2)).mean()
         inside = (1 - (r / self.c) ** 2).clamp(min=0) ** 3
         return (self.c ** 2 / 6 * (1 - inside)).mean()
+
+
+class TukeyIRLS(nn.Module):
+    """Tukey's biweight as iteratively reweighted least squares: each residual's weight
+    ``(1 - (r / c)^2)^2`` inside c, 0 outside, held fixed (detached), and the weighted mean
+    of the squared residuals, normalised by the weights' sum."""
+
+    def __init__(self, c: float = 4.685):
+        super().__init__()
+        self.c = c
+
+    def forward(self, pred, y):
+        r = pred - y
+        w = ((1 - (r / self.c) ** 2).clamp(min=0) ** 2).detach()
+        return (w * r ** 2).sum() / w.sum()
 
 
 class BoxCoxNLL(nn.Module):

@@ -275,3 +275,37 @@ def test_a_raw_variance_head_refused_by_gaussian_nll_loss_names_the_head(tmp_pat
         "spread", "aten.addmm", [4], "invalid"), json.dumps(rep, indent=1)
     assert o["source"] == line_of("mu, s = self.mean(h)[:, 0], self.spread(h)[:, 0]")
     assert "satisfy it by construction (a scale through softplus" in rep["hint"], rep["hint"]
+
+
+def test_tukey_irls_weights_all_0_in_a_batch_of_unscaled_targets_divide_0_by_0(tmp_path):
+    """Tukey's biweight as IRLS with c = 4.685 on targets in another unit (x1000, never
+    standardised): every residual is beyond c, every weight 0, and the weighted mean's
+    ``sum(w r^2) / sum(w)`` is 0/0: a 0-d divisor, no row to blame."""
+    x, y, _ = M.heteroscedastic()
+    err = fire(tmp_path, "make_point", M.TukeyIRLS(), (x, 1000 * y))
+    rep, o = report(err, 0, "loss")
+    assert found(rep, o) == ("<loss>", "aten.div", "nan", [], "invalid"), \
+        json.dumps(rep, indent=1)
+    assert o["source"] == line_of("return (w * r ** 2).sum() / w.sum()")
+    assert "no row is to blame" in rep["hint"], rep["hint"]
+
+
+def test_a_relu_scale_of_0_refused_by_laplace_names_the_relu_and_the_sample(tmp_path):
+    """A Laplace scale through ReLU: a feature in the wrong unit (x = -40) puts the scale
+    head below its kink, 0, which ``torch.distributions.Laplace`` refuses: the relu at that
+    sample, invalid, a softplus with a floor."""
+    x, y, _ = M.heteroscedastic()
+    x[4] = -40.0
+    loss = M.LaplaceNLL()
+    model, opt = make("make_relu_scale", loss)
+    with pytest.raises(ValueError, match="GreaterThan") as info:
+        with FlightRecorder(model, opt, loss_fn=loss, out_dir=tmp_path,
+                            factory="robust_regression_models:make_relu_scale") as rec:
+            fit(model, loss, (x, y), opt, rec)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    rep = nanreplay_json(notes.split("Bundle: ")[1].split(";")[0])
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == (
+        "", "aten.relu", [4], "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == line_of("return mu, F.relu(s)")
+    assert "Laplace refused its parameter scale" in rep["hint"], rep["hint"]
