@@ -33,6 +33,10 @@ class BelowOneNodes(TorchFunctionMode):
         self.nodes: list = []  # (strong references, for the block's one re-run)
         self._unit: list = []  # tanh/sigmoid/erf values, strictly inside (-1, 1)
         self.complements: list = []  # nodes of 1 + y of those, and positive multiples
+        # the bound above each one's values in exact arithmetic (c + y < c + 1, times a
+        # positive scale): at most 1 for a normal cdf 0.5 (1 + erf(z / sqrt 2)), whose 1 - cdf
+        # is then a complement rounded to 0 (a Tobit's log(1 - Phi(z)) at a large z)
+        self.bounds: list[float] = []
         # other watchers of the same ops (replay.off_graph_positive): one mode only, as a
         # second one's frames between torch's would hide the user's line (replay.source)
         self.watchers = list(watchers)
@@ -64,9 +68,14 @@ class BelowOneNodes(TorchFunctionMode):
         if len(tensors) != 1 or len(scalars) != 1:
             return
         t, c = tensors[0], scalars[0]
-        if (name in _ADD and c >= 1 and any(t is u for u in self._unit)) or (
-                name in _SCALE and c > 0 and any(t.grad_fn is n for n in self.complements)):
+        if name in _ADD and c >= 1 and any(t is u for u in self._unit):
             self.complements.append(out.grad_fn)
+            self.bounds.append(c + 1)
+        elif name in _SCALE and c > 0 and (k := next((i for i, n in enumerate(self.complements)
+                                                     if t.grad_fn is n), None)) is not None:
+            self.complements.append(out.grad_fn)
+            self.bounds.append(self.bounds[k] / c if name in ("div", "__truediv__")
+                               else self.bounds[k] * c)
 
     def complement_at(self, node) -> bool:
         """``node`` took ``1 - y`` (``rsub``) of such a softmax, or of tanh/sigmoid/erf, or
@@ -77,9 +86,13 @@ class BelowOneNodes(TorchFunctionMode):
             if fn is not None and node_op(fn) == "Rsub":
                 made = [g for g in _nexts(fn) if g is not None]
                 if made and (any(g is n for g in made for n in self.nodes)
-                             or made_unit(made[0])):
+                             or made_unit(made[0]) or self._below_one(made[0])):
                     return True
         return False
+
+    def _below_one(self, fn) -> bool:
+        """Node ``fn`` made a noted ``c (1 + y)`` whose values stay below 1 (a normal cdf)."""
+        return any(fn is n and b <= 1 for n, b in zip(self.complements, self.bounds))
 
 
 def _two_entries(x, dim: int) -> bool:

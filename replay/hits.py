@@ -75,6 +75,9 @@ class Evidence:
     local64: torch.Tensor | None  # the op's float64 result at ``bad`` (same shape as ``bad``)
     others: list[torch.Tensor]  # the op's other outputs (nll_loss's total weight)
     output: int = 0  # which floating output ``bad`` is over
+    # a division's divisor made of a parameter by adding a number to it, 0 there: (its name,
+    # its value: Barron's ``|alpha - 2|`` at alpha = 2; replay.param_names)
+    param_shift: tuple[str, float] | None = None
     empty: bool = False  # a floating input has no element (the mean of nothing is 0/0)
     args: tuple = ()  # positional arguments, floating tensors replaced by None (CTC lengths)
     read: frozenset = frozenset()  # those of its numbers .item() read (replay.read_numbers)

@@ -92,7 +92,7 @@ def op_evidence(func, given, outs: list[torch.Tensor], f,
                     others=[t.detach() for i, t in enumerate(outs) if i != k], output=k,
                     empty=any(isinstance(t, torch.Tensor) and t.is_floating_point()
                               and t.numel() == 0 for t in tree_leaves((args, kwargs))),
-                    args=plain, read=f.read.of(plain),
+                    args=plain, read=f.read.of(plain), param_shift=f.names.hit_divisor_shifted,
                     radii=radii(func.overloadpacket.__name__, ins),
                     zero_operand=f.zero_operand.find(ins, bad),
                     unit_square=f.cancellation.unit_squares.at(ins[0], bad) if ins else 0)

@@ -24,6 +24,9 @@ _COPIES = {"tril", "triu", "clone", "_to_copy", "contiguous", "diagonal_copy", "
 # divisions: their divisor alone decides the pole every quotient shares
 _DIVISIONS = {"div", "true_divide"}
 
+# a number added to one value: ``alpha - 2`` is 0 at alpha = 2, no zero of alpha's
+_SHIFTS = {"sub", "add", "rsub"}
+
 # differences of entries: a divisor made so of one buffer is 0 where two entries are equal
 _DIFFERENCES = {"sub", "rsub", "diff"}
 
@@ -62,6 +65,12 @@ class ParamNames:
         # id of a value an op made of one parameter alone (``w.clamp(min=0)``) -> (it, name):
         # named as a division's divisor only, whose pole that parameter then decides
         self._derived: dict[int, tuple[weakref.ref, str]] = {}
+        # id of a value an op made of one parameter of one entry shifted by a number
+        # (``|alpha - 2|``, Barron's loss at its L2 point): 0 where the parameter equals that
+        # number, not at 0 -> (it, the name, the value that was shifted); and the divisor of
+        # the last division ``among(..., hit=True)`` so made: (the name, that value)
+        self._shifted: dict[int, tuple[weakref.ref, str, float]] = {}
+        self.hit_divisor_shifted: tuple[str, float] | None = None
         # a floating buffer's storage -> its name; a copy's, made of its values, -> (the copy,
         # the name, whether an op picked entries of it by index on the way)
         self._tables: dict[int, str] = {}
@@ -97,6 +106,7 @@ class ParamNames:
         and shape and by their storage (a view of one); and the floating ``buffers``
         (``model.named_buffers()``) by their storage."""
         self.params, self._copies, self._derived = {}, {}, {}
+        self._shifted, self.hit_divisor_shifted = {}, None
         self._table_copies, self.hit_buffer = {}, None
         self._of_buffer, self.hit_divisor_buffer, self.hit_divisor_held = {}, None, None
         self._kept, self.hit_divisor_kept, self.hit_divisor = {}, None, None
@@ -122,6 +132,9 @@ class ParamNames:
         if hit:
             self.hit_buffer = next(((b[0], i) for i, t in enumerate(ins)
                                     if (b := self._table_of(t)) is not None and b[1]), None)
+        if hit:  # (a divisor ``|alpha - 2|``: the value of alpha it is 0 at)
+            div = divisor_of(op, ins)
+            self.hit_divisor_shifted = None if div is None else self._shifted_of(div)
         if hit and (div := divisor_of(op, ins)) is not None:
             self.hit_divisor_buffer = self._differenced(div)
             held = self._table_of(div)
@@ -174,11 +187,27 @@ class ParamNames:
                 or ins[0].layout != torch.strided:  # (no data pointer to name it by)
             return
         direct = self.among(ins)
+        self._track_shift(name, ins[0], outs[0], direct)
         if direct is not None and name in _COPIES and (ptr := _storage(outs[0])) is not None:
             self._copies[ptr] = (weakref.ref(outs[0]), direct)
         elif (param := direct or self._derived_from(ins[0])) is not None \
                 and outs[0].numel() == ins[0].numel():  # (value by value: no norm, no sum)
             self._derived[id(outs[0])] = (weakref.ref(outs[0]), param)
+
+    def _track_shift(self, name: str, t: torch.Tensor, out: torch.Tensor, direct: str | None
+                     ) -> None:
+        """Follow a value made of one parameter of one entry by adding a number to it (its
+        zero moved to another value of the parameter), or of such a value, value by value."""
+        shifted = self._shifted_of(t)
+        if shifted is None and name in _SHIFTS and t.numel() == 1 \
+                and (param := direct or self._derived_from(t)) is not None:
+            shifted = (param, float(t.detach()))
+        if shifted is not None and out.numel() == t.numel():
+            self._shifted[id(out)] = (weakref.ref(out), *shifted)
+
+    def _shifted_of(self, t: torch.Tensor) -> tuple[str, float] | None:
+        hit = self._shifted.get(id(t))
+        return hit[1:] if hit is not None and hit[0]() is t else None
 
     def _track_buffer(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor]
                       ) -> None:

@@ -1,5 +1,7 @@
 """A step a ``torch.distributions`` check ended (the recorder's ``"constraint"`` event, see
-:mod:`recorder.constraints`): what made the refused value, and why.
+:mod:`recorder.constraints`), or a torch loss's own check of an argument (``nn.GaussianNLLLoss``
+refusing a negative ``var``, read from ``gaussian_nll_loss``'s frame): what made the refused
+value, and why.
 
 The re-run raises the same ``ValueError``. Then:
 
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 
 from recorder.compat import view_base
-from recorder.constraints import refusal
+from recorder.constraints import refusal, refuser
 
 from .cause import classify
 from .compat import TorchDispatchMode, returns_view, tree_leaves, writes_arguments
@@ -45,6 +47,10 @@ from .source import raised_at, user_source
 
 # torch's file whose frame (``_validate_args``, ``_validate_sample``) holds the values
 _CHECKS = os.path.join("torch", "distributions", "distribution.py")
+# a torch loss function's frame whose argument its own check refused, and the entries it
+# accepts (recorder.constraints.LOSS_CHECKS)
+_FUNCTIONAL = os.path.join("torch", "nn", "functional.py")
+_LOSS_ARGS = {"gaussian_nll_loss": ("var", lambda v: v >= 0)}
 
 
 def report_raised(report, step: Step, runner: Runner, run) -> dict[str, Any] | None:
@@ -66,7 +72,7 @@ def report_refused(report, step: Step, runner: Runner, run) -> dict[str, Any] | 
         return None
     dist, what, constraint = said
     mb, source = runner.micro_batch, raised_at(run.error)
-    refused = f"torch.distributions.{dist} refused its {what} (constraint {constraint})"
+    refused = f"{refuser(dist)} refused its {what} (constraint {constraint})"
     finder = find_op_in_call(runner, "", 0, mb)
     if (hit := finder.origin()) is not None:  # a NaN/Inf, made by an op of the forward
         module, call = hit.within or ("", 0)
@@ -156,6 +162,11 @@ def _checked(error: BaseException) -> tuple[torch.Tensor | None, torch.Tensor | 
                     and valid.shape == value.shape[:valid.dim()]:  # (a simplex: per vector)
                 valid = valid.reshape(*valid.shape, *[1] * (value.dim() - valid.dim()))
                 found = value, entry_valid(frame.f_locals, value, valid.expand_as(value))
+        elif frame.f_code.co_filename.endswith(_FUNCTIONAL) \
+                and (arg := _LOSS_ARGS.get(frame.f_code.co_name)) is not None \
+                and isinstance(value := frame.f_locals.get(arg[0]), torch.Tensor):
+            with torch.no_grad():
+                found = value, arg[1](value.detach())
         tb = tb.tb_next
     return found
 
