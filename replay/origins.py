@@ -52,6 +52,7 @@ from .masked_pole import with_masked_pole
 from .masked_targets import watched_loss_rerun
 from .nan_factor import nan_factor_text
 from .negative_output import negative_output_hint
+from .nonpositive_output import nonpositive_output_text
 from .object_outputs import came_inside_objects, report_forward_behind_objects
 from .other_makers import add_others
 from .other_rows import note_grad_rows
@@ -344,7 +345,8 @@ def report_entering(report, step: Step, runner: Runner) -> dict[str, Any] | None
         report["cause"], report["hint"] = "overflow", scaled
         return report
     report["hint"] = (outside.replayable_loss_hint(step)
-                      + nan_factor_text(step, fields.get("micro_batch")))
+                      + nan_factor_text(step, fields.get("micro_batch"))
+                      + nonpositive_output_text(runner, fields.get("micro_batch"), fields["samples"]))
     if loop_term_report(report, step, runner, fields.get("micro_batch"),
                         fields.get("samples")):
         return report

@@ -95,6 +95,31 @@ def test_log_of_the_output_in_deepxde_pde(tmp_path):
     assert o["samples"] == negative == [3, 12, 13, 14, 15, 16, 17, 18, 19]
     assert o["micro_batch"] == 2  # (after DeepXDE's two evaluations before training)
     assert rep["cause"] is None and "loss_fn" in rep["hint"]  # (the loss is not re-run)
+    assert "only at samples where the model's output is at most 0 (9 of the 10 samples" \
+        in rep["hint"] and "softplus or exp" in rep["hint"]
+
+
+def test_nan_target_rows_of_both_signs_are_no_log_of_the_output(tmp_path):
+    """A NaN entering at rows where the output has both signs (the rows' own NaN target in a
+    data term the loop computes) is no log of the output: the sentence stays out; at rows
+    whose output is all <= 0 it is said (the condition, not the loss, decides)."""
+    def hint_for(rows, out_dir):
+        model, x = M.make_net(), M.poisson_points()  # (output <= 0 at rows 8-15 and 17)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        target = torch.zeros(x.shape[0], 1)
+        target[rows] = float("nan")
+        with pytest.raises(NonFiniteError) as e:
+            with FlightRecorder(model, opt, out_dir=out_dir, factory=FACTORY + "make_net"):
+                opt.zero_grad()
+                (model(x) - target).pow(2).mean().backward()  # (in the loop: not re-run)
+                opt.step()
+        rep = nanreplay_json(e.value.bundle_path)
+        assert rep["origin"]["samples"] == rows
+        return rep["hint"]
+
+    assert "at most 0" not in hint_for([0, 9], tmp_path / "a")
+    assert "(2 of the 9 samples with an output <= 0; none of the 9" in hint_for([9, 17],
+                                                                                 tmp_path / "b")
 
 
 def test_exploding_loss_weight_overflows_adams_state(tmp_path):
