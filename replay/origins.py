@@ -52,6 +52,7 @@ from .masked_pole import with_masked_pole
 from .masked_targets import watched_loss_rerun
 from .nan_factor import nan_factor_text
 from .negative_output import negative_output_hint
+from .nonpositive_output import nonpositive_output_text
 from .object_outputs import came_inside_objects, report_forward_behind_objects
 from .other_makers import add_others
 from .other_rows import note_grad_rows
@@ -63,6 +64,7 @@ from .param_writes import (
     loop_written_hint,
     own_update_hint,
 )
+from .piecewise_linear import zero_divisor_hint
 from .pole_hints import pole_hint
 from .power_grad import steep_power_cause
 from .product_underflow import loss_lineage_hint
@@ -77,7 +79,6 @@ from .term_args import report_term_arg
 from .twice_differentiated import twice_hint
 from .weight_readers import bad_row_fields, first_reader, rows_text
 from .written_forward import report_forward_wrote
-from .zero_head import zero_head_hint
 from .zero_start_distance import zero_start_hint
 
 
@@ -234,7 +235,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     bufs = loss_buffers(step.loss_fn)  # (<loss>.p_model; <loss>.counts a 0 of the ids picked)
     hint = held_divisor_hint(hint, cause.name, finder, hit, bufs) or hint
     hint = (cause.name == "invalid" and looked_up_hint(hint, bufs, finder, hit)) or hint
-    hint = self_pair_hint(zero_head_hint(runner, mb, hit, cause.name, hint), cause.name, hit)
+    hint = self_pair_hint(zero_divisor_hint(runner, mb, hit, cause.name, hint), cause.name, hit)
     return finish(report, origin, cause.name, reproduced=loss_reproduced(step),
                   hint=with_node(origin, with_param_advice(hint, cause.name, hit, step),
                                  cause.name, node))
@@ -344,7 +345,8 @@ def report_entering(report, step: Step, runner: Runner) -> dict[str, Any] | None
         report["cause"], report["hint"] = "overflow", scaled
         return report
     report["hint"] = (outside.replayable_loss_hint(step)
-                      + nan_factor_text(step, fields.get("micro_batch")))
+                      + nan_factor_text(step, fields.get("micro_batch"))
+                      + nonpositive_output_text(runner, fields.get("micro_batch"), fields["samples"]))
     if loop_term_report(report, step, runner, fields.get("micro_batch"),
                         fields.get("samples")):
         return report

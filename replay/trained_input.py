@@ -6,7 +6,9 @@ were never read: the loop's own update of that tensor after an earlier step's ba
 NaN/Inf. The ring buffer says when the model last took it finite and that step's loss: a loss
 of exactly 0 (a channel the image does not activate, behind a ReLU) has a gradient of exactly
 0, which a step normalised by its size divides by 0. Data the loop only differentiates by (a
-PINN's collocation points) requires grad too: the hint keeps the data pipeline for it. Within
+PINN's collocation points) requires grad too: the hint keeps the data pipeline for it, and
+names only it when the event is at the run's first step (step 0, nothing before it in the
+ring): no update can have made it non-finite then (DeepXDE's anchors holding a NaN). Within
 a step, ``replay.derived_input`` names the loop's step instead."""
 
 from __future__ import annotations
@@ -33,6 +35,14 @@ GRAPH_INPUT = (
     "network "
     "(FlightRecorder on it, with its own optimizer and a factory) to have the op that made it "
     "named")
+# (no update of the loop's under the recorder came before the step that took it non-finite)
+FIRST_DATA = (
+    "{tensor} required grad in training and was non-finite already at the run's first step, "
+    "before any update the loop made: data the loop differentiates "
+    "by (a PINN's collocation points, made to require grad so that the loss can take "
+    "derivatives of the output with respect to them), not a tensor an update broke: the data "
+    "pipeline for these samples (the point sampler, the anchors or the file they came from) "
+    "made them non-finite; drop or fix those points")
 BEFORE = "; the model took it finite at step {s}"
 LOSS = ", whose loss was {loss:.4g}"
 ZERO_LOSS = (
@@ -59,6 +69,8 @@ def trained_input_hint(step: Step, origin: dict[str, Any] | None = None) -> str 
         return None
     if key in step.micro_batches[0].get("graph_inputs", ()):
         return GRAPH_INPUT.format(tensor=origin.get("tensor"))
+    if _first_step(step):
+        return FIRST_DATA.format(tensor=origin.get("tensor"))
     before, remedy = "", EITHER
     if (last := _last_finite_input(step)) is not None:
         s, loss = last
@@ -88,3 +100,13 @@ def _last_finite_input(step: Step) -> tuple[int, float] | None:
             return int(t["ring/steps"][r]), loss
         return None  # (the step before the event's took it non-finite already)
     return None
+
+
+def _first_step(step: Step) -> bool:
+    """Is the event's step the run's first, step 0 (its ring holds no step before it): no
+    update of the loop's came before it? (Attached mid-run, ``start_step``, updates did.)"""
+    ring = step.tensors.get("ring/steps")
+    at = step.event.get("step")
+    if ring is None or at is None:
+        return False
+    return at == 0 and not any(s < at for s in ring.tolist())

@@ -4,7 +4,9 @@ loss's backward differentiates the forward's ops twice. The node that made the v
 one of that first derivative's (``DivBackward0`` of the norm's gradient, made at the
 ``autograd.grad`` line): it is named at the forward op whose derivative made it (its module
 and line, where the fix goes). And at a sqrt's or a norm's 0, ``torch.linalg.vector_norm``
-is no fix: its gradient, masked to 0 at a zero vector, is 0/0 to differentiate again.
+is no fix: its gradient, masked to 0 at a zero vector, is 0/0 to differentiate again (not
+said of a forward node that saved a NaN, a masked branch's op outside its domain: the mask's
+fix is the one).
 Non-reentrant activation checkpointing (``checkpoint(layer, h, use_reentrant=False)``) also
 makes nodes inside the backward: the block's forward, re-run where its saved tensors are
 unpacked. Those are forward nodes, never a derivative's: told by their creation stack."""
@@ -83,6 +85,9 @@ def twice_hint(b, hint: str) -> str:
         hint = (f"{b.node} is a node of the derivative the forward took of its "
                 f"{b.derivative_of} (at {b.source}); {hint}")
     sqrt_like = any(w in (b.derivative_of or b.node or "").lower() for w in ("sqrt", "norm"))
-    if not sqrt_like:
+    # (a forward node that saved a NaN ran outside its domain in a masked branch: a porous
+    # medium's where(u > 0, sqrt(u), 0) in a PINN's residual; the mask's fix holds, the second
+    # derivative's advice about a zero vector does not)
+    if not sqrt_like or (b.saved == "nan" and b.derivative_of is None):
         return hint
     return hint.replace(DO["sqrt_pole"], "") + TWICE
