@@ -275,3 +275,21 @@ class LongTailSet(Dataset):
         """Class-aware sampling: each record weighted by one over its class's count."""
         counts = torch.bincount(self.y, minlength=CLASSES).float()
         return 1.0 / counts[self.y]
+
+
+class CBFocalSigmoid(nn.Module):
+    """The class-balanced sigmoid focal loss of the widely copied PyTorch port of Cui et al.
+    (``focal_loss(labels, logits, alpha, gamma)``): the modulator in log form, the sum
+    normalised by the number of positive labels in the batch."""
+
+    def __init__(self, weights: torch.Tensor, gamma: float = 2.0):
+        super().__init__()
+        self.register_buffer("weights", weights.clone())
+        self.gamma = gamma
+
+    def forward(self, logits, labels):
+        bc_loss = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
+        modulator = torch.exp(-self.gamma * labels * logits - self.gamma * torch.log(
+            1 + torch.exp(-1.0 * logits)))
+        weighted = self.weights * modulator * bc_loss
+        return torch.sum(weighted) / torch.sum(labels)  # the bug: a batch with no positive

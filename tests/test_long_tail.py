@@ -176,6 +176,23 @@ def test_asl_without_eps_under_bf16_names_the_log_of_the_saturated_sigmoid(tmp_p
     assert "clamp_min(eps)" in rep["hint"] and "logsigmoid" in rep["hint"], rep["hint"]
 
 
+def test_cb_sigmoid_focal_over_a_batch_without_positives_names_the_normaliser(tmp_path):
+    """The class-balanced sigmoid focal loss normalised by ``torch.sum(labels)``, in batches
+    of two high-resolution records: records 10 and 11 carry no label, so batch 5 has no
+    positive and the loss is x/0 = +inf. The replay names the division on the return line,
+    no rows, invalid, a 0-d count of 0 in this step and its floor."""
+    x, y = M.multilabel_data()
+    data = list(DataLoader(TensorDataset(x, y), batch_size=2))
+    assert [i for i, (_, b) in enumerate(data) if b.sum() == 0][0] == 5
+    ev, rep = fire("make_net", M.CBFocalSigmoid(torch.ones(M.CLASSES)), tmp_path, data)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (5, "loss", "<loss>", "+inf")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("<loss>", "aten.div", "+inf", []), o
+    assert o["source"] == line_of("return torch.sum(weighted) / torch.sum(labels)"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "0 in this step" in rep["hint"] and "count.clamp_min(1)" in rep["hint"], rep["hint"]
+
+
 def test_pos_weight_of_a_label_without_positives_names_the_loss_buffer(tmp_path):
     """BCEWithLogitsLoss's ``pos_weight = negatives / positives`` over a split where one label
     has no positive: inf, times its target 0 inside the loss: NaN at the first step. The
@@ -245,15 +262,17 @@ HEALTHY = [
     ("make_cosine_net", lambda: M.FocalLoss(gamma=2.0), {}),
     ("make_taunorm", lambda: torch.nn.CrossEntropyLoss(), {"adam_eps": 1e-8}),
     ("make_net", lambda: M.AsymmetricLoss(), {"bf16": True}),
+    ("make_net", lambda: M.CBFocalSigmoid(torch.ones(M.CLASSES)), {}),
 ]
 
 
 @pytest.mark.parametrize("make,crit,kw", HEALTHY,
-                         ids=["cb", "ldam", "balanced_mixup", "focal", "crt", "asl"])
+                         ids=["cb", "ldam", "balanced_mixup", "focal", "crt", "asl",
+                              "cb_focal_sigmoid"])
 def test_healthy_long_tail_losses_raise_nothing_and_train_the_same(tmp_path, make, crit, kw):
     """Every class counted, gamma = 2, ASL with its eps, cRT from a random classifier, mixup:
     no event, bit-identical weights with and without the recorder."""
-    multi = make == "make_net" and kw.get("bf16")
+    multi = isinstance(crit(), (M.AsymmetricLoss, M.CBFocalSigmoid))
     data = multilabel_loader(scale=8.0, repeat=3) if multi else list(long_tail_loader()) * 3
     recorded = train(make, crit(), tmp_path, data, **kw)
     plain = train(make, crit(), tmp_path, data, record=False, **kw)
