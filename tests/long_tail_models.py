@@ -149,19 +149,21 @@ class LDAMLoss(nn.Module):
     """Cao et al. 2019 (github.com/kaidic/LDAM-DRW): margins ``1 / n**0.25`` scaled so the
     largest is ``max_m``, subtracted from the label's logit, then scaled by ``s``."""
 
-    def __init__(self, counts: torch.Tensor, max_m: float = 0.5, s: float = 30.0):
+    def __init__(self, counts: torch.Tensor, max_m: float = 0.5, s: float = 30.0,
+                 weight: torch.Tensor | None = None):
         super().__init__()
         m_list = 1.0 / torch.sqrt(torch.sqrt(counts))
         m_list = m_list * (max_m / torch.max(m_list))
         self.register_buffer("m_list", m_list)
         self.s = s
+        self.weight = weight  # DRW's per-class weights, a plain attribute as LDAM-DRW keeps it
 
     def forward(self, x, target):
         index = F.one_hot(target, x.shape[1]).bool()
         batch_m = self.m_list[None, :] @ index.float().t()
         x_m = x - batch_m.view(-1, 1)
         output = torch.where(index, x_m, x)
-        return F.cross_entropy(self.s * output, target)
+        return F.cross_entropy(self.s * output, target, weight=self.weight)
 
 
 class BalancedSoftmax(nn.Module):
@@ -293,3 +295,14 @@ class CBFocalSigmoid(nn.Module):
             1 + torch.exp(-1.0 * logits)))
         weighted = self.weights * modulator * bc_loss
         return torch.sum(weighted) / torch.sum(labels)  # the bug: a batch with no positive
+
+
+def drw_weights(counts: torch.Tensor, beta: float = 0.9999) -> torch.Tensor:
+    """LDAM-DRW's deferred re-weighting: the class-balanced weights, normalised to sum to the
+    number of classes, computed in numpy and handed to the loss as a tensor."""
+    import numpy as np
+
+    effective_num = 1.0 - np.power(beta, counts.numpy())
+    per_cls_weights = (1.0 - beta) / np.array(effective_num)
+    per_cls_weights = per_cls_weights / np.sum(per_cls_weights) * len(counts)
+    return torch.FloatTensor(per_cls_weights)

@@ -111,6 +111,25 @@ def test_ldam_margin_of_an_absent_class_names_the_margins_buffer(tmp_path):
         "count.clamp_min(1)" in rep["hint"], rep["hint"]
 
 
+def test_drw_weights_of_an_absent_class_name_the_plain_weight_attribute(tmp_path):
+    """LDAM-DRW's deferred re-weighting computed in numpy over counts with a class of 0
+    (numpy warns of the 1/0 and the 0/0 and goes on): 1/0 then inf/inf, the weights [0, ..., 0, nan], kept as the
+    loss's plain ``self.weight`` attribute (no buffer) and given to ``F.cross_entropy``. The
+    replay re-runs it and names the NLL taking the loss's 'weight', NaN at index 5, made
+    before the step."""
+    with pytest.warns(RuntimeWarning, match="encountered in divide"):
+        weight = M.drw_weights(M.class_counts(absent=(5,)))
+    ev, rep = fire("make_net", M.LDAMLoss(M.class_counts(), weight=weight), tmp_path,
+                   long_tail_loader())
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "loss", "<loss>", "nan")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["op"], o["made"], o["samples"]) == (
+        True, "aten.nll_loss_forward", "nan", []), o
+    assert o["source"] == line_of("return F.cross_entropy(self.s * output, target, weight="), o
+    assert rep["cause"] == "weights", rep["cause"]
+    assert "'weight' holding nan at index 5, as the step began" in rep["hint"], rep["hint"]
+
+
 def test_balanced_softmax_prior_of_an_absent_class_names_the_prior_buffer(tmp_path):
     """Balanced softmax's ``logits + log(prior)`` with a class absent from the training split:
     ``log 0 = -inf`` in that class's column of every row, which label smoothing takes into
