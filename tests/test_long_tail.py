@@ -195,6 +195,35 @@ def test_asl_without_eps_under_bf16_names_the_log_of_the_saturated_sigmoid(tmp_p
     assert "clamp_min(eps)" in rep["hint"] and "logsigmoid" in rep["hint"], rep["hint"]
 
 
+def test_asl_default_eps_under_fp16_and_a_grad_scaler_names_the_lost_eps(tmp_path):
+    """ASL as shipped (``eps=1e-8``) trained under float16 autocast with a GradScaler: the
+    clamp's 1e-8 is 0 in float16, so the saturated sigmoids of confident negatives stay 0 and
+    their log is -inf at step 33 (the rows counted without the recorder). The replay names
+    the log, those rows, underflow, and the eps float16 rounds to 0."""
+    model = M.make_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu")
+    crit = M.AsymmetricLoss()
+    with pytest.raises(NonFiniteError) as info, FlightRecorder(
+            model, opt, loss_fn=crit, out_dir=tmp_path, scaler=scaler,
+            factory="long_tail_models:make_net") as rec:
+        for x, y in multilabel_loader(scale=8.0, repeat=10):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = rec.loss_fn(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (33, "loss", "<loss>", "nan")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"]) == ("aten.log", "-inf", [9, 12, 14, 19, 20, 24])
+    assert o["source"] == line_of("los_pos = y * torch.log(xs_pos)"), o
+    assert rep["cause"] == "underflow", rep["cause"]
+    assert "the eps 1e-08 added to that input is 0 in float16" in rep["hint"], rep["hint"]
+
+
 def test_cb_sigmoid_focal_over_a_batch_without_positives_names_the_normaliser(tmp_path):
     """The class-balanced sigmoid focal loss normalised by ``torch.sum(labels)``, in batches
     of two high-resolution records: records 10 and 11 carry no label, so batch 5 has no
