@@ -306,3 +306,23 @@ def drw_weights(counts: torch.Tensor, beta: float = 0.9999) -> torch.Tensor:
     per_cls_weights = (1.0 - beta) / np.array(effective_num)
     per_cls_weights = per_cls_weights / np.sum(per_cls_weights) * len(counts)
     return torch.FloatTensor(per_cls_weights)
+
+
+class LogitAdjustedNet(Net):
+    """Logit adjustment inside the model's head (Menon et al.'s training-time adjustment as
+    some code bases put it in ``forward``): ``logits + tau * log(prior)``, the prior a buffer
+    from the training split's counts (removed at inference)."""
+
+    def __init__(self, counts: torch.Tensor, tau: float = 1.0):
+        super().__init__()
+        self.register_buffer("prior", counts / counts.sum())
+        self.tau = tau
+
+    def forward(self, x):
+        return super().forward(x) + self.tau * torch.log(self.prior)
+
+
+def make_adjusted_net() -> LogitAdjustedNet:
+    """The prior counted over a split without a record of the rarest class."""
+    torch.manual_seed(0)
+    return LogitAdjustedNet(class_counts(absent=(5,)))

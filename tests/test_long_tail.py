@@ -150,6 +150,22 @@ def test_balanced_softmax_prior_of_an_absent_class_names_the_prior_buffer(tmp_pa
     assert "parametrisation" not in rep["hint"], rep["hint"]
 
 
+def test_logit_adjustment_in_the_model_head_names_the_models_prior_buffer(tmp_path):
+    """The same log of a zero prior inside the model's ``forward`` (a training-time logit
+    adjustment in the head): a forward event in the root module at step 0, every row's logit
+    of class 5 -inf. The replay names the log on the head's line and the model's ``prior``
+    buffer at entry 5."""
+    ev, rep = fire("make_adjusted_net", torch.nn.CrossEntropyLoss(label_smoothing=0.1),
+                   tmp_path, long_tail_loader())
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "forward", "", "-inf")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.log", "-inf", ALL), o
+    assert o["source"] == line_of("return super().forward(x) + self.tau * torch.log(self.prior)")
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert rep["hint"].startswith("aten.log of 0: its input is the buffer prior as the code "
+                                  "keeps it, 0 at entry 5 of its shape (6,)"), rep["hint"]
+
+
 def test_adam_without_eps_names_the_rows_of_the_class_no_loss_reaches(tmp_path):
     """The same absent class without smoothing: its logit's -inf adjustment leaves its
     classifier row a gradient of exactly 0, and Adam with ``eps=0`` divides ``0 / sqrt(0)``.
