@@ -8,7 +8,8 @@ the same entries, so the generic advice (an eps in the data, skip the rows, a fe
 constant over the batch) points away from the fix, which is where the buffer is computed,
 starts and is updated. So too for a divisor the code made of such a buffer alone, value by
 value (a SNP's ``sqrt(2 * p * (1 - p))`` of training-set allele frequencies ``p``, 0 for a SNP
-monomorphic there): the entries where it is 0 are named, with the buffer's values there.
+monomorphic there): the entries where it is 0 are named, with the buffer's values there. A
+log of such a buffer is said by ``replay.held_pole``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from recorder.target import LOSS_PREFIX
 
 from . import lost_eps
 from .batch_written import written_divisor_hint
+from .held_pole import held_pole_hint
 
 __all__ = ["held_divisor_hint", "loss_buffers"]
 
@@ -37,7 +39,11 @@ def loss_buffers(loss) -> list[tuple[str, torch.Tensor]]:
 def held_divisor_hint(hint: str | None, cause: str, finder, hit,
                       buffers: Iterable[tuple[str, torch.Tensor]]) -> str | None:
     """The hint naming the buffer the blamed division (``hit``) divided by as is, and its
-    entries at 0, when it is one of ``buffers`` (name, tensor); else None."""
+    entries at 0, when it is one of ``buffers`` (name, tensor); a log's input so held, 0
+    where the log is -inf (``replay.held_pole``: a class prior of 0); else None."""
+    buffers = list(buffers)
+    if pole := held_pole_hint(hint, cause, hit, buffers):
+        return pole
     name = finder.names.hit_divisor_held
     ev = hit and hit.evidence
     inverse = hit is not None and hit.op == "aten.reciprocal"  # (1 / d: one input)

@@ -44,6 +44,7 @@ from .masked_gaps import masked_gaps
 from .missing_entries import MISSING_ENTRIES, missing_entries
 from .nan_runs import NAN_RUNS, nan_runs
 from .padded_elements import padded_elements
+from .repeated_record import repeated_record
 from .shared_loss_arg import shared_loss_arg_hint
 from .whole_slices import slices_hint, whole_slices
 
@@ -279,6 +280,10 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
         every = LOSS_ARGUMENT_EVERY.format(kind=kind) if n and rows == list(range(n)) else ""
         return LOSS_ARGUMENT.format(tensor=with_param_name(tensor, step.loss_fn), every=every,
                                     kind=kind)
+    if key and origin.get("samples") and (copies := repeated_record(  # (a sampler's repeats)
+            step.tensors.get(key), _sample_dim(step, origin, key), _KINDS.get(
+                origin.get("made"), "NaN/Inf"))):
+        return copies.format(tensor=tensor)
     if key and origin.get("samples") and (group := group_nan(
             step.tensors.get(key), _sample_dim(step, origin, key), _KINDS.get(
                 origin.get("made"), "NaN/Inf"))):

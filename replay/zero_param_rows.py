@@ -6,6 +6,9 @@ advice for weights (keep a parametrisation off its pole) does not say which rows
 they were written; structured pruning's mask is :mod:`replay.pruned`'s. Also a buffer's rows
 the code has not written yet: a retriever's bank of EMA-refreshed document embeddings started
 at zeros, ``bank / bank.norm(dim=-1, keepdim=True)`` before every document was encoded once.
+And a parameter 0 everywhere, every entry of the division NaN: a zero initialisation of a
+weight the forward normalises (a tau-normalised or cosine classifier re-initialised to zeros
+for decoupled re-training, ``w / w.norm(dim=1)**tau``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ SHOWN = 8  # rows named in the hint
 def zero_param_rows_hint(model: torch.nn.Module, module: str | None, hit) -> str | None:
     """The hint for ``hit``, a division that made NaN (0/0) in module ``module``, whose
     non-finite output entries are exactly the rows (along one dim) of one of the module's
-    parameters of the output's shape that are all 0; else None."""
+    parameters of the output's shape that are all 0 (or every entry, of a parameter 0
+    everywhere); else None."""
     ev = hit.evidence if hit is not None else None
     if ev is None or hit.op not in _DIVISIONS or hit.made != "nan" or module is None:
         return None
@@ -36,6 +40,8 @@ def zero_param_rows_hint(model: torch.nn.Module, module: str | None, hit) -> str
         for d in range(p.dim()):
             zero = (p.detach().movedim(d, 0).reshape(p.shape[d], -1) == 0).all(1)
             bad = ev.bad.movedim(d, 0).reshape(p.shape[d], -1).any(1)
+            if says is _says and d == 0 and bool(zero.all()) and bool(bad.all()):
+                return _says_whole(hit.op, f"{module}.{name}" if module else name)
             if bool(zero.any()) and not bool(zero.all()) and torch.equal(bad, zero):
                 return says(hit.op, f"{module}.{name}" if module else name, d,
                             zero.nonzero().flatten().tolist())
@@ -69,3 +75,14 @@ def _says(op: str, name: str, dim: int, rows: list[int]) -> str:
             "zeros, a reset of their weights, a mask, a zero init): write a non-zero direction "
             "there (or skip those units), or clamp the divisor "
             "(w.norm(dim, keepdim=True).clamp_min(eps), F.normalize)")
+
+
+def _says_whole(op: str, name: str) -> str:
+    return (f"{op} of 0 by 0 (0/0) in every entry: the parameter {name} is 0 everywhere as "
+            "this step began, and the forward divides it by its norm (or sum) over each slice, "
+            "0 too (weight normalisation: w / w.norm(dim, keepdim=True) ** tau); every sample "
+            "meets it, no record is to blame. No gradient step zeroes a whole weight exactly: "
+            "it was initialised or re-initialised to zeros (nn.init.zeros_, a classifier reset "
+            "to 0 for re-training on a re-balanced sampler, as cRT re-trains a tau-normalised "
+            "one): initialise it nonzero (the layer's own reset_parameters, a small normal), "
+            "or clamp the divisor (w.norm(dim, keepdim=True).clamp_min(eps), F.normalize)")
