@@ -39,7 +39,7 @@ from .refused_matrix import cholesky_diagonal, is_matrix_refusal, matrix_judge
 from .refused_param import entry_valid, param_hint, refused_param
 from .refused_rounding import capture, float64_zeros, rounded_hint
 from .refused_underflow import positive_underflow
-from .refused_value import data_value_hint, of_data
+from .refused_value import data_value_hint, of_data, transformed_support
 from .rerun import Runner
 from .source import raised_at, user_source
 
@@ -189,7 +189,8 @@ def _judge(runner: Runner, refused: str, bad, data: bool, matrix=None,
         if value64 is not None and value64.shape == matrix.shape:
             return matrix_judge(refused, value64, valid64)
     if again.error is not None and refusal(again.error) is not None and data:
-        return "invalid", data_value_hint(f"{refused}: {seen}, in float64 too")
+        return "invalid", data_value_hint(f"{refused}: {seen}, in float64 too",
+                                          transformed_support(again.error))
     zeros = bad is not None and bad.numel() and not bad.any()
     if again.error is not None and refusal(again.error) is not None and zeros \
             and (said := positive_underflow(refused, seen, op)):

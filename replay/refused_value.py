@@ -15,8 +15,36 @@ def of_data(what: str, value) -> bool:
     return what == "value" and value is not None and not value.requires_grad
 
 
-def data_value_hint(said: str) -> str:
-    """The hint after ``said`` (what was refused, and that float64 refuses it too)."""
+def transformed_support(error: BaseException | None) -> str | None:
+    """For a ``TransformedDistribution`` whose check refused a value (pytorch-forecasting's
+    ``Normal`` through ``AffineTransform`` and ``ExpTransform`` under a target normalizer's
+    ``transformation="log"``; a ``LogNormal``): what sets its support, its last transform's
+    codomain, said with the remedy where that transform is ``exp`` (the data modelled in log
+    space, where 0 has no image). None for any other distribution."""
+    tb = error.__traceback__ if error is not None else None
+    while tb is not None:
+        dist = tb.tb_frame.f_locals.get("self")
+        transforms = getattr(dist, "transforms", None)
+        if tb.tb_frame.f_code.co_name == "_validate_sample" and isinstance(transforms, list) \
+                and transforms:
+            names = ", ".join(type(t).__name__ for t in transforms)
+            last = type(transforms[-1]).__name__
+            said = (f"; its support is the codomain of its last transform ({last}, of "
+                    f"[{names}])")
+            if last == "ExpTransform":
+                said += (": it models the log of the data, and a value of 0 or below has no "
+                         "log (a target normalizer's log transformation, pytorch-forecasting's "
+                         "GroupNormalizer(transformation=\"log\"), given a 0 sold or a "
+                         "negative correction): use log1p (transformation=\"log1p\") or "
+                         "softplus for data with 0s, or shift the data above 0")
+            return said
+        tb = tb.tb_next
+    return None
+
+
+def data_value_hint(said: str, support: str | None = None) -> str:
+    """The hint after ``said`` (what was refused, and that float64 refuses it too);
+    ``support``: what sets a transformed distribution's support (:func:`transformed_support`)."""
     return (f"{said}: the value given to log_prob is the batch's data alone (nothing the "
             "model learns), so the samples named hold records on the support's edge or "
             "outside it (an inter-event time of 0 from two events at one time or from a "
@@ -25,4 +53,4 @@ def data_value_hint(said: str) -> str:
             "(dist.log_prob(torch.where(mask, x, 1)) * mask), clamp it where a 0 is a "
             "measurement floor (x.clamp_min(1e-10), as ifl-tpp does for inter-event times), "
             "or drop such records where the data is made; a softplus or a floor on the "
-            "distribution's parameters does not change it")
+            "distribution's parameters does not change it" + (support or ""))
