@@ -17,29 +17,34 @@ def of_data(what: str, value) -> bool:
 
 def transformed_support(error: BaseException | None) -> str | None:
     """For a ``TransformedDistribution`` whose check refused a value (pytorch-forecasting's
-    ``Normal`` through ``AffineTransform`` and ``ExpTransform`` under a target normalizer's
-    ``transformation="log"``; a ``LogNormal``): what sets its support, its last transform's
-    codomain, said with the remedy where that transform is ``exp`` (the data modelled in log
-    space, where 0 has no image). None for any other distribution."""
+    ``Normal`` through ``AffineTransform`` and ``ExpTransform`` or ``SoftplusTransform``, under
+    a target normalizer's ``transformation="log"`` or ``"softplus"``; a ``LogNormal``): what
+    sets its support, its last transform's codomain, said with the remedy where that codomain
+    is the positive numbers (the data modelled through log or softplus, where 0 has no
+    preimage). None for any other distribution."""
     tb = error.__traceback__ if error is not None else None
     while tb is not None:
-        dist = tb.tb_frame.f_locals.get("self")
-        transforms = getattr(dist, "transforms", None)
+        transforms = getattr(tb.tb_frame.f_locals.get("self"), "transforms", None)
         if tb.tb_frame.f_code.co_name == "_validate_sample" and isinstance(transforms, list) \
                 and transforms:
             names = ", ".join(type(t).__name__ for t in transforms)
-            last = type(transforms[-1]).__name__
-            said = (f"; its support is the codomain of its last transform ({last}, of "
-                    f"[{names}])")
-            if last == "ExpTransform":
-                said += (": it models the log of the data, and a value of 0 or below has no "
-                         "log (a target normalizer's log transformation, pytorch-forecasting's "
-                         "GroupNormalizer(transformation=\"log\"), given a 0 sold or a "
-                         "negative correction): use log1p (transformation=\"log1p\") or "
-                         "softplus for data with 0s, or shift the data above 0")
+            last = transforms[-1]
+            said = (f"; its support is the codomain of its last transform "
+                    f"({type(last).__name__}, of [{names}]): {last.codomain}")
+            if str(last.codomain) in _POSITIVE:
+                said += (", so the data it models must be above 0: a target transformed by "
+                         "log or softplus before the model (a target normalizer's "
+                         "transformation=\"log\" or \"softplus\", pytorch-forecasting's "
+                         "GroupNormalizer) given a 0 sold or a negative correction; use "
+                         "transformation=\"log1p\" or none for data with 0s, a count "
+                         "distribution (NegativeBinomialDistributionLoss), or shift the data "
+                         "above 0")
             return said
         tb = tb.tb_next
     return None
+
+
+_POSITIVE = ("GreaterThan(lower_bound=0.0)", "GreaterThan(lower_bound=0)")
 
 
 def data_value_hint(said: str, support: str | None = None) -> str:

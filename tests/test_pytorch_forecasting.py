@@ -14,8 +14,10 @@ import pytest
 
 pytest.importorskip("pytorch_forecasting")
 
+import lightning.pytorch as pl  # noqa: E402
 import pytorch_forecasting_models as M  # noqa: E402
-from bundles import nanreplay_json  # noqa: E402
+import torch  # noqa: E402
+from bundles import nanreplay_json, source_line  # noqa: E402
 
 from recorder.lightning import FlightRecorderCallback  # noqa: E402
 
@@ -32,23 +34,64 @@ def _callback(tmp_path, factory: str, **kwargs):
                                   factory_kwargs=kwargs)
 
 
-def test_a_zero_sold_under_a_log_target_normalizer_is_named_as_data_outside_the_support(
-        tmp_path):
-    """DeepAR's ``NormalDistributionLoss`` under ``GroupNormalizer(transformation="log")``: the
-    distribution is a Normal through ``ExpTransform``, so ``log_prob`` refuses the day store 1
-    was closed (0 sold), in the decoder window of sample 3 at step 4. The loss is the
-    LightningModule's own ``self.loss``, into which the model's forward writes the
-    transformation: the replay re-runs that submodule of the rebuilt model (it crashed on the
-    attribute a loss rebuilt on its own lacked)."""
-    model = M.make_deepar(transformation="log")
-    ds = M.dataset(M.sales_frame(zero_at=(1, 20)), M._normalizer("log"))
+@pytest.mark.parametrize("transformation", ["log", "softplus"])
+def test_a_zero_sold_under_a_log_or_softplus_target_normalizer_is_data_outside_the_support(
+        tmp_path, transformation):
+    """DeepAR's ``NormalDistributionLoss`` under ``GroupNormalizer(transformation=...)``: the
+    distribution is a Normal through ``ExpTransform`` (``SoftplusTransform``), whose support is
+    the positive numbers, so ``log_prob`` refuses the day store 1 was closed (0 sold), in the
+    decoder window of sample 3 at step 4. The loss is the LightningModule's own ``self.loss``,
+    into which the model's forward writes the transformation: the replay re-runs that
+    submodule of the rebuilt model (it crashed on the attribute a loss rebuilt on its own
+    lacked), and names the transform that sets the support and the normalizer's remedy."""
+    model = M.make_deepar(transformation=transformation)
+    ds = M.dataset(M.sales_frame(zero_at=(1, 20)), M._normalizer(transformation))
     with pytest.raises(ValueError, match="within the support"):
-        M.fit(model, ds, [_callback(tmp_path, "make_deepar", transformation="log")])
+        M.fit(model, ds, [_callback(tmp_path, "make_deepar", transformation=transformation)])
     (bundle,) = glob.glob(str(tmp_path / "*.nan"))
     rep = nanreplay_json(bundle)
     o = rep["origin"]
     assert (rep["event"]["step"], rep["reproduced"], rep["cause"]) == (4, True, "invalid")
-    assert (o["phase"], o["samples"]) == ("forward", [3])
+    assert (o["phase"], o["module"], o["samples"]) == ("forward", "", [3])
+    last = {"log": "ExpTransform", "softplus": "SoftplusTransform"}[transformation]
     assert "TransformedDistribution refused its value" in rep["hint"]
-    assert "ExpTransform" in rep["hint"] and "log1p" in rep["hint"]
+    assert f"last transform ({last}, of [AffineTransform, {last}])" in rep["hint"]
+    assert 'transformation="log1p"' in rep["hint"]
     assert not any("could not be stored" in n for n in rep.get("notes", []))
+
+
+def test_revin_of_a_series_that_never_sold_is_named_at_its_division(tmp_path):
+    """A model of the user's (the docs' new-architecture MLP) standardises each encoder window
+    by its own std without an eps: store 2 never sold anything, its windows are constant, 0/0
+    in ``revin``. pytorch-forecasting's metric then swaps the NaN loss for a constant 1e9, so
+    the step ends in backward's 'does not require grad'; the recorder's bundle, written on
+    that exception, names the division, store 2's windows and the eps of 0."""
+    ds = M.window_dataset(M.sales_frame(constant_series=2))
+    pl.seed_everything(0, verbose=False)
+    x, _ = next(iter(M.loader(ds)))
+    store2 = (x["groups"][:, 0] == 2).nonzero().flatten().tolist()
+    with pytest.raises(RuntimeError, match="does not require grad") as info:
+        M.fit(M.make_window_mlp(), ds, [_callback(tmp_path, "make_window_mlp")])
+    assert "nanreplay" in "".join(getattr(info.value, "__notes__", []))
+    (bundle,) = glob.glob(str(tmp_path / "*.nan"))
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], rep["cause"], o["phase"]) == (0, "invalid", "forward")
+    assert store2 == [2, 3, 4, 6]
+    assert (o["module"], o["op"], o["samples"]) == ("revin", "aten.div", store2)
+    assert o["source"].startswith(source_line("pytorch_forecasting_models.py",
+                                              "return (x - mean) / std, mean, std"))
+    assert "revin's attribute eps" in rep["hint"] and "0/0" in rep["hint"]
+
+
+def test_a_healthy_fit_raises_no_event_and_trains_bit_identically(tmp_path):
+    ds = M.window_dataset(M.sales_frame())
+    plain = M.make_window_mlp()
+    M.fit(plain, ds)
+    recorded = M.make_window_mlp()
+    cb = _callback(tmp_path, "make_window_mlp")
+    M.fit(recorded, ds, [cb])
+    assert cb.recorder is not None and cb.recorder.event is None
+    assert not glob.glob(str(tmp_path / "*.nan"))
+    a, b = plain.state_dict(), recorded.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
