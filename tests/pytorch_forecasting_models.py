@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import torch
 from pytorch_forecasting import DeepAR, NHiTS, TemporalFusionTransformer, TimeSeriesDataSet
-from pytorch_forecasting.data import GroupNormalizer
+from pytorch_forecasting.data import GroupNormalizer, TorchNormalizer
 from pytorch_forecasting.metrics import MAE, MASE, RMSE, NormalDistributionLoss, QuantileLoss
 from pytorch_forecasting.metrics.base_metrics import MultiHorizonMetric
 from pytorch_forecasting.models import BaseModel
@@ -29,7 +29,8 @@ ENC, DEC, BATCH = 12, 4, 8
 
 def sales_frame(n_series: int = 4, length: int = 40, seed: int = 0,
                 zero_at: tuple[int, int] | None = None,
-                constant_series: int | None = None) -> pd.DataFrame:
+                constant_series: int | None = None,
+                flagship: int | None = None) -> pd.DataFrame:
     """Daily sales of ``n_series`` stores with a price covariate; ``zero_at=(store, day)``: the
     store was closed that day (0 sold); ``constant_series``: a product never sold there (all 0)."""
     rng = np.random.default_rng(seed)
@@ -38,6 +39,8 @@ def sales_frame(n_series: int = 4, length: int = 40, seed: int = 0,
         level = 10.0 + 5.0 * g
         for t in range(length):
             sales = level + 3.0 * math.sin(t / 5.0 + g) + rng.normal(0.0, 0.5)
+            if flagship == g:
+                sales *= 1000.0
             if constant_series == g:
                 sales = 0.0
             if zero_at is not None and tuple(zero_at) == (g, t):
@@ -143,14 +146,19 @@ class RevIN(nn.Module):
 
 class WindowMLP(BaseModel):
     def __init__(self, input_size: int, output_size: int, hidden_size: int = 16,
-                 eps: float = 0.0, **kwargs):
+                 eps: float = 0.0, log_link: bool = False, **kwargs):
         self.save_hyperparameters()
         super().__init__(**kwargs)
+        self.log_link = log_link  # the window as given, predicting the log of the sales
         self.revin = RevIN(eps)
         self.net = nn.Sequential(nn.Linear(input_size, hidden_size), nn.ReLU(),
                                  nn.Linear(hidden_size, output_size))
 
     def forward(self, x):
+        if self.log_link:
+            prediction = torch.exp(self.net(x["encoder_cont"][..., 0]))
+            prediction = self.transform_output(prediction, target_scale=x["target_scale"])
+            return self.to_network_output(prediction=prediction)
         window, mean, std = self.revin(x["encoder_cont"][..., 0])
         prediction = self.net(window) * std + mean
         prediction = self.transform_output(prediction, target_scale=x["target_scale"])
@@ -162,18 +170,22 @@ class WindowMLP(BaseModel):
                                     output_size=dataset.max_prediction_length, **kwargs)
 
 
-def window_dataset(frame: pd.DataFrame) -> TimeSeriesDataSet:
+def window_dataset(frame: pd.DataFrame, raw: bool = False) -> TimeSeriesDataSet:
+    """``raw``: the sales as recorded (``TorchNormalizer(method="identity")``), for a model
+    with a log link."""
+    normalizer = TorchNormalizer(method="identity") if raw else GroupNormalizer(groups=["store"])
     return TimeSeriesDataSet(
         frame, time_idx="time_idx", target="sales", group_ids=["store"],
         max_encoder_length=ENC, max_prediction_length=DEC, time_varying_unknown_reals=["sales"],
-        target_normalizer=GroupNormalizer(groups=["store"]))
+        target_normalizer=normalizer)
 
 
 def make_window_mlp(eps: float = 0.0, loss: str = "mae", lr: float = 1e-2,
-                    optimizer: str = "adam"):
+                    optimizer: str = "adam", log_link: bool = False):
     torch.manual_seed(0)
-    return WindowMLP.from_dataset(window_dataset(sales_frame()), eps=eps, loss=LOSSES[loss](),
-                                  learning_rate=lr, optimizer=optimizer)
+    return WindowMLP.from_dataset(window_dataset(sales_frame(), raw=log_link), eps=eps,
+                                  loss=LOSSES[loss](), learning_rate=lr, optimizer=optimizer,
+                                  log_link=log_link)
 
 
 def fit(model, ds: TimeSeriesDataSet, callbacks=(), max_steps: int = 6, clip: float | None = 0.1,

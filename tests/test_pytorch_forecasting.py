@@ -95,3 +95,25 @@ def test_a_healthy_fit_raises_no_event_and_trains_bit_identically(tmp_path):
     assert not glob.glob(str(tmp_path / "*.nan"))
     a, b = plain.state_dict(), recorded.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_log_link_over_a_flagship_store_in_other_units_overflows_exp_on_its_rows(tmp_path):
+    """The user's MLP with a log link (``exp`` of its output) over raw sales (an identity
+    normalizer): store 3 reports units where the others report thousands, its windows reach
+    2.8e4, and ``exp`` overflows on its rows at the first step. The metric swaps the Inf loss
+    for 1e9; the bundle written on backward's error names ``aten.exp``, store 3's row and the
+    data out of scale."""
+    kw = {"log_link": True, "eps": 1e-5}
+    ds = M.window_dataset(M.sales_frame(flagship=3), raw=True)
+    pl.seed_everything(0, verbose=False)
+    x, _ = next(iter(M.loader(ds)))
+    store3 = (x["groups"][:, 0] == 3).nonzero().flatten().tolist()
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        M.fit(M.make_window_mlp(**kw), ds, [_callback(tmp_path, "make_window_mlp", **kw)])
+    (bundle,) = glob.glob(str(tmp_path / "*.nan"))
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], rep["cause"], o["phase"]) == (0, "overflow", "forward")
+    assert store3 == [1]
+    assert (o["module"], o["op"], o["samples"]) == ("", "aten.exp", store3)
+    assert "out of scale" in rep["hint"] and "--try drop=1" in rep["hint"]
