@@ -193,7 +193,10 @@ def fit(model, ds: TimeSeriesDataSet, callbacks=(), max_steps: int = 6, clip: fl
     """``Trainer.fit`` as a forecaster runs it (CPU, few steps, gradient clipping)."""
     pl.seed_everything(0, verbose=False)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        # Lightning's advice (workers, logging), not the run's ("Loss is not finite" stays)
+        warnings.filterwarnings("ignore", category=UserWarning, module="lightning")
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module="lightning")
+        warnings.filterwarnings("ignore", category=FutureWarning)  # (Lightning's pytree shim)
         trainer = pl.Trainer(accelerator="cpu", max_steps=max_steps, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False, callbacks=list(callbacks),

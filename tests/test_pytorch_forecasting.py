@@ -9,6 +9,7 @@ summed loss with a constant 1e9, so what reaches the recorder are the failures b
 from __future__ import annotations
 
 import glob
+import warnings
 
 import pytest
 
@@ -117,3 +118,42 @@ def test_a_log_link_over_a_flagship_store_in_other_units_overflows_exp_on_its_ro
     assert store3 == [1]
     assert (o["module"], o["op"], o["samples"]) == ("", "aten.exp", store3)
     assert "out of scale" in rep["hint"] and "--try drop=1" in rep["hint"]
+
+
+SGD_TOO_FAST = {"lr": 5.0, "optimizer": "sgd", "loss": "rmse"}
+
+
+def test_a_diverging_loss_the_metric_swaps_for_a_constant_is_explained_without_a_bundle(
+        tmp_path):
+    """SGD at lr 5 without clipping diverges; at step 13 pytorch-forecasting's RMSE overflows
+    inside the metric, which warns 'Loss is not finite' and returns a constant 1e9 with no
+    graph. Every value the recorder saw was finite and backward fails with 'does not require
+    grad': the callback's note says why (it said nothing) and how to get a bundle."""
+    with pytest.raises(RuntimeError, match="does not require grad") as info:
+        M.fit(M.make_window_mlp(**SGD_TOO_FAST), M.window_dataset(M.sales_frame()),
+              [_callback(tmp_path, "make_window_mlp", **SGD_TOO_FAST)], max_steps=30, clip=None)
+    notes = "".join(getattr(info.value, "__notes__", []))
+    assert "the loss the training_step returned at step 13" in notes
+    assert 'filterwarnings("error", "Loss is not finite")' in notes
+    assert not glob.glob(str(tmp_path / "*.nan"))
+
+
+def test_the_metrics_warning_raised_as_an_error_is_replayed_to_the_losss_overflow(tmp_path):
+    """The same run with the note's filter: the warning, raised inside the metric, is the
+    recorder's check event at step 13; the replay raises it again (nanreplay runs without
+    the filter: its re-run went past the raise, a fidelity mismatch) and, the model's output
+    finite, finds the op in the loss: RMSE's squared error overflowing on sample 3, after
+    the run had been diverging since step 2."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "Loss is not finite")
+        with pytest.raises(UserWarning, match="Loss is not finite"):
+            M.fit(M.make_window_mlp(**SGD_TOO_FAST), M.window_dataset(M.sales_frame()),
+                  [_callback(tmp_path, "make_window_mlp", **SGD_TOO_FAST)], max_steps=30,
+                  clip=None)
+    (bundle,) = glob.glob(str(tmp_path / "*.nan"))
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], rep["reproduced"], rep["cause"]) == (13, True, "overflow")
+    assert (o["phase"], o["module"], o["op"], o["samples"]) == ("loss", "<loss>", "aten.pow",
+                                                                [3])
+    assert "the run was diverging" in rep["hint"] and "lower the learning rate" in rep["hint"]
