@@ -47,10 +47,12 @@ def transformed_support(error: BaseException | None) -> str | None:
 _POSITIVE = ("GreaterThan(lower_bound=0.0)", "GreaterThan(lower_bound=0)")
 
 
-def data_value_hint(said: str, support: str | None = None) -> str:
+def data_value_hint(said: str, support: str | None = None, held: str | None = None) -> str:
     """The hint after ``said`` (what was refused, and that float64 refuses it too);
-    ``support``: what sets a transformed distribution's support (:func:`transformed_support`)."""
-    return (f"{said}: the value given to log_prob is the batch's data alone (nothing the "
+    ``support``: what sets a transformed distribution's support (:func:`transformed_support`);
+    ``held``: the recorded tensor holding the value (``batch["decoder_target"]``)."""
+    of = f"{held}, " if held else ""
+    return (f"{said}: the value given to log_prob is the batch's data alone ({of}nothing the "
             "model learns), so the samples named hold records on the support's edge or "
             "outside it (an inter-event time of 0 from two events at one time or from a "
             "padded position, a 0 under a Gamma or a LogNormal, 0 or 1 under a Beta); "

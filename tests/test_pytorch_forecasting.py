@@ -44,7 +44,8 @@ def test_a_zero_sold_under_a_log_or_softplus_target_normalizer_is_data_outside_t
     decoder window of sample 3 at step 4. The loss is the LightningModule's own ``self.loss``,
     into which the model's forward writes the transformation: the replay re-runs that
     submodule of the rebuilt model (it crashed on the attribute a loss rebuilt on its own
-    lacked), and names the transform that sets the support and the normalizer's remedy."""
+    lacked), and names the transform that sets the support and the normalizer's remedy, and
+    the batch's tensor that holds the 0."""
     model = M.make_deepar(transformation=transformation)
     ds = M.dataset(M.sales_frame(zero_at=(1, 20)), M._normalizer(transformation))
     with pytest.raises(ValueError, match="within the support"):
@@ -54,6 +55,9 @@ def test_a_zero_sold_under_a_log_or_softplus_target_normalizer_is_data_outside_t
     o = rep["origin"]
     assert (rep["event"]["step"], rep["reproduced"], rep["cause"]) == (4, True, "invalid")
     assert (o["phase"], o["module"], o["samples"]) == ("forward", "", [3])
+    # the data refused, not the cast inside the metric that last wrote it (aten._to_copy)
+    assert o["tensor"] == 'batch["decoder_target"]'
+    assert '(batch["decoder_target"], nothing the model learns)' in rep["hint"]
     last = {"log": "ExpTransform", "softplus": "SoftplusTransform"}[transformation]
     assert "TransformedDistribution refused its value" in rep["hint"]
     assert f"last transform ({last}, of [AffineTransform, {last}])" in rep["hint"]
