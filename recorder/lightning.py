@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from lightning.pytorch.callbacks import Callback
 
 from .flight import FlightRecorder
@@ -42,6 +43,7 @@ class FlightRecorderCallback(Callback):
         check_callback_options(None if isinstance(loss_fn, str) else loss_fn, options)
         self.module, self.loss_fn, self.options = module, loss_fn, options
         self.recorder: FlightRecorder | None = None
+        self.detached_loss: float | None = None  # the step's loss, when it held no graph
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self._attach(trainer, pl_module)  # so the sanity-check validation is watched too
@@ -80,6 +82,7 @@ class FlightRecorderCallback(Callback):
         # ignored) would otherwise pass unseen.
         if self.recorder is not None and self.recorder.loss_fn is None:
             self.recorder.record_loss(loss)
+        self.detached_loss = _detached(loss, pl_module)
 
     def on_fit_end(self, trainer, pl_module) -> None:
         if self.recorder is not None:
@@ -89,11 +92,36 @@ class FlightRecorderCallback(Callback):
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if self.recorder is not None:  # the step the exception cut short: checked, noted
             self.recorder.cycle.check_on_exception(exception)
+            if self.recorder.event is None and self.detached_loss is not None \
+                    and "does not require grad" in str(exception):
+                exception.add_note(_detached_note(trainer.global_step, self.detached_loss))
         self.detach()
 
     def detach(self) -> None:
         if self.recorder is not None:
             self.recorder.detach()
+
+
+def _detached(loss, pl_module) -> float | None:
+    """The value of a training loss that holds no autograd graph while the module trains (its
+    backward will fail), else None: read only then, so no other step pays a host read."""
+    if not isinstance(loss, torch.Tensor) or loss.requires_grad or not torch.is_grad_enabled() \
+            or not any(p.requires_grad for p in pl_module.parameters()):
+        return None
+    return float(loss.detach().float().mean())
+
+
+def _detached_note(step: int, value: float) -> str:
+    """Why backward found no graph when every value the recorder saw was finite."""
+    return (f"nanreplay: the loss the training_step returned at step {step} ({value:.3g}) "
+            "holds no autograd graph, and every value the recorder saw was finite, so no "
+            "bundle was written. A loss that puts a constant in place of a non-finite value "
+            "does this (pytorch-forecasting's metrics, warning 'Loss is not finite. Resetting "
+            "it to 1e9'): the NaN/Inf was made inside the loss's own computation, which no "
+            "hook sees. Turn that warning into an error (warnings.filterwarnings(\"error\", "
+            "\"Loss is not finite\")) and the recorder writes the step's bundle where it is "
+            "raised, for nanreplay to name the loss's op; else the loss was computed under "
+            "torch.no_grad() or detached")
 
 
 def _attribute(root, dotted: str, what: str):

@@ -53,6 +53,8 @@ def describe_loss(loss_fn: nn.Module, tensors: dict[str, torch.Tensor],
                 **compiled}
     shared = dict(modules or {})  # (the root too, as "": a loss given the model itself)
     tree = _describe_module(loss_fn, "", tensors, shared)
+    if shared.get(id(loss_fn)):  # the model's own submodule (a LightningModule's self.loss)
+        tree["model"] = shared[id(loss_fn)]
     # the flat fields older replays read (a torch.nn built-in rebuilt from its arguments)
     try:
         accepted = set(inspect.signature(type(loss_fn).__init__).parameters)
@@ -268,6 +270,8 @@ def _describe_module(m: nn.Module, prefix: str, tensors: dict[str, torch.Tensor]
             node["functions"][k] = describe_callable(v)["import"]
         elif (held := _plain_object(v)) is not None:
             node.setdefault("objects", {})[k] = held
+        elif getattr(getattr(v, "__wrapped__", None), "__self__", None) is m:
+            continue  # its own method, wrapped by its construction (torchmetrics' update)
         else:
             node["unrecorded"].append(f"{k} ({type(v).__name__})")
     for k, b in buffers.items():

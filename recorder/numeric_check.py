@@ -31,7 +31,7 @@ _SPEAKS = re.compile(r"\b(nan|nans|inf|infs|infinite|infinity|non-?finite|not fi
 # PyTorch's own kernels refusing a NaN (or a value outside their domain) in words of their own
 _REFUSED = re.compile(r"normal expects all elements of std >= 0|all elements of input should be "
                       r"between 0 and 1|Expected p_in >= 0 && p_in <= 1|invalid Poisson rate")
-_KINDS = (AssertionError, ValueError, RuntimeError, ArithmeticError)
+_KINDS = (AssertionError, ValueError, RuntimeError, ArithmeticError, Warning)
 
 
 def check_reason(exc: BaseException) -> str | None:

@@ -38,7 +38,7 @@ from .hidden import report_hidden_forward
 from .imputed import RERUN, made_from_imputed
 from .input_grad import made_by_input_gradient
 from .kept_report import report_graph_args, report_kept_aside
-from .load import Step, build, read_step, validate_args_as_recorded
+from .load import Step, build, read_step, run_switches
 from .loop_grads import finite_gradients_reached_the_output as _finite_gradients_reached_the_output
 from .loop_grads import gradients_from_the_loop as _gradients_from_the_loop
 from .loop_grads import no_backward_reached_the_output as _no_backward_reached_the_output
@@ -198,7 +198,7 @@ def _built(path, rank: int | None, factory, device, factory_kwargs,
            switches: contextlib.ExitStack | None = None) -> Step:
     step = read_step(path, rank)
     if switches is not None:  # (before the factory: its modules may build distributions)
-        switches.enter_context(validate_args_as_recorded(step.meta))
+        switches.enter_context(run_switches(step))
     try:
         build(step, factory, device, factory_kwargs)
     except FactoryRefused as e:

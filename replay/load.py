@@ -38,6 +38,7 @@ from .patched_forward import check_patched_forwards
 from .sharded_optim import gather_state
 from .shards import resolve
 from .views import same_view
+from .warned_check import warning_as_error
 from .weights import load_weights
 from .written_weights import refill_written
 
@@ -444,6 +445,14 @@ def autocast_as_recorded(mb: dict[str, Any], device: torch.device, loss: bool = 
         yield
         return
     with torch.autocast(device_type=device.type, dtype=dtype):
+        yield
+
+
+@contextlib.contextmanager
+def run_switches(step: Step):
+    """The run's switches, as recorded, put back after: ``validate_args`` (below) and a
+    warning the run raised as an error (``replay.warned_check``)."""
+    with validate_args_as_recorded(step.meta), warning_as_error(step.event):
         yield
 
 

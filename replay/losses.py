@@ -51,7 +51,13 @@ def rebuild_loss(info: dict[str, Any] | None, tensors: dict[str, torch.Tensor],
         shared = dict(model.named_modules()) if model is not None else {}
         modes = [(m, m.training) for m in shared.values()]
         try:
-            return _module(info["tree"], tensors, device, top=True, shared=shared)
+            # a loss that is a submodule of the model (a LightningModule's ``self.loss``,
+            # into which pytorch-forecasting's forward writes state: a distribution loss's
+            # ``_transformation``) is rebuilt into the rebuilt model's own, so what the
+            # re-run's forward sets on it is there when the loss runs, as in the run
+            own = shared.get(info["tree"].get("model"))
+            return _module(info["tree"], tensors, device, top=True, shared=shared,
+                           into=own if isinstance(own, nn.Module) else None)
         finally:  # (the loss's train() reached its shared modules: theirs are as recorded)
             for m, was in modes:
                 m.training = was

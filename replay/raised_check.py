@@ -19,6 +19,7 @@ from .cause import classify
 from .findings import finish, origin_fields
 from .forward import find_op_in_call
 from .load import Step
+from .loss_check import first_in_loss
 from .origins import backward_origin, report_backward
 from .rerun import Runner
 from .source import raised_at
@@ -47,6 +48,13 @@ def report_check(report, step: Step, runner: Runner, run) -> dict[str, Any] | No
                                made=hit.made, source=hit.source or source,
                                samples=hit.rows or [], inputs_finite=True)
         report["problems"].append(f"{said}, on the {hit.made} that {hit.op} made")
+        return finish(report, origin, cause.name, reproduced=True, hint=cause.hint)
+    if (hit := first_in_loss(step, mb)) is not None:  # (the loss's own check raised)
+        cause = classify(runner, "loss", hit=hit, micro_batch=mb)
+        origin = origin_fields(phase="loss", module="<loss>", micro_batch=mb, op=hit.op,
+                               made=hit.made, source=hit.source or source,
+                               samples=hit.rows or [], inputs_finite=True)
+        report["problems"].append(f"{said}, on the {hit.made} that {hit.op} made in the loss")
         return finish(report, origin, cause.name, reproduced=True, hint=cause.hint)
     origin = origin_fields(phase="forward", micro_batch=mb, source=source, made=None)
     report["problems"].append(f"{said}, with every value of the step finite up to there")

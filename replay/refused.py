@@ -37,11 +37,12 @@ from .looked_up_refusal import looked_up_refusal_hint
 from .passed_zeros import zeros_maker
 from .raised_check import report_check
 from .recorded import batch_size
+from .refused_data import data_tensor
 from .refused_matrix import cholesky_diagonal, is_matrix_refusal, matrix_judge
 from .refused_param import entry_valid, param_hint, refused_param
 from .refused_rounding import capture, float64_zeros, rounded_hint
 from .refused_underflow import positive_underflow
-from .refused_value import data_value_hint, of_data
+from .refused_value import data_value_hint, of_data, transformed_support
 from .rerun import Runner
 from .source import raised_at, user_source
 
@@ -99,6 +100,8 @@ def report_refused(report, step: Step, runner: Runner, run) -> dict[str, Any] | 
                            made="a matrix not positive-definite" if matrix is not None else made,
                            samples=_rows(value, valid, batch_size(step, mb)))
     report["problems"].append(f"{refused} at {source}")
+    if data and (held := data_tensor(step, mb, value, valid)) is not None:
+        origin["tensor"] = data = held  # (the data it refused, not the copy that wrote it)
     name = refused_param(runner.model, value)  # (before the float64 re-run casts it)
     cause, hint = _judge(runner, refused, bad, data, matrix,
                          zeros_at=(capture(maker, value), value, valid, constraint), op=op)
@@ -178,10 +181,11 @@ def _rows(value, valid, n: int | None) -> list[int]:
     return (~valid).reshape(n, -1).any(1).nonzero().flatten().tolist()
 
 
-def _judge(runner: Runner, refused: str, bad, data: bool, matrix=None,
+def _judge(runner: Runner, refused: str, bad, data: bool | str, matrix=None,
            zeros_at=(None, None, None, None), op: str | None = None) -> tuple[str | None, str]:
     """The cause of the finite refused values ``bad``, by the step re-run in float64;
-    ``data``: they are log_prob's value, made of the batch alone (replay.refused_value);
+    ``data``: they are log_prob's value, made of the batch alone (replay.refused_value), the
+    recorded tensor's name when one holds them (replay.refused_data);
     ``matrix``: the refused value, a matrix refused as a whole (replay.refused_matrix);
     ``zeros_at``: the capture of its maker op, the value, its mask and the constraint
     (replay.refused_rounding); ``op``: the aten op that made the refused zeros."""
@@ -200,7 +204,9 @@ def _judge(runner: Runner, refused: str, bad, data: bool, matrix=None,
         if value64 is not None and value64.shape == matrix.shape:
             return matrix_judge(refused, value64, valid64)
     if again.error is not None and refusal(again.error) is not None and data:
-        return "invalid", data_value_hint(f"{refused}: {seen}, in float64 too")
+        return "invalid", data_value_hint(f"{refused}: {seen}, in float64 too",
+                                          transformed_support(again.error),
+                                          data if isinstance(data, str) else None)
     zeros = bad is not None and bad.numel() and not bad.any()
     if again.error is not None and refusal(again.error) is not None and zeros \
             and (said := positive_underflow(refused, seen, op)):

@@ -15,9 +15,44 @@ def of_data(what: str, value) -> bool:
     return what == "value" and value is not None and not value.requires_grad
 
 
-def data_value_hint(said: str) -> str:
-    """The hint after ``said`` (what was refused, and that float64 refuses it too)."""
-    return (f"{said}: the value given to log_prob is the batch's data alone (nothing the "
+def transformed_support(error: BaseException | None) -> str | None:
+    """For a ``TransformedDistribution`` whose check refused a value (pytorch-forecasting's
+    ``Normal`` through ``AffineTransform`` and ``ExpTransform`` or ``SoftplusTransform``, under
+    a target normalizer's ``transformation="log"`` or ``"softplus"``; a ``LogNormal``): what
+    sets its support, its last transform's codomain, said with the remedy where that codomain
+    is the positive numbers (the data modelled through log or softplus, where 0 has no
+    preimage). None for any other distribution."""
+    tb = error.__traceback__ if error is not None else None
+    while tb is not None:
+        transforms = getattr(tb.tb_frame.f_locals.get("self"), "transforms", None)
+        if tb.tb_frame.f_code.co_name == "_validate_sample" and isinstance(transforms, list) \
+                and transforms:
+            names = ", ".join(type(t).__name__ for t in transforms)
+            last = transforms[-1]
+            said = (f"; its support is the codomain of its last transform "
+                    f"({type(last).__name__}, of [{names}]): {last.codomain}")
+            if str(last.codomain) in _POSITIVE:
+                said += (", so the data it models must be above 0: a target transformed by "
+                         "log or softplus before the model (a target normalizer's "
+                         "transformation=\"log\" or \"softplus\", pytorch-forecasting's "
+                         "GroupNormalizer) given a 0 sold or a negative correction; use "
+                         "transformation=\"log1p\" or none for data with 0s, a count "
+                         "distribution (NegativeBinomialDistributionLoss), or shift the data "
+                         "above 0")
+            return said
+        tb = tb.tb_next
+    return None
+
+
+_POSITIVE = ("GreaterThan(lower_bound=0.0)", "GreaterThan(lower_bound=0)")
+
+
+def data_value_hint(said: str, support: str | None = None, held: str | None = None) -> str:
+    """The hint after ``said`` (what was refused, and that float64 refuses it too);
+    ``support``: what sets a transformed distribution's support (:func:`transformed_support`);
+    ``held``: the recorded tensor holding the value (``batch["decoder_target"]``)."""
+    of = f"{held}, " if held else ""
+    return (f"{said}: the value given to log_prob is the batch's data alone ({of}nothing the "
             "model learns), so the samples named hold records on the support's edge or "
             "outside it (an inter-event time of 0 from two events at one time or from a "
             "padded position, a 0 under a Gamma or a LogNormal, 0 or 1 under a Beta); "
@@ -25,4 +60,4 @@ def data_value_hint(said: str) -> str:
             "(dist.log_prob(torch.where(mask, x, 1)) * mask), clamp it where a 0 is a "
             "measurement floor (x.clamp_min(1e-10), as ifl-tpp does for inter-event times), "
             "or drop such records where the data is made; a softplus or a floor on the "
-            "distribution's parameters does not change it")
+            "distribution's parameters does not change it" + (support or ""))
