@@ -28,6 +28,7 @@ from .grads import reread_changed_grads
 from .guard import OptimizerGuard
 from .hooks import Health
 from .joined import ddp_in, join_along
+from .one_per_model import let_go, take_over
 from .scripted import is_scripted
 from .settings import SETTINGS, Settings
 from .snapshot import Sources, build_bundle
@@ -192,6 +193,7 @@ class FlightRecorder:
         if self._attached:
             return self
         target = self.target
+        take_over(target.model(), self)  # (a notebook cell run again: the old one detached)
         target.bind()
         self.cycle.capture_rng.generators = target.generators
         self.cycle.buffers.bind(target.buffer_homes + target.loss_buffer_homes,
@@ -208,6 +210,7 @@ class FlightRecorder:
 
     def detach(self) -> None:
         """Remove every hook and drop every reference to the model, optimizer and batches."""
+        let_go(self.target.model(), self)
         for h in self._handles:
             h.remove()
         self._handles.clear()

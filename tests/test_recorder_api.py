@@ -343,9 +343,6 @@ def test_attach_is_idempotent_and_detach_removes_every_hook(out_dir):
     # one post-hook per module (the loss's sees its targets too), a pre-hook on the root, an
     # optimizer pre-hook (closes the step) and post-hook (measures what the update wrote)
     assert counts == {"forward": 4, "forward_pre": 1, "loss": 1, "grad": 0, "opt": 2}
-    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, guard_optimizer=True):
-        assert _hook_counts(model, opt, crit)["opt"] == 2 + 2
-    assert _hook_counts(model, opt, crit) == counts
     M.train(model, opt, crit, 3)
     rec.detach()
     _no_hooks_left(model, opt, crit)
@@ -362,6 +359,30 @@ def test_attach_is_idempotent_and_detach_removes_every_hook(out_dir):
     with rec:
         M.train(model, opt, crit, 1, make_batch=lambda s: M.batch(10 + s))
     assert rec.step == 4
+
+
+def test_a_second_recorder_on_the_model_detaches_the_first(out_dir):
+    """A notebook cell run again: ``rec = FlightRecorder(model, ...).attach()`` a second time
+    left the first recorder, no longer reachable, attached beside the new one (two sets of
+    hooks, two host reads a step, a bundle from each). The new one now detaches it, with a
+    warning, and records alone; a recorder of another model is left alone."""
+    model, crit = M.mlp(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir / "a").attach()
+    counts = _hook_counts(model, opt, crit)
+    other = M.mlp()
+    elsewhere = FlightRecorder(other, out_dir=out_dir / "c").attach()
+    with pytest.warns(UserWarning, match="^nanreplay: Sequential already had a FlightRecorder "
+                      "attached .* it is detached now"):
+        second = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir / "b").attach()
+    assert _hook_counts(model, opt, crit) == counts  # (one recorder's hooks)
+    with pytest.raises(NonFiniteError):
+        M.train(model, opt, crit, 6, make_batch=_nan_at(3))
+    assert (first.event, second.event["step"]) == (None, 3)
+    assert bundles(out_dir / "a") == [] and len(bundles(out_dir / "b")) == 1
+    _no_hooks_left(model, opt, crit)
+    assert sum(len(m._forward_hooks) for m in other.modules()) > 0  # (still recorded)
+    elsewhere.detach()
 
 
 def test_a_raised_event_takes_the_recorders_hooks_off(out_dir):
