@@ -161,13 +161,25 @@ def test_arcface_centres_warm_started_on_records_round_their_cosine_to_1(tmp_pat
     assert "clamp" in rep["hint"]
 
 
-def test_adam_with_eps_0_breaks_the_embedding_rows_no_gradient_reached(tmp_path):
+@pytest.mark.parametrize("guard", [False, True])
+def test_adam_with_eps_0_breaks_the_embedding_rows_no_gradient_reached(tmp_path, guard):
+    """Padding zeroed by ``embed(ids) * mask``, not ``padding_idx``: id 0 is looked up in every
+    padded text, but at positions no loss reaches, so its row's gradient is 0 as are those of
+    ids absent from the batch. With the guard's copies the batch is the update's own, and the
+    hint tells those rows apart (without it the bundle holds the next step's batch)."""
     ids, mask, y = M.sentences()
     model = Model(M.make_text(), {"optim": "adam", "eps": 0.0}, nn.CrossEntropyLoss())
-    err = fire(model, M.PairLoader(ids, mask, y), [recorder_cb(tmp_path, "make_text")])
-    rep, o = report(err, 0, "optimizer", code=1)
+    cb = FlightRecorderCallback(out_dir=tmp_path, factory="poutyne_fit_models:make_text",
+                                guard_optimizer=guard)
+    err = fire(model, M.PairLoader(ids, mask, y), [cb])
+    rep, o = report(err, 0, "optimizer", code=0 if guard else 1)
     assert (o["param"], rep["cause"]) == ("embed.weight", "optimizer")
-    assert "set eps > 0" in rep["hint"]
+    assert "set eps > 0" in rep["hint"] and "only row(s) 0, 7, 18 of 20" in rep["hint"]
+    assert set(ids[:16].flatten().tolist()) & {0, 7, 18} == {0}  # 7, 18: absent
+    if guard:
+        assert (o["op"], o["rows"]) == ("aten.addcdiv_", [0, 7, 18])
+        assert ("row(s) 0 looked up by the batch only at positions whose output no loss "
+                "reached") in rep["hint"] and "the others absent from the batch" in rep["hint"]
 
 
 def test_experiment_train_records_with_the_callback(tmp_path):
