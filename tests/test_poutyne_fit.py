@@ -128,6 +128,8 @@ def test_log_of_a_softmax_head_underflows_on_a_feature_in_raw_units(tmp_path):
                                                                    "underflow")
     assert o["source"] == line_of("return F.nll_loss(torch.log(y_pred), y_true)")
     assert "log_softmax instead of log(softmax)" in rep["hint"]
+    # the column in raw units behind the logits hundreds apart, named
+    assert "column(s) 5 of batch reach" in rep["hint"] and "standardise the columns" in rep["hint"]
 
 
 def test_strict_clipping_in_a_callback_surfaces_the_sqrt_backward_of_zero_embeddings(tmp_path):
@@ -150,15 +152,19 @@ def test_strict_clipping_in_a_callback_surfaces_the_sqrt_backward_of_zero_embedd
     assert o["samples"] == (lengths < M.SEQ).nonzero().flatten().tolist()  # the padded texts
 
 
-def test_arcface_centres_warm_started_on_records_round_their_cosine_to_1(tmp_path):
+@pytest.mark.parametrize(("warm", "phase", "op", "samples"), [
+    ((0, 3, 5), "backward", "AcosBackward0", [0, 3, 5]),  # cos rounded to 1: acos' pole
+    ((0, 7, 1), "forward", "aten.acos", [7])])  # cos rounded past 1: NaN
+def test_arcface_centres_warm_started_on_records_round_their_cosine_to_1(tmp_path, warm, phase,
+                                                                         op, samples):
     X, y = M.tabular()
-    model = Model(M.make_arcface(), "adam", nn.CrossEntropyLoss(), batch_metrics=["accuracy"])
+    model = Model(M.make_arcface(warm), "adam", nn.CrossEntropyLoss(),
+                  batch_metrics=["accuracy"])
     err = fire(model, M.PairLoader(X, y, y), [recorder_cb(tmp_path, "make_arcface")])
-    rep, o = report(err, 0, "backward")
-    assert (o["module"], o["op"], o["samples"], rep["cause"]) == ("", "AcosBackward0", [0, 3, 5],
-                                                                   "precision")
+    rep, o = report(err, 0, phase)
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == ("", op, samples, "precision")
     assert o["source"] == line_of("theta = torch.acos(cos)")
-    assert "clamp" in rep["hint"]
+    assert "cos.clamp(-1 + eps, 1 - eps)" in rep["hint"]
 
 
 @pytest.mark.parametrize("guard", [False, True])
