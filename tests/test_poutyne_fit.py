@@ -152,6 +152,24 @@ def test_strict_clipping_in_a_callback_surfaces_the_sqrt_backward_of_zero_embedd
     assert o["samples"] == (lengths < M.SEQ).nonzero().flatten().tolist()  # the padded texts
 
 
+def test_poutyne_clipnorm_spreading_the_sqrt_backward_nan_is_said_in_a_note(tmp_path):
+    """Poutyne's own ClipNorm (no error): the NaN total norm multiplies every gradient, so the
+    event lists head.weight and head.bias too; the re-run names embed.weight's origin and a
+    note says the clip spread it (before: the other two were left unexplained)."""
+    ids, mask, y = M.sentences()
+    net = M.make_normalised_text()
+    model = Model(net, "adam", nn.CrossEntropyLoss())
+    err = fire(model, M.PairLoader(ids, mask, y), [
+        recorder_cb(tmp_path, "make_normalised_text"), ClipNorm(net.parameters(), 1.0)])
+    assert err.event["params"] == ["embed.weight", "head.weight", "head.bias"]
+    rep, o = report(err, 0, "backward")
+    assert (o["params"], o["op"], rep["cause"]) == (["embed.weight"], "SqrtBackward0", "invalid")
+    (note,) = [p for p in rep["problems"] if "NaN in every element" in p]
+    assert note.startswith("the recorded gradients of head.weight, head.bias are NaN in every "
+                           "element, while the re-run's backward leaves them finite")
+    assert "spread embed.weight's NaN into them, as a clip_grad_norm_ does" in note
+
+
 @pytest.mark.parametrize(("warm", "phase", "op", "samples"), [
     ((0, 3, 5), "backward", "AcosBackward0", [0, 3, 5]),  # cos rounded to 1: acos' pole
     ((0, 7, 1), "forward", "aten.acos", [7])])  # cos rounded past 1: NaN
