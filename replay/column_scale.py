@@ -13,6 +13,9 @@ nor when the model keeps a statistic per column as wide there (a standardiser's 
 An op on the batch's data alone that overflowed in the samples whose value of that column is
 largest (float16 autocast's cast of an income in dollars) is said of the column too: its hint's
 "those records hold values out of the scale of the rest" (``replay.batch_overflow``) is cut.
+An underflow is said of such a column too: logits as far apart as the column is wide, whose
+softmax rounded a probability to exactly 0 before the loss took its log (a Keras-style
+``Softmax`` head fed a feature in square feet among z-scores).
 """
 
 from __future__ import annotations
@@ -38,6 +41,14 @@ DATA_ALONE = ("a variable in another unit than the rest (an income in dollars am
               "stands out of the others' scale in it; standardise the columns before fitting "
               "((x - mean) / std with the training set's statistics, log1p first for an "
               "amount spanning decades) rather than crop those records")
+
+
+# (an underflow: logits as far apart as the column is wide, whose exp rounded to 0)
+UNDERFLOW = ("variables in other units (square feet among z-scores) make the pre-activations "
+             "that multiply them as much larger, so logits lie hundreds apart and their exp or "
+             "softmax rounds to exactly 0; standardise the columns before fitting ((x - mean) "
+             "/ std with the training set's statistics, log1p first for an amount spanning "
+             "decades), beside taking the log in log space")
 
 
 def _wide_columns(t: torch.Tensor) -> tuple[list[int], float, float] | None:
@@ -72,9 +83,10 @@ def _kept_per_feature(step: Step, cols: list[int], n: int) -> bool:
 
 
 def column_scale_hint(report: dict[str, Any], step: Step) -> None:
-    """Append to an overflow's hint the batch columns far above the others' scale."""
+    """Append to an overflow's or underflow's hint the batch columns far above the others'
+    scale."""
     o = report.get("origin") or {}
-    if report.get("cause") != "overflow" or not report.get("hint"):
+    if report.get("cause") not in ("overflow", "underflow") or not report.get("hint"):
         return
     if out_of_scale(step, o) is not None:  # (records that stand out made the column wide:
         return  # theirs is the fault, said by replay.data_scale; the column's unit is fine)
@@ -89,6 +101,9 @@ def column_scale_hint(report: dict[str, Any], step: Step) -> None:
             path = batch_path(raw, n_args(mb.get("inputs")))
             head = (f". But column(s) {', '.join(map(str, cols))} of {path} reach {g(big)} "
                     f"where the median column reaches {g(med)}: ")
+            if report["cause"] == "underflow":
+                report["hint"] = f"{report['hint']}{head}{UNDERFLOW}"
+                return
             if said_of_data(report):  # (its records are no outliers: the column's unit is)
                 report["hint"] = without_advice(report["hint"]) + head + DATA_ALONE
                 return

@@ -84,6 +84,7 @@ from .record_ids import record_ids_note
 from .same_record_pairs import same_record_pairs_hint
 from .sentinel_inputs import sentinel_inputs_hint
 from .single_sample import single_sample_hint
+from .spread_grads import spread_grads_note
 from .squared_data import squared_data_hint
 from .unselected_targets import unselected_targets_hint
 from .zero_bound import zero_bound_hint
@@ -138,6 +139,7 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     other_inputs_note(report, step)  # (a bad reading in some windows' inputs, others' targets)
     nan_cast_hint(report, step)  # (NaN intrinsics' frustum points voxelised by .long())
     ignored_micro_batch_hint(report, step)  # (gold SQL no action of kept, one micro-batch)
+    spread_grads_note(report, step)  # (a clip_grad_norm_ of a NaN total norm: every grad NaN)
     perfect_fit_hint(report, step)  # (PSNR's max² / mse of an identity net on a clean pair)
     output_range_hint(report, step)  # (MS-SSIM's sim ** beta of a tanh output in [-1, 1])
     constant_output_hint(report, step)  # (a Pearson loss of a persistence forecast: flat)

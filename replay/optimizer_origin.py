@@ -19,6 +19,7 @@ from .findings import UPDATE_NOT_RERUN, finish, origin_fields
 from .half_update import half_overflow_why
 from .hyper import decode_non_finite_hyper, non_finite_hyper
 from .load import Step
+from .looked_up_rows import looked_up_rows
 from .nan_moments import nan_moment_why
 from .ops import OpFinder
 from .optim import eps_lost_text, per_parameter, stale_state
@@ -62,8 +63,9 @@ def report_optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
                            chain=finder.chain(), made=made)
     domain = update_domain(hit)
     origin["domain"] = domain
+    # (the batch is the update's own here: the ids an embedding took, its rows looked up)
     rows, where = updated_rows(bad[0], params[bad[0]], owner_type(step.meta, bad[0]),
-                               step.model) if bad else ({}, "")
+                               step.model, looked_up_rows(step, bad[0])) if bad else ({}, "")
     where += zero_input_columns_text(step, bad[0], params[bad[0]]) if bad else ""
     origin.update(rows)  # (an embedding's entities: which the update broke)
     hint = optimizer_hint(step, hit.op if hit else None, made, bad, step.event.get("step"),

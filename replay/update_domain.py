@@ -58,14 +58,16 @@ def domain_why(domain: str) -> str:
 
 
 def updated_rows(name: str, p: torch.Tensor, owner: str | None = None,
-                 model: nn.Module | None = None) -> tuple[dict, str]:
+                 model: nn.Module | None = None, looked_up: set[int] | None = None
+                 ) -> tuple[dict, str]:
     """The rows (dim 0) of parameter ``name`` that the re-run update made non-finite, when only
     some are (an embedding table's entities), as the origin's ``rows``/``rows_of`` and the
     hint's words, which say when their gradient was all 0 there (rows absent from the batch:
     the 0 a Riemannian expmap's u / ||u|| or a g / ||g|| divides by; an embedding's padding
     row, found in ``model``; output units no loss reached, where ``owner``, the holding
     module's class, is a Linear or a convolution); ({}, "") otherwise."""
-    return rows_of_weights(name, p.detach(), p.grad, owner=owner, model=model)
+    return rows_of_weights(name, p.detach(), p.grad, owner=owner, model=model,
+                           looked_up=looked_up)
 
 
 def owner_type(meta: dict, name: str) -> str | None:
@@ -76,11 +78,12 @@ def owner_type(meta: dict, name: str) -> str | None:
                 None)
 
 
-def _zero_rows(owner: str | None) -> str:
-    """Why a row's gradient was all 0: an entry no sample looked up, or, for a layer whose rows
-    are output units, a unit no sample's loss reached."""
+def _zero_rows(owner: str | None, rows: list[int], looked_up: set[int] | None) -> str:
+    """Why a row's gradient was all 0: an entry no sample looked up (or one looked up only
+    where the loss did not reach, when ``looked_up``, the rows the batch looked up, has it),
+    or, for a layer whose rows are output units, a unit no sample's loss reached."""
     if owner is None or not owner.startswith(UNIT_ROWS):
-        return " (absent from the batch)"
+        return f" ({_absent(rows, looked_up)})"
     return (" (an output unit no sample's loss reached: a logit the loss never takes, as the "
             "Q-value of an action no transition of the batch took or a class no label names, "
             "or a unit a ReLU closed on the whole batch)")
@@ -88,12 +91,13 @@ def _zero_rows(owner: str | None) -> str:
 
 def rows_of_weights(name: str, w: torch.Tensor, g: torch.Tensor | None,
                     first: torch.Tensor | None = None, owner: str | None = None,
-                    model: nn.Module | None = None
+                    model: nn.Module | None = None, looked_up: set[int] | None = None
                     ) -> tuple[dict, str]:
     """:func:`updated_rows` of weights ``w`` after the update and the gradient ``g`` it was
     given (a bundle that holds the weights after the update: its recorded gradient, or the
     second moment the update left, with ``first`` the first moment: a second moment 0 where
-    the first is not is a gradient whose square underflowed, not one that was 0)."""
+    the first is not is a gradient whose square underflowed, not one that was 0); ``looked_up``:
+    an embedding table's rows the batch looked up (``replay.looked_up_rows``)."""
     if w.dim() < 2:
         return {}, ""
     rows = bad_rows(w, 0)
@@ -108,11 +112,13 @@ def rows_of_weights(name: str, w: torch.Tensor, g: torch.Tensor | None,
             f"; it made only row(s) {shown} of {w.shape[0]} of {name} non-finite"
             + (_underflowed(g.dtype) if lost else
                ", every one a row whose gradient was all 0" + (
-                   _padding_rows(model, name, rows) or _zero_rows(owner))
+                   _padding_rows(model, name, rows, looked_up)
+                   or _zero_rows(owner, rows, looked_up))
                if zero else ""))
 
 
-def _padding_rows(model: nn.Module | None, name: str, rows: list[int]) -> str:
+def _padding_rows(model: nn.Module | None, name: str, rows: list[int],
+                  looked_up: set[int] | None) -> str:
     """Why rows of an embedding table got a gradient of 0 when one is the table's padding row
     (``nn.Embedding(..., padding_idx=0)``, an "unknown" category's row), whose gradient the
     embedding keeps at 0 whatever ids the batch holds; '' for any other rows."""
@@ -127,7 +133,21 @@ def _padding_rows(model: nn.Module | None, name: str, rows: list[int]) -> str:
         return ""
     where = (f"{owner_name}'s padding row, padding_idx={pad}, which {type(owner).__name__} "
              "never gives a gradient, whatever ids the batch holds")
-    return f" ({where})" if rows == [pad] else f" ({where}; the others absent from the batch)"
+    others = [r for r in rows if r != pad]
+    return f" ({where})" if not others else f" ({where}; {_absent(others, looked_up, 'the others')})"
+
+
+def _absent(rows: list[int], looked_up: set[int] | None, these: str = "") -> str:
+    """``absent from the batch``, unless ``looked_up`` (the ids the table took) holds some of
+    ``rows``: those were looked up, at positions whose output no loss reached."""
+    taken = sorted(set(rows) & looked_up) if looked_up is not None else []
+    if not taken:
+        return f"{these} absent from the batch".lstrip()
+    shown = ", ".join(map(str, taken[:8])) + (f" (+{len(taken) - 8})" if len(taken) > 8 else "")
+    rest = "; the others absent from the batch" if len(taken) < len(rows) else ""
+    return (f"row(s) {shown} looked up by the batch only at positions whose output no loss "
+            "reached: a padding id zeroed by a mask, embed(ids) * mask, instead of padding_idx, "
+            "or a token cut off before the loss" + rest)
 
 
 def _underflowed(dtype: torch.dtype) -> str:

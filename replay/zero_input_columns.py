@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from .empty_counts import root_inputs
-from .load import Step, autocast_as_recorded, micro_batch_inputs
+from .load import Step
+from .looked_up_rows import forward_taking, owner_of
 
 SHOWN = 8  # columns named in the hint
 
@@ -79,11 +80,7 @@ def _layer_input(step: Step, name: str, width: int) -> dict[str, torch.Tensor]:
     module owning parameter ``name`` took (its first positional, ``(..., width)``) in every
     call of every micro-batch's forward, re-run on the bundle's batch; ``{}`` when there is no
     model, no such call or the forward cannot run."""
-    model, owner = step.model, name.rpartition(".")[0]
-    try:
-        module = model.get_submodule(owner) if model is not None and owner else None
-    except AttributeError:
-        module = None
+    module = owner_of(step, name)
     if module is None:
         return {}
     seen: list[torch.Tensor] = []
@@ -93,25 +90,11 @@ def _layer_input(step: Step, name: str, width: int) -> dict[str, torch.Tensor]:
         if x is not None and x.is_floating_point() and x.dim() >= 2 and x.shape[-1] == width:
             seen.append((x.detach().reshape(-1, width) == 0).all(0).cpu())
 
-    kept = {n: b.detach().clone() for n, b in model.named_buffers()}
-    handle = module.register_forward_pre_hook(took)
-    try:
-        with torch.no_grad():
-            for i, mb in enumerate(step.micro_batches):
-                args, kwargs = micro_batch_inputs(step, i)
-                with autocast_as_recorded(mb, step.device):
-                    model(*args, **kwargs)
-    except Exception:  # (a forward that needs the loop's state: no columns named)
-        seen = []
-    finally:
-        handle.remove()
-        with torch.no_grad():  # (a BatchNorm's running statistics: as the bundle holds them)
-            for n, b in model.named_buffers():
-                if n in kept and kept[n].shape == b.shape:
-                    b.copy_(kept[n])
+    if not forward_taking(step, module, took):  # (a forward that needs the loop's state)
+        return {}
     if not seen:
         return {}
     zero = seen[0]
     for s in seen[1:]:
         zero = zero & s
-    return {f"{owner}'s input": zero}
+    return {f"{name.rpartition('.')[0]}'s input": zero}

@@ -22,6 +22,12 @@ pytestmark = pytest.mark.usefixtures("in_tests_dir")
 ION = 2  # the molecule whose counter-ion is beyond every cutoff, at step 3
 
 
+def _only_clip_note(rep) -> bool:
+    """The one note of these steps: the loop's clip_grad_norm_ (at 10) of the NaN total norm
+    spread the origin's NaN into every other parameter's gradient (replay.spread_grads)."""
+    return len(rep["problems"]) == 1 and "as a clip_grad_norm_ does" in rep["problems"][0]
+
+
 def line_of(text: str) -> str:
     return source_line("equivariant_networks_models.py", text)
 
@@ -104,7 +110,7 @@ def test_painn_gate_of_an_isolated_ion_with_eps_0_names_the_sqrt_and_its_molecul
     assert "exactly 0" in rep["hint"] and "sqrt(x + eps)" in rep["hint"], rep["hint"]
     assert "differentiates the forward again" in rep["hint"], rep["hint"]
     assert "takes it with a gradient of 0" not in rep["hint"], rep["hint"]
-    assert "also" not in o and not rep["problems"], rep["problems"]
+    assert "also" not in o and _only_clip_note(rep), rep["problems"]
 
 
 def test_painn_gate_through_vector_norm_names_the_norm_line_not_the_forces_line(tmp_path):
@@ -123,7 +129,7 @@ def test_painn_gate_through_vector_norm_names_the_norm_line_not_the_forces_line(
     assert rep["cause"] == "invalid", rep
     assert "derivative the forward took of its LinalgVectorNormBackward0" in rep["hint"], rep
     assert "sqrt(x + eps)" in rep["hint"], rep["hint"]
-    assert not rep["problems"], rep["problems"]
+    assert _only_clip_note(rep), rep["problems"]
 
 
 def test_smooth_cutoff_past_its_edge_names_the_exp_and_the_double_where(tmp_path):
