@@ -1,0 +1,99 @@
+"""Keras 3 integration (the PyTorch backend): the flight recorder as a ``keras.callbacks.Callback``.
+
+    os.environ["KERAS_BACKEND"] = "torch"
+    from recorder.keras import FlightRecorderCallback
+
+    model.compile(optimizer="adam", loss=my_loss)
+    model.fit(x, y, callbacks=[FlightRecorderCallback(factory="mypkg.models:make_model")])
+
+Under the PyTorch backend a Keras model is an ``nn.Module`` whose ``__call__`` reaches torch's
+(with its hooks), and ``fit`` runs ``loss.backward()`` then the Keras optimizer's ``apply``,
+which is no ``torch.optim.Optimizer``. So the recorder is attached with no optimizer: each
+training forward is a step, closed when its backward ends, before the update. It attaches when
+training begins, after ``fit`` traced the model on the meta device (a call the recorder must
+not see), and numbers steps on from ``model.optimizer.iterations``. The model's
+``compute_loss`` (the compiled loss plus ``add_loss`` terms; or an override of it) is called
+through the recorder's ``loss_fn`` unless ``loss_fn`` is given, so a non-finite loss is a
+``loss`` event. Keras calls no callback when ``fit`` raises: the callback runs the model's
+``train_function`` under the recorder's exception check (wrapped on the instance, put back at
+detach), so the step an exception cut short is checked and bundled and no hook is left on the
+model. Importing this module needs ``keras``; nothing else in ``recorder`` does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from .flight import FlightRecorder
+from .settings import check_callback_options
+
+# the model's methods the callback replaces on the instance while fit runs
+WRAPPED = ("compute_loss", "train_function")
+
+
+class FlightRecorderCallback(keras.callbacks.Callback):
+    """Records every ``model.fit()`` step; ``options`` are :class:`FlightRecorder`'s keyword
+    arguments (``out_dir``, ``factory``, ``on_event``, ``allow_inf``, ...), checked now.
+    ``self.recorder`` is the recorder of the current (or last) ``fit``."""
+
+    def __init__(self, **options: Any):
+        super().__init__()
+        check_callback_options(options.get("loss_fn"), options)
+        self.options = options
+        self.recorder: FlightRecorder | None = None
+        self._wrapped = None  # the model whose methods are wrapped
+        self._saved: dict[str, Any] = {}  # its own attributes they hid (Keras's train_function)
+
+    def on_train_begin(self, logs=None) -> None:
+        self.detach()  # (a fit after one that raised)
+        model = self.model
+        options = dict(self.options)
+        loss_fn = options.pop("loss_fn", None)
+        optimizer = getattr(model, "optimizer", None)
+        step = int(optimizer.iterations) if optimizer is not None else 0
+        self.recorder = rec = FlightRecorder(model, None, start_step=step,
+                                             loss_fn=loss_fn or model.compute_loss, **options)
+        rec.integration = "keras"
+        rec.attach()
+        own = vars(model)
+        self._saved = {name: own[name] for name in WRAPPED if name in own}
+        if loss_fn is None:
+            own["compute_loss"] = _through(rec)
+        run = model.train_function
+
+        def train_function(*args, **kw):
+            try:
+                return run(*args, **kw)
+            except Exception as e:
+                if self.recorder is not None:  # the step it cut short: checked, bundled
+                    self.recorder.cycle.check_on_exception(e)
+                self.detach()
+                raise
+
+        own["train_function"] = train_function
+        self._wrapped = model
+
+    def on_train_end(self, logs=None) -> None:
+        if self.recorder is not None:  # the open step, and the last update's weights
+            self.recorder.__exit__(None, None, None)
+        self.detach()
+
+    def detach(self) -> None:
+        """Remove the recorder's hooks and the wrappers of the model's methods."""
+        if self._wrapped is not None:
+            own = vars(self._wrapped)
+            for name in WRAPPED:
+                own.pop(name, None)
+            own.update(self._saved)
+            self._wrapped, self._saved = None, {}
+        if self.recorder is not None:
+            self.recorder.detach()
+
+
+def _through(rec: FlightRecorder):
+    """The model's ``compute_loss`` called as the recorder's ``loss_fn``."""
+    def compute_loss(*args, **kwargs):
+        return rec.loss_fn(*args, **kwargs)
+    return compute_loss

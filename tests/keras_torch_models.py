@@ -1,0 +1,111 @@
+"""Keras 3 models on the PyTorch backend, trained by ``model.fit`` (the Keras optimizer, not
+torch.optim), with the failures Keras users meet planted; a plain torch loop beside them."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["KERAS_BACKEND"] = "torch"
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from keras import layers, ops  # noqa: E402
+from torch import nn  # noqa: E402
+
+FEATURES = 8
+
+
+def data(n=64, seed=0, scale=1.0):
+    """A regression set: ``y`` a smooth function of ``x``."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((n, FEATURES)) * scale).astype("float32")
+    y = (np.tanh(x[:, :1] / scale) + 0.1 * rng.standard_normal((n, 1))).astype("float32")
+    return x, y
+
+
+def log_error(y_true, y_pred):
+    """A user's log-scale error of positive targets, the prediction not kept above 0."""
+    return ops.mean(ops.square(ops.log(y_pred) - ops.log(y_true)), axis=-1)
+
+
+def mlp(loss="mse", optimizer="adam", dtype=None, width=16):
+    """``keras.Sequential`` regressor, compiled."""
+    model = keras.Sequential([
+        keras.Input((FEATURES,)),
+        layers.Dense(width, activation="relu", name="hidden", dtype=dtype),
+        layers.Dense(1, name="head", dtype=dtype)], name="mlp")
+    model.compile(optimizer=optimizer, loss=loss)
+    return model
+
+
+def make_mlp():
+    """The factory: the compiled model with its compiled loss to re-run."""
+    model = mlp()
+    return {"model": model, "loss_fn": model.compute_loss}
+
+
+def make_log_mlp():
+    model = mlp(loss=log_error)
+    return {"model": model, "loss_fn": model.compute_loss}
+
+
+def make_fp16_mlp():
+    model = mlp(dtype="mixed_float16")
+    return {"model": model, "loss_fn": model.compute_loss}
+
+
+class PoissonRate(keras.Model):
+    """A subclassed count model: the rate is ``exp`` of an unbounded linear score."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = layers.Dense(16, activation="relu", name="encoder")
+        self.score = layers.Dense(1, name="score")
+
+    def call(self, x):
+        return ops.exp(self.score(self.encoder(x)))
+
+
+def make_poisson():
+    model = PoissonRate()
+    model.build((None, FEATURES))
+    model.compile(optimizer="adam", loss="mse")
+    return {"model": model, "loss_fn": model.compute_loss}
+
+
+class RootFeatures(keras.Model):
+    """A subclassed model taking the square root of ReLU features (a 'soft count' layer): 0 where
+    the ReLU cut, finite forward, NaN gradient (inf * 0) there."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = layers.Dense(16, activation="relu", name="encoder")
+        self.head = layers.Dense(1, name="head")
+
+    def call(self, x):
+        return self.head(ops.sqrt(self.encoder(x)))
+
+
+def make_root():
+    model = RootFeatures()
+    model.build((None, FEATURES))
+    model.compile(optimizer="adam", loss="mse")
+    return {"model": model, "loss_fn": model.compute_loss}
+
+
+class TorchMLP(nn.Module):
+    """The same regressor in plain torch, for a hand-written loop."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = nn.Linear(FEATURES, 16)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.hidden(x)))
+
+
+def make_torch_mlp():
+    torch.manual_seed(0)
+    return TorchMLP()
