@@ -59,7 +59,7 @@ class PoissonRate(keras.Model):
     """A subclassed count model: the rate is ``exp`` of an unbounded linear score."""
 
     def __init__(self):
-        super().__init__()
+        super().__init__(name="poisson")
         self.encoder = layers.Dense(16, activation="relu", name="encoder")
         self.score = layers.Dense(1, name="score")
 
@@ -69,27 +69,30 @@ class PoissonRate(keras.Model):
 
 def make_poisson():
     model = PoissonRate()
-    model.build((None, FEATURES))
+    model(np.zeros((1, FEATURES), "float32"))  # builds the layers (no build() of its own)
     model.compile(optimizer="adam", loss="mse")
     return {"model": model, "loss_fn": model.compute_loss}
 
 
 class RootFeatures(keras.Model):
-    """A subclassed model taking the square root of ReLU features (a 'soft count' layer): 0 where
-    the ReLU cut, finite forward, NaN gradient (inf * 0) there."""
+    """A subclassed model adding the length of its tanh features as one more feature: a blank
+    record (all zeros, Keras's zero-initialised bias) has features all 0, whose length
+    ``sqrt(sum(h**2))`` is 0 in the forward and whose gradient is inf * 0 = NaN."""
 
     def __init__(self):
-        super().__init__()
-        self.encoder = layers.Dense(16, activation="relu", name="encoder")
+        super().__init__(name="root_features")
+        self.encoder = layers.Dense(16, activation="tanh", name="encoder")
         self.head = layers.Dense(1, name="head")
 
     def call(self, x):
-        return self.head(ops.sqrt(self.encoder(x)))
+        h = self.encoder(x)
+        length = ops.sqrt(ops.sum(ops.square(h), axis=-1, keepdims=True))
+        return self.head(ops.concatenate([h, length], axis=-1))
 
 
 def make_root():
     model = RootFeatures()
-    model.build((None, FEATURES))
+    model(np.zeros((1, FEATURES), "float32"))  # builds the layers (no build() of its own)
     model.compile(optimizer="adam", loss="mse")
     return {"model": model, "loss_fn": model.compute_loss}
 
