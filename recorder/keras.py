@@ -36,7 +36,10 @@ WRAPPED = ("compute_loss", "train_function")
 class FlightRecorderCallback(keras.callbacks.Callback):
     """Records every ``model.fit()`` step; ``options`` are :class:`FlightRecorder`'s keyword
     arguments (``out_dir``, ``factory``, ``on_event``, ``allow_inf``, ...), checked now.
-    ``self.recorder`` is the recorder of the current (or last) ``fit``."""
+    ``stats`` is ``"full"`` unless given: the recorder sees no update of the Keras optimizer,
+    so each step's parameter norm is the only record of what the update before it did (a
+    learning rate that blew the weights up in one update: the overflow's hint says the run
+    was diverging). ``self.recorder`` is the recorder of the current (or last) ``fit``."""
 
     def __init__(self, **options: Any):
         super().__init__()
@@ -49,7 +52,7 @@ class FlightRecorderCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs=None) -> None:
         self.detach()  # (a fit after one that raised)
         model = self.model
-        options = dict(self.options)
+        options = {"stats": "full", **self.options}  # (see the class)
         loss_fn = options.pop("loss_fn", None)
         optimizer = getattr(model, "optimizer", None)
         step = int(optimizer.iterations) if optimizer is not None else 0

@@ -112,3 +112,9 @@ class TorchMLP(nn.Module):
 def make_torch_mlp():
     torch.manual_seed(0)
     return TorchMLP()
+
+
+def make_sgd_mlp(learning_rate=1e25):
+    """The regressor under Keras's SGD with a learning rate typed with the wrong exponent."""
+    model = mlp(optimizer=keras.optimizers.SGD(learning_rate=learning_rate))
+    return {"model": model, "loss_fn": model.compute_loss}

@@ -132,3 +132,12 @@ def test_keras_model_is_not_said_to_bypass_torch_hooks(caplog):
     with caplog.at_level("WARNING", logger="recorder"):
         FlightRecorder(model, None)
     assert "without torch's module hooks" not in caplog.text
+
+
+def test_sgd_learning_rate_that_blows_the_weights_up_is_said_diverging(tmp_path):
+    x, y = M.data()
+    rep = nanreplay_json(fit_until_event(tmp_path, "make_sgd_mlp", x, y))
+    check(rep, 1, "forward", "", "aten.mm", "overflow", list(range(BATCH)))
+    assert "the weights had jumped in the update before step 1" in rep["hint"]
+    jump = next(p for p in rep["precursors"] if p["kind"] == "weight_jump")
+    assert jump["step"] == 1
