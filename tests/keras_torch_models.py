@@ -118,3 +118,70 @@ def make_sgd_mlp(learning_rate=1e25):
     """The regressor under Keras's SGD with a learning rate typed with the wrong exponent."""
     model = mlp(optimizer=keras.optimizers.SGD(learning_rate=learning_rate))
     return {"model": model, "loss_fn": model.compute_loss}
+
+
+VOCAB, LENGTH = 50, 6
+
+
+class MaskedMean(layers.Layer):
+    """Mean over a sequence's real tokens (``mask`` True), without guarding a sequence that has
+    none: 0/0."""
+
+    def call(self, h, mask):
+        m = ops.expand_dims(ops.cast(mask, h.dtype), -1)
+        return ops.sum(h * m, axis=1) / ops.sum(m, axis=1)
+
+
+class TokenRegressor(keras.Model):
+    """Embedding, self-attention over the real tokens, LayerNormalization, masked mean pooling,
+    trained by an overridden ``train_step`` (the Keras guide's PyTorch one, with gradient
+    clipping) on a torch ``DataLoader``."""
+
+    def __init__(self):
+        super().__init__(name="tokens")
+        self.embed = layers.Embedding(VOCAB, 16, name="embed")
+        self.attn = layers.MultiHeadAttention(2, 8, name="attn")
+        self.norm = layers.LayerNormalization(name="norm")
+        self.pool = MaskedMean(name="pool")
+        self.head = layers.Dense(1, name="head")
+
+    def call(self, tokens):
+        mask = tokens != 0
+        h = self.embed(tokens)
+        pair = ops.logical_and(ops.expand_dims(mask, 1), ops.expand_dims(mask, 2))
+        h = self.norm(h + self.attn(h, h, attention_mask=pair))
+        return self.head(self.pool(h, mask))
+
+    def train_step(self, data):
+        x, y = data
+        self.zero_grad()
+        y_pred = self(x, training=True)
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)
+        weights = self.trainable_weights
+        with torch.no_grad():
+            self.optimizer.apply([v.value.grad for v in weights], weights)
+        for metric in self.metrics:
+            metric.update_state(loss) if metric.name == "loss" else metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def make_tokens():
+    model = TokenRegressor()
+    model(np.ones((1, LENGTH), "int64"))
+    model.compile(optimizer="adam", loss="mse")
+    return {"model": model, "loss_fn": model.compute_loss}
+
+
+def token_loader(n=64, blank=None, batch_size=16):
+    """Padded token sequences (0 pads) and a target; row ``blank`` all padding."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(1, VOCAB, (n, LENGTH), generator=g)
+    lengths = torch.randint(2, LENGTH + 1, (n,), generator=g)
+    x[torch.arange(LENGTH) >= lengths[:, None]] = 0
+    if blank is not None:
+        x[blank] = 0
+    y = (x.float().mean(1, keepdim=True) / VOCAB)
+    data = torch.utils.data.TensorDataset(x, y)
+    return torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=False)

@@ -141,3 +141,24 @@ def test_sgd_learning_rate_that_blows_the_weights_up_is_said_diverging(tmp_path)
     assert "the weights had jumped in the update before step 1" in rep["hint"]
     jump = next(p for p in rep["precursors"] if p["kind"] == "weight_jump")
     assert jump["step"] == 1
+
+
+def test_masked_mean_of_an_all_padding_sequence_in_a_custom_train_step(tmp_path):
+    # a subclassed model (Embedding, MultiHeadAttention, LayerNormalization) with the Keras
+    # guide's PyTorch train_step override and gradient clipping, fit on a torch DataLoader
+    keras.utils.set_random_seed(0)
+    model = M.make_tokens()["model"]
+    callback = FlightRecorderCallback(out_dir=tmp_path, factory="keras_torch_models:make_tokens")
+    with pytest.raises(NonFiniteError) as e:
+        model.fit(M.token_loader(blank=21), epochs=2, verbose=0, shuffle=False,
+                  callbacks=[callback])
+    rep = nanreplay_json(e.value.bundle_path)
+    check(rep, 1, "forward", "pool", "aten.div", "invalid", [5])
+    assert rep["origin"]["source"] == line_of("/ ops.sum(m, axis=1)")
+    assert "no valid entry" in rep["hint"]
+    keras.utils.set_random_seed(0)
+    healthy = M.make_tokens()["model"]
+    healthy.fit(M.token_loader(), epochs=2, verbose=0, shuffle=False,
+                callbacks=[FlightRecorderCallback(out_dir=tmp_path / "healthy")])
+    assert int(healthy.optimizer.iterations) == 8
+    assert not list((tmp_path / "healthy").iterdir())
