@@ -17,7 +17,7 @@ through the recorder's ``loss_fn`` unless ``loss_fn`` is given, so a non-finite 
 ``loss`` event. Keras calls no callback when ``fit`` raises: the callback runs the model's
 ``train_function`` under the recorder's exception check (wrapped on the instance, put back at
 detach), so the step an exception cut short is checked and bundled and no hook is left on the
-model. Importing this module needs ``keras``; nothing else in ``recorder`` does.
+model. A ``LossScaleOptimizer``'s skipped updates (``mixed_float16``) are no events. Importing this module needs ``keras``; nothing else in ``recorder`` does.
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ import keras
 from .flight import FlightRecorder
 from .settings import check_callback_options
 
-# the model's methods the callback replaces on the instance while fit runs
-WRAPPED = ("compute_loss", "train_function")
+_MISSING = object()  # (an attribute the instance did not hold itself)
 
 
 class FlightRecorderCallback(keras.callbacks.Callback):
@@ -46,8 +45,8 @@ class FlightRecorderCallback(keras.callbacks.Callback):
         check_callback_options(options.get("loss_fn"), options)
         self.options = options
         self.recorder: FlightRecorder | None = None
-        self._wrapped = None  # the model whose methods are wrapped
-        self._saved: dict[str, Any] = {}  # its own attributes they hid (Keras's train_function)
+        # (object, name, its own attribute the wrapper hid: Keras's train_function) per wrapper
+        self._wrapped: list[tuple[Any, str, Any]] = []
 
     def on_train_begin(self, logs=None) -> None:
         self.detach()  # (a fit after one that raised)
@@ -60,10 +59,8 @@ class FlightRecorderCallback(keras.callbacks.Callback):
                                              loss_fn=loss_fn or model.compute_loss, **options)
         rec.integration = "keras"
         rec.attach()
-        own = vars(model)
-        self._saved = {name: own[name] for name in WRAPPED if name in own}
         if loss_fn is None:
-            own["compute_loss"] = _through(rec)
+            self._wrap(model, "compute_loss", _through(rec))
         run = model.train_function
 
         def train_function(*args, **kw):
@@ -75,8 +72,38 @@ class FlightRecorderCallback(keras.callbacks.Callback):
                 self.detach()
                 raise
 
-        own["train_function"] = train_function
-        self._wrapped = model
+        self._wrap(model, "train_function", train_function)
+        if callable(getattr(optimizer, "check_finite", None)) \
+                and callable(getattr(optimizer, "scale_loss", None)):
+            self._scaled(rec, optimizer)
+
+    def _scaled(self, rec: FlightRecorder, optimizer) -> None:
+        """A ``LossScaleOptimizer`` (Keras's ``mixed_float16`` policy compiles one in) skips the
+        update whose scaled gradients overflowed and lowers its scale: that is no event. A step
+        whose loss it scaled is left open past its backward and closed as ``apply`` begins,
+        as one the loop's scaler skipped when a gradient is not finite (its forward and loss
+        checked; more than ``max_skipped_steps`` skips in a row an event), else checked as
+        usual."""
+        scale_loss, apply = optimizer.scale_loss, optimizer.apply
+
+        def scaled(loss):
+            tape = rec.cycle.tape
+            if tape is not None and rec.health.active:
+                tape.close_queued = True  # (so its backward does not close it)
+            return scale_loss(loss)
+
+        def applied(grads, *args, **kwargs):
+            rec.end_step(skipped=not bool(optimizer.check_finite(grads)))
+            return apply(grads, *args, **kwargs)
+
+        self._wrap(optimizer, "scale_loss", scaled)
+        self._wrap(optimizer, "apply", applied)
+
+    def _wrap(self, obj, name: str, fn) -> None:
+        """``fn`` as ``obj.name`` on the instance, until :meth:`detach`."""
+        own = vars(obj)
+        self._wrapped.append((obj, name, own.get(name, _MISSING)))
+        own[name] = fn
 
     def on_train_end(self, logs=None) -> None:
         if self.recorder is not None:  # the open step, and the last update's weights
@@ -85,12 +112,12 @@ class FlightRecorderCallback(keras.callbacks.Callback):
 
     def detach(self) -> None:
         """Remove the recorder's hooks and the wrappers of the model's methods."""
-        if self._wrapped is not None:
-            own = vars(self._wrapped)
-            for name in WRAPPED:
-                own.pop(name, None)
-            own.update(self._saved)
-            self._wrapped, self._saved = None, {}
+        while self._wrapped:
+            obj, name, saved = self._wrapped.pop()
+            own = vars(obj)
+            own.pop(name, None)
+            if saved is not _MISSING:
+                own[name] = saved
         if self.recorder is not None:
             self.recorder.detach()
 

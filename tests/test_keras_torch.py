@@ -162,3 +162,40 @@ def test_masked_mean_of_an_all_padding_sequence_in_a_custom_train_step(tmp_path)
                 callbacks=[FlightRecorderCallback(out_dir=tmp_path / "healthy")])
     assert int(healthy.optimizer.iterations) == 8
     assert not list((tmp_path / "healthy").iterdir())
+
+
+@pytest.fixture
+def mixed_float16():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.usefixtures("mixed_float16")
+def test_loss_scale_optimizer_skips_are_no_events(tmp_path):
+    # compile() wraps adam in a LossScaleOptimizer, whose scale 2**15 overflows float16
+    # gradients at first: it skips those updates and halves the scale, as a GradScaler does
+    x, y = M.data(scale=30.0)
+    weights, steps = [], []
+    for callbacks in ([], [FlightRecorderCallback(out_dir=tmp_path)]):
+        keras.utils.set_random_seed(0)
+        model = M.mlp(width=64)
+        assert type(model.optimizer).__name__ == "LossScaleOptimizer"
+        model.fit(x, y * 100.0, batch_size=BATCH, epochs=3, verbose=0, shuffle=False,
+                  callbacks=callbacks)
+        weights.append([v.value.detach().clone() for v in model.weights])
+        steps.append((int(model.optimizer.iterations), float(model.optimizer.dynamic_scale)))
+        assert "apply" not in vars(model.optimizer)  # (the callback's wrappers are gone)
+    assert steps[0] == steps[1] and steps[0][0] < 12  # (updates skipped, the same ones)
+    rec = callbacks[0].recorder
+    assert rec.event is None and rec.step == 12 and not list(tmp_path.iterdir())
+    for a, b in zip(*weights):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.usefixtures("mixed_float16")
+def test_nan_feature_under_mixed_float16_is_still_an_input_event(tmp_path):
+    x, y = M.data()
+    x[37, 3] = np.nan
+    rep = nanreplay_json(fit_until_event(tmp_path, "make_mlp", x, y))
+    check(rep, 2, "input", None, None, "input", [5])
