@@ -47,6 +47,7 @@ class FlightRecorderCallback(keras.callbacks.Callback):
         self.recorder: FlightRecorder | None = None
         # (object, name, its own attribute the wrapper hid: Keras's train_function) per wrapper
         self._wrapped: list[tuple[Any, str, Any]] = []
+        self._paused: int | None = None  # internal errors when validation paused the recorder
 
     def on_train_begin(self, logs=None) -> None:
         self.detach()  # (a fit after one that raised)
@@ -104,6 +105,23 @@ class FlightRecorderCallback(keras.callbacks.Callback):
         own = vars(obj)
         self._wrapped.append((obj, name, own.get(name, _MISSING)))
         own[name] = fn
+
+    def on_test_begin(self, logs=None) -> None:
+        """``fit``'s validation: not recorded. Without an optimizer every root forward is a step,
+        so its batches would number steps past ``optimizer.iterations`` (Keras runs them under
+        ``no_grad``; a NaN there shows as its ``val_loss`` and changes no weight)."""
+        rec = self.recorder
+        if rec is not None and rec.health.active:
+            rec.end_step()  # (a step left open: closed and checked as it was)
+            self._paused = rec.health.internal_errors
+            rec.health.active = False
+
+    def on_test_end(self, logs=None) -> None:
+        rec = self.recorder
+        if rec is not None and self._paused is not None \
+                and rec.health.internal_errors == self._paused:
+            rec.health.active = True
+        self._paused = None
 
     def on_train_end(self, logs=None) -> None:
         if self.recorder is not None:  # the open step, and the last update's weights

@@ -199,3 +199,17 @@ def test_nan_feature_under_mixed_float16_is_still_an_input_event(tmp_path):
     x[37, 3] = np.nan
     rep = nanreplay_json(fit_until_event(tmp_path, "make_mlp", x, y))
     check(rep, 2, "input", None, None, "input", [5])
+
+
+def test_validation_batches_leave_step_numbers_on_optimizer_iterations(tmp_path):
+    x, y = M.data()
+    keras.utils.set_random_seed(0)
+    model = M.make_mlp()["model"]
+    callback = FlightRecorderCallback(out_dir=tmp_path)
+    model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
+              validation_split=0.25, callbacks=[callback])
+    assert int(model.optimizer.iterations) == 6
+    assert callback.recorder.step == 6 and callback.recorder.event is None
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False,  # (numbered on)
+              validation_data=(x[:BATCH], y[:BATCH]), callbacks=[callback])
+    assert callback.recorder.step == int(model.optimizer.iterations) == 10
