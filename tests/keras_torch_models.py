@@ -185,3 +185,14 @@ def token_loader(n=64, blank=None, batch_size=16):
     y = (x.float().mean(1, keepdim=True) / VOCAB)
     data = torch.utils.data.TensorDataset(x, y)
     return torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=False)
+
+
+def bernoulli_nll(y_true, y_pred):
+    """A user's binary cross-entropy on logits, written out: ``1 - sigmoid`` rounds to 0."""
+    p = ops.sigmoid(y_pred)
+    return -ops.mean(y_true * ops.log(p) + (1.0 - y_true) * ops.log(1.0 - p), axis=-1)
+
+
+def make_bernoulli_mlp():
+    model = mlp(loss=bernoulli_nll)
+    return {"model": model, "loss_fn": model.compute_loss}

@@ -213,3 +213,15 @@ def test_validation_batches_leave_step_numbers_on_optimizer_iterations(tmp_path)
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False,  # (numbered on)
               validation_data=(x[:BATCH], y[:BATCH]), callbacks=[callback])
     assert callback.recorder.step == int(model.optimizer.iterations) == 10
+
+
+def test_written_out_binary_cross_entropy_rounds_one_minus_sigmoid_to_zero(tmp_path):
+    x, y = M.data(scale=30.0)
+    rep = nanreplay_json(fit_until_event(tmp_path, "make_bernoulli_mlp", x,
+                                         (y > 0).astype("float32")))
+    check(rep, 0, "loss", "<loss>", "aten.log", "precision")
+    keras.utils.set_random_seed(0)
+    p = torch.sigmoid(M.make_bernoulli_mlp()["model"](x[:BATCH]).detach())[:, 0]
+    assert rep["origin"]["samples"] == torch.nonzero(p == 1).flatten().tolist()
+    assert rep["origin"]["called_from"] == line_of("ops.log(1.0 - p)")
+    assert "binary_cross_entropy_with_logits" in rep["hint"]
