@@ -7,40 +7,59 @@ at the bundle's parameter too."""
 
 from __future__ import annotations
 
-import gc
+import types
 
+import torch
 from torch import nn
 
+# how many objects reachable from the model are looked at, at most
+BUDGET = 200_000
 
-def rebind_holders(replaced: dict[int, tuple[nn.Parameter, nn.Parameter]]) -> int:
-    """Point every plain object's attribute that still holds a replaced parameter (``old``) at
-    its replacement (``new``); ``replaced`` maps ``id(old)`` to ``(old, new)``. Modules are
-    left alone (their ``_parameters`` were assigned by name). One pass over the heap for all
-    of them; returns how many attributes were pointed anew."""
+# values never walked into: they hold no parameter of the model's as an attribute
+_LEAVES = (torch.Tensor, str, bytes, int, float, complex, bool, type, types.ModuleType,
+           types.FunctionType, types.BuiltinFunctionType, types.MethodType, torch.dtype,
+           torch.device)
+
+
+def rebind_holders(model: nn.Module, replaced: dict[int, tuple[nn.Parameter, nn.Parameter]]
+                   ) -> int:
+    """Point every plain object's attribute, among the objects reachable from ``model``
+    through attributes and containers, that still holds a replaced parameter (``old``) at its
+    replacement (``new``); ``replaced`` maps ``id(old)`` to ``(old, new)``. A module's own
+    attributes are left alone (its ``_parameters`` were assigned by name), but modules it
+    keeps outside ``_modules`` are walked (Keras's functional layers, in a list). Returns how
+    many attributes were pointed anew."""
     if not replaced:
         return 0
-    olds = [old for old, _ in replaced.values()]
-    found = gc.get_referrers(*olds)
-    # (an object whose __dict__ is not materialised refers to its values itself: 3.11+)
-    spaces = {id(o.__dict__): o.__dict__ for o in found if _plain_owner(o)}
-    dicts = [d for d in found if isinstance(d, dict)]
-    if dicts:
-        for o in gc.get_referrers(*dicts):
-            d = getattr(o, "__dict__", None) if _plain_owner(o) else None
-            if isinstance(d, dict) and any(d is x for x in dicts):
-                spaces[id(d)] = d
-    count = 0
-    for d in spaces.values():
-        for key, value in list(d.items()):
-            hit = replaced.get(id(value))
-            if hit is not None and hit[0] is value:
-                d[key] = hit[1]
-                count += 1
+    seen: set[int] = set()
+    stack: list = [model]
+    count = budget = 0
+    while stack and budget < BUDGET:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        budget += 1
+        if isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(x for x in obj if not isinstance(x, _LEAVES) and x is not None)
+            continue
+        if isinstance(obj, dict):
+            stack.extend(x for x in obj.values() if not isinstance(x, _LEAVES) and x is not None)
+            continue
+        own = getattr(obj, "__dict__", None)
+        if not isinstance(own, dict):
+            continue
+        if not isinstance(obj, nn.Module):
+            count += _rebind(own, replaced)
+        stack.extend(x for x in own.values() if not isinstance(x, _LEAVES) and x is not None)
     return count
 
 
-def _plain_owner(obj) -> bool:
-    """An object whose ``__dict__`` may hold a parameter the model reads (no module, no
-    class or module namespace)."""
-    return hasattr(obj, "__dict__") and not isinstance(obj, (nn.Module, type)) \
-        and type(obj).__name__ != "module"
+def _rebind(own: dict, replaced: dict[int, tuple[nn.Parameter, nn.Parameter]]) -> int:
+    count = 0
+    for key, value in list(own.items()):
+        hit = replaced.get(id(value)) if isinstance(value, torch.Tensor) else None
+        if hit is not None and hit[0] is value:
+            own[key] = hit[1]
+            count += 1
+    return count

@@ -148,7 +148,7 @@ def load_weights(step, model: nn.Module) -> None:
         done[id(p)] = new
         replaced[id(p)] = (p, new)
         assign(model, name, new, param=True)
-    rebind_holders(replaced)  # (Keras's variables hold them too)
+    rebind_holders(model, replaced)  # (Keras's variables hold them too)
     _say_regrown(step, regrown)
     forget_replaced(set(done))  # (Pyro's store would hand the factory's back: param_store)
     _load_buffers(step, model)
