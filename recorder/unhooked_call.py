@@ -17,7 +17,10 @@ log = logging.getLogger("recorder")
 def bypassing_class(module) -> type | None:
     """The class whose ``__call__`` the module's call ends in without reaching
     ``nn.Module.__call__`` (a ``__call__`` that delegates names ``__call__`` in its code:
-    ``super().__call__(...)``), or None when the call reaches torch's (and its hooks)."""
+    ``super().__call__(...)``), or None when the call reaches torch's (and its hooks). A
+    decorated ``__call__`` is read through its ``__wrapped__`` chain (Keras 3's
+    ``Layer.__call__`` under ``traceback_utils.filter_traceback``, whose wrapper names no
+    ``__call__`` while the method it wraps ends in ``super().__call__``)."""
     if not isinstance(module, nn.Module):
         return None
     for cls in type(module).__mro__:
@@ -26,10 +29,19 @@ def bypassing_class(module) -> type | None:
         call = cls.__dict__.get("__call__")
         if call is None:
             continue
-        code = getattr(call, "__code__", None)
+        code = getattr(unwrapped(call), "__code__", None)
         if code is None or "__call__" not in code.co_names:
             return cls
     return None
+
+
+def unwrapped(call):
+    """The function a ``functools.wraps`` decorator chain ends in (the call itself if none, or
+    if the chain loops)."""
+    try:
+        return inspect.unwrap(call)
+    except ValueError:
+        return call
 
 
 def warn_unhooked(model, loss_fn=None) -> None:

@@ -106,14 +106,18 @@ def _event_weight_norm(meta: dict[str, Any], tensors: dict[str, torch.Tensor],
     weights of the parameters the optimizer holds: as the update before the event step left
     them (the forward read them). With ``guard_optimizer=True`` an update's norm is measured
     as the next step closes, which an event in that step's forward never reaches, so a first
-    update that blew the weights up (Lion at lr=1e38) showed no jump. In float64: a float32
-    norm of finite values may overflow."""
+    update that blew the weights up (Lion at lr=1e38) showed no jump. A model recorded with no
+    optimizer (a loop's own update, Keras's optimizer under ``recorder.keras``) has its trained
+    weights taken: every parameter not frozen; the steps before take the ring's parameter norm
+    (``stats="full"``). In float64: a float32 norm of finite values may overflow."""
     steps = tensors["ring/steps"].tolist()
     if not norms or norms[-1] is not None or not steps \
             or steps[-1] != meta.get("event", {}).get("step"):
         return norms
     held = [n for g in (meta.get("optimizer") or {}).get("param_groups", [])
             for n in g.get("params") or ()]
+    if meta.get("optimizer") is None:  # (updates the recorder was not given: every weight)
+        held = [n for n in meta.get("params") or () if n not in set(meta.get("frozen") or ())]
     ws = [w for n in held if (w := tensors.get(f"weights/{n}")) is not None
           and w.is_floating_point()]
     if not ws:

@@ -13,6 +13,7 @@ from recorder.target import LOSS_PREFIX
 
 from .compat import grad_hooks, non_persistent, parameter_like, set_buffer, set_parameter
 from .errors import ReplayError
+from .held_params import rebind_holders
 from .param_store import forget_replaced
 
 
@@ -119,6 +120,7 @@ def load_weights(step, model: nn.Module) -> None:
                           + (_parametrized(missing, have) or _wrapped(expected, have)
                              or other_model(step)))
     done: dict[int, nn.Parameter] = {}
+    replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # the factory's, by id
     regrown: list[str] = []  # replaced by the loop with another shape (see below)
     # modules the recorded model held on the meta device: placeholders (a hypernetwork's main
     # network, whose weights functional_call swaps in at every call)
@@ -144,7 +146,9 @@ def load_weights(step, model: nn.Module) -> None:
         new = parameter_like(p, w.to(dev))
         _keep_hooks(p, new)
         done[id(p)] = new
+        replaced[id(p)] = (p, new)
         assign(model, name, new, param=True)
+    rebind_holders(model, replaced)  # (Keras's variables hold them too)
     _say_regrown(step, regrown)
     forget_replaced(set(done))  # (Pyro's store would hand the factory's back: param_store)
     _load_buffers(step, model)
