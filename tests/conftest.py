@@ -34,7 +34,7 @@ OPTIONAL_MODULES = ("transformers", "accelerate", "lightning", "numpy", "opacus"
                     "trl", "datasets", "sentence_transformers", "stable_baselines3", "gymnasium",
                     "skorch", "pytorch_tabnet", "optuna",
                     "torchcrf", "torchmetrics", "pytorch_msssim",
-                    "botorch")
+                    "botorch", "keras", "pytorch_forecasting", "poutyne", "deepxde")
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 
 # Hypothesis's files (example database, constants cache) go to the user's cache, not the checkout.
