@@ -42,7 +42,9 @@ def held_divisor_hint(hint: str | None, cause: str, finder, hit,
     entries at 0, when it is one of ``buffers`` (name, tensor); a log's input so held, 0
     where the log is -inf (``replay.held_pole``: a class prior of 0); else None."""
     buffers = list(buffers)
-    if pole := held_pole_hint(hint, cause, hit, buffers):
+    # (a log of a buffer clamped to a floor of exactly 0: that floor is the fix, lost_eps's)
+    if not (hit and hit.evidence and lost_eps.zero(hit.evidence)) \
+            and (pole := held_pole_hint(hint, cause, hit, buffers)):
         return pole
     name = finder.names.hit_divisor_held
     ev = hit and hit.evidence

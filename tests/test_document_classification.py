@@ -53,10 +53,11 @@ def event(out_dir, factory, data, loss_fn, amp=None, eps=1e-8) -> NonFiniteError
     return info.value
 
 
-def replay(err):
+def replay(err, notes: int = 0):
+    """The report, reproduced and faithful, with ``notes`` notes."""
     rep = nanreplay_json(err.bundle_path)
-    assert (rep["reproduced"], rep["problems"], rep["fidelity"]["matches"]) == (
-        True, [], True), rep
+    assert (rep["reproduced"], len(rep["problems"]), rep["fidelity"]["matches"]) == (
+        True, notes, True), rep
     return rep, rep["origin"]
 
 
@@ -195,9 +196,13 @@ def test_a_mean_over_no_words_behind_torch_where_is_nan_in_backward_only(tmp_pat
     data = M.corpus(16)
     err = event(tmp_path, "make_mean_pool", data, bce())
     assert (err.event["step"], err.event["phase"]) == (0, "backward")
-    rep, o = replay(err)
+    rep, o = replay(err, notes=1)
     assert (rep["cause"], o["phase"], o["op"], o["made"], o["samples"]) == (
         "invalid", "backward", "DivBackward0", "nan", [0, 1, 2, 3]), rep
+    # the loop's clip_grad_norm_ at 5 of the NaN total norm made every gradient NaN before
+    # step() checked them: said so, with the origin's parameter (replay.spread_grads)
+    assert "spread word_proj.weight's NaN into them, as a clip_grad_norm_ does" \
+        in rep["problems"][0], rep["problems"]
     assert o["source"] == source_line(MODELS, "torch.where(n > 0, x.sum(2) / n")
     assert "make the masked entries' input safe before the op" in rep["hint"], rep["hint"]
 

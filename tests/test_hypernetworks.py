@@ -155,8 +155,10 @@ def test_hand_written_spectral_norm_names_its_written_parameters_not_the_factory
         True, "invalid", "head", "aten.div", "nan"), rep
     assert o["source"] == line_of("w / sigma.expand_as(w)")
     assert rep["fidelity"]["matches"] is True, rep["fidelity"]
-    # (a trained weight at 0 is the eps's to handle: w / (sigma + eps) keeps the layer at 0)
-    assert "add an eps to the denominator" in rep["hint"], rep["hint"]
+    # (a weight 0 everywhere, zero-initialised: the init or an eps on the divisor, which
+    # keeps the layer at 0; replay.zero_param_rows)
+    assert "it was initialised or re-initialised to zeros" in rep["hint"], rep["hint"]
+    assert "or clamp the divisor (w.norm(dim, keepdim=True).clamp_min(eps)" in rep["hint"]
 
 
 def test_power_iteration_started_at_zeros_names_its_vector_not_an_eps(tmp_path):
