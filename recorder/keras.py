@@ -26,6 +26,7 @@ from typing import Any
 
 import keras
 
+from .checked_run import checked
 from .flight import FlightRecorder
 from .settings import check_callback_options
 
@@ -62,18 +63,7 @@ class FlightRecorderCallback(keras.callbacks.Callback):
         rec.attach()
         if loss_fn is None:
             self._wrap(model, "compute_loss", _through(rec))
-        run = model.train_function
-
-        def train_function(*args, **kw):
-            try:
-                return run(*args, **kw)
-            except Exception as e:
-                if self.recorder is not None:  # the step it cut short: checked, bundled
-                    self.recorder.cycle.check_on_exception(e)
-                self.detach()
-                raise
-
-        self._wrap(model, "train_function", train_function)
+        self._wrap(model, "train_function", checked(self, model.train_function))
         if callable(getattr(optimizer, "check_finite", None)) \
                 and callable(getattr(optimizer, "scale_loss", None)):
             self._scaled(rec, optimizer)

@@ -28,6 +28,7 @@ from typing import Any
 from poutyne import Callback
 from torch import nn
 
+from .checked_run import checked
 from .flight import FlightRecorder
 from .settings import check_callback_options
 
@@ -72,20 +73,8 @@ class FlightRecorderCallback(Callback):
         self.recorder.integration = "poutyne"
         self.recorder.attach()
         for name in _WRAPPED:
-            setattr(model, name, self._checked(getattr(model, name)))
+            setattr(model, name, checked(self, getattr(model, name)))
         self._wrapped = model
-
-    def _checked(self, method):
-        def run(*args, **kwargs):
-            try:
-                return method(*args, **kwargs)
-            except Exception as e:
-                if self.recorder is not None:  # the step it cut short: checked, bundled
-                    self.recorder.cycle.check_on_exception(e)
-                self.detach()
-                raise
-
-        return run
 
     def on_train_end(self, logs: dict) -> None:
         if self.recorder is not None:  # the open step, and the last update's weights

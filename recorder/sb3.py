@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from stable_baselines3.common.callbacks import BaseCallback
 
+from .checked_run import checked
 from .flight import FlightRecorder
 from .settings import check_callback_options
 
@@ -110,18 +111,7 @@ class FlightRecorderCallback(BaseCallback):
             self._guard(method)
 
     def _guard(self, method: str) -> None:
-        algo, run = self.model, getattr(self.model, method)
-
-        def guarded(*args, **kwargs):
-            try:
-                return run(*args, **kwargs)
-            except Exception as e:  # (not a KeyboardInterrupt, as the with block's exit)
-                if self.recorder is not None:  # the step or forward it cut short: checked
-                    self.recorder.cycle.check_on_exception(e)
-                self.detach()
-                raise
-
-        setattr(algo, method, guarded)
+        setattr(self.model, method, checked(self, getattr(self.model, method)))
         self._guarded.append(method)
 
     def _on_step(self) -> bool:

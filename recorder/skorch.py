@@ -23,6 +23,7 @@ from typing import Any
 
 from skorch.callbacks import Callback
 
+from .checked_run import checked
 from .flight import FlightRecorder
 from .settings import check_callback_options
 
@@ -50,18 +51,7 @@ class FlightRecorderCallback(Callback):
                                        start_step=batches, **options)
         self.recorder.integration = "skorch"
         self.recorder.attach()
-        run = net.fit_loop
-
-        def fit_loop(*args, **kw):
-            try:
-                return run(*args, **kw)
-            except Exception as e:  # (skorch's own KeyboardInterrupt ends the fit cleanly)
-                if self.recorder is not None:  # the step it cut short: checked, bundled
-                    self.recorder.cycle.check_on_exception(e)
-                self.detach()
-                raise
-
-        net.fit_loop, self._net = fit_loop, net
+        net.fit_loop, self._net = checked(self, net.fit_loop), net
 
     def on_train_end(self, net, X=None, y=None, **kwargs) -> None:
         if self.recorder is not None:  # the open step, and the last update's weights
