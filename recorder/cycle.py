@@ -73,6 +73,9 @@ class StepCycle:
         self.lock = threading.RLock()
         self.updated = False  # an optimizer step ran since the last step opened
         self.ever_updated = False  # the recorded optimizer's step() ran since attach
+        # no optimizer: a step has closed at the end of its backward (the loop trains), so a
+        # forward with gradients off is an evaluation between steps, not a step of its own
+        self.trains_by_backward = False
         self.skips = 0  # skipped steps in a row (a GradScaler's, or the loop's own scaler's)
         self.eval_tail: Tape | None = None  # the last evaluation forward, until its loss runs
         self.unrooted_call: int | None = None  # a submodule that ran while no step was open
@@ -109,7 +112,8 @@ class StepCycle:
             tape = None
         if tape is None:  # (between steps, an evaluating forward is checked on its own when
             # it returns: a step would hold every such batch and output until the next update)
-            tape = self._open_tape(evaluation=self.target.has_optimizer and evaluating)
+            tape = self._open_tape(evaluation=evaluating and (
+                self.target.has_optimizer or self.trains_by_backward))
         return tape
 
     def _ended_without_optimizer(self, tape: Tape) -> bool:
@@ -193,6 +197,7 @@ class StepCycle:
     def closed_by_backward(self, tape: Tape) -> None:
         """The end of a backward that wrote ``tape``'s gradients, given no optimizer (see
         recorder.calls.CallHooks.backward_wrote): the step closes unless another opened since."""
+        self.trains_by_backward = True
         if self.tape is tape:
             self.close_open_step(at="backward")
 

@@ -70,7 +70,10 @@ class FlightRecorder:
     Args:
         model: the root module; its forward is one micro-batch of a step.
         optimizer: optional; ``optimizer.step()`` closes a step. Without one, a step is one
-            root forward (closed when the next begins, at :meth:`end_step` or at detach).
+            root forward, closed when the backward that wrote its gradients ends (before the
+            loop's own update), when the next forward begins, at :meth:`end_step` or at
+            detach; once a step has closed at its backward, a forward with gradients off is
+            an evaluation between steps (a validation batch), not a step.
         loss_fn: optional loss module or callable. A module is hooked in place; a plain
             function must be called through :attr:`loss_fn` to be seen.
         out_dir: where bundles go (created if missing).

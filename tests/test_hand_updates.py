@@ -169,3 +169,36 @@ def test_a_hand_sgd_update_after_a_finite_backward_leaves_the_weights_the_step_r
     o = rep["origin"]
     assert (rep["reproduced"], o["module"], o["op"], rep["cause"]) == \
         (True, "<loss>", "aten.nll_loss_forward", "overflow"), json.dumps(rep, indent=1)
+
+
+def test_a_validation_forward_between_hand_updates_is_no_step(tmp_path):
+    """The word-language-model example evaluates under ``torch.no_grad()`` between its
+    hand-updated training steps. Without an optimizer each such forward was a step of its own
+    (the step count ran ahead of the updates), and a NaN in a validation batch was found only
+    when the next step or the exit closed it, as an input event of a training step. Once a
+    step has closed at the end of its backward, a forward with gradients off is an evaluation
+    between steps: checked when it returns, said as such, the step count the updates'."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    crit = torch.nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(0)
+    xv, yv = torch.randn(16, 4, generator=g), torch.randint(0, 3, (16,), generator=g)
+    xv[ROW, 1] = float("nan")  # (a validation record with a missing value)
+    seen = []
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, loss_fn=crit, out_dir=tmp_path) as rec:
+            for step in range(6):
+                x, y = torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
+                model.zero_grad()
+                crit(model(x), y).backward()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(p.grad, alpha=-0.1)
+                seen.append(rec.step)
+                with torch.no_grad():  # validation every other step; the NaN record at step 3
+                    if step % 2 == 1:
+                        crit(model(xv if step == 3 else xv[:ROW]), yv if step == 3 else yv[:ROW])
+    ev = info.value.event
+    assert seen == [1, 2, 3, 4]  # (the validation forwards took no step number)
+    assert (ev["step"], ev["phase"], ev["samples"], ev.get("evaluation")) == (4, "input", [ROW],
+                                                                                True), ev
+    assert "in an evaluation forward (gradients off) before step 4" in str(info.value)
