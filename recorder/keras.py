@@ -48,7 +48,6 @@ class FlightRecorderCallback(keras.callbacks.Callback):
         self.recorder: FlightRecorder | None = None
         # (object, name, its own attribute the wrapper hid: Keras's train_function) per wrapper
         self._wrapped: list[tuple[Any, str, Any]] = []
-        self._paused: int | None = None  # internal errors when validation paused the recorder
 
     def on_train_begin(self, logs=None) -> None:
         self.detach()  # (a fit after one that raised)
@@ -64,6 +63,9 @@ class FlightRecorderCallback(keras.callbacks.Callback):
         if loss_fn is None:
             self._wrap(model, "compute_loss", _through(rec))
         self._wrap(model, "train_function", checked(self, model.train_function))
+        # (fit's validation: its forwards are evaluations between the steps, checked as they
+        # return; an event there leaves fit through evaluate)
+        self._wrap(model, "evaluate", checked(self, model.evaluate))
         if callable(getattr(optimizer, "check_finite", None)) \
                 and callable(getattr(optimizer, "scale_loss", None)):
             self._scaled(rec, optimizer)
@@ -95,23 +97,6 @@ class FlightRecorderCallback(keras.callbacks.Callback):
         own = vars(obj)
         self._wrapped.append((obj, name, own.get(name, _MISSING)))
         own[name] = fn
-
-    def on_test_begin(self, logs=None) -> None:
-        """``fit``'s validation: not recorded. Without an optimizer every root forward is a step,
-        so its batches would number steps past ``optimizer.iterations`` (Keras runs them under
-        ``no_grad``; a NaN there shows as its ``val_loss`` and changes no weight)."""
-        rec = self.recorder
-        if rec is not None and rec.health.active:
-            rec.end_step()  # (a step left open: closed and checked as it was)
-            self._paused = rec.health.internal_errors
-            rec.health.active = False
-
-    def on_test_end(self, logs=None) -> None:
-        rec = self.recorder
-        if rec is not None and self._paused is not None \
-                and rec.health.internal_errors == self._paused:
-            rec.health.active = True
-        self._paused = None
 
     def on_train_end(self, logs=None) -> None:
         if self.recorder is not None:  # the open step, and the last update's weights

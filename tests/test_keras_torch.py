@@ -215,6 +215,40 @@ def test_validation_batches_leave_step_numbers_on_optimizer_iterations(tmp_path)
     assert callback.recorder.step == int(model.optimizer.iterations) == 10
 
 
+def test_a_nan_in_the_validation_data_is_an_evaluation_event(tmp_path):
+    """fit's validation forwards, under no_grad between the training steps, are evaluations
+    (checked when they return, numbering no step): the callback paused the recorder through
+    them, and a NaN record in the validation data showed only as val_loss: nan."""
+    x, y = M.data()
+    xv = x[:BATCH].copy()
+    xv[5, 2] = np.nan
+    keras.utils.set_random_seed(0)
+    model = M.make_mlp()["model"]
+    with pytest.raises(NonFiniteError) as e:
+        model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
+                  validation_data=(xv, y[:BATCH]), callbacks=[FlightRecorderCallback(
+                      out_dir=tmp_path, factory="keras_torch_models:make_mlp")])
+    ev = e.value.event
+    steps = len(x) // BATCH  # (the first epoch's, before its validation)
+    assert (ev["step"], ev["phase"], ev["samples"], ev.get("evaluation")) == (
+        steps, "input", [5], True), ev
+    assert "compute_loss" not in vars(model)  # (the callback's wrapper is gone)
+
+
+@pytest.mark.usefixtures("mixed_float16")
+def test_validation_under_loss_scaling_numbers_no_step(tmp_path):
+    """Under mixed_float16 a step closes as the LossScaleOptimizer applies (or skips) its
+    update, not at the end of its backward; its validation forwards are evaluations too."""
+    x, y = M.data()
+    keras.utils.set_random_seed(0)
+    model = M.make_mlp()["model"]
+    callback = FlightRecorderCallback(out_dir=tmp_path)
+    model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
+              validation_split=0.25, callbacks=[callback])
+    assert callback.recorder.step == 6 and callback.recorder.event is None
+    assert not list(tmp_path.iterdir())
+
+
 def test_written_out_binary_cross_entropy_rounds_one_minus_sigmoid_to_zero(tmp_path):
     x, y = M.data(scale=30.0)
     rep = nanreplay_json(fit_until_event(tmp_path, "make_bernoulli_mlp", x,
