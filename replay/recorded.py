@@ -41,11 +41,12 @@ from .infinite_entries import INFINITE_ENTRIES, infinite_entries
 from .load import Step, micro_batch_inputs
 from .loss_arg_name import forward_param_name, with_param_name
 from .masked_gaps import masked_gaps
-from .missing_entries import MISSING_ENTRIES, missing_entries
+from .missing_entries import missing_entries
 from .nan_runs import NAN_RUNS, nan_runs
 from .padded_elements import padded_elements
 from .repeated_record import repeated_record
 from .shared_loss_arg import shared_loss_arg_hint
+from .unmarked_missing import scattered_missing
 from .whole_slices import slices_hint, whole_slices
 
 # a loss argument (a target) NaN/Inf in the same features of every sample, the model's
@@ -290,7 +291,7 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
         return group.format(tensor=tensor)
     if key and origin.get("samples") and (where := missing_entries(  # (per sample: no field)
             step.tensors.get(key), _sample_dim(step, origin, key))):
-        return MISSING_ENTRIES.format(tensor=tensor, where=where)
+        return scattered_missing(step.tensors[key], tensor, _named_batch(step, origin), where)
     if key and origin.get("samples") and (where := infinite_entries(  # (a ratio's x / 0)
             step.tensors.get(key), _sample_dim(step, origin, key))):
         return INFINITE_ENTRIES.format(tensor=tensor, where=where)
