@@ -215,14 +215,14 @@ DO = {
                 "target > 0)",
     # an op that took only the weights and values made of them alone (no sample's data)
     "of_weights": "its inputs were made from the model's parameters and buffers alone (no "
-                  "sample's data reaches it, so every sample hits it): a parametrisation "
-                  "reached the op's pole or left its domain (a rate -relu(a) at 0, a scale "
-                  "trained to 0, a matrix divided by its spectral radius or norm, which is 0 "
-                  "for an all-zero or nilpotent one: a delay line, a sparsity of 1), or a "
-                  "buffer the model was built with holds such a value (two "
-                  "mesh nodes at one position: an edge of length 0); keep it away "
-                  "(a.clamp_min(eps), or -exp(a_log) as S4 and Mamba parametrise A), fix the "
-                  "code that builds the buffer, or add an eps",
+                  "sample's data reaches it, so every sample hits it): a parametrisation reached "
+                  "the op's pole or left its domain (a rate -relu(a) at 0, a scale trained to 0: "
+                  "a Cholesky diagonal learned as is, not as exp of a parameter; a matrix divided "
+                  "by its spectral radius or norm, which is 0 for an all-zero or nilpotent one: a "
+                  "delay line, a sparsity of 1), or a buffer the model was built with holds such "
+                  "a value (two mesh nodes at one position: an edge of length 0); keep it away "
+                  "(a.clamp_min(eps), or -exp(a_log) as S4 and Mamba parametrise A), fix the code "
+                  "that builds the buffer, or add an eps",
     "domain": "clamp the op's input into its domain (x.clamp_min(eps) before log or sqrt) "
               "or fix what drives it out",
     "log_domain": LOG_DOMAIN,

@@ -38,6 +38,7 @@ from .lineage import Lineage
 from .literal_fill import nan_given
 from .load import Step
 from .looked_up import looked_up_hint
+from .made_of_params import params_hint
 from .masked_product import masked_row_product_hint
 from .masked_whole import masked_whole_hint
 from .negated_fill import negated, negated_hint
@@ -172,6 +173,7 @@ def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin,
     hint = kept_divisor_hint(hint, finder, hit)  # (whole columns of x / (self.std + eps))
     hint = offset_divisor_hint(hint, cause.name, finder, hit, runner.model)  # (mask + lam)
     hint = self_edge_hint(hint, cause.name, hit, step, o.micro_batch)  # (i == j in edge_index)
+    hint = params_hint(hint, hit)  # (log(diag(L)) of a Cholesky factor: which parameters)
     hint = attention_logits_hint(hint, cause.name, origin, step)  # (float16 q @ k.T, then softmax)
     return coincident_hint(hint, cause.name, hit, step, o.micro_batch)  # (cdist(a, b) of 0)
 

@@ -93,6 +93,7 @@ class Evidence:
     cut_divisor: bool = False  # over a divisor a ReLU cut to 0 (replay.clamped_divisor)
     unlearned: bool = False  # no input requires grad, in some samples (replay.batch_overflow)
     of_weights: bool = False  # every input a parameter or buffer, or made of them alone
+    made_of: list[str] = field(default_factory=list)  # and those (replay.made_of_params)
     squared: list[bool] = field(default_factory=list)  # exp_made[i] by a square (re² + im²)
     of_exp: list[bool] = field(default_factory=list)  # inputs[i] is exp's own result
     trig: list[bool] = field(default_factory=list)  # a cos or sin result (replay.trig_root)

@@ -40,6 +40,7 @@ from .landed_rows import land_rows
 from .lineage import Lineage, pole_inputs
 from .literal_fill import literals, nan_number
 from .lost_eps import LostEps
+from .made_of_params import made_of
 from .masked_product import mask_after_pole, nan_times_mask, nan_times_zero
 from .memo import TensorMarks, TensorSet
 from .moved import Moved
@@ -388,6 +389,7 @@ class OpFinder:
         ev.of_weights = bool(self.state) and self._of_weights_only(
             [t for t in (ins if leaves is None else leaves) if isinstance(t, torch.Tensor)
              and (t.is_floating_point() or t.is_complex())])
+        ev.made_of = made_of(ins, self.names.params) if ev.of_weights else []
         ev.narrowest = min(self.made_in, key=lambda d: torch.finfo(d).bits, default=None)
         ev.given_in = self.given_in
         return ev

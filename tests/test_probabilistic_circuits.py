@@ -187,7 +187,10 @@ def test_a_cholesky_diagonal_collapsing_on_duplicated_points_leaves_the_log_doma
     """A GMM whose Cholesky diagonal is trained as is (no exp/softplus), on data where one
     record was duplicated 128 times: a component collapses onto it, its variance is driven
     through 0 and ``log(diag(L))`` is NaN for every sample. The same fit without the
-    duplicates raises nothing (the healthy test's data, 400 steps)."""
+    duplicates raises nothing (the healthy test's data, 400 steps). The report said the
+    log's input was made 'from the model's parameters and buffers alone' without naming
+    them; it now names those its autograd graph reaches (log_diag, and off, which tril
+    keeps off the diagonal)."""
     data = (M.blobs(duplicated=128),)
     err = fire(tmp_path, "make_raw_cholesky_gmm", data, lr=0.2, epochs=10, batch=64,
                shuffle=True)
@@ -196,4 +199,6 @@ def test_a_cholesky_diagonal_collapsing_on_duplicated_points_leaves_the_log_doma
         json.dumps(rep, indent=1)
     assert o["samples"] == list(range(64))
     assert o["source"] == line_of("log_det = torch.log(torch.diagonal(L")
-    assert "a scale trained to 0" in rep["hint"], rep["hint"]
+    hint = rep["hint"]
+    assert "parameters and buffers alone (here of the parameters log_diag, off)" in hint, hint
+    assert "a Cholesky diagonal learned as is" in hint, hint
