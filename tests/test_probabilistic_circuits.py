@@ -202,3 +202,17 @@ def test_a_cholesky_diagonal_collapsing_on_duplicated_points_leaves_the_log_doma
     hint = rep["hint"]
     assert "parameters and buffers alone (here of the parameters log_diag, off)" in hint, hint
     assert "a Cholesky diagonal learned as is" in hint, hint
+
+
+def test_a_reading_in_the_wrong_unit_overflows_the_mahalanobis_square(tmp_path):
+    """A coordinate recorded as 3e20 (a fill code, a wrong unit): the whitened residual
+    ``z = L^-1 (x - mu)`` is finite, ``z * z`` overflows float32 at that record, every
+    component's log-density is -inf and so is the mixture's."""
+    x = M.blobs()
+    x[2 * BATCH + 21, 1] = 3e20
+    err = fire(tmp_path, "make_gmm", (x,))
+    rep, o = report(err, 2, "forward")
+    assert found(rep, o) == ("", "aten.mul", "+inf", [21], "overflow"), \
+        json.dumps(rep, indent=1)
+    assert o["source"] == line_of("maha = (z * z).sum(-1)")
+    assert "--try drop=21" in rep["hint"], rep["hint"]
