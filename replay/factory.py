@@ -42,7 +42,8 @@ def resolve_factory(spec: str, *, explicit: bool) -> Any:
             "builds the model") from None
     except Exception as e:
         raise ReplayError(f"factory {spec!r} cannot be imported ({type(e).__name__}: {e}); "
-                          "run from the directory that holds it or pass --factory MOD:FN") from None
+                          + (_shadowed(mod_name, attr, Path(cwd)) or "run from the directory "
+                             "that holds it or pass --factory MOD:FN")) from None
     if not callable(obj):
         raise ReplayError(f"factory {spec!r} is not callable; pass --factory MOD:FN naming a "
                           "function that returns the model")
@@ -56,6 +57,23 @@ def resolve_factory(spec: str, *, explicit: bool) -> Any:
                 f"which is not defined under the current directory ({cwd}); nanreplay calls a "
                 f"recorded factory only from there. Pass --factory {spec} to trust it")
     return obj
+
+
+def _shadowed(mod_name: str, attr: str, cwd: Path) -> str | None:
+    """How to import ``mod_name`` when its top-level name is a directory under ``cwd`` without
+    ``__init__.py`` (a namespace package) that an installed regular package of the same name
+    takes precedence over, wherever ``sys.path`` puts ``cwd`` (opacus and pytorch-forecasting
+    install a top-level ``examples``); None otherwise."""
+    top, _, rest = mod_name.partition(".")
+    local = cwd / top
+    if not rest or not local.is_dir() or (local / "__init__.py").exists():
+        return None
+    origin = module_origin(top)
+    if origin is None or trusted_path(origin, [cwd]):
+        return None
+    return (f"the {top!r} imported is {origin}, an installed package, which Python prefers to "
+            f"./{top}/ (a directory without __init__.py): run from {local} and pass --factory "
+            f"{rest}:{attr}, or add an __init__.py to ./{top}/")
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ these tests tie that report to the guide, the golden ``bundles.TOY_REPORT`` and 
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -120,3 +121,28 @@ def test_cited_source_lines_are_the_sources():
     where, text = source.split()[1], source.split(None, 2)[2]
     name, line = where.split(":")
     assert (EXAMPLES / name).read_text().splitlines()[int(line) - 1].strip() == text
+
+
+def _shape(v):
+    """``v``'s keys, nested, with the type of each leaf's value (lists by their first item)."""
+    if isinstance(v, dict):
+        return {k: _shape(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_shape(v[0])] if v else []
+    return type(v).__name__
+
+
+def test_the_cli_docs_json_report_is_the_examples(first_run):
+    """docs/cli.md's ``--json`` report of the example has the keys (nested) and values the
+    command prints, but for what names the machine (the bundle's path, torch's build) and the
+    input range's floats, which may differ in their last digits."""
+    cwd, _ = first_run
+    doc = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    block = doc.split("The report of the\nexample:\n\n```json\n", 1)[1].split("```", 1)[0]
+    proc = subprocess.run([sys.executable, "-m", "replay", "--json", str(cwd / BUNDLE)],
+                          cwd=EXAMPLES, capture_output=True, text=True, timeout=300)
+    want, got = json.loads(block), json.loads(proc.stdout)
+    assert _shape(want) == _shape(got)
+    for d in (want, got):
+        del d["origin"]["input_range"], d["bundle"]["path"], d["bundle"]["torch"]
+    assert want == got

@@ -338,3 +338,29 @@ def test_a_factory_module_that_trains_at_import_is_stopped_at_its_recorder(tmp_p
         "under `if __name__ == \"__main__\":`, or pass --factory MOD:FN of a module that only "
         "builds the model"], r.stderr
     assert not (code / "again").exists()
+
+
+def test_a_factory_in_a_directory_an_installed_package_shadows_says_how_to_import_it(
+        tmp_path, monkeypatch):
+    """``--factory examples.toy_model:make_model`` from the repository root, where an installed
+    regular package ``examples`` (opacus installs one) wins over ./examples/, which has no
+    ``__init__.py``: the error names the installed one and the spec to pass from inside."""
+    from replay.errors import ReplayError
+    from replay.factory import resolve_factory
+    name = f"shadowed_{uuid.uuid4().hex[:8]}"
+    site = tmp_path / "site"
+    (site / name).mkdir(parents=True)
+    (site / name / "__init__.py").write_text("")
+    cwd = tmp_path / "repo"
+    (cwd / name).mkdir(parents=True)
+    (cwd / name / "toy.py").write_text("def make_model():\n    return None\n")
+    monkeypatch.setattr(sys, "path", [str(site), *sys.path])
+    monkeypatch.chdir(cwd)
+    try:
+        with pytest.raises(ReplayError) as err:
+            resolve_factory(f"{name}.toy:make_model", explicit=True)
+    finally:
+        sys.modules.pop(name, None)
+    msg = str(err.value)
+    assert f"the {name!r} imported is {site / name}" in msg, msg
+    assert f"run from {cwd / name} and pass --factory toy:make_model" in msg, msg
