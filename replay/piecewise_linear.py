@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 from .rerun import Runner
 from .zero_head import zero_head_hint
 
-_DIVIDES = {"aten.div", "aten.reciprocal", "aten.rsqrt"}
+DIVIDES = {"aten.div", "aten.reciprocal", "aten.rsqrt"}
 _RELU = {torch.relu, torch.relu_, F.relu, F.relu_, F.leaky_relu, F.leaky_relu_}
 _BETA = 10.0  # (softplus's sharpness: close to relu, with a nonzero second derivative)
 
@@ -37,7 +37,7 @@ PIECEWISE_LINEAR = (
 )
 
 
-class _Smooth(TorchFunctionMode):
+class Smooth(TorchFunctionMode):
     """Each relu or leaky relu called inside, as softplus of the same slope(s); the names of
     the functions it replaced."""
 
@@ -61,12 +61,12 @@ def piecewise_linear_hint(runner: Runner, mb: int, hit, cause: str,
                           hint: str | None) -> str | None:
     """The hint naming the model's relus as what made a loss's divisor 0, when micro-batch
     ``mb``'s loss is finite with smooth activations in their place; else ``hint``."""
-    if cause != "invalid" or hit is None or hit.op not in _DIVIDES or runner.model is None \
+    if cause != "invalid" or hit is None or hit.op not in DIVIDES or runner.model is None \
             or not runner.step.micro_batches[mb].get("grad_inputs"):
         return hint  # (no input to differentiate by: a relu's 0 output is another story)
     seen: set[str] = set()
     try:
-        run = runner.run(backward=False, instrument=False, forward_ctx=lambda: _Smooth(seen))
+        run = runner.run(backward=False, instrument=False, forward_ctx=lambda: Smooth(seen))
     except Exception:  # (the hint as it is: this only says where the divisor's 0 came from)
         return hint
     finally:
