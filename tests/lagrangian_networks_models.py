@@ -181,7 +181,8 @@ class SeparableHNN(nn.Module):
         low = torch.diag_embed(diag)
         if self.d > 1:
             i, j = torch.tril_indices(self.d, self.d, -1)
-            low = low.index_put((slice(None), i, j), self.off.expand(q.shape[0], -1))
+            rows = torch.arange(q.shape[0])[:, None]
+            low = low.index_put((rows, i[None], j[None]), self.off.expand(q.shape[0], -1))
         return low
 
     def log_det_mass(self, q: torch.Tensor) -> torch.Tensor:

@@ -177,4 +177,17 @@ def test_log_det_of_a_mass_matrix_with_a_negative_pivot(tmp_path):
         (0, "loss", "<loss>", "aten.log")
     assert o["samples"] == negative == [0, 2, 4, 5, 7, 8, 13]
     assert o["source"] == line_of("return 2.0 * torch.log(torch.diagonal(low")
-    assert rep["cause"] == "invalid" and "negative number" in rep["hint"]
+    assert rep["cause"] == "invalid" and "triangular factor's diagonal" in rep["hint"]
+    assert "softplus (or exp) of the raw diagonal" in rep["hint"]
+    assert "log barrier" not in rep["hint"]
+
+
+def test_a_built_factors_diagonal_is_told_from_other_values():
+    """With off-diagonal entries written in (index_put at tril_indices), the diagonal of the
+    factor the code built is still one; a diagonal of a product of it is not."""
+    from replay.factors import made_by
+
+    model = M.SeparableHNN(d=2)
+    low = model.cholesky_factor(torch.randn(3, 2))
+    assert made_by(low.diagonal(dim1=-2, dim2=-1)) == "built_factor"
+    assert made_by((low @ low.mT).diagonal(dim1=-2, dim2=-1)) is None
