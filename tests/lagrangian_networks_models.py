@@ -166,9 +166,11 @@ class LNN(nn.Module):
 class SeparableHNN(nn.Module):
     """``H = p^T M^-1 p / 2 + V(q) + k q^2 / 2`` with ``M = L L^T``; leapfrog rollouts."""
 
-    def __init__(self, d: int = 1, dt: float = 0.1, steps: int = 20, softplus: bool = True):
+    def __init__(self, d: int = 1, dt: float = 0.1, steps: int = 20, softplus: bool = True,
+                 with_start: bool = False):
         super().__init__()
         self.d, self.dt, self.steps, self.softplus = d, dt, steps, softplus
+        self.with_start = with_start  # (the trajectory returned from its initial state on)
         self.diag = nn.Parameter(torch.full((d,), 0.5413))  # softplus(0.5413) = 1
         self.off = nn.Parameter(torch.zeros(d * (d - 1) // 2))
         self.V = mlp(d)
@@ -201,7 +203,7 @@ class SeparableHNN(nn.Module):
 
     def forward(self, x0: torch.Tensor) -> torch.Tensor:
         q, p = x0[:, :self.d], x0[:, self.d:]
-        out = []
+        out = [x0] if self.with_start else []
         for _ in range(self.steps):  # leapfrog (kick, drift, kick)
             p = p - 0.5 * self.dt * self.grad_v(q)
             q = q + self.dt * self.velocity(q, p)
@@ -222,6 +224,15 @@ class RolloutLoss(nn.Module):
         if self.model is not None and self.reg:
             loss = loss + self.reg * self.model.log_det_mass(x0[:, :self.model.d]).pow(2).mean()
         return loss
+
+
+class EuclideanRolloutLoss(nn.Module):
+    """The mean Euclidean distance of the rolled-out states to the true ones (of the whole
+    trajectory, its start included)."""
+
+    def forward(self, pred: torch.Tensor, target: torch.Tensor, x0: torch.Tensor):
+        target = torch.cat([x0[:, None], target], 1)
+        return torch.sqrt(((pred - target) ** 2).sum(-1)).mean()  # the bug: 0 at the start
 
 
 class MaskedMSE(nn.Module):
@@ -263,6 +274,11 @@ def make_lnn2_one_velocity() -> LNN:
 def make_shnn() -> SeparableHNN:
     torch.manual_seed(0)
     return SeparableHNN()
+
+
+def make_shnn_with_start() -> SeparableHNN:
+    torch.manual_seed(0)
+    return SeparableHNN(with_start=True)
 
 
 def make_shnn_big_dt() -> SeparableHNN:

@@ -191,3 +191,23 @@ def test_a_built_factors_diagonal_is_told_from_other_values():
     low = model.cholesky_factor(torch.randn(3, 2))
     assert made_by(low.diagonal(dim1=-2, dim2=-1)) == "built_factor"
     assert made_by((low @ low.mT).diagonal(dim1=-2, dim2=-1)) is None
+
+
+def test_euclidean_rollout_loss_at_the_trajectory_start_is_a_first_derivative(tmp_path):
+    """The rollout returned from its initial state, the loss's sqrt of a sum of squares is 0
+    there: +inf in its backward for every trajectory. The model took its own derivative
+    (dV/dq, create_graph=True), but never of the loss's sqrt: no second-derivative advice."""
+    model, data = M.make_shnn_with_start(), M.spring_trajectories()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as e:
+        with FlightRecorder(model, opt, loss_fn=M.EuclideanRolloutLoss(), out_dir=tmp_path,
+                            factory=FACTORY + "make_shnn_with_start") as rec:
+            M.fit_rollout(model, opt, rec.loss_fn, *data)
+    rep = nanreplay_json(e.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["event"]["step"], rep["event"]["phase"], o["module"], o["op"]) == \
+        (0, "backward", "<loss>", "SqrtBackward0")
+    assert o["made"] == "+inf" and o["samples"] == list(range(16))
+    assert o["source"] == line_of("return torch.sqrt(((pred - target) ** 2).sum(-1)).mean()")
+    assert rep["cause"] == "invalid" and "sqrt(x + eps)" in rep["hint"]
+    assert "differentiates the forward again" not in rep["hint"]
