@@ -69,4 +69,5 @@ def forward_piecewise_hint(runner: Runner, o, hit, cause: str, hint: str | None,
                  == (o.module, o.call, o.micro_batch)), None)
     if not seen or not derived.derived or call is None or not call.outputs_finite:
         return hint
-    return PIECEWISE_LINEAR.format(op=hit.op, names=", ".join(sorted(seen))) + FORWARD
+    return PIECEWISE_LINEAR.format(op=hit.op, names=", ".join(sorted(seen)),
+                                   what="origin call's output") + FORWARD

@@ -30,7 +30,7 @@ PIECEWISE_LINEAR = (
     "{op}'s divisor is a derivative of the model's output that its piecewise-linear "
     "activations ({names}) made 0: a relu network is linear between its kinks, so every "
     "derivative of it beyond the first is exactly 0 (its u_xx, its Hessian), at every point and "
-    "whatever the weights; with a smooth activation in their place the loss is finite. A loss "
+    "whatever the weights; with a smooth activation in their place the {what} is finite. A loss "
     "built of second derivatives (a PINN's residual of a diffusion or wave operator) needs a "
     "smooth activation: tanh, sin, softplus or SiLU instead of relu; an eps on the divisor "
     "would leave that term 0, a residual that never trains"
@@ -74,7 +74,7 @@ def piecewise_linear_hint(runner: Runner, mb: int, hit, cause: str,
     if not seen or mb not in run.loss_micro_batches \
             or not run.loss_finite[run.loss_micro_batches.index(mb)]:
         return hint
-    return PIECEWISE_LINEAR.format(op=hit.op, names=", ".join(sorted(seen)))
+    return PIECEWISE_LINEAR.format(op=hit.op, names=", ".join(sorted(seen)), what="loss")
 
 
 def zero_divisor_hint(runner: Runner, mb: int, hit, cause: str, hint: str | None) -> str | None:

@@ -129,6 +129,7 @@ def test_relu_lagrangian_has_no_mass_matrix(tmp_path):
     assert rep["cause"] == "invalid"
     assert "piecewise-linear activations (relu)" in rep["hint"]
     assert "model's own forward took that derivative" in rep["hint"]
+    assert "origin call's output is finite" in rep["hint"]
     assert "tanh" in rep["hint"] and "d.clamp_min(eps)" not in rep["hint"]
 
 
