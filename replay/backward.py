@@ -111,6 +111,7 @@ class BackwardOrigin:
     # made the node, when one did (replay.twice_differentiated)
     twice: bool = False
     derivative_of: Any = None  # (the node itself until the run ends)
+    node_object: Any = None  # (the node, until the run ends: was it differentiated twice?)
     # no node made it: the engine summed this many finite gradients of the node's value's
     # uses into an infinity before the node ran (see replay.summed_grads)
     summed: int = 0
@@ -285,7 +286,7 @@ def _record(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
     """Node ``node`` (labelled ``name``) made the first non-finite gradient from finite ones."""
     returned = [g for g in grad_inputs if isinstance(g, torch.Tensor)]
     found.node, found.module, found.source = node.name(), name, node_source(node)
-    found.called_from = node_caller(node)
+    found.called_from, found.node_object = node_caller(node), node
     if derived(node):  # (kept until the labels are known; then its forward node's name)
         found.derivative_of, found.source = node, node_source(forward_node(node)) or found.source
         found.called_from = node_caller(forward_node(node)) or found.called_from

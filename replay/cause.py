@@ -98,8 +98,8 @@ __all__ = ["Cause", "classify"]
 # the ops of replay.positive.POSITIVE in words: a 0 they made underflowed
 _POSITIVE_OPS = "exp, softmax, sigmoid or softplus"
 # situations whose advice holds for a rounding that crossed the edge too (else: "stable")
-_OWN_ADVICE = ("unit", "acosh", "atanh", "cholesky", "eigenvalues", "log_det", "singular",
-               "m_matrix", "equal_rows", "fold")
+_OWN_ADVICE = ("unit", "acosh", "atanh", "cholesky", "built_factor", "eigenvalues", "log_det",
+               "singular", "m_matrix", "equal_rows", "fold")
 # situations whose advice an op on data (or weights) alone replaces (of_data, of_weights)
 _OF_RECORDS = ("pole", "log1p_pole", "domain", "log_domain", "power_domain", "divide")
 # ops whose overflow an exponent drives: "subtract the row max before exp" applies to them

@@ -12,6 +12,7 @@ from __future__ import annotations
 from recorder.errors import first_line
 
 from .equal_rows import ADVICE as EQUAL_ROWS
+from .factors import BUILT_FACTOR
 from .folded_jacobian import ADVICE as FOLD
 from .log_domain import ADVICE as LOG_DOMAIN
 from .m_matrix import ADVICE as M_MATRIX
@@ -297,8 +298,7 @@ DO = {
                "rounding makes indefinite where it is near-singular), keep it positive-definite "
                "with a jitter on its diagonal that the dtype can hold and take "
                "2 * L.diagonal().log().sum() of its Cholesky factor L",
-    "m_matrix": M_MATRIX,
-    "fold": FOLD,
+    "m_matrix": M_MATRIX, "fold": FOLD, "built_factor": BUILT_FACTOR,  # (their modules')
     "cholesky": "check info (or call torch.linalg.cholesky, which raises) and make the "
                 "matrix positive-definite: a jitter on its diagonal that the dtype can hold "
                 "(about 1e-6 of the diagonal in float32, where 1 + 1e-9 rounds to 1; gpytorch's "

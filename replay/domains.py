@@ -308,6 +308,11 @@ def _of_matrix(op: str, base: str, ev: Evidence) -> tuple[str, str] | None:
     (v, kind), dt = made[0], str(ev.dtype).removeprefix("torch.")
     if kind == "singular_values":  # (a division's divisor: 0 only, singular values are >= 0)
         return singular_divisor(op, g(float(v.min())))
+    if kind == "built_factor":
+        return (f"{op} of a triangular factor's diagonal entry of {g(float(v.min()))}, a "
+                "factor the code built itself (diag_embed of a raw diagonal: a Cholesky "
+                "parametrisation of a mass, covariance or precision matrix) whose diagonal "
+                "nothing kept positive", "built_factor")
     if kind == "cholesky":
         return (f"{op} of a Cholesky factor's diagonal entry of {g(float(v.min()))}: "
                 "linalg.cholesky_ex met a pivot <= 0 there (the matrix is not positive-definite "

@@ -9,7 +9,11 @@
   fewer samples than features) are 0 in exact arithmetic and come out slightly negative, so
   their ``sqrt``, ``log`` or ``rsqrt`` (a matrix square root, a whitening) is NaN;
 - ``svd``'s singular values: 0 where the matrix is rank-deficient, a pseudo-inverse's divisor
-  (:mod:`replay.singular_values`).
+  (:mod:`replay.singular_values`);
+- the diagonal of a factor the code built itself with ``diag_embed`` (a learned mass matrix
+  ``M = L L^T`` whose raw diagonal no softplus keeps positive): a log-determinant's
+  ``2 * log(L.diagonal()).sum()`` of a pivot <= 0 the parametrisation allowed, which positivity
+  by construction fixes, not a clamp of the log.
 
 Followed on the autograd graph (so only when the forward recorded gradients), as
 :func:`replay.positive.made_positive` follows exp.
@@ -30,28 +34,41 @@ _FACTOR_NODES = {"LinalgCholeskyEx": (0, "cholesky"), "LinalgCholesky": (0, "cho
 _VIEW_NODES = {"Diagonal", "Select", "Slice", "View", "UnsafeView", "ReshapeAlias", "Squeeze",
                "Unsqueeze", "Clone", "ToCopy", "Expand", "Permute", "Transpose", "T", "Alias",
                "Narrow", "Index", "Unbind", "AsStrided", "Diag", "DiagEmbed"}
+# the advice for a log of such a factor's diagonal entry <= 0 (replay.cause_text)
+BUILT_FACTOR = ("keep the diagonal positive by construction: softplus (or exp) of the raw "
+                "diagonal plus a small eps, diag_embed(F.softplus(raw) + 1e-4), as a "
+                "positive-definite parametrisation does; a clamp before the log leaves the "
+                "matrix singular where the raw entry is <= 0")
+# ops that keep a matrix's diagonal as it was, after the diagonal was taken (a factor's
+# strictly lower part written in: tril, index_put at tril_indices(d, d, -1))
+_KEEP_DIAGONAL = {"Tril", "IndexPut"}
 
 
 def made_by(t, depth: int = 8) -> str | None:
     """``"cholesky"`` when tensor ``t`` holds (a view of) a Cholesky factor's values,
-    ``"eigenvalues"`` when it holds eigh's eigenvalues, ``"singular_values"`` svd's S, else
-    None."""
+    ``"eigenvalues"`` when it holds eigh's eigenvalues, ``"singular_values"`` svd's S,
+    ``"built_factor"`` the diagonal of a triangular factor the code built itself from a raw
+    diagonal (``diag_embed``: a learned mass or covariance matrix's Cholesky parametrisation,
+    no decomposition behind it), else None."""
+    built = diagonal = False
     try:
         fn, out = t.grad_fn, t.output_nr
         for _ in range(depth):
             if fn is None:
-                return None
+                break
             op = node_op(fn)
             if op in _FACTOR_NODES:
                 at, kind = _FACTOR_NODES[op]
                 return kind if out == at else None
-            if op not in _VIEW_NODES:
-                return None
+            if op not in _VIEW_NODES and not (diagonal and op in _KEEP_DIAGONAL):
+                break
+            built = built or (diagonal and op in ("DiagEmbed", "Diag"))
+            diagonal = diagonal or op == "Diagonal"
             fn, out = next(((f, i) for f, i in fn.next_functions if f is not None),
                            (None, 0))
     except Exception:  # not an autograd node, or one that cannot say
         return None
-    return None
+    return "built_factor" if built else None
 
 
 # decomposition nodes -> (saved values, how to read them) whose derivative's pole is a tie:

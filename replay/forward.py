@@ -49,6 +49,7 @@ from .other_rows import note_other_rows
 from .param_divisor import divisor_hint
 from .parametrized import parametrization_hint
 from .picked_fill import picked_hint, picked_origin
+from .piecewise_forward import forward_piecewise_hint
 from .product_underflow import lineage_hints
 from .pruned import empty_mask_hint, pruned_rows_hint
 from .quadratic_form import quadratic_form_hint
@@ -175,6 +176,7 @@ def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin,
     hint = self_edge_hint(hint, cause.name, hit, step, o.micro_batch)  # (i == j in edge_index)
     hint = params_hint(hint, hit)  # (log(diag(L)) of a Cholesky factor: which parameters)
     hint = attention_logits_hint(hint, cause.name, origin, step)  # (float16 q @ k.T, then softmax)
+    hint = forward_piecewise_hint(runner, o, hit, cause.name, hint, origin)  # (an LNN's relu Hessian)
     return coincident_hint(hint, cause.name, hit, step, o.micro_batch)  # (cdist(a, b) of 0)
 
 

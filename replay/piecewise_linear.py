@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 from .rerun import Runner
 from .zero_head import zero_head_hint
 
-_DIVIDES = {"aten.div", "aten.reciprocal", "aten.rsqrt"}
+DIVIDES = {"aten.div", "aten.reciprocal", "aten.rsqrt"}
 _RELU = {torch.relu, torch.relu_, F.relu, F.relu_, F.leaky_relu, F.leaky_relu_}
 _BETA = 10.0  # (softplus's sharpness: close to relu, with a nonzero second derivative)
 
@@ -30,14 +30,14 @@ PIECEWISE_LINEAR = (
     "{op}'s divisor is a derivative of the model's output that its piecewise-linear "
     "activations ({names}) made 0: a relu network is linear between its kinks, so every "
     "derivative of it beyond the first is exactly 0 (its u_xx, its Hessian), at every point and "
-    "whatever the weights; with a smooth activation in their place the loss is finite. A loss "
+    "whatever the weights; with a smooth activation in their place the {what} is finite. A loss "
     "built of second derivatives (a PINN's residual of a diffusion or wave operator) needs a "
     "smooth activation: tanh, sin, softplus or SiLU instead of relu; an eps on the divisor "
     "would leave that term 0, a residual that never trains"
 )
 
 
-class _Smooth(TorchFunctionMode):
+class Smooth(TorchFunctionMode):
     """Each relu or leaky relu called inside, as softplus of the same slope(s); the names of
     the functions it replaced."""
 
@@ -61,12 +61,12 @@ def piecewise_linear_hint(runner: Runner, mb: int, hit, cause: str,
                           hint: str | None) -> str | None:
     """The hint naming the model's relus as what made a loss's divisor 0, when micro-batch
     ``mb``'s loss is finite with smooth activations in their place; else ``hint``."""
-    if cause != "invalid" or hit is None or hit.op not in _DIVIDES or runner.model is None \
+    if cause != "invalid" or hit is None or hit.op not in DIVIDES or runner.model is None \
             or not runner.step.micro_batches[mb].get("grad_inputs"):
         return hint  # (no input to differentiate by: a relu's 0 output is another story)
     seen: set[str] = set()
     try:
-        run = runner.run(backward=False, instrument=False, forward_ctx=lambda: _Smooth(seen))
+        run = runner.run(backward=False, instrument=False, forward_ctx=lambda: Smooth(seen))
     except Exception:  # (the hint as it is: this only says where the divisor's 0 came from)
         return hint
     finally:
@@ -74,7 +74,7 @@ def piecewise_linear_hint(runner: Runner, mb: int, hit, cause: str,
     if not seen or mb not in run.loss_micro_batches \
             or not run.loss_finite[run.loss_micro_batches.index(mb)]:
         return hint
-    return PIECEWISE_LINEAR.format(op=hit.op, names=", ".join(sorted(seen)))
+    return PIECEWISE_LINEAR.format(op=hit.op, names=", ".join(sorted(seen)), what="loss")
 
 
 def zero_divisor_hint(runner: Runner, mb: int, hit, cause: str, hint: str | None) -> str | None:

@@ -9,7 +9,9 @@ of exactly 0 (a channel the image does not activate, behind a ReLU) has a gradie
 PINN's collocation points) requires grad too: the hint keeps the data pipeline for it, and
 names only it when the event is at the run's first step (step 0, nothing before it in the
 ring): no update can have made it non-finite then (DeepXDE's anchors holding a NaN). Within
-a step, ``replay.derived_input`` names the loop's step instead."""
+a step, ``replay.derived_input`` names the loop's step instead. A tensor the model's own
+forward made require grad (``replay.self_grad_input``: an HNN's ``x.requires_grad_()``) is
+data: no hint here."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Any
 
 from .load import Step
 from .recorded import input_origin, origin_key
+from .self_grad_input import model_made_grad
 
 TRAINED_INPUT = (
     "{tensor} required grad in training: no record of data, then, when it is a tensor the "
@@ -69,6 +72,8 @@ def trained_input_hint(step: Step, origin: dict[str, Any] | None = None) -> str 
         return None
     if key in step.micro_batches[0].get("graph_inputs", ()):
         return GRAPH_INPUT.format(tensor=origin.get("tensor"))
+    if model_made_grad(step, 0, key):  # (an HNN's x.requires_grad_() in forward: data)
+        return None
     if _first_step(step):
         return FIRST_DATA.format(tensor=origin.get("tensor"))
     before, remedy = "", EITHER

@@ -7,6 +7,9 @@ and line, where the fix goes). And at a sqrt's or a norm's 0, ``torch.linalg.vec
 is no fix: its gradient, masked to 0 at a zero vector, is 0/0 to differentiate again (not
 said of a forward node that saved a NaN, a masked branch's op outside its domain: the mask's
 fix is the one).
+A forward node the forward's derivative never ran (an op of the loss, after it) is no such
+node: its pole is a first derivative's (a rollout loss's Euclidean distance at a trajectory's
+own start, 0), whatever the step differentiated elsewhere.
 Non-reentrant activation checkpointing (``checkpoint(layer, h, use_reentrant=False)``) also
 makes nodes inside the backward: the block's forward, re-run where its saved tensors are
 unpacked. Those are forward nodes, never a derivative's: told by their creation stack."""
@@ -69,10 +72,20 @@ def at_forward_node(b, names: dict) -> None:
     """After the run that found backward origin ``b``, whose nodes ``names`` labels by
     module: whether the graph held a derivative's nodes, and ``b``'s module and
     ``derivative_of`` (the node itself until then) from the forward node that made it."""
-    b.twice = any(derived(node) for node in names)
+    b.twice = any(derived(node) for node in names) and (
+        b.derivative_of is not None or _differentiated(b.node_object, names))
+    b.node_object = None
     if b.derivative_of is not None:
         fwd = forward_node(b.derivative_of)
         b.module, b.derivative_of = names.get(fwd, b.module), fwd.name()
+
+
+def _differentiated(node, names: dict) -> bool:
+    """Whether the forward's own derivative ran forward node ``node``'s backward (a derived
+    node's parent is it: the energy's sqrt under the forces' ``autograd.grad``). One that ran
+    after it, on its output (a rollout loss's distance, the norm of a gradient penalty's
+    gradient), is differentiated once: its pole is a first derivative's, no second's."""
+    return node is None or any(_parent(n) is node for n in names)
 
 
 def twice_hint(b, hint: str) -> str:
