@@ -73,9 +73,9 @@ class StepCycle:
         self.lock = threading.RLock()
         self.updated = False  # an optimizer step ran since the last step opened
         self.ever_updated = False  # the recorded optimizer's step() ran since attach
-        # no optimizer: a step has closed at the end of its backward or at end_step() (the
-        # loop trains), so a forward with gradients off is an evaluation between steps, not a
-        # step of its own
+        # no optimizer: a step with gradients on has closed at the end of its backward or at
+        # end_step() (the loop trains by gradient), so a forward with gradients off is an
+        # evaluation between steps, not a step of its own
         self.trains_by_backward = False
         self.skips = 0  # skipped steps in a row (a GradScaler's, or the loop's own scaler's)
         self.eval_tail: Tape | None = None  # the last evaluation forward, until its loss runs
@@ -203,7 +203,11 @@ class StepCycle:
 
     def close_open_step(self, at: str, skipped_by_loop: bool = False) -> None:
         if self.health.active and self.tape is not None:
-            if at in ("backward", "end_step") and not self.tape.evaluation:
+            if not self.trains_by_backward and at in ("backward", "end_step") \
+                    and not self.tape.evaluation \
+                    and any(mb.grad_enabled for mb in self.tape.micro_batches):
+                # (not an evolution strategy's end_step() after forwards under no_grad: those
+                # forwards are its steps)
                 self.trains_by_backward = True
             self.foreign.moved(self.tape, self.target.watched)  # (as a closing forward does)
             self.close_tape(at=at, skipped_by_loop=skipped_by_loop)

@@ -202,3 +202,28 @@ def test_a_validation_forward_between_hand_updates_is_no_step(tmp_path):
     assert (ev["step"], ev["phase"], ev["samples"], ev.get("evaluation")) == (4, "input", [ROW],
                                                                                 True), ev
     assert "in an evaluation forward (gradients off) before step 4" in str(info.value)
+
+
+def test_an_evolution_strategys_forwards_under_no_grad_stay_its_steps(tmp_path):
+    """An evolution strategy evaluates under ``torch.no_grad()`` and closes each generation
+    with ``rec.end_step()``: its forwards are its steps (numbered on, a NaN record a step's
+    input event), not evaluations between steps of a loop that trains by gradient."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    g = torch.Generator().manual_seed(0)
+    seen = []
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, out_dir=tmp_path) as rec:
+            for gen in range(6):
+                x = torch.randn(16, 4, generator=g)
+                if gen == 4:
+                    x[ROW, 0] = float("nan")
+                with torch.no_grad():
+                    model(x).mean()
+                    for p in model.parameters():
+                        p.add_(0.01 * torch.randn(p.shape, generator=g))
+                rec.end_step()
+                seen.append(rec.step)
+    ev = info.value.event
+    assert seen == [1, 2, 3, 4]
+    assert (ev["step"], ev["phase"], ev["samples"], ev.get("evaluation")) == (
+        4, "input", [ROW], None), ev
