@@ -1,10 +1,11 @@
 """A batch tensor holding NaN at scattered entries beside a 0/1 tensor of exactly its shape
-that the model takes too (a missingness mask: a probabilistic circuit marginalising the
-features it marks, an ``observed`` mask of a clinical series) and that holds at the NaN entries
-the value it holds at the observed ones: the values were missing, but the mask that tells the
-model so was built without them (from a schema, from another column, all observed), so the
-model computes with the NaN instead of marginalising it. The fix is one line where the data is
-read: build the mask from the data and fill the entries it marks."""
+that the model takes too and that holds at the NaN entries the value it holds at most observed
+ones. Where it is a missingness mask (a probabilistic circuit marginalising the features it
+marks, an ``observed`` mask of a clinical series), the values were missing but the mask that
+tells the model so was built without them (from a schema, all observed), so the model computes
+with the NaN instead of marginalising it: build the mask from the data and fill the entries it
+marks. A 0/1 tensor of another meaning (a table's valid columns) fits the same test, so the
+sentence follows the missing-values hint instead of replacing it."""
 
 from __future__ import annotations
 
@@ -16,28 +17,28 @@ from recorder.finite import zero_one
 
 from .missing_entries import MISSING_ENTRIES
 
+# said after MISSING_ENTRIES: a 0/1 tensor of the batch tensor's shape may be a mask of missing
+# or observed entries (a circuit's), or one of other meaning (a table's valid columns)
 UNMARKED_MISSING = (
-    "the batch itself holds NaN, and {tensor} holds it at scattered entries of records "
-    "otherwise finite: {where}; {mask}, the 0/1 tensor of {tensor}'s shape the model takes "
-    "beside it (a mask of missing or of observed entries), holds {value} at every one of them, "
-    "as at the observed entries: missing values the data pipeline never marked missing, so "
-    "the model computes with the NaN instead of masking or marginalising it; build the mask "
-    "from the data where it is read (missing = x.isnan(), or observed = ~x.isnan(), combined "
-    "with any mask it had) and fill the entries it marks with a finite value "
-    "(x.nan_to_num(0.0)), which the mask then discards")
+    "; {mask}, the 0/1 tensor of {tensor}'s shape the model takes beside it, holds {value} at "
+    "every one of them, as at most finite entries: where it is a mask of missing or of "
+    "observed entries, the data pipeline never marked these missing, so the model computes "
+    "with the NaN instead of masking or marginalising it; build the mask from the data where "
+    "it is read (missing = x.isnan(), or observed = ~x.isnan(), combined with any mask it "
+    "had) and fill the entries it marks with a finite value (x.nan_to_num(0.0)), which the "
+    "mask then discards")
 
 
 def scattered_missing(t: torch.Tensor, tensor: str, others: dict[str, Any], where: str) -> str:
     """The hint of ``t``'s NaN at scattered entries (``where``, from
-    ``replay.missing_entries``): :func:`unmarked_missing`'s when a mask beside it left them
-    unmarked, else missing values to impute."""
-    return unmarked_missing(t, tensor, others, where) \
-        or MISSING_ENTRIES.format(tensor=tensor, where=where)
+    ``replay.missing_entries``): missing values to impute, and :func:`unmarked_missing`'s
+    sentence when a 0/1 tensor beside it left them unmarked."""
+    return MISSING_ENTRIES.format(tensor=tensor, where=where) \
+        + unmarked_missing(t, tensor, others)
 
 
-def unmarked_missing(t: torch.Tensor | None, tensor: str, others: dict[str, Any],
-                     where: str) -> str:
-    """The hint when one of ``others`` (name: batch tensor) is 0/1 of exactly ``t``'s shape
+def unmarked_missing(t: torch.Tensor | None, tensor: str, others: dict[str, Any]) -> str:
+    """The sentence when one of ``others`` (name: batch tensor) is 0/1 of exactly ``t``'s shape
     and holds one value at all of ``t``'s NaN entries, the value of most of ``t``'s finite
     entries too (the NaN treated as observed); "" otherwise."""
     if t is None or not t.is_floating_point():
@@ -57,6 +58,5 @@ def unmarked_missing(t: torch.Tensor | None, tensor: str, others: dict[str, Any]
             seen = on[~nan]
             if 2 * int((seen == value).sum()) > seen.numel():
                 shown = "True/1" if value else "False/0"
-                return UNMARKED_MISSING.format(tensor=tensor, where=where, mask=name,
-                                               value=shown)
+                return UNMARKED_MISSING.format(tensor=tensor, mask=name, value=shown)
     return ""
