@@ -76,7 +76,7 @@ class StepCycle:
         # no optimizer: a step with gradients on has closed at the end of its backward or at
         # end_step() (the loop trains by gradient), so a forward with gradients off is an
         # evaluation between steps, not a step of its own
-        self.trains_by_backward = False
+        self.trains_by_gradient = False
         self.skips = 0  # skipped steps in a row (a GradScaler's, or the loop's own scaler's)
         self.eval_tail: Tape | None = None  # the last evaluation forward, until its loss runs
         self.unrooted_call: int | None = None  # a submodule that ran while no step was open
@@ -114,7 +114,7 @@ class StepCycle:
         if tape is None:  # (between steps, an evaluating forward is checked on its own when
             # it returns: a step would hold every such batch and output until the next update)
             tape = self._open_tape(evaluation=evaluating and (
-                self.target.has_optimizer or self.trains_by_backward))
+                self.target.has_optimizer or self.trains_by_gradient))
         return tape
 
     def _ended_without_optimizer(self, tape: Tape) -> bool:
@@ -203,12 +203,12 @@ class StepCycle:
 
     def close_open_step(self, at: str, skipped_by_loop: bool = False) -> None:
         if self.health.active and self.tape is not None:
-            if not self.trains_by_backward and at in ("backward", "end_step") \
+            if not self.trains_by_gradient and at in ("backward", "end_step") \
                     and not self.tape.evaluation \
                     and any(mb.grad_enabled for mb in self.tape.micro_batches):
                 # (not an evolution strategy's end_step() after forwards under no_grad: those
                 # forwards are its steps)
-                self.trains_by_backward = True
+                self.trains_by_gradient = True
             self.foreign.moved(self.tape, self.target.watched)  # (as a closing forward does)
             self.close_tape(at=at, skipped_by_loop=skipped_by_loop)
 

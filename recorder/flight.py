@@ -72,8 +72,9 @@ class FlightRecorder:
         optimizer: optional; ``optimizer.step()`` closes a step. Without one, a step is one
             root forward, closed when the backward that wrote its gradients ends (before the
             loop's own update), when the next forward begins, at :meth:`end_step` or at
-            detach; once a step has closed at its backward, a forward with gradients off is
-            an evaluation between steps (a validation batch), not a step.
+            detach; once a step whose forward ran with gradients on has closed (at its
+            backward or :meth:`end_step`), a forward with gradients off is an evaluation
+            between steps (a validation batch), not a step.
         loss_fn: optional loss module or callable. A module is hooked in place; a plain
             function must be called through :attr:`loss_fn` to be seen.
         out_dir: where bundles go (created if missing).
