@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+_MISSING = object()  # (an attribute the instance did not hold itself)
+
 
 def checked(callback, run: Callable[..., Any]) -> Callable[..., Any]:
     """``run`` under ``callback.recorder``'s exception check (an ``Exception``, not a
@@ -29,3 +31,33 @@ def checked(callback, run: Callable[..., Any]) -> Callable[..., Any]:
             raise
 
     return checked_run
+
+
+class Wrappers:
+    """Functions set on instances in place of their methods (a framework's loop methods under
+    :func:`checked`), each undone at :meth:`undo`: the attribute the instance held itself
+    before (Keras's ``train_function``) put back, else the class's method showing through
+    again. Set in the instance's ``__dict__``, past a ``__setattr__`` that tracks attributes
+    (Keras's layers)."""
+
+    def __init__(self) -> None:
+        self._held: list[tuple[Any, str, Any]] = []
+
+    def wrap(self, obj, name: str, fn: Callable[..., Any]) -> None:
+        """``fn`` as ``obj.name`` until :meth:`undo`."""
+        own = vars(obj)
+        self._held.append((obj, name, own.get(name, _MISSING)))
+        own[name] = fn
+
+    def check(self, callback, obj, name: str) -> None:
+        """``obj.name`` run under ``callback``'s recorder's exception check (:func:`checked`)."""
+        self.wrap(obj, name, checked(callback, getattr(obj, name)))
+
+    def undo(self) -> None:
+        """Every wrapper off, the last set first."""
+        while self._held:
+            obj, name, saved = self._held.pop()
+            own = vars(obj)
+            own.pop(name, None)
+            if saved is not _MISSING:
+                own[name] = saved

@@ -26,11 +26,9 @@ from typing import Any
 
 import keras
 
-from .checked_run import checked
+from .checked_run import Wrappers
 from .flight import FlightRecorder
 from .settings import check_callback_options
-
-_MISSING = object()  # (an attribute the instance did not hold itself)
 
 
 class FlightRecorderCallback(keras.callbacks.Callback):
@@ -46,8 +44,7 @@ class FlightRecorderCallback(keras.callbacks.Callback):
         check_callback_options(options.get("loss_fn"), options)
         self.options = options
         self.recorder: FlightRecorder | None = None
-        # (object, name, its own attribute the wrapper hid: Keras's train_function) per wrapper
-        self._wrapped: list[tuple[Any, str, Any]] = []
+        self._wrappers = Wrappers()  # (on the model and its optimizer, until detach)
 
     def on_train_begin(self, logs=None) -> None:
         self.detach()  # (a fit after one that raised)
@@ -61,11 +58,11 @@ class FlightRecorderCallback(keras.callbacks.Callback):
         rec.integration = "keras"
         rec.attach()
         if loss_fn is None:
-            self._wrap(model, "compute_loss", _through(rec))
-        self._wrap(model, "train_function", checked(self, model.train_function))
+            self._wrappers.wrap(model, "compute_loss", _through(rec))
+        self._wrappers.check(self, model, "train_function")
         # (fit's validation: its forwards are evaluations between the steps, checked as they
         # return; an event there leaves fit through evaluate)
-        self._wrap(model, "evaluate", checked(self, model.evaluate))
+        self._wrappers.check(self, model, "evaluate")
         if callable(getattr(optimizer, "check_finite", None)) \
                 and callable(getattr(optimizer, "scale_loss", None)):
             self._scaled(rec, optimizer)
@@ -89,14 +86,8 @@ class FlightRecorderCallback(keras.callbacks.Callback):
             rec.end_step(skipped=not bool(optimizer.check_finite(grads)))
             return apply(grads, *args, **kwargs)
 
-        self._wrap(optimizer, "scale_loss", scaled)
-        self._wrap(optimizer, "apply", applied)
-
-    def _wrap(self, obj, name: str, fn) -> None:
-        """``fn`` as ``obj.name`` on the instance, until :meth:`detach`."""
-        own = vars(obj)
-        self._wrapped.append((obj, name, own.get(name, _MISSING)))
-        own[name] = fn
+        self._wrappers.wrap(optimizer, "scale_loss", scaled)
+        self._wrappers.wrap(optimizer, "apply", applied)
 
     def on_train_end(self, logs=None) -> None:
         if self.recorder is not None:  # the open step, and the last update's weights
@@ -105,12 +96,7 @@ class FlightRecorderCallback(keras.callbacks.Callback):
 
     def detach(self) -> None:
         """Remove the recorder's hooks and the wrappers of the model's methods."""
-        while self._wrapped:
-            obj, name, saved = self._wrapped.pop()
-            own = vars(obj)
-            own.pop(name, None)
-            if saved is not _MISSING:
-                own[name] = saved
+        self._wrappers.undo()
         if self.recorder is not None:
             self.recorder.detach()
 

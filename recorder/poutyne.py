@@ -28,7 +28,7 @@ from typing import Any
 from poutyne import Callback
 from torch import nn
 
-from .checked_run import checked
+from .checked_run import Wrappers
 from .flight import FlightRecorder
 from .settings import check_callback_options
 
@@ -57,7 +57,7 @@ class FlightRecorderCallback(Callback):
         super().__init__()
         self.options = options
         self.recorder: FlightRecorder | None = None
-        self._wrapped = None  # the poutyne Model whose methods are wrapped
+        self._wrappers = Wrappers()  # (the poutyne Model's per-batch methods, until detach)
         self._network = None  # the network the last recorder recorded
 
     def on_train_begin(self, logs: dict) -> None:
@@ -73,8 +73,7 @@ class FlightRecorderCallback(Callback):
         self.recorder.integration = "poutyne"
         self.recorder.attach()
         for name in _WRAPPED:
-            setattr(model, name, checked(self, getattr(model, name)))
-        self._wrapped = model
+            self._wrappers.check(self, model, name)
 
     def on_train_end(self, logs: dict) -> None:
         if self.recorder is not None:  # the open step, and the last update's weights
@@ -85,9 +84,6 @@ class FlightRecorderCallback(Callback):
 
     def detach(self) -> None:
         """Remove the recorder's hooks and the wrappers of the model's methods."""
-        if self._wrapped is not None:
-            for name in _WRAPPED:
-                vars(self._wrapped).pop(name, None)
-            self._wrapped = None
+        self._wrappers.undo()
         if self.recorder is not None:
             self.recorder.detach()

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from stable_baselines3.common.callbacks import BaseCallback
 
-from .checked_run import checked
+from .checked_run import Wrappers
 from .flight import FlightRecorder
 from .settings import check_callback_options
 
@@ -89,7 +89,7 @@ class FlightRecorderCallback(BaseCallback):
         super().__init__()
         self.part, self.optimizer_name, self.options = part, optimizer, options
         self.recorder: FlightRecorder | None = None
-        self._guarded: list[str] = []
+        self._wrappers = Wrappers()  # (the algorithm's GUARDED methods, until detach)
         self._patched = None  # the policy through_forward patched, undone at detach
 
     def _on_training_start(self) -> None:
@@ -108,11 +108,7 @@ class FlightRecorderCallback(BaseCallback):
         self.recorder.target.unrooted_advice = UNROOTED_ADVICE
         self.recorder.attach()
         for method in GUARDED:
-            self._guard(method)
-
-    def _guard(self, method: str) -> None:
-        setattr(self.model, method, checked(self, getattr(self.model, method)))
-        self._guarded.append(method)
+            self._wrappers.check(self, self.model, method)
 
     def _on_step(self) -> bool:
         return True
@@ -123,9 +119,7 @@ class FlightRecorderCallback(BaseCallback):
         self.detach()
 
     def detach(self) -> None:
-        for method in self._guarded:
-            vars(self.model).pop(method, None)
-        self._guarded.clear()
+        self._wrappers.undo()
         if self.recorder is not None:
             self.recorder.detach()
         if self._patched is not None:

@@ -23,7 +23,7 @@ from typing import Any
 
 from skorch.callbacks import Callback
 
-from .checked_run import checked
+from .checked_run import Wrappers
 from .flight import FlightRecorder
 from .settings import check_callback_options
 
@@ -39,7 +39,7 @@ class FlightRecorderCallback(Callback):
         check_callback_options(options.get("loss_fn"), options)
         self.options = options
         self.recorder: FlightRecorder | None = None
-        self._net = None  # the net whose fit_loop is wrapped
+        self._wrappers = Wrappers()  # (the net's fit_loop, until detach)
 
     def on_train_begin(self, net, X=None, y=None, **kwargs) -> None:
         self.detach()  # (a fit after one that raised)
@@ -51,7 +51,7 @@ class FlightRecorderCallback(Callback):
                                        start_step=batches, **options)
         self.recorder.integration = "skorch"
         self.recorder.attach()
-        net.fit_loop, self._net = checked(self, net.fit_loop), net
+        self._wrappers.check(self, net, "fit_loop")
 
     def on_train_end(self, net, X=None, y=None, **kwargs) -> None:
         if self.recorder is not None:  # the open step, and the last update's weights
@@ -60,8 +60,6 @@ class FlightRecorderCallback(Callback):
 
     def detach(self) -> None:
         """Remove the recorder's hooks and the wrapper of the net's ``fit_loop``."""
-        if self._net is not None:
-            vars(self._net).pop("fit_loop", None)
-            self._net = None
+        self._wrappers.undo()
         if self.recorder is not None:
             self.recorder.detach()
