@@ -11,7 +11,7 @@ from typing import Any
 
 from .cause_text import HINTS
 from .forward_steps import forward_steps_note
-from .load import Step
+from .load import NO_FACTORY, NO_FACTORY_NEEDED, Step
 from .precursors import find_precursors, history, module_dtypes
 from .source import statement
 
@@ -96,6 +96,10 @@ def finish(report, origin, cause, *, reproduced: bool, hint: str | None = None
             "eagerly: values only the compiled kernels make (fused arithmetic, inductor's own "
             "dropout random numbers) do not come back; to make dropout replayable, train with "
             "torch._inductor.config.fallback_random = True")
+    if cause == "input" and reproduced and origin.get("phase") == "input":
+        # read from the bundle's batch: a model would not change it, so offer none
+        report["problems"] = [NO_FACTORY_NEEDED if p.startswith(NO_FACTORY) else p
+                              for p in report["problems"]]
     report["origin"] = origin
     report["cause"] = cause
     report["reproduced"] = reproduced

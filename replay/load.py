@@ -186,6 +186,10 @@ def build(step: Step, factory: str | None, device: str | None,
         _build(step, spec, factory is not None, factory_kwargs)
 
 
+NO_FACTORY = "the bundle names no model factory"
+NO_FACTORY_NEEDED = f"{NO_FACTORY}, and none is needed here: the values are in the bundle's batch"
+
+
 def _build_without_factory(step: Step, factory_kwargs: dict[str, Any] | None) -> None:
     """A run recorded without ``factory``: the model's class called with no arguments, when
     the recorder found that it can be (``default_factory``), under the trust rule of a
@@ -194,7 +198,7 @@ def _build_without_factory(step: Step, factory_kwargs: dict[str, Any] | None) ->
     guess = (step.meta.get("model") or {}).get("default_factory")
     how = "pass --factory MOD:FN (a function returning the model) to re-run the step"
     if not isinstance(guess, str) or factory_kwargs:
-        raise FactoryRefused(f"the bundle names no model factory, so nothing was re-run: {how}")
+        raise FactoryRefused(f"{NO_FACTORY}, so nothing was re-run: {how}")
     try:
         with recorded_argv(step.meta, guess):
             _build(step, guess, False, {})

@@ -65,3 +65,25 @@ def test_a_model_its_class_cannot_rebuild_gets_the_recorders_report(tmp_path, mo
     assert note.endswith("pass --factory MOD:FN (a function returning the model) to re-run "
                          "the step"), note
     assert "\n" not in note
+
+
+def test_an_input_event_read_from_the_batch_asks_for_no_factory(tmp_path):
+    """A NaN in the batch is in the bundle: no model is needed to name it, so the note does
+    not offer a re-run (before: "nothing was re-run: pass --factory" beside "reproduced")."""
+    model = torch.nn.Sequential(torch.nn.Linear(RL.OBS, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=tmp_path):
+            for step in range(3):
+                x, y = torch.randn(8, RL.OBS, generator=g), torch.randn(8, 1, generator=g)
+                x[3, 1] = float("nan") if step == 2 else x[3, 1]
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+    rep, code = replay_json(info.value.bundle_path)
+    assert (rep["reproduced"], rep["cause"], rep["origin"]["samples"], code) == (
+        True, "input", [3], 0), rep
+    [note] = [p for p in rep["problems"] if "no model factory" in p]
+    assert note == ("the bundle names no model factory, and none is needed here: the values "
+                    "are in the bundle's batch"), note
