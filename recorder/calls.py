@@ -46,6 +46,7 @@ class CallHooks:
         self.strict_inf = target.settings.strict_inf
         self.loss_recorded = False  # record_loss has been given a loss (no loss_fn to replay)
         self.copy_inputs = False  # the model's forward writes into its floating inputs
+        self.shape_pass = False  # the root runs on meta tensors; the recorder paused
 
     def register(self) -> list:
         """Hook every site of the bound target (and the loss module, and the gradients of the
@@ -95,9 +96,16 @@ class CallHooks:
 
     def root_pre_hook(self, module, args, kwargs):
         if not self.health.active:
-            return None
+            if not self.shape_pass or _on_meta(args, kwargs):
+                return None
+            self.shape_pass, self.health.active = False, True  # (after a shape pass that raised)
         if func_transform() is not None:  # see _outside
             self.cycle.transformed = True
+            return None
+        if _on_meta(args, kwargs):
+            # a pass with no data (Keras's symbolic build, a shape inference on the meta device):
+            # no step, and nothing to measure, until the root returns (see _outside)
+            self.shape_pass, self.health.active = True, False
             return None
         try:
             root = self.target.model()  # (``module`` may be a compile wrapper, whose mode can lag)
@@ -292,7 +300,9 @@ class CallHooks:
         ensemble), whose wrapped tensors are no part of the step and no reduction into a slot
         takes. Traced by dynamo (the model called from a compiled training step, whose
         root hooks run eagerly), the call is part of the root's compiled region."""
-        if torch.compiler.is_compiling():  # (dynamo replays it at each run of the graph)
+        if not idx and self.shape_pass:  # (the root returned from its shape pass)
+            self.shape_pass, self.health.active = False, True
+        elif torch.compiler.is_compiling():  # (dynamo replays it at each run of the graph)
             self.cycle.traced = True
         elif func_transform() is None:
             self.cycle.outside_step(idx, tape)
@@ -387,3 +397,11 @@ def _grads_dropped(earlier: list[MicroBatch], params) -> bool:
                   if earlier[i].grads_dropped), 0)
     return any(m.out_grads for m in earlier[since:]) and \
         all(p.grad is None for _, p in params)
+
+
+def _on_meta(args, kwargs) -> bool:
+    """The root's inputs are meta tensors (shapes without data)."""
+    a = args[0] if args else None
+    if type(a) is torch.Tensor:
+        return a.is_meta
+    return any(t.is_meta for t in leaves(args, kwargs))

@@ -259,3 +259,21 @@ def test_written_out_binary_cross_entropy_rounds_one_minus_sigmoid_to_zero(tmp_p
     assert rep["origin"]["samples"] == torch.nonzero(p == 1).flatten().tolist()
     assert rep["origin"]["called_from"] == line_of("ops.log(1.0 - p)")
     assert "binary_cross_entropy_with_logits" in rep["hint"]
+
+
+def test_a_recorder_around_fit_survives_kerass_meta_device_trace(tmp_path, caplog):
+    """``with FlightRecorder(model)`` around ``fit`` without the callback: Keras first traces
+    the model on meta tensors (its symbolic build), which has no data to measure. Before, the
+    recorder copied out of a meta tensor, logged an internal error and recorded nothing; now
+    that pass is skipped and the NaN row is an input event with its bundle."""
+    keras.utils.set_random_seed(0)
+    model = M.make_mlp()["model"]
+    x, y = M.data()
+    x[37, 3] = np.nan  # batch 2 (rows 32-47): its row 5
+    with pytest.raises(NonFiniteError) as e:
+        with FlightRecorder(model, out_dir=tmp_path):
+            model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    assert "internal error" not in caplog.text
+    rep = nanreplay_json(e.value.bundle_path)
+    assert (rep["event"]["step"], rep["event"]["phase"], rep["cause"]) == (2, "input", "input")
+    assert rep["origin"]["samples"] == [5]
