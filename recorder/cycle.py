@@ -30,6 +30,7 @@ from .buffers import BufferSnapshots
 from .compat import scaler_scale, scaler_token, version_of
 from .constraints import constraint_detail, constraint_reason
 from .errors import NonFiniteError
+from .finite_step_note import finite_step_note
 from .foreign import ForeignUpdates
 from .grads import output_grad_norms, reread_changed_grads, weight_step_norms
 from .hooks import Health
@@ -389,6 +390,8 @@ class StepCycle:
             return
         if self.alarm.fired and self.alarm.event is not None:  # warn mode: noted here too
             _add_note(exc, self.alarm.summary())
+        elif not self.alarm.fired and (note := finite_step_note(exc, self.step - 1, tape)):
+            _add_note(exc, note)
 
     def check_last_update(self) -> None:
         """At detach after a clean exit: the last update's evidence (one host read)."""

@@ -550,6 +550,39 @@ def test_an_exception_with_nothing_non_finite_writes_nothing(out_dir):
     assert rec.event is None and bundles(out_dir) == []
 
 
+@pytest.mark.parametrize("given", [None, "loss_fn", "record_loss"])
+def test_a_nan_guard_on_a_loss_the_recorder_never_saw_says_so(out_dir, given):
+    """The loop computes its loss itself and asserts it is finite (a bare ``assert``): the NaN
+    was made outside the model, so the step the recorder saw is finite and no bundle is
+    written. The AssertionError says so and what to pass; with ``loss_fn`` seen the note
+    points past it; with ``record_loss`` the step's bundle is written instead."""
+    model, crit = M.mlp(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(AssertionError) as info:
+        with FlightRecorder(model, opt, out_dir=out_dir,
+                            loss_fn=crit if given == "loss_fn" else None) as rec:
+            for step in range(3):
+                x, y = M.batch(step)
+                loss = crit(model(x), y)
+                if step == 2:  # (the loop's own term: a log of a negative)
+                    loss = loss + torch.log(-loss.detach())
+                if given == "record_loss":
+                    rec.record_loss(loss)
+                assert not torch.isnan(loss)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    note = _note(info.value)
+    if given == "record_loss":
+        check_event(rec.event, step=2, phase="loss")
+        assert note is not None and str(rec.bundle_path) in note
+        return
+    assert rec.event is None and bundles(out_dir) == []
+    assert note is not None and note.startswith(
+        "nanreplay: every value the recorder saw in step 2 (the model's calls"), note
+    assert ("pass loss_fn=" in note) is (given is None), note
+
+
 def test_copies_of_a_recorded_model_get_inert_hooks(out_dir, tmp_path):
     """An EMA average built while recording (``AveragedModel`` deep-copies the model),
     ``copy.deepcopy`` and ``torch.save(model)``: each worked without the recorder (its locks and
