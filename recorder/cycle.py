@@ -237,8 +237,8 @@ class StepCycle:
         if scale:
             layout.scale = read_scale
         if tape.evaluation:  # the ring is the training steps' history: its row is not kept
-            if not ok and not self.alarm.fired:
-                self.alarm.step_event(tape, layout, row, "non_finite")
+            if (not ok or forced) and not self.alarm.fired:  # (a refusal in a rollout too)
+                self.alarm.step_event(tape, layout, row, forced if ok else "non_finite")
             return
         self.ring.commit(layout)
         self.copy_targets = self.copy_targets or tape.targets_moved()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributions import Normal, kl_divergence
+from torch.distributions import Categorical, Normal, kl_divergence
 
 BATCH, ELEMENTS, FEATURES, LATENT = 8, 5, 6, 4
 
@@ -57,3 +57,21 @@ def batch(g: torch.Generator, empty: int | None = None, scale_of: dict | None = 
         m[empty] = 0.0
     target = (x * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True).clamp_min(1.0)
     return x, m, target
+
+
+class MaskedPolicy(nn.Module):
+    """An RL policy over discrete actions, illegal ones masked to -inf (MAPPO's ACTLayer);
+    its rollouts run it under ``torch.no_grad()``."""
+
+    def __init__(self, obs: int = 6, actions: int = 4):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(obs, 16), nn.Tanh(), nn.Linear(16, actions))
+
+    def forward(self, obs, avail):
+        logits = self.net(obs).masked_fill(avail == 0, float("-inf"))
+        return Categorical(logits=logits)
+
+
+def make_policy() -> MaskedPolicy:
+    torch.manual_seed(0)
+    return MaskedPolicy()

@@ -96,3 +96,31 @@ def test_healthy_sets_train_without_an_event(tmp_path):
             loss.backward()
             opt.step()
     assert not list(tmp_path.glob("*.nan"))
+
+
+def test_a_refusal_in_a_no_grad_rollout_is_an_evaluation_event(tmp_path):
+    """A policy's rollout under ``torch.no_grad()`` (an evaluation forward between steps) meets
+    an agent with no available action: every logit masked to -inf, ``Categorical`` refuses
+    the NaN its normalisation made. Before, the ValueError reached the loop with no bundle
+    (the evaluation's statistics were finite, and only a non-finite one fired there)."""
+    policy = M.make_policy()
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError) as info:
+        with FlightRecorder(policy, opt, out_dir=tmp_path, factory="refusal_models:make_policy"):
+            for step in range(4):
+                obs, avail = torch.randn(8, 6, generator=g), torch.ones(8, 4)
+                if step == 2:
+                    avail[5] = 0  # a dead agent: no action left
+                with torch.no_grad():
+                    actions = policy(obs, avail).probs.argmax(-1)
+                loss = -policy(obs, torch.ones(8, 4)).log_prob(actions).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    rep = nanreplay_json(bundle_of(info.value))
+    o = rep["origin"]
+    assert (rep["event"]["step"], rep["event"]["evaluation"]) == (2, True), rep["event"]
+    assert (rep["reproduced"], rep["cause"], o["phase"], o["op"], o["samples"]) == (
+        True, "invalid", "forward", "aten.sub", [5]), rep
+    assert o["source"] == f"refusal_models.py:{line_of('return Categorical(logits=logits)')}"
