@@ -225,7 +225,9 @@ def test_a_joint_action_probability_as_a_product_underflows_without_blaming_the_
 
 def test_an_entropy_masked_after_its_log_is_a_backward_only_nan(tmp_path):
     """``(p * p.log()).masked_fill(~avail, 0)``: finite forward, but a dead agent's masked
-    actions have p = 0 exactly, and the backward of the product takes 0 * log(0)."""
+    actions have p = 0 exactly, and the backward of the product takes 0 * log(0). The hint
+    says a mask after the log does not keep its gradient finite (once only the log-space
+    advice of an underflow)."""
     with pytest.raises(NonFiniteError) as info:
         mappo(tmp_path, loss_kw={"entropy": "masked_plogp"})
     assert (info.value.event["step"], info.value.event["phase"]) == (0, "backward")
@@ -234,4 +236,5 @@ def test_an_entropy_masked_after_its_log_is_a_backward_only_nan(tmp_path):
     assert rep["reproduced"] is True and rep["cause"] == "underflow"
     assert (o["op"], o["module"], o["samples"]) == ("MulBackward0", "<loss>", [0, 1, 2, 3])
     assert o["source"] == source_line(MODELS, "plogp = (probs * probs.log()).masked_fill(")
-    assert "aten.log" in rep["hint"]
+    assert "made by aten.log" in rep["hint"] and "log_softmax instead of log(softmax)" in rep["hint"]
+    assert "masked_fill still send the gradient through both branches" in rep["hint"]
