@@ -73,7 +73,7 @@ class Rollout(torch.utils.data.Dataset):
 
 
 def mappo(out_dir, factory="make_mappo", record=True, epochs=2, loss_kw=None, dead_noop=True,
-          stale_avail=False, returns_offset=0.0):
+          stale_avail=False, returns_offset=0.0, normalise_adv=False):
     """MAPPO's runner and trainer: the rollout's log-probs from the policy itself under
     no_grad (``collect``), then PPO epochs over shuffled minibatches of episodes, the value
     normaliser updated with each minibatch's returns before its loss, clip 10, Adam."""
@@ -82,6 +82,9 @@ def mappo(out_dir, factory="make_mappo", record=True, epochs=2, loss_kw=None, de
     opt = torch.optim.Adam(policy.parameters(), lr=5e-4, eps=1e-5)
     data = M.mappo_batch(dead_only_noop=dead_noop)
     data["returns"] = data["returns"] + returns_offset
+    if normalise_adv:  # MAPPO's advantage normalisation over the active entries
+        adv, live = data["adv"], data["active"] > 0
+        data["adv"] = (adv - adv[live].mean()) / (adv[live].std() + 1e-5)
     rec = FlightRecorder(policy, opt, loss_fn=criterion, out_dir=out_dir,
                          factory=f"multi_agent_rl_models:{factory}") if record else None
     with rec or contextlib.nullcontext():
@@ -115,6 +118,8 @@ def test_healthy_qmix_and_mappo_runs_are_silent_and_bit_identical(tmp_path):
     ValueNorm: no event, no bundle, the same weights as without the recorder."""
     assert same(qmix(tmp_path), qmix(tmp_path, record=False))
     assert same(mappo(tmp_path), mappo(tmp_path, record=False))
+    assert same(mappo(tmp_path, normalise_adv=True), mappo(tmp_path, normalise_adv=True,
+                                                           record=False))
     assert not list(tmp_path.glob("*.nan"))
 
 
@@ -189,6 +194,20 @@ def test_a_stale_action_mask_behind_the_behaviour_log_probs_overflows_the_ratio(
     assert "whose subtracted operand holds -1e+10 at the 4 entries that overflowed" in hint, hint
     assert "another mask than this update's" in hint and "lower learning rate" in hint
     assert "subtract the row max" not in hint
+
+
+def test_with_normalised_advantages_the_stale_mask_makes_the_loss_infinite(tmp_path):
+    """MAPPO's advantage normalisation gives those episodes negative advantages: the clipped
+    surrogate's min keeps -inf, the loss is +inf (a loss event), and the loss's exp gets the
+    same hint as the backward node that saved its +inf."""
+    with pytest.raises(NonFiniteError) as info:
+        mappo(tmp_path, stale_avail=True, normalise_adv=True)
+    assert (info.value.event["step"], info.value.event["phase"]) == (0, "loss")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert rep["cause"] == "overflow" and rep["reproduced"] is True
+    assert (o["op"], o["module"], o["samples"]) == ("aten.exp", "<loss>", [0, 1, 2])
+    assert "whose subtracted operand holds -1e+10" in rep["hint"], rep["hint"]
 
 
 def test_valuenorm_without_its_variance_clamp_is_precision_in_the_loss(tmp_path):
