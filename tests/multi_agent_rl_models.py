@@ -157,7 +157,9 @@ def make_episode(seed: int, length: int | None = None, dead_only_noop: bool = Tr
         if dead_only_noop:
             avail[t, :, 0] = 1.0  # SMAC: a dead agent's only action is the no-op
         q = torch.randn(N_AGENTS, N_ACTIONS, generator=gen)
-        actions[t] = epsilon_greedy(q, avail[t], 0.5, gen) if avail[t].sum(-1).all() else 0
+        some = avail[t].sum(-1) > 0  # (an agent with no available action takes 0)
+        picked = epsilon_greedy(q, avail[t].clamp_min(1 - some[:, None].float()), 0.5, gen)
+        actions[t] = picked * some
         if t < T - 1:
             reward[t] = float(torch.rand(1, generator=gen)) * alive.mean()
     last = torch.zeros(T, N_AGENTS, N_ACTIONS)

@@ -159,8 +159,9 @@ def unvalidated():
 def test_an_inf_action_mask_meeting_a_dead_agent_names_the_mask_not_padding(tmp_path, unvalidated):
     """Logits filled with -inf, and an environment that marks no action available for a dead
     agent: the rollout's no_grad forward (before step 0) is NaN in ``actor.act`` on exactly the
-    episodes with a dead agent. The hint names the available-action mask's all-0 rows, not the
-    dead agents' no-op actions (ids 0) as padding units."""
+    episodes with a dead agent. The hint names the available-action mask's all-0 rows (the
+    generic fully-masked-row advice named no input; with every agent's action 0 at such a step,
+    those ids were taken for padding units of a document)."""
     with pytest.raises(NonFiniteError) as info:
         mappo(tmp_path, factory="make_mappo_inf_mask", dead_noop=False)
     ev = info.value.event
@@ -174,7 +175,7 @@ def test_an_inf_action_mask_meeting_a_dead_agent_names_the_mask_not_padding(tmp_
     assert o["source"] == source_line(MODELS, "return Categorical(logits=logits)")
     assert "(a fully masked row)" in rep["hint"]
     assert "rows of args[2], a 0/1 mask" in rep["hint"] and "mark the no-op available" in rep["hint"]
-    assert "padding throughout" not in rep["hint"]
+    assert "sample 0, at (1, 1), (2, 1), (3, 1) ..." in rep["hint"], rep["hint"]
 
 
 def test_a_stale_action_mask_behind_the_behaviour_log_probs_overflows_the_ratio(tmp_path):
