@@ -2,7 +2,9 @@
 forward then masked out (``torch.where(d > 0, 1 / d, d)``, a row sum 0 at a vertex): the
 maker's own cause text advises an eps or skipping the rows where the input is 0, and skipping
 them with torch.where after the op is what the code did. Whether exact arithmetic puts the
-input on the pole too or only rounding does, the fix is a safe input before the op. So too for
+input on the pole too, only rounding does, or an underflow (a masked action's probability,
+exp of its -1e10 fill, whose log an entropy ``(p * p.log()).masked_fill(~avail, 0)`` took),
+the fix is a safe input before the op. So too for
 a NaN the op made outside its domain from finite inputs that a pointwise op saved (a spline's
 root ``sqrt(b² - 4ac)`` run on the tails, times a coefficient, then ``torch.where(inside, x,
 y)``): it passed that NaN on, and only a mask after it can have dropped it; not one a fused
@@ -23,7 +25,9 @@ def with_masked_pole(hint: str, op: str, made: str, cause: str, node: str = "") 
     cause is ``cause``, with the masked-branch advice when the op made it at its pole (or a
     NaN outside its domain that backward node ``node``, a pointwise op's, saved)."""
     name = op.rpartition(".")[2].strip("_")
-    at_pole = made in ("+inf", "-inf") and cause in ("invalid", "precision")
+    # (an underflow too: log of a softmax's exact 0 where a mask filled the logit, -1e10,
+    # multiplied by that 0 and masked_fill'ed after: an entropy over the allowed actions)
+    at_pole = made in ("+inf", "-inf") and cause in ("invalid", "precision", "underflow")
     outside = made == "nan" and cause == "invalid" and _pointwise(node)
     if not (outside or at_pole and not domains.never_a_pole(name)) or "both branches" in hint:
         return hint

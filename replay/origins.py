@@ -141,7 +141,8 @@ def _saved_value_maker(runner: Runner, mb: int, node: str | None, saved: str,
         found = made_in_loss(runner, mb)  # a pair energy's inf - inf under a where)
         if found is None or (saved == "nan" and _own(node, found[0])):
             return None
-        found[1].hint = self_pair_hint(found[1].hint, found[1].name, found[0])
+        found[1].hint = exp_overflow_hint(runner, self_pair_hint(  # (PPO's ratio: replay.fill_ratio)
+            found[1].hint, found[1].name, found[0]), found[1].name, found[0])
         return found[0], found[1], False
     if hit is None or hit.intentional or not (hit.inputs_finite or hit.from_mask) \
             or (hit.made == "nan" and saved != "nan") or _own(node, hit):

@@ -24,6 +24,7 @@ from .load import Step
 from .recorded import n_args, nan_allowed, samples
 
 FACTOR = 10.0  # the named rows' largest magnitude against every other row's
+_LARGEST = torch.finfo(torch.float64).max
 
 
 def outlier_input(step: Step, mb: int, rows: list[int], factor: float = FACTOR,
@@ -42,10 +43,18 @@ def outlier_input(step: Step, mb: int, rows: list[int], factor: float = FACTOR,
         mask = torch.zeros(len(per), dtype=torch.bool)
         mask[rows] = True
         top, others = float(per[mask].max()), float(per[~mask].max())
-        if top > factor * others:
+        # (a non-finite value has no scale: a loss argument the loop made of an earlier
+        # forward's -inf, a behaviour policy's log-probability of 0, is no record in a wrong unit)
+        if _finite(top) and top > factor * others:
             return {"tensor": name, "value": top, "others": others, "key": key,
                     "fill": fill_value(step, mb, key, rows)}
     return None
+
+
+def _finite(magnitude: float) -> bool:
+    """Whether a row's magnitude (:func:`_row_magnitudes`: NaN as +Inf, an infinity as the
+    largest float64 by ``nan_to_num``) is a finite value's."""
+    return magnitude < _LARGEST
 
 
 def _few(rows: list[int], per: torch.Tensor) -> bool:
@@ -96,6 +105,8 @@ def outlier_rows(step: Step, mb: int, factor: float = FACTOR,
     for key, name, per in _row_magnitudes(step, mb, skip):
         order = torch.argsort(per, descending=True, stable=True)
         ranked = per[order]
+        if not _finite(float(ranked[0])):  # (non-finite values: no scale, see outlier_input)
+            continue
         # (rows of 0 under rows of 0 stand above nothing: a sparse task's rewards all 0)
         gaps = [(float(ranked[k - 1] / ranked[k]) if ranked[k] > 0 else math.inf, k)
                 for k in range(1, len(per) // 2 + 1)

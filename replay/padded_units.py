@@ -7,6 +7,12 @@ word attention's softmax is NaN there. The samples named are exactly those holdi
 unit (the short documents), which the fully-masked-row advice (keep a key per row, a finite
 mask value) leaves unexplained: the hint names the input, the units and the fix (run the lower
 level over the non-empty units only, and scatter their vectors back).
+
+A 0/1 mask the model was given whose rows (along its last dim, the entries it gates) are all 0
+in exactly the named samples is the masked rows themselves, and comes first: an available-
+action mask with no action left for an agent (a dead agent whose no-op the environment does
+not mark available), whose logits a policy filled with -inf; integer ids that are 0 in the
+same samples (that agent's no-op actions) are then no padding units.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from recorder.finite import zero_one
 
 from .empty_records import batch_data
 from .load import Step
@@ -29,7 +37,19 @@ def padded_units_hint(report: dict[str, Any], step: Step) -> None:
     if report.get("cause") != "invalid" or not rows or _MASKED_ROW not in hint \
             or any(said in hint for said in _SAID):
         return
-    for name, t, d in batch_data(step, mb, loss=False):
+    data = list(batch_data(step, mb, loss=False))
+    for name, t, d in data:
+        if where := _empty_mask_rows(t, d, rows):
+            report["hint"] = (
+                f"{hint}. Sample(s) {','.join(str(r) for r in rows)} hold rows of {name}, a 0/1 "
+                f"mask given to the model, that are 0 at every entry ({where}), and no other "
+                "sample does: each such row masks every entry it gates (an available-action "
+                "mask with no action left: a dead or finished agent whose no-op the "
+                "environment does not mark available; an attention mask with no key): give "
+                "every row at least one allowed entry (mark the no-op available), or skip "
+                "those rows (select the live ones, fill their output after)")
+            return
+    for name, t, d in data:
         units = _padding_units(t, d, rows)
         if units:
             which = ",".join(str(r) for r in rows)
@@ -59,3 +79,24 @@ def _padding_units(t: torch.Tensor, d: int, rows: list[int]) -> str:
         return ""
     return "; ".join(f"sample {r}, unit(s) {', '.join(map(str, empty[r].nonzero()[:, 0].tolist()))}"
                      for r in rows[:4])
+
+
+def _empty_mask_rows(t: torch.Tensor, d: int, rows: list[int]) -> str:
+    """For a 0/1 tensor ``t`` of 3 or more dims, samples along ``d`` (0): its rows along the
+    last dim that are all 0 in each of ``rows`` (``"sample 2, at (1, 0), (3, 2)"``), when
+    exactly ``rows`` have such a row and not every entry of theirs is 0; else ``""``."""
+    if t.dim() < 3 or d != 0 or max(rows) >= t.shape[0] or t.shape[-1] < 2 \
+            or t.is_complex() or not zero_one(t):
+        return ""
+    empty = t.detach().reshape(t.shape[0], -1, t.shape[-1]).eq(0).all(-1)  # (B, rows)
+    having = empty.any(1)
+    named = torch.zeros_like(having)
+    named[rows] = True
+    if not torch.equal(having, named) or bool(empty[named].all(-1).any()):
+        return ""
+    inner = t.shape[1:-1]
+    return "; ".join(
+        f"sample {r}, at " + ", ".join(str(tuple(torch.unravel_index(torch.tensor(i), inner)[j].item()
+                                                 for j in range(len(inner))))
+                                        for i in empty[r].nonzero()[:3, 0].tolist())
+        + (" ..." if int(empty[r].sum()) > 3 else "") for r in rows[:3])
