@@ -146,3 +146,29 @@ def test_maml_query_record_of_zeros_is_named_through_functional_call(tmp_path):
         "invalid", "", "aten.div", "nan", [2]), rep
     assert o["source"] == line_of("x = x / x.norm(dim=-1, keepdim=True)")
     assert "those records are all zeros" in rep["hint"], rep["hint"]
+
+
+def test_maml_inner_loop_overflow_names_the_weights_the_loop_made(tmp_path):
+    """Sinusoid MAML: 5 inner steps by torch.func.grad (unrecorded), the query forward by
+    functional_call on the adapted weights; the task of step 2 comes with a gain of 1e4, its
+    inner steps blow the adapted weights up and net.0 makes NaN from a finite input. The
+    bundle holds the model's own weights, so the re-run is finite; the report blamed 'state
+    outside the model ... or transient', and now names weights the loop passed in."""
+    model = M.make_sinenet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=torch.nn.MSELoss(), out_dir=tmp_path,
+                            factory=FACTORY + "make_sinenet") as rec:
+            for xs, ys, xq, yq in M.sine_tasks(loud_at=2):
+                M.maml_step(model, opt, xs, ys, xq, yq, inner_lr=0.01, inner_steps=5,
+                            loss_fn=rec.loss_fn)
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (2, "forward",
+                                                                            "net.0")
+    rep = nanreplay_json(err.bundle_path, code=1)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["call"], o["made"]) == (
+        False, None, "net.0", 0, "nan"), rep
+    assert any("weights the bundle does not hold (net.0.weight, net.0.bias)" in p
+               for p in rep["problems"]), rep["problems"]
+    assert "were not the model's own" in rep["hint"], rep["hint"]
