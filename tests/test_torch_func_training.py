@@ -172,3 +172,49 @@ def test_maml_inner_loop_overflow_names_the_weights_the_loop_made(tmp_path):
     assert any("weights the bundle does not hold (net.0.weight, net.0.bias)" in p
                for p in rep["problems"]), rep["problems"]
     assert "were not the model's own" in rep["hint"], rep["hint"]
+
+
+def test_bf16_ensemble_bce_on_probabilities_is_a_precision_loss(tmp_path):
+    """A pure-bfloat16 ensemble of scorers, the user's BCE on ``sigmoid(logits)``: an easy
+    positive record (21: batch 1, row 5) gets a logit of about 8 from one member, whose
+    sigmoid rounds to 1 in bfloat16; ``log(1 - p)`` is -inf, times ``1 - y`` = 0 NaN."""
+    model, crit = M.make_scorer_ensemble(bf16=True), M.EnsembleBCE()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory=FACTORY + "make_scorer_ensemble",
+                            factory_kwargs={"bf16": True}) as rec:
+            for x, y in M.binary_loader(sure_row=21):
+                opt.zero_grad()
+                rec.loss_fn(model(x.bfloat16()), y.bfloat16()).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (1, "loss")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
+        "precision", "<loss>", "aten.log", "-inf", [5]), rep
+    assert o["source"] == line_of("return -(y * torch.log(p) + (1 - y) * torch.log(1 - p))")
+    assert "rounded to 1 in bfloat16" in rep["hint"], rep["hint"]
+
+
+def test_sliced_score_matching_divergence_is_an_overflow_that_says_lower_the_lr(tmp_path):
+    """Sliced score matching, the Hutchinson term by torch.func.jvp beside the plain forward;
+    SGD at lr 30 diverges and the gradients overflow at step 4 in the last layer's backward."""
+    model = M.make_scorenet()
+    opt = torch.optim.SGD(model.parameters(), lr=30.0)
+    g = torch.Generator().manual_seed(5)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=tmp_path, factory=FACTORY + "make_scorenet"):
+            for _ in range(8):
+                x = torch.randn(32, 4, generator=g) * 0.5 + 1
+                v = torch.randn(32, 4, generator=g)
+                opt.zero_grad()
+                M.sliced_score_loss(model, x, v).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (4, "backward")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["module"], o["op"]) == ("overflow", "net.4", "AddmmBackward0"), rep
+    assert "the run was diverging" in rep["hint"] and "lower the learning rate" in rep["hint"]

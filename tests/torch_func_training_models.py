@@ -5,7 +5,8 @@ factories and data of ``test_torch_func_training.py``.
   copy of one member on the meta device as the stateless base, ``vmap(functional_call)`` over
   the stacked weights (held as the module's parameters, trained by a torch optimizer); each
   member a heteroscedastic regressor (mean and ``exp(log_var)``, a deep ensemble's head);
-  ``gaussian_nll`` the loss written by hand.
+  ``gaussian_nll`` the loss written by hand; ``Scorer`` members of a binary classifier
+  ensemble (in bfloat16 with ``bf16=True``), ``EnsembleBCE`` a user's BCE on probabilities.
 - ``Classifier`` with ``dp_sgd_step``: DP-SGD by hand: per-sample gradients and losses by
   ``vmap(grad_and_value(...))`` of a ``functional_call``, each clipped to norm C, summed and
   noised; ``SoftmaxNLL`` a user's cross-entropy (``-log(softmax(z))`` picked at the label).
@@ -17,8 +18,7 @@ factories and data of ``test_torch_func_training.py``.
 - ``maml_step``: MAML with ``torch.func.grad`` for the inner loop and ``functional_call`` on
   the adapted parameter dict for the query loss (second order: the outer backward goes
   through the inner gradient).
-- ``hvp_sharpness``: a sharpness penalty, the Rayleigh quotient of the loss's Hessian along a
-  direction by a Hessian-vector product (``jvp(grad(f))``), normalised by hand.
+- ``SineNet`` with ``sine_tasks``: Finn et al.'s sinusoid regression for ``maml_step``.
 """
 
 from __future__ import annotations
@@ -89,6 +89,41 @@ def regression_loader(n: int = 64, d: int = 6, batch: int = 16, nan_row: int | N
     if scaled_row is not None:
         x[scaled_row] *= 2e3  # one record in other units (mm for m), never standardised
     return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=False)
+
+
+class Scorer(nn.Module):
+    """A member of a classifier ensemble: features -> a logit."""
+
+    def __init__(self, d: int = 6, hidden: int = 16):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, 1))
+
+    def forward(self, x):
+        return self.net(x).squeeze(-1)
+
+
+def make_scorer_ensemble(members: int = 3, bf16: bool = False):
+    """``bf16``: weights and activations in bfloat16 (pure-bf16 training)."""
+    torch.manual_seed(0)
+    model = Ensemble([Scorer() for _ in range(members)])
+    return model.to(torch.bfloat16) if bf16 else model
+
+
+class EnsembleBCE(nn.Module):
+    """A user's binary cross-entropy on the members' probabilities, averaged over members."""
+
+    def forward(self, logits, y):
+        p = torch.sigmoid(logits)
+        return -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()
+
+
+def binary_loader(n: int = 48, batch: int = 16, sure_row: int | None = None) -> DataLoader:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(n, 6, generator=g)
+    y = (x[:, 0] > 0).float()
+    if sure_row is not None:
+        x[sure_row, 0] = 60.0 * (2 * y[sure_row] - 1)  # an easy record, far on its side
+    return DataLoader(TensorDataset(x, y), batch_size=batch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,7 +246,8 @@ def make_scorenet():
 
 def sliced_score_loss(model, x, v):
     """``E[v^T (ds/dx) v + 0.5 (v^T s)**2]`` (the variance-reduced SSM-VR uses ``||s||**2``)."""
-    s, jv = jvp(model, (x,), (v,))
+    s = model(x)  # the plain forward (recorded: a forward only under jvp is not)
+    _, jv = jvp(model, (x,), (v,))
     return ((v * jv).sum(-1) + 0.5 * (s ** 2).sum(-1)).mean()
 
 
@@ -299,15 +335,3 @@ def sine_tasks(steps: int = 4, loud_at: int | None = None, gain: float = 1e4):
             amp = amp * gain
         xs, xq = torch.rand(10, 1, generator=g) * 10 - 5, torch.rand(10, 1, generator=g) * 10 - 5
         yield xs, amp * torch.sin(xs + phase), xq, amp * torch.sin(xq + phase)
-
-
-def hvp_sharpness(model, loss_fn, x, y, v):
-    """``v^T H v / v^T v`` of the loss's Hessian H in the parameters, by ``jvp(grad(f))``."""
-    params = {k: p.detach() for k, p in model.named_parameters()}
-
-    def f(p):
-        return loss_fn(functional_call(model, p, (x,)), y)
-
-    _, hv = jvp(grad(f), (params,), (v,))
-    num = sum((hv[k] * v[k]).sum() for k in v)
-    return num / sum((t * t).sum() for t in v.values())
