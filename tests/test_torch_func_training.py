@@ -218,3 +218,31 @@ def test_sliced_score_matching_divergence_is_an_overflow_that_says_lower_the_lr(
     o = rep["origin"]
     assert (rep["cause"], o["module"], o["op"]) == ("overflow", "net.4", "AddmmBackward0"), rep
     assert "the run was diverging" in rep["hint"] and "lower the learning rate" in rep["hint"]
+
+
+def test_maml_second_order_nan_through_unrecorded_inner_loop_is_not_blamed_on_the_factory(
+        tmp_path):
+    """A cosine classifier (each side over its norm plus an eps), MAML by torch.func.grad: the
+    support record 4 of step 2 is all zeros, its embedding's norm is 0, the inner gradient is
+    finite (the norm's derivative is masked there) but the outer backward differentiates it
+    again: NaN in embed.weight's gradient. The query forward ran on the adapted weights, so
+    the fidelity check found 'embed' differing and the report said the factory builds a
+    different model; the factory builds the recorded modules, and the report now says the call
+    likely ran with weights passed in by functional_call."""
+    model = M.make_cosinenet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=F.cross_entropy, out_dir=tmp_path,
+                            factory=FACTORY + "make_cosinenet") as rec:
+            for xs, ys, xq, yq in M.blank_support_tasks(blank_at=2):
+                M.maml_step(model, opt, xs, ys, xq, yq, loss_fn=rec.loss_fn)
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (2, "backward")
+    assert "embed.weight" in err.event["params"]
+    rep = nanreplay_json(err.bundle_path, code=1)
+    fid = rep["fidelity"]
+    assert (rep["reproduced"], rep["cause"]) == (False, None)
+    assert (fid["matches"], fid["module"], fid["call"], fid["same_build"]) == (
+        False, "embed", 0, True), fid
+    assert "factory builds a different model" not in rep["hint"], rep["hint"]
+    assert "ran with other weights" in rep["hint"], rep["hint"]

@@ -335,3 +335,33 @@ def sine_tasks(steps: int = 4, loud_at: int | None = None, gain: float = 1e4):
             amp = amp * gain
         xs, xq = torch.rand(10, 1, generator=g) * 10 - 5, torch.rand(10, 1, generator=g) * 10 - 5
         yield xs, amp * torch.sin(xs + phase), xq, amp * torch.sin(xq + phase)
+
+
+class CosineNet(nn.Module):
+    """Baseline++'s cosine classifier on a tanh embedding: ``s * cos(h, w_c)``, each side
+    divided by its norm plus an eps (finite at 0 in the forward)."""
+
+    def __init__(self, d: int = 6, ways: int = 3, scale: float = 10.0):
+        super().__init__()
+        self.embed = nn.Linear(d, 16, bias=False)
+        self.weight = nn.Parameter(torch.randn(ways, 16))
+        self.scale = scale
+
+    def forward(self, x):
+        h = torch.tanh(self.embed(x))
+        h = h / (h.norm(dim=-1, keepdim=True) + 1e-6)
+        w = self.weight / (self.weight.norm(dim=-1, keepdim=True) + 1e-6)
+        return self.scale * h @ w.T
+
+
+def make_cosinenet():
+    torch.manual_seed(0)
+    return CosineNet()
+
+
+def blank_support_tasks(steps: int = 4, blank_at: int | None = None, blank_row: int = 4):
+    """``tasks`` with support record ``blank_row`` of step ``blank_at`` all zeros."""
+    for s, (xs, ys, xq, yq) in enumerate(tasks(steps)):
+        if s == blank_at:
+            xs[blank_row] = 0.0
+        yield xs, ys, xq, yq
