@@ -30,8 +30,9 @@ def report_unseen_weights(report, step: Step, runner: Runner) -> dict[str, Any] 
             or not isinstance(name, str) or not isinstance(k, int):
         return None
     own = [p for p in step.meta.get("params", ()) if p.rpartition(".")[0] == name]
-    if not own:
-        return None  # (no weights of its own: what else it read is not known)
+    if not own or step.built_otherwise:
+        return None  # (no weights of its own: what else it read is not known; attributes
+        # the factory builds otherwise are said instead)
     try:
         run = runner.run(backward=False)
     except Exception:  # (a re-run that fails: no claim)
