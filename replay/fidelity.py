@@ -78,7 +78,21 @@ def compare(step: Step, run: Run, written: list[str] = ()) -> dict[str, Any] | N
         # recorder's version counter saw the loop's in-place write after the forward)
         found["moved_after"] = (not found["edited"] and _moved(step) is None
                                 and bool(meta.get("weights_moved_in_step"))) or None
+    if not found["matches"] and found.get("difference") == "values differ":
+        found["same_build"] = same_build(step) or None
     return found
+
+
+def same_build(step: Step) -> bool:
+    """Whether the factory's model has every recorded module under its name, of its recorded
+    class, with the plain attributes the run had (no ``built_otherwise``): the factory then
+    builds the recorded modules, and a call whose values differ may have run with weights
+    other than its own (``torch.func.functional_call``)."""
+    model, recorded = step.model, step.meta.get("modules") or []
+    if model is None or not recorded or step.built_otherwise:
+        return False
+    built = {n: f"{type(m).__module__}.{type(m).__qualname__}" for n, m in model.named_modules()}
+    return all(built.get(m.get("name")) == m.get("type") for m in recorded)
 
 
 def _after_change(step: Step, run: Run, r: int, names, fields, found) -> dict[str, Any]:
@@ -255,6 +269,8 @@ def mismatch(fid: dict[str, Any]) -> str:
         return "a forward of the step ran with other weights than the bundle holds"
     if fid.get("world"):
         return WORLD_MISMATCH
+    if fid.get("same_build"):
+        return "a forward of the step ran with other weights, or the factory computes otherwise"
     return "the factory builds a different model"
 
 
@@ -292,11 +308,21 @@ def describe(fid: dict[str, Any]) -> str:
         return head + WITHIN_STEP
     if fid.get("world"):
         return head + world_describe(fid["world"])
+    if fid.get("same_build"):
+        return head + SAME_BUILD
     return head + ("the factory builds a different model than the one recorded (it cannot see "
                    "run-time configuration: command-line flags, globals, config files); record "
                    "with FlightRecorder(..., factory_kwargs={...}) or pass --factory-kwargs "
                    "'{...}' so it builds the same one")
 
+
+SAME_BUILD = (
+    "the factory builds the recorded modules (each of its recorded class, with the attributes "
+    "the run had), yet this call's values differ: it likely ran with weights other than the "
+    "module's own, passed in by torch.func.functional_call (a MAML inner loop's p - lr * g, "
+    "its own forwards under torch.func.grad, which are not recorded: the bundle holds the "
+    "weights before adaptation), which the replay cannot re-run; else the factory's code "
+    "computes otherwise (run-time configuration: pass it with factory_kwargs)")
 
 BUILT_OTHERWISE = (
     "the factory builds a different model than the one recorded: it builds {attrs}, which the "

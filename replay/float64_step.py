@@ -21,6 +21,7 @@ from recorder.numeric_check import check_reason
 from .dispatch import Float64, OpAt
 from .errors import StopRun
 from .rerun import Runner
+from .transforms import outside_transforms
 
 
 @contextlib.contextmanager
@@ -86,8 +87,11 @@ def _entering(bad: list[bool]):
             if o.requires_grad:
                 o.register_hook(note)
 
-    return lambda model: [model.register_forward_pre_hook(pre, with_kwargs=True),
-                          model.register_forward_hook(post)]
+    # (calls under a torch.func transform left out: a Jacobian penalty's vmap(jacrev(model))
+    # in the loss, whose batched gradients no host read takes)
+    return lambda model: [
+        model.register_forward_pre_hook(outside_transforms(pre), with_kwargs=True),
+        model.register_forward_hook(outside_transforms(post))]
 
 
 class _Window:
@@ -122,9 +126,10 @@ class _Window:
             if self.ended > self.call:
                 raise StopRun
 
-        return [target.register_forward_pre_hook(pre),
-                target.register_forward_hook(closing, prepend=True),
-                target.register_forward_hook(post)]
+        return [target.register_forward_pre_hook(outside_transforms(pre)),  # (numbered as
+                target.register_forward_hook(outside_transforms(closing),  # recorded)
+                                             prepend=True),
+                target.register_forward_hook(outside_transforms(post))]
 
     def close(self) -> None:
         if self.active:

@@ -13,6 +13,7 @@ import torch
 
 from .cause import Cause
 from .compat import tree_leaves
+from .transforms import outside_transforms
 
 # sqrt of float32's largest value: a gradient beyond it overflows at any product with a factor
 # as large, and no loss scaling reaches it (a GradScaler's scale is at most 2**24)
@@ -48,7 +49,7 @@ def output_max(runner) -> float:
 
     try:
         runner.run(backward=False, instrument=False,
-                   hooks=lambda model: [model.register_forward_hook(hook)])
+                   hooks=lambda model: [model.register_forward_hook(outside_transforms(hook))])
     except Exception:  # (a forward that fails alone: no comparison, no claim)
         return math.inf
     finally:

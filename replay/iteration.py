@@ -20,6 +20,7 @@ from .dispatch import run_op
 from .errors import StopRun
 from .load import autocast_as_recorded
 from .source import user_source
+from .transforms import outside_transforms
 
 # a line's runs are counted only while the op's calls before the blamed one are this few
 # (a stack walk each: a call of a large model's thousands of matmuls is no loop to name)
@@ -82,7 +83,8 @@ def line_run(runner, module: str, call: int, mb: int, hit: Any
                 counter.__exit__(None, None, None)
                 raise StopRun
 
-        return [target.register_forward_pre_hook(pre), target.register_forward_hook(post)]
+        return [target.register_forward_pre_hook(outside_transforms(pre)),
+                target.register_forward_hook(outside_transforms(post))]
 
     try:
         runner.run(backward=False, instrument=False, hooks=hooks)

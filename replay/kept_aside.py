@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .transforms import outside_transforms
+
 
 def kept_hooks(runner, model: torch.nn.Module) -> list:
     """Hooks that put into ``runner.kept`` each ``(module name.attribute, tensor)`` that a
@@ -34,7 +36,8 @@ def kept_hooks(runner, model: torch.nn.Module) -> list:
         runner.kept = [(f"{n}.{k}" if n else k, v) for n, mod, k, v in attrs()
                        if before.get((id(mod), k)) != id(v)]
 
-    return [model.register_forward_pre_hook(pre), model.register_forward_hook(post)]
+    return [model.register_forward_pre_hook(outside_transforms(pre)),
+            model.register_forward_hook(outside_transforms(post))]
 
 
 def with_kept(runner, roots: list, grads: list) -> tuple[list, list]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .transforms import outside_transforms
+
 SHOWN = 4  # values named in the text (then "+N more")
 
 
@@ -25,7 +27,7 @@ def kept_values(runner) -> dict[str, torch.Tensor]:
                     if isinstance(v, torch.Tensor) and v.grad_fn is not None \
                             and v.is_floating_point():
                         found[f"{name}.{k}" if name else k] = v.detach().clone()
-        return [model.register_forward_hook(post)]
+        return [model.register_forward_hook(outside_transforms(post))]
 
     try:
         runner.run(instrument=False, backward=False, hooks=hooks)

@@ -19,6 +19,7 @@ from recorder.capture import tensor_leaves
 
 from .load import Step, differentiates_model
 from .rerun import Runner
+from .transforms import outside_transforms
 
 
 def loop_differentiated(step: Step, mb: int | None) -> bool:
@@ -62,7 +63,8 @@ def zero_derivative(runner: Runner, mb: int) -> tuple[str, list[int], int] | Non
                         return
 
     runner.run(backward=False, instrument=False,
-               hooks=lambda model: [model.register_forward_hook(post, with_kwargs=True)])
+               hooks=lambda model: [model.register_forward_hook(outside_transforms(post),
+                                                                with_kwargs=True)])
     return found[0] if found else None
 
 

@@ -18,6 +18,7 @@ from .findings import finish, origin_fields
 from .load import Step, differentiates_model
 from .recorded import samples
 from .rerun import Runner
+from .transforms import outside_transforms
 
 
 def node_in_loss(step: Step, runner: Runner, mb: int) -> tuple[BackwardOrigin, bool] | None:
@@ -63,7 +64,7 @@ def _derivatives(runner: Runner, mb: int):
             runner.in_loss = False
             torch.autograd.set_detect_anomaly(anomaly, check_nan=nan_check)
 
-    return lambda model: [model.register_forward_hook(post, with_kwargs=True)]
+    return lambda model: [model.register_forward_hook(outside_transforms(post), with_kwargs=True)]
 
 
 def probed_report(report, step: Step, origin: dict[str, Any], b: BackwardOrigin

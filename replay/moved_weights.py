@@ -17,17 +17,19 @@ from typing import Any
 from .findings import recorded_origin
 from .load import Step
 from .rerun import Runner
+from .unseen_weights import report_unseen_weights
 
 __all__ = ["report_moved_weights"]
 
 
 def report_moved_weights(report, step: Step, runner: Runner) -> dict[str, Any] | None:
     """The report of an event that did not come back in a micro-batch that ran on weights the
-    loop had moved (or after one), else None."""
+    loop had moved (or after one); else that of a call that ran on weights made by code
+    the recorder does not see (replay.unseen_weights), else None."""
     moved = [i for i, mb in enumerate(step.micro_batches) if mb.get("weights_moved")]
     at = step.event.get("micro_batch")
     if not moved or (at is not None and at < moved[0]):
-        return None
+        return report_unseen_weights(report, step, runner)
     k = moved[0]
     norm = _grad_norm_before(runner, k)
     report["problems"].append(

@@ -33,6 +33,7 @@ from .grad_rows import batch_rows
 from .node_labels import grad_fns
 from .rerun import Runner
 from .source import node_source, node_tracebacks
+from .transforms import outside_transforms
 from .twice_differentiated import forward_node
 
 __all__ = ["add_others", "drop_with_others", "other_makers"]
@@ -83,8 +84,8 @@ def other_makers(runner: Runner, where: Samples, node: str | None, source: str |
 
     def hooks(model):
         return [model.register_forward_hook(
-            lambda m, args, out: walk(grad_fns(tensor_leaves(out)))),
-            *(m.register_forward_pre_hook(count) for m in model.modules())]
+            outside_transforms(lambda m, args, out: walk(grad_fns(tensor_leaves(out))))),
+            *(m.register_forward_pre_hook(outside_transforms(count)) for m in model.modules())]
 
     try:
         runner.run(instrument=False, forward_ctx=node_tracebacks, hooks=hooks)

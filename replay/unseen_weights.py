@@ -1,0 +1,62 @@
+"""A forward event the re-run does not make at a module holding weights of its own, which took
+finite inputs in training and made the non-finite value there, while the re-run's same call,
+on the bundle's weights, is finite: that call ran with weights the bundle does not hold, made
+by code the recorder does not see. MAML written with ``torch.func``: the inner loop's forwards
+run under ``torch.func.grad`` (left out by the recorder), and the query forward runs the model
+through ``functional_call`` on the adapted ``p - lr * g``; an inner step too large for a task's
+loss scale makes those weights overflow. The recorded origin is kept (not reproduced, no cause
+guessed) and the hint names the code that made the weights instead of state outside the model.
+An earlier micro-batch the loop differentiated itself (``autograd.grad``) is
+:mod:`replay.second_order`'s ``report_made_weights``; weights moved in place between forwards
+(SAM) :mod:`replay.moved_weights`'s, which calls this one last.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .findings import finish, origin_fields
+from .load import Step
+from .rerun import Runner
+
+__all__ = ["report_unseen_weights"]
+
+
+def report_unseen_weights(report, step: Step, runner: Runner) -> dict[str, Any] | None:
+    """The report of such an event, else None."""
+    ev = step.event
+    m, name, k = ev.get("micro_batch"), ev.get("module"), ev.get("call")
+    if ev.get("phase") != "forward" or not ev.get("inputs_finite") or not isinstance(m, int) \
+            or not isinstance(name, str) or not isinstance(k, int):
+        return None
+    own = [p for p in step.meta.get("params", ()) if p.rpartition(".")[0] == name]
+    if not own or step.built_otherwise:
+        return None  # (no weights of its own: what else it read is not known; attributes
+        # the factory builds otherwise are said instead)
+    try:
+        run = runner.run(backward=False)
+    except Exception:  # (a re-run that fails: no claim)
+        return None
+    finally:
+        runner.reset()
+    again = next((c for c in run.calls if (c.module, c.micro_batch, c.call) == (name, m, k)),
+                 None)
+    if run.error is not None or again is None or not again.outputs_finite:
+        return None
+    label = name or "<root>"
+    report["problems"].append(
+        f"'{label}' took finite inputs and made {ev.get('kind')} in training, but re-run on "
+        "the bundle's weights it is finite: that forward ran with weights the bundle does not "
+        f"hold ({', '.join(own[:2])}), passed in by torch.func.functional_call (a MAML inner "
+        "loop's p - lr * g, its own forwards run under torch.func.grad, which are not "
+        "recorded) or edited and put back within the step")
+    report = finish(report, origin_fields(
+        phase="forward", module=name, call=k, micro_batch=m, inputs_finite=True,
+        made=ev.get("kind"), samples=ev.get("samples", [])), None, reproduced=False)
+    report["hint"] = (
+        f"the weights '{label}' ran with were not the model's own, and they were non-finite "
+        "or large enough to overflow it: check the loop's code that made them at this step "
+        "(an inner learning rate too large for this task's loss scale, an unnormalised task, "
+        "too many inner steps, a learned per-parameter rate whose exp overflows: bound it, "
+        "clip the inner gradient); the replay cannot re-run code outside the recorded forward")
+    return report
