@@ -46,16 +46,16 @@ def report_unseen_weights(report, step: Step, runner: Runner) -> dict[str, Any] 
     label = name or "<root>"
     report["problems"].append(
         f"'{label}' took finite inputs and made {ev.get('kind')} in training, but re-run on "
-        "the bundle's weights it is finite: that forward ran with weights the bundle does not "
-        f"hold ({', '.join(own[:2])}), passed in by torch.func.functional_call (a MAML inner "
+        "the bundle's weights it is finite: that forward most likely ran with weights the "
+        f"bundle does not hold ({', '.join(own[:2])}), passed in by torch.func.functional_call (a MAML inner "
         "loop's p - lr * g, its own forwards run under torch.func.grad, which are not "
         "recorded) or edited and put back within the step")
     report = finish(report, origin_fields(
         phase="forward", module=name, call=k, micro_batch=m, inputs_finite=True,
         made=ev.get("kind"), samples=ev.get("samples", [])), None, reproduced=False)
     report["hint"] = (
-        f"the weights '{label}' ran with were not the model's own, and they were non-finite "
-        "or large enough to overflow it: check the loop's code that made them at this step "
+        f"the weights '{label}' ran with were most likely not the model's own, and they were "
+        "non-finite or large enough to overflow it: check the loop's code that made them at this step "
         "(an inner learning rate too large for this task's loss scale, an unnormalised task, "
         "too many inner steps, a learned per-parameter rate whose exp overflows: bound it, "
         "clip the inner gradient); the replay cannot re-run code outside the recorded forward")

@@ -171,7 +171,7 @@ def test_maml_inner_loop_overflow_names_the_weights_the_loop_made(tmp_path):
         False, None, "net.0", 0, "nan"), rep
     assert any("weights the bundle does not hold (net.0.weight, net.0.bias)" in p
                for p in rep["problems"]), rep["problems"]
-    assert "were not the model's own" in rep["hint"], rep["hint"]
+    assert "were most likely not the model's own" in rep["hint"], rep["hint"]
 
 
 def test_bf16_ensemble_bce_on_probabilities_is_a_precision_loss(tmp_path):
