@@ -6,6 +6,7 @@ Exit codes: 0 reproduced and localised, 1 replayed but not reproduced, 2 bad usa
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 import traceback
 import warnings
@@ -45,7 +46,7 @@ class _OneLineUsage(click.Command):
 
 
 @click.command(cls=_OneLineUsage, context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("bundle", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("bundle", type=click.Path(exists=True, path_type=Path))
 @click.option("--json", "as_json", is_flag=True,
               help="Print the machine-readable report on stdout, nothing else.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path),
@@ -72,8 +73,11 @@ def main(bundle: Path, as_json: bool, html_path: Path | None, info: bool, factor
          factory_kwargs: str | None, device: str | None, strip_parts: tuple[str, ...],
          output: Path | None, tries: tuple[str, ...], debug: bool) -> None:
     """Replay the step recorded in BUNDLE and report the op, module, samples and cause of its
-    first non-finite value."""
+    first non-finite value. BUNDLE may be the directory the recorder wrote it to (its
+    out_dir) when that holds one event's bundle."""
     _check_tries(tries)
+    if bundle.is_dir():
+        bundle = _bundle_in(bundle)
     try:
         # the step's code warns at each of the many re-runs ("std(): degrees of freedom is
         # <= 0"): each one once (the registry the "default" action keeps per location is cleared
@@ -94,6 +98,27 @@ def main(bundle: Path, as_json: bool, html_path: Path | None, info: bool, factor
         _fail(f"replay failed ({type(e).__name__}: {one_line(e)}); re-run with --debug for "
               "the traceback")
     sys.exit(code)
+
+
+def _bundle_in(directory: Path) -> Path:
+    """The bundle of the one event in ``directory`` (a run's ``out_dir``: one file per rank
+    that saw it, ``stepNNNNNNNN-rankR.nan``), its lowest rank's; a usage error naming them when
+    it holds none or several events' (the earliest step's first: the run's first event)."""
+    files = sorted(directory.glob("*.nan"))
+    events: dict[str, list[Path]] = {}
+    for f in files:
+        events.setdefault(re.sub(r"-rank\d+", "", f.name), []).append(f)
+    if len(events) == 1:
+        return min(files, key=lambda f: int(m.group(1)) if (
+            m := re.search(r"-rank(\d+)", f.name)) else 0)
+    if not events:
+        raise click.UsageError(f"{directory} is a directory with no *.nan bundle in it; pass "
+                               "the bundle file the recorder wrote (its out_dir holds them)")
+    names = [group[0] for group in events.values()]
+    listed = ", ".join(f.name for f in names[:4]) + (f" (+{len(names) - 4} more)"
+                                                     if len(names) > 4 else "")
+    raise click.UsageError(f"{directory} holds the bundles of {len(names)} events ({listed}); "
+                           f"name one: the earliest step's is {names[0]}")
 
 
 def _kwargs(text: str | None) -> dict | None:

@@ -234,6 +234,29 @@ def test_info_json_is_one_document(toy):
     assert d["stripped"] == []
 
 
+def test_the_out_dir_of_one_event_is_replayed_as_its_bundle(toy, tmp_path):
+    """``nanreplay nan-bundles`` (the directory, as a user types it after the crash): the one
+    event's bundle, its lowest rank's file; several events or none are one line naming what
+    to pass."""
+    one = tmp_path / "one"
+    one.mkdir()
+    for rank in (1, 0):
+        (one / f"step00000037-rank{rank}.nan").write_bytes(toy.read_bytes())
+    r = invoke("--info", one)
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.splitlines()[0] == (
+        f"bundle     {one / 'step00000037-rank0.nan'} (nanreplay-bundle/1)")
+    (one / "step00000009-rank0.nan").write_bytes(toy.read_bytes())
+    r = invoke("--info", one)
+    assert r.exit_code == 2 and r.stdout == ""
+    assert r.stderr == (
+        f"nanreplay: {one} holds the bundles of 2 events (step00000009-rank0.nan, "
+        f"step00000037-rank0.nan); name one: the earliest step's is "
+        f"{one / 'step00000009-rank0.nan'} (nanreplay --help lists the options)\n")
+    r = invoke(tmp_path / "one" / "..")
+    assert r.exit_code == 2 and "with no *.nan bundle in it" in r.stderr, r.stderr
+
+
 # ---------------------------------------------------------------------------------------------
 # --device
 
