@@ -1,7 +1,6 @@
 """A batch tensor of records by features ``(B, F)`` holding NaN at a few scattered entries of
 some records, finite everywhere else: missing values (a genotype call a VCF writes ``./.``, a
-lab test not ordered, a survey item not answered) that the data pipeline read as NaN and never
-imputed, or a 0/0 the pipeline computed at those entries (a ratio whose denominator is 0
+lab test not ordered) that the data pipeline read as NaN and never imputed, or a 0/0 the pipeline computed at those entries (a ratio whose denominator is 0
 there). Not a bad record to filter (a whole row, a whole column, a run along a time axis:
 ``replay.recorded``'s other input hints): the fix is an imputation, or the division's guard,
 where the data is made.
@@ -13,15 +12,12 @@ import torch
 
 MISSING_ENTRIES = (
     "the batch itself holds NaN, and {tensor} holds it at scattered entries of records "
-    "otherwise finite: {where}: missing values (a genotype call not made, './.' in a VCF; a "
-    "lab test not ordered; a survey item not answered) the data pipeline read as NaN and "
-    "never imputed, or a 0/0 it computed at those entries (a division by zero: partial credit "
-    "as points / max points of an item nobody graded, a rate over a zero duration, a mean "
-    "over no values: a database column all NULL); impute them where the data is made (the "
-    "feature's mean over the training set, 2p for a genotype of allele frequency p, 0 after "
-    "standardising; with a missing-indicator where missingness may carry signal) or guard "
-    "that division, drop features or records with too many missing, or, where the model "
-    "imputes them itself, name the input to FlightRecorder(..., allow_nan=[...])")
+    "otherwise finite: {where}: missing values the data pipeline read as NaN and never "
+    "imputed (an empty cell, a test not taken), or a 0/0 it computed there (a division by zero: "
+    "a mean over no values, a database column all NULL; a rate over a zero duration); impute them where the "
+    "data is made (the feature's training-set mean, or 0 after standardising, with a "
+    "missing-indicator where missingness may carry signal) or guard that division; where the "
+    "model imputes them itself, name the input to FlightRecorder(..., allow_nan=[...])")
 
 SHOWN = 8  # samples, and entries of each, named
 NARROWEST = 3  # features: of two, one NaN is half the record's
