@@ -20,6 +20,7 @@ from recorder.inner_optim import clear_state, put_state, state_items
 
 from .cause_text import DO
 from .compat import FOREACH_MUL_, TorchDispatchMode
+from .coupled_decay import coupled_decay, coupled_text
 from .grown_state import grown_state_advice
 from .line_search import no_line_search_advice
 from .no_warmup import no_warmup_advice
@@ -140,6 +141,8 @@ def diverging_advice(step, windowed: bool) -> str:
     found = None if windowed else probed_scale(step)
     if found:
         return lead + scale_text(found, probed=True)
+    if coupled := coupled_decay(step):
+        return lead + coupled_text(coupled, windowed)
     if rising:
         return rising
     plain = DO["diverging_window" if windowed else "diverging"]

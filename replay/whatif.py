@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .cause_text import BELOW_FLOAT32, BEYOND_FLOAT64
+from .coupled_decay import coupled_decay
 from .departure import tries_note
 from .diverging import beyond_run_type, still_diverging
 from .drop import compared_with, left_by, undroppable
@@ -124,8 +125,11 @@ def check_applicable(step: Step, label: str, change: Change) -> None:
                           "no update to change")
     for k in needs:
         if k != "clip" and not all(k in g for g in opt.param_groups):
+            # (the keys this optimizer does take: SGD has a weight decay, Adafactor no lr)
+            has = [key for key, name in (("lr", "lr"), ("eps", "eps"), ("wd", "weight_decay"))
+                   if all(name in g for g in opt.param_groups)]
             raise ReplayError(f"--try {label}: {type(opt).__name__} has no '{k}' setting; "
-                              f"try another key (lr, clip)")
+                              f"try another key ({', '.join(has + ['clip'])})")
     if change.drop:
         n = batch_size(step, i := _samples_micro_batch(step, None) or 0)
         if not n and empty_micro_batch(step, i):  # (size 0 is also "unknown")
@@ -200,7 +204,8 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
             out += ["clip=1.0"] if relative else ["lr=0.1x", "clip=1.0"]
             if (before := _lr_before_jump(report)) is not None:
                 out.append(f"lr={before:.3g}")  # the rate the run trained at before the jump
-            out += ["wd=0"] if scaled_update(report) else []  # (weights times |c| >= 1)
+            # (weights times |c| >= 1: a decoupled decay's factor, SGD's coupled one's growth)
+            out += ["wd=0"] if scaled_update(report) or coupled_decay(step) else []
         elif (last := _last_finite_lr(step)) is not None:
             out.append(f"lr={last:.3g}")
         if cause == "optimizer":
