@@ -84,8 +84,10 @@ def _not_rerunnable(step: Step, report: dict[str, Any]) -> str | None:
                 "window's steps would run with the model's own")
     if not step.micro_batches and step.event.get("after_update"):
         # (the window's log keeps the event step's batch when that step closed before its
-        # update was checked: Adam's first update of float16 weights, caught after it)
-        if _window_holds_event_step(step):
+        # update was checked: Adam's first update of float16 weights, caught after it; not
+        # for an update that left only its state non-finite, which the re-run checks by the
+        # weights it writes: recorder.state_check)
+        if _window_holds_event_step(step) and not step.event.get("state"):
             return None
         return ("the event was found after its step's update, and the bundle holds no batch of "
                 "that step to re-run it with (guard_optimizer=True keeps it)")
