@@ -10,7 +10,7 @@ no single op shows that factor, so it is read from the hyper-parameters: the spe
 the linear map the decay's term makes of ``(p, momentum buffer)``.
 
 >>> coupled_growth({"lr": 0.05, "weight_decay": 100.0, "momentum": 0.9})  # doctest: +SKIP
-3.37...
+2.775...
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ Before: an optimizer event found after its update (Adam's first update of float1
 refused as "the bundle holds no batch of that step", so the op was not named; SGD's coupled
 weight decay with ``lr * weight_decay`` past its stability bound was reported as a generic
 divergence (lower the learning rate or clip; clipping cannot stop it) and ``--try auto`` did not
-try ``wd``."""
+try ``wd``; one batch's exploding gradient through a ReLU RNN got the same generic advice, though
+``--try lr=0.1x`` does not save it and ``--try clip=1.0`` does. The float16 Adam event stops the
+loop at its own check of the weights, so the recorder's detach finds it after the update."""
 
 from __future__ import annotations
 
@@ -104,6 +106,7 @@ def test_a_learning_rate_that_diverges_over_steps(out_dir):
         (17, "loss", "<loss>", "aten.mse_loss", "overflow")
     assert w["steps"] == [8, 17] and w["reproduced"] and w["precursors_began"]["step"] == 14
     assert "the run was diverging" in rep["hint"] and "--try lr=0.1x" in rep["hint"]
+    assert "exploding gradient" not in rep["hint"]  # (a climb over steps, no one batch's spike)
     t = tries(rep)
     assert list(t) == ["dtype=float64", "lr=0.1x", "clip=1.0", "lr=2x"], list(t)
     for label, trial in (("lr=0.1x", M.Trial(start=8, lr_factor=0.1)),
@@ -181,6 +184,34 @@ def test_exp_overflow_under_float16_autocast(out_dir):
     assert t["lr=0.1x"]["finite"] is None and "rewind=N" in t["lr=0.1x"]["note"]
 
 
+def test_a_rate_past_float16_under_amp_with_a_grad_scaler(out_dir):
+    """Counts whose busiest hours pass 65504: the learned rate exp(eta), float16 under
+    autocast, overflows once training gets there (no divergence: lr=0.1x only trains slower,
+    and stays finite through step 63 too)."""
+    def recorder(model, opt, crit, scaler):
+        return FlightRecorder(model, opt, loss_fn=crit, scaler=scaler, out_dir=out_dir,
+                              rewind=8, factory="what_if_trials_models:make_count_model")
+    with pytest.raises(NonFiniteError) as info:
+        M.train_counts(recorder=recorder)
+    rep = nanreplay_json(info.value.bundle_path, "--try", "auto", "--try", "lr=0.1x",
+                         "--try", "clip=1.0")
+    o, w = rep["origin"], rep["window"]
+    assert (rep["event"]["step"], o["phase"], o["module"], o["op"], rep["cause"]) == \
+        (30, "forward", "", "aten.exp", "overflow")
+    assert (o["samples"], o["dtype"]) == ([0, 13], "float16")
+    assert w["steps"] == [16, 30] and w["reproduced"]
+    t = tries(rep)
+    assert list(t) == ["dtype=float32", "lr=0.1x", "clip=1.0"], list(t)
+    for label, trial in (("dtype=float32", M.Trial(start=16, dtype=torch.float32)),
+                         ("lr=0.1x", M.Trial(start=16, lr_factor=0.1)),
+                         ("clip=1.0", M.Trial(start=16, clip=1.0))):
+        losses: list[float] = []
+        assert verdict(t[label]) is M.train_counts(trial=trial, steps=31, losses=losses) \
+            is None, label
+        assert t[label]["loss"] == pytest.approx(losses[-1], rel=1e-4), label
+    assert M.train_counts(trial=M.Trial(start=16, lr_factor=0.1), steps=64) is None
+
+
 def test_exploding_gradients_of_a_recurrence_without_clipping(out_dir):
     b = recorded(out_dir, "make_sequence_regressor", M.train_rnn, rewind=4)
     rep = nanreplay_json(b, "--try", "auto", "--try", "clip=1e6")
@@ -188,6 +219,12 @@ def test_exploding_gradients_of_a_recurrence_without_clipping(out_dir):
     assert (rep["event"]["step"], o["phase"], o["module"], o["op"], rep["cause"]) == \
         (M.SPIKE_STEP + 1, "loss", "<loss>", "aten.mse_loss", "overflow")
     assert w["steps"] == [0, 7] and w["precursors_began"]["step"] == M.SPIKE_STEP
+    # (one batch's gradient, 8000x the run's: clipping bounds it, a tenth of it is no fix)
+    assert "the gradient norm at step 6 was 2.03e+06, 7.97e+03x the median 254 of the steps " \
+           "before" in rep["hint"]
+    assert "clipping the gradient norm between backward() and step() bounds such an update " \
+           "whatever its size" in rep["hint"]
+    assert "(--try clip=1.0 re-runs the window with it)" in rep["hint"]
     t = tries(rep)
     assert list(t) == ["dtype=float64", "lr=0.1x", "clip=1.0", "clip=1e6"], list(t)
     for label, trial in (("clip=1.0", M.Trial(start=0, clip=1.0)),
@@ -232,3 +269,15 @@ def test_healthy_run_raises_no_event_and_trains_bit_identically(out_dir):
     a, b = train(True), train(False)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not list(out_dir.glob("*.nan"))
+
+
+def test_exploding_gradients_without_a_window_say_how_to_test_clipping(out_dir):
+    b = recorded(out_dir, "make_sequence_regressor", M.train_rnn)
+    rep = nanreplay_json(b, "--try", "clip=1.0")
+    assert (rep["event"]["step"], rep["origin"]["op"], rep["cause"]) == \
+        (M.SPIKE_STEP + 1, "aten.mse_loss", "overflow")
+    assert "the gradient norm at step 6 was 2.03e+06" in rep["hint"]
+    assert "(record with FlightRecorder(..., rewind=N) so that --try clip=1.0 re-runs the " \
+           "steps from before it)" in rep["hint"]
+    (t,) = rep["what_if"]  # (the event step's own update comes after its loss)
+    assert t["finite"] is None and "rewind=N" in t["note"]

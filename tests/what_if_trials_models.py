@@ -359,3 +359,64 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+# --- 6. a count model's rate growing past float16's range under AMP ---------------------------
+
+class CountModel(nn.Module):
+    """Page views per hour: a log-rate head, its rate ``exp(eta)`` returned for a Poisson
+    loss on rates (``log_input=False``), computed under float16 autocast."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.Tanh())
+        self.eta = nn.Linear(HIDDEN, 1)
+
+    def forward(self, x):
+        return torch.exp(self.eta(self.body(x)))  # > 65504 in float16 once eta > 11.09
+
+
+def make_count_model() -> nn.Module:
+    torch.manual_seed(6)
+    return CountModel()
+
+
+def count_loader(n_steps: int):
+    """Hourly page views: log-normal counts whose busiest hours pass 65504."""
+    g = torch.Generator().manual_seed(61)
+    x = torch.randn(POOL * BATCH, D_IN, generator=g)
+    y = torch.exp(9.0 + 1.2 * x[:, :1].clamp(-3, 3)).round()
+    return _loader(x, y, n_steps)
+
+
+def train_counts(recorder=None, trial: Trial | None = None, steps: int = 40,
+                 losses: list | None = None):
+    """Adam under float16 autocast with a GradScaler; ``trial.dtype`` from ``trial.start`` on
+    runs without autocast in that type. The step whose loss went non-finite, or None."""
+    trial = trial or Trial()
+    losses = [] if losses is None else losses
+    model = make_count_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    crit = nn.PoissonNLLLoss(log_input=False)
+    with recorder(model, opt, crit, scaler=scaler) if recorder else _nothing():
+        for step, (x, y) in enumerate(count_loader(steps)):
+            if step == trial.start:
+                trial.apply(opt)
+                if trial.dtype is not None:
+                    to_dtype(model, opt, trial.dtype)
+            wide = trial.on(step) and trial.dtype is not None
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16, enabled=not wide):
+                rate = model(x.to(trial.dtype) if wide else x)
+            loss = crit(rate.float(), y)
+            losses.append(loss.item())
+            if not math.isfinite(loss.item()):
+                return step
+            scaler.scale(loss).backward()
+            if trial.on(step) and trial.clip is not None:
+                scaler.unscale_(opt)
+                nn.utils.clip_grad_norm_(model.parameters(), trial.clip)
+            scaler.step(opt)
+            scaler.update()
+    return None
