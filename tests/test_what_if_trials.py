@@ -281,3 +281,24 @@ def test_exploding_gradients_without_a_window_say_how_to_test_clipping(out_dir):
            "steps from before it)" in rep["hint"]
     (t,) = rep["what_if"]  # (the event step's own update comes after its loss)
     assert t["finite"] is None and "rewind=N" in t["note"]
+
+
+def test_log_of_a_softmax_that_underflowed_in_a_label_smoothed_loss(out_dir):
+    b = recorded(out_dir, "make_classifier", M.train_smoothed, rewind=4)
+    rep = nanreplay_json(b, "--try", "auto", "--try", "dtype=float64", "--try", "lr=0.1x")
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["module"], o["op"], rep["cause"]) == \
+        (4, "loss", "<loss>", "aten.log", "underflow")
+    assert o["samples"] == [1, 7, 11]
+    assert o["source"] == source_line(MODELS, "log(0) of an underflow")
+    assert "log_softmax instead of log(softmax)" in rep["hint"]
+    t = tries(rep)
+    assert list(t) == ["drop=1,7,11", "dtype=float64", "lr=0.1x"], list(t)
+    for label, trial in (("dtype=float64", M.Trial(start=0, dtype=torch.float64)),
+                         ("lr=0.1x", M.Trial(start=0, lr_factor=0.1))):
+        losses: list[float] = []
+        assert verdict(t[label]) is M.train_smoothed(trial=trial, steps=5, losses=losses) \
+            is None, label
+        assert t[label]["loss"] == pytest.approx(losses[-1], rel=1e-5), label
+    # (finite through the window only: float64 at this rate overflows at step 8)
+    assert M.train_smoothed(trial=M.Trial(start=0, dtype=torch.float64), steps=9) == 8

@@ -420,3 +420,53 @@ def train_counts(recorder=None, trial: Trial | None = None, steps: int = 40,
             scaler.step(opt)
             scaler.update()
     return None
+
+
+# --- 7. log of a softmax that underflowed, in a label-smoothed loss ---------------------------
+
+class SmoothedCE(nn.Module):
+    """Label-smoothed cross entropy written out: ``log(softmax(z))`` of a class whose
+    probability float32 rounds to 0 is -inf, and its smoothing weight keeps it in the sum."""
+
+    def forward(self, z, y):
+        t = torch.full_like(z, 0.1 / (z.shape[1] - 1)).scatter(1, y[:, None], 0.9)
+        return -(t * torch.log(torch.softmax(z, -1))).sum(-1).mean()  # log(0) of an underflow
+
+
+def make_classifier() -> nn.Module:
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 10))
+
+
+def class_batches(n_steps: int):
+    g = torch.Generator().manual_seed(71)
+    x = 3 * torch.randn(POOL * BATCH, D_IN, generator=g)
+    return _loader(x, torch.randint(0, 10, (POOL * BATCH,), generator=g), n_steps)
+
+
+def train_smoothed(recorder=None, trial: Trial | None = None, steps: int = 30,
+                   losses: list | None = None):
+    """SGD at a rate that drives the logits apart until a softmax underflows."""
+    trial = trial or Trial()
+    losses = [] if losses is None else losses
+    model = make_classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=2.0)
+    crit = SmoothedCE()
+    with recorder(model, opt, crit) if recorder else _nothing():
+        for step, (x, y) in enumerate(class_batches(steps)):
+            if step == trial.start:
+                trial.apply(opt)
+                if trial.dtype is not None:
+                    to_dtype(model, opt, trial.dtype)
+            if trial.on(step) and trial.dtype is not None:
+                x = x.to(trial.dtype)
+            opt.zero_grad()
+            loss = crit(model(x), y)
+            losses.append(loss.item())
+            if not math.isfinite(loss.item()):
+                return step
+            loss.backward()
+            if trial.on(step) and trial.clip is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), trial.clip)
+            opt.step()
+    return None
