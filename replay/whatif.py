@@ -29,6 +29,7 @@ from .diverging import beyond_run_type, still_diverging
 from .drop import compared_with, left_by, undroppable
 from .errors import ReplayError, one_line
 from .half_update import TRY as HALF_UPDATE
+from .late_window import late_window_note
 from .load import Step, autocast_dtype
 from .negative_lr import below_zero
 from .optim import default_eps1, eps_lost, safe_eps, squared_eps_lost
@@ -312,6 +313,8 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
     win = win or step_as_window(step)
     if win.from_rewind and report.get("window"):
         _as_the_window_found(win, report["window"])
+    if win.from_rewind and (late := late_window_note(report, win.records[0]["step"])):
+        report["problems"].append(late)  # (once for every try: the copy came too late)
     unchanged_finite = _unchanged_finite(step, report, win)
     out = []
     for label, change in parsed:

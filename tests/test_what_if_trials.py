@@ -107,6 +107,7 @@ def test_a_learning_rate_that_diverges_over_steps(out_dir):
     assert w["steps"] == [8, 17] and w["reproduced"] and w["precursors_began"]["step"] == 14
     assert "the run was diverging" in rep["hint"] and "--try lr=0.1x" in rep["hint"]
     assert "exploding gradient" not in rep["hint"]  # (a climb over steps, no one batch's spike)
+    assert not any("before the window's copy" in p for p in rep["problems"])
     t = tries(rep)
     assert list(t) == ["dtype=float64", "lr=0.1x", "clip=1.0", "lr=2x"], list(t)
     for label, trial in (("lr=0.1x", M.Trial(start=8, lr_factor=0.1)),
@@ -119,6 +120,25 @@ def test_a_learning_rate_that_diverges_over_steps(out_dir):
     text = invoke_cli(b, "--try", "lr=0.1x", "--try", "lr=2x").stdout.splitlines()
     assert "  what-if    lr=0.1x        finite through step 17 (loss 4.487)" in text
     assert "  what-if    lr=2x          +inf at step 14 (forward, 2 call 0)" in text
+
+
+def test_a_window_copied_after_the_growth_began_says_its_tries_start_too_late(out_dir):
+    """rewind=1: the window starts at step 16, the gradient norm jumped at step 10. A tenth of
+    the rate from step 16 is finite through step 17 but still diverging (re-trained, it
+    overflows at step 18); from step 10 it trains on finite: the note says the copy came too
+    late and which rewind holds one from before the growth."""
+    b = recorded(out_dir, "make_mlp", M.train_sgd, rewind=1, lr=0.15)
+    rep = nanreplay_json(b, "--try", "lr=0.1x")
+    assert rep["window"]["steps"] == [16, 17] and rep["event"]["step"] == 17
+    assert "the run began to grow at step 10 (a gradient norm jump, see precursors), before " \
+           "the window's copy at step 16: every try starts from weights that growth had " \
+           "already reached" in " ".join(rep["problems"])
+    assert "rewind=N), N of 7 or more" in " ".join(rep["problems"])
+    (t,) = rep["what_if"]
+    assert verdict(t) is None and t["diverging"]
+    assert M.train_sgd(lr=0.15, trial=M.Trial(start=16, lr_factor=0.1), steps=60) == 18
+    assert M.train_sgd(lr=0.15, trial=M.Trial(start=10, lr_factor=0.1), steps=60) is None
+    # (a window copied before the growth has no such note: the lr test's, rewind=8)
 
 
 def test_a_weight_decay_too_large_for_sgd_is_named_and_auto_tries_wd(out_dir):
