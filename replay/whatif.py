@@ -288,6 +288,15 @@ def _last_finite_lr(step: Step) -> float | None:
         else None
 
 
+def _from_the_copy(win: Window, report: dict[str, Any]) -> None:
+    """For tries re-run from a rewind window: what its re-run found, and the note of a copy
+    taken after the run began to grow (once for every try)."""
+    if win.from_rewind and report.get("window"):
+        _as_the_window_found(win, report["window"])
+    if win.from_rewind and (late := late_window_note(report, win.records[0]["step"])):
+        report["problems"].append(late)
+
+
 def _as_the_window_found(win: Window, w: dict[str, Any]) -> None:
     """The loop's clip, loss factors and unscaling the window's re-run found, for its tries."""
     win.loop_clip, win.loss_factors = w.get("loop_clip"), w.get("loss_factors")
@@ -311,10 +320,7 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
     for label, change in parsed:
         check_applicable(step, label, change)
     win = win or step_as_window(step)
-    if win.from_rewind and report.get("window"):
-        _as_the_window_found(win, report["window"])
-    if win.from_rewind and (late := late_window_note(report, win.records[0]["step"])):
-        report["problems"].append(late)  # (once for every try: the copy came too late)
+    _from_the_copy(win, report)
     unchanged_finite = _unchanged_finite(step, report, win)
     out = []
     for label, change in parsed:
