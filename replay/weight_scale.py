@@ -20,6 +20,8 @@ from recorder.inner_optim import clear_state, put_state, state_items
 
 from .cause_text import DO
 from .compat import FOREACH_MUL_, TorchDispatchMode
+from .coupled_decay import coupled_decay, coupled_text
+from .grad_spike import grad_spike_advice
 from .grown_state import grown_state_advice
 from .line_search import no_line_search_advice
 from .no_warmup import no_warmup_advice
@@ -140,12 +142,16 @@ def diverging_advice(step, windowed: bool) -> str:
     found = None if windowed else probed_scale(step)
     if found:
         return lead + scale_text(found, probed=True)
+    if coupled := coupled_decay(step):
+        return lead + coupled_text(coupled, windowed)
     if rising:
         return rising
     plain = DO["diverging_window" if windowed else "diverging"]
     warming = warming_lr_text(history(step.meta, step.tensors))
+    # (one batch's update out of a calm run: clipping, not the rate; see replay.grad_spike)
     return grown_state_advice(step) or no_line_search_advice(step) \
-        or no_warmup_advice(step) or (f"{plain}; {warming}" if warming else plain)
+        or no_warmup_advice(step) or grad_spike_advice(step, windowed) \
+        or (f"{plain}; {warming}" if warming else plain)
 
 
 def scale_text(found: dict[str, Any], probed: bool = False) -> str:

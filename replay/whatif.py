@@ -23,11 +23,13 @@ from typing import Any
 import torch
 
 from .cause_text import BELOW_FLOAT32, BEYOND_FLOAT64
+from .coupled_decay import coupled_decay
 from .departure import tries_note
 from .diverging import beyond_run_type, still_diverging
 from .drop import compared_with, left_by, undroppable
 from .errors import ReplayError, one_line
 from .half_update import TRY as HALF_UPDATE
+from .late_window import late_window_note
 from .load import Step, autocast_dtype
 from .negative_lr import below_zero
 from .optim import default_eps1, eps_lost, safe_eps, squared_eps_lost
@@ -124,8 +126,11 @@ def check_applicable(step: Step, label: str, change: Change) -> None:
                           "no update to change")
     for k in needs:
         if k != "clip" and not all(k in g for g in opt.param_groups):
+            # (the keys this optimizer does take: SGD has a weight decay, Adafactor no lr)
+            has = [key for key, name in (("lr", "lr"), ("eps", "eps"), ("wd", "weight_decay"))
+                   if all(name in g for g in opt.param_groups)]
             raise ReplayError(f"--try {label}: {type(opt).__name__} has no '{k}' setting; "
-                              f"try another key (lr, clip)")
+                              f"try another key ({', '.join(has + ['clip'])})")
     if change.drop:
         n = batch_size(step, i := _samples_micro_batch(step, None) or 0)
         if not n and empty_micro_batch(step, i):  # (size 0 is also "unknown")
@@ -200,7 +205,8 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
             out += ["clip=1.0"] if relative else ["lr=0.1x", "clip=1.0"]
             if (before := _lr_before_jump(report)) is not None:
                 out.append(f"lr={before:.3g}")  # the rate the run trained at before the jump
-            out += ["wd=0"] if scaled_update(report) else []  # (weights times |c| >= 1)
+            # (weights times |c| >= 1: a decoupled decay's factor, SGD's coupled one's growth)
+            out += ["wd=0"] if scaled_update(report) or coupled_decay(step) else []
         elif (last := _last_finite_lr(step)) is not None:
             out.append(f"lr={last:.3g}")
         if cause == "optimizer":
@@ -282,6 +288,15 @@ def _last_finite_lr(step: Step) -> float | None:
         else None
 
 
+def _from_the_copy(win: Window, report: dict[str, Any]) -> None:
+    """For tries re-run from a rewind window: what its re-run found, and the note of a copy
+    taken after the run began to grow (once for every try)."""
+    if win.from_rewind and report.get("window"):
+        _as_the_window_found(win, report["window"])
+    if win.from_rewind and (late := late_window_note(report, win.records[0]["step"])):
+        report["problems"].append(late)
+
+
 def _as_the_window_found(win: Window, w: dict[str, Any]) -> None:
     """The loop's clip, loss factors and unscaling the window's re-run found, for its tries."""
     win.loop_clip, win.loss_factors = w.get("loop_clip"), w.get("loss_factors")
@@ -305,8 +320,7 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
     for label, change in parsed:
         check_applicable(step, label, change)
     win = win or step_as_window(step)
-    if win.from_rewind and report.get("window"):
-        _as_the_window_found(win, report["window"])
+    _from_the_copy(win, report)
     unchanged_finite = _unchanged_finite(step, report, win)
     out = []
     for label, change in parsed:

@@ -12,11 +12,13 @@ from typing import Any
 from recorder.finite import finite
 
 from .cause_text import DO
+from .coupled_decay import coupled_decay, coupled_text
 from .departure import departure
 from .findings import UPDATE_NOT_RERUN, finish, origin_fields
 from .load import Step
 from .optimizer_origin import optimizer_hint
 from .rewind_text import where
+from .update_domain import owner_type, updated_rows
 from .weight_readers import bad_row_fields, rows_text
 from .weight_scale import scale_text, scaled_update
 from .window import matches_event, precursors_began, run_window, window_of
@@ -53,7 +55,7 @@ def add_window(step: Step, report: dict[str, Any]) -> bool:
                                    res.weight_norms)) is not None:
         report["window"]["departed"], note = departed
         report["problems"].append(note)
-    grew = _hint_growth(report)
+    grew = _hint_growth(step, report)
     if o is None and not ok:
         report["problems"].append(
             f"re-running the window from the copy at step {win.copy_step} reached step {last} "
@@ -81,6 +83,12 @@ def _not_rerunnable(step: Step, report: dict[str, Any]) -> str | None:
                 "(passed in through functional_call, as a MAML inner loop does), and the "
                 "window's steps would run with the model's own")
     if not step.micro_batches and step.event.get("after_update"):
+        # (the window's log keeps the event step's batch when that step closed before its
+        # update was checked: Adam's first update of float16 weights, caught after it; not
+        # for an update that left only its state non-finite, which the re-run checks by the
+        # weights it writes: recorder.state_check)
+        if _window_holds_event_step(step) and not step.event.get("state"):
+            return None
         return ("the event was found after its step's update, and the bundle holds no batch of "
                 "that step to re-run it with (guard_optimizer=True keeps it)")
     if not step.micro_batches:
@@ -91,6 +99,15 @@ def _not_rerunnable(step: Step, report: dict[str, Any]) -> str | None:
                 "window's copy was taken (densification or pruning), which the window's steps "
                 "cannot redo: the event step's own re-run is the evidence")
     return None
+
+
+def _window_holds_event_step(step: Step) -> bool:
+    """The rewind window's log holds the event step with its micro-batches: re-running the
+    window from its copy re-runs that step's update too."""
+    win = window_of(step)
+    at = step.event.get("step")
+    return win is not None and any(r.get("step") == at and r.get("micro_batches")
+                                   for r in win.records)
 
 
 def _regrown_in_window(step: Step) -> str | None:
@@ -127,7 +144,7 @@ def _weights_origin(step: Step, report: dict[str, Any], o, ok: bool, bad: list[s
         "then: at initialisation, resizing or loading" + (f"; {where}" if where else "")))
 
 
-def _hint_growth(report: dict[str, Any], factor: float = 10.0) -> bool:
+def _hint_growth(step: Step, report: dict[str, Any], factor: float = 10.0) -> bool:
     """An overflow of weights the window shows blown up from an earlier step (by a bad batch,
     a learning-rate jump, a steady divergence) is that step's doing: the hint, which says what
     float64 would hold at the op, says where the growth began and what bounds it (the tries
@@ -151,11 +168,13 @@ def _hint_growth(report: dict[str, Any], factor: float = 10.0) -> bool:
     updates = (f"the update of step {last}" if last == began["step"]
                else f"the updates of steps {began['step']}-{last}")
     scaled = scaled_update(report)
+    coupled = None if scaled else coupled_decay(step)
     report["hint"] = (f"{report['hint']}. But the weight norm grew {top / before[-1]:.3g}x "
                       f"over {updates}, from where the "
                       f"rewind window shows the trouble began ({began['detail']}): the run "
                       "was diverging, and a wider type only postpones the overflow; "
                       + (scale_text(scaled) if scaled else
+                         coupled_text(coupled, windowed=True) if coupled else
                          "fix what happened there (a bad batch, a learning-rate jump) or "
                          + DO["diverging_window"]))
     return True
@@ -166,7 +185,13 @@ def _optimizer_origin(step: Step, report: dict[str, Any], o, ok: bool) -> None:
     origin = {**report["origin"], "phase": "optimizer", "params": o.params,
               "param": o.params[0], "op": o.op, "source": o.source, "chain": o.chain,
               "made": o.kind, "step": o.step, "domain": o.domain}
+    # (the rows it broke, from the weights and gradients the re-run's update left, as the
+    # event step's own re-run says them)
+    p = dict(step.model.named_parameters()).get(o.params[0])
+    rows, where = ({}, "") if p is None else updated_rows(
+        o.params[0], p, owner_type(step.meta, o.params[0]), step.model)
+    origin.update(rows)
     finish(report, origin, "optimizer", reproduced=ok,
            hint=optimizer_hint(step, o.op, o.kind, o.params, o.step,
                                "re-run from the rewind window", domain=o.domain,
-                               stale_why=o.stale_why))
+                               stale_why=o.stale_why) + where)

@@ -251,7 +251,10 @@ def test_nan_written_into_embedding_rows_is_the_update_that_wrote_it(out_dir):
     assert not any("cannot be re-run" in p for p in rep["problems"])
     assert rep["hint"].endswith("with eps=0 an element whose gradients have all been exactly 0 "
                                 "has m = v = 0, so m / (sqrt(v) + eps) is 0/0: set eps > 0 "
-                                "(the default 1e-8)")
+                                "(the default 1e-8); it made only row(s) 8, 9, 10, 11, 12, 13, "
+                                "14, 15 of 16 of emb.weight non-finite, every one a row whose "
+                                "gradient was all 0 (absent from the batch)")
+    assert o["rows"] == list(range(8, 16))  # (tokens 8-15 join at step 5)
     w = rep["window"]
     assert w["reproduced"] and w["steps"] == [0, 1]
     first = w["first_non_finite"]
@@ -416,7 +419,9 @@ def test_text_report_has_one_line_per_try_and_the_window(out_dir):
         "  cause      optimizer — aten.addcdiv_ in Adam's update at step 0 made nan in "
         "emb.weight from finite gradients and weights (re-run from the rewind window); with "
         "eps=0 an element whose gradients have all been exactly 0 has m = v = 0, so m / "
-        "(sqrt(v) + eps) is 0/0: set eps > 0 (the default 1e-8)"]
+        "(sqrt(v) + eps) is 0/0: set eps > 0 (the default 1e-8); it made only row(s) 8, 9, "
+        "10, 11, 12, 13, 14, 15 of 16 of emb.weight non-finite, every one a row whose gradient "
+        "was all 0 (absent from the batch)"]
     assert "  window     steps 0-1 re-run from the copy at step 0: the event came back at the " \
            "recorded step" in lines
     assert "  first      step 0: nan in the update of emb.weight (aten.addcdiv_)" in lines
@@ -642,7 +647,7 @@ def test_a_try_the_optimizer_cannot_take_is_a_one_line_error(out_dir):
     err = lr_spike(out_dir, rewind=4)
     line = one_error_line(invoke_cli(err.bundle_path, "--try", "eps=1e-8"))
     assert line == "nanreplay: --try eps=1e-8: SGD has no 'eps' setting; try another key " \
-                   "(lr, clip)"
+                   "(lr, wd, clip)"
     line = one_error_line(invoke_cli(err.bundle_path, "--try", "drop=16"))
     assert line == "nanreplay: --try drop=16: the batch has 16 samples (0-15); pass indices " \
                    "within it"
