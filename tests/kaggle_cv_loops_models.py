@@ -6,13 +6,15 @@
   target encoding of a categorical column (the mean target of each category in the other
   folds: ``sums / counts``, 0/0 for a category present only in the encoded fold).
 - ``TabularNet``: categorical embeddings beside the continuous features (``extra`` more
-  columns of them: a target encoding) and the row's missing-value mask passed to ``forward``, the category's log frequency in the training
-  fold as a feature (a buffer ``set_frequencies`` fills per fold), an optional on-the-fly
-  standardisation of the raw timestamp column (``E[x^2] - E[x]^2``), an MLP head.
+  columns of them: a target encoding) and the row's missing-value mask passed to
+  ``forward``, the category's log frequency in the training fold as a feature (a buffer
+  ``set_frequencies`` fills per fold), an optional on-the-fly standardisation of the raw
+  timestamp column (``E[x^2] - E[x]^2``), an MLP head.
 - ``ImageNet``: a small CNN with GeM pooling for an image classification fold loop (AMP,
-  test-time augmentation by flips).
-- Losses: ``FocalLoss`` (``(1 - pt) ** gamma * ce``), ``LabelSmoothingCE`` and ``SoftTargetCE``
-  written by hand (``log(softmax)``, soft pseudo-labels), ``BCEWithLogits`` through a wrapper.
+  test-time augmentation by flips: ``tta_predict``).
+- Losses: ``LabelSmoothingCE`` written by hand; ``SoftTargetCE`` (soft pseudo-labels sharpened
+  as MixMatch does), ``ConfidentPseudoCE`` (FixMatch's confidence mask), ``PearsonLoss`` (a
+  per-``time_id`` correlation).
 - ``ModelEmaV2``: timm's EMA of the weights (deepcopy, ``lerp_`` under no_grad).
 """
 
@@ -146,19 +148,6 @@ def tta_predict(model, img):
     return torch.stack([model(v).softmax(1) for v in views]).mean(0)
 
 
-class FocalLoss(nn.Module):
-    """Lin et al.'s focal loss, as the competition kernels write it."""
-
-    def __init__(self, gamma: float = 2.0):
-        super().__init__()
-        self.gamma = gamma
-
-    def forward(self, logits, target):
-        ce = F.cross_entropy(logits, target, reduction="none")
-        pt = torch.exp(-ce)
-        return ((1 - pt) ** self.gamma * ce).mean()
-
-
 class LabelSmoothingCE(nn.Module):
     def __init__(self, smoothing: float = 0.1):
         super().__init__()
@@ -183,6 +172,21 @@ class SoftTargetCE(nn.Module):
         p = probs ** (1.0 / self.temperature)
         soft = p / p.sum(1, keepdim=True)
         return -(soft * F.log_softmax(logits, 1)).sum(1).mean()
+
+
+class ConfidentPseudoCE(nn.Module):
+    """Cross-entropy on the pseudo-labels whose confidence passes a threshold (FixMatch's
+    mask), averaged over the confident rows."""
+
+    def __init__(self, threshold: float = 0.95):
+        super().__init__()
+        self.threshold = threshold
+
+    def forward(self, logits, probs):
+        conf, hard = probs.max(1)
+        mask = (conf > self.threshold).float()
+        ce = F.cross_entropy(logits, hard, reduction="none")
+        return (ce * mask).sum() / mask.sum()
 
 
 class PearsonLoss(nn.Module):

@@ -146,15 +146,16 @@ def same(a: list, b: list) -> bool:
         torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v for u, v in zip(a, b))
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of")  # (torch's, at a first step skipped)
 def test_healthy_fold_loops_raise_nothing_and_train_bit_identically(tmp_path):
     """Both notebooks' loops, with and without a recorder per fold: the image loop's
     GradScaler overflows and skips steps by design, which is no event."""
     data, images = M.tabular(), M.images()
     plain = tabular_cv(tmp_path, data, record=False)
     assert same(plain, tabular_cv(tmp_path, data))
-    plain = image_cv(tmp_path, images, nn.CrossEntropyLoss(), record=False)
+    plain = image_cv(tmp_path, images, M.LabelSmoothingCE(0.1), record=False)
     assert plain[0] > 0  # (steps the scaler skipped)
-    assert same(plain, image_cv(tmp_path, images, nn.CrossEntropyLoss()))
+    assert same(plain, image_cv(tmp_path, images, M.LabelSmoothingCE(0.1)))
     assert not list(tmp_path.glob("*.nan"))
 
 
@@ -282,6 +283,31 @@ def test_sharpened_pseudo_labels_of_an_unsure_row_underflow_to_0_over_0(tmp_path
     assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == (
         "<loss>", "aten.div", "nan", [5], "underflow"), json.dumps(rep, indent=1)
     assert o["source"] == line_of("soft = p / p.sum(1, keepdim=True)")
+
+
+def test_confident_pseudo_label_mask_empty_in_an_unsure_batch_is_0_over_0(tmp_path):
+    """FixMatch's confidence mask over pseudo-labels, the loss averaged over the confident
+    rows: a batch of unsure pseudo-labels (the second) has none, and the mean is 0/0. No row
+    is to blame; the count is to clamp."""
+    img, y = M.images()
+    probs = torch.softmax(nn.functional.one_hot(y, M.N_CLASSES).float() * 4, 1)
+    probs[16:32] = torch.full((16, M.N_CLASSES), 1 / M.N_CLASSES)
+    loss_fn = M.ConfidentPseudoCE(0.95)
+    torch.manual_seed(0)
+    model = M.make_image()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(NonFiniteError) as info:
+        with recorder(model, opt, loss_fn, tmp_path, "make_image"):
+            for xb, pb in DataLoader(TensorDataset(img, probs), batch_size=16):
+                loss = loss_fn(model(xb), pb)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    rep, o = report(info.value, 1, "loss")
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "<loss>", "aten.div", "nan", [], "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == line_of("return (ce * mask).sum() / mask.sum()")
+    assert "divide by count.clamp_min(1)" in rep["hint"], rep["hint"]
 
 
 def test_optimizer_stepped_past_the_grad_scaler_after_unscale_for_clipping(tmp_path):
