@@ -4,7 +4,8 @@
 - ``tabular``: a table of continuous features, categorical codes, a raw timestamp column and
   a binary target; ``kfold``: the folds of a K-fold split; ``target_encode``: the out-of-fold
   target encoding of a categorical column (the mean target of each category in the other
-  folds: ``sums / counts``, 0/0 for a category present only in the encoded fold).
+  folds: ``sums / counts``, 0/0 for a category present only in the encoded fold);
+  ``rank_gauss``: RankGauss scaling by hand (``erfinv`` of ranks scaled to [-1, 1]).
 - ``TabularNet``: categorical embeddings beside the continuous features (``extra`` more
   columns of them: a target encoding) and the row's missing-value mask passed to
   ``forward``, the category's log frequency in the training fold as a feature (a buffer
@@ -62,6 +63,13 @@ def oof_target_encoding(cat, y, k: int = 4):
     for fit, apply in kfold(len(cat), k, seed=7):
         enc[apply] = target_encode(cat[fit], y[fit], cat[apply])
     return enc
+
+
+def rank_gauss(x):
+    """RankGauss (the tabular competitions' favourite scaler), by hand: each feature's ranks
+    scaled to [-1, 1] and sent through ``erfinv``, without the clip inside (-1, 1)."""
+    ranks = x.argsort(0).argsort(0).float()
+    return torch.erfinv(2 * ranks / (len(x) - 1) - 1)
 
 
 class TabularNet(nn.Module):

@@ -178,6 +178,29 @@ def test_out_of_fold_target_encoding_of_a_rare_category_is_nan_in_the_features(t
     assert "a target encoding's mean target of a category absent" in rep["hint"], rep["hint"]
 
 
+@pytest.mark.parametrize("seed,said", [
+    (0, "-Inf alone is as often a log of a 0"),  # (the first batch: one feature's smallest)
+    (2, "holds them at most once per feature, each sign"),  # (a smallest and a largest)
+])
+def test_rank_gauss_without_a_clip_sends_each_features_extremes_to_infinity(
+        tmp_path, seed, said):
+    """RankGauss by hand: erfinv of ranks scaled to [-1, 1] is -inf at each feature's smallest
+    value and +inf at its largest. The hint was the generic 'check the data pipeline (bad
+    files, division by zero in normalisation)' for both signs in the batch, and a ratio's zero
+    denominator alone for one; it now names the transform's ends and the clip inside the
+    interval (and, for -inf alone, a log of a 0)."""
+    x, cat, mask, ts, y = M.tabular(seed=seed)
+    err = fire(tabular_cv, tmp_path, (M.rank_gauss(x), cat, mask, ts, y))
+    rep, o = report(err, 0, "input")
+    x_tr = M.rank_gauss(x)[next(M.kfold(len(y), 2))[0]]
+    first = next(iter(DataLoader(TensorDataset(x_tr), batch_size=32, shuffle=True,
+                                 generator=torch.Generator().manual_seed(0))))[0]
+    rows = (~torch.isfinite(first)).any(1).nonzero().flatten().tolist()
+    assert (err.event["tensor"], o["samples"], rep["cause"]) == ("args[0]", rows, "input"), \
+        json.dumps(rep, indent=1)
+    assert said in rep["hint"] and "rank-gauss erfinv" in rep["hint"], rep["hint"]
+
+
 def test_a_category_only_the_validation_fold_holds_names_the_frequency_table(tmp_path):
     """The category's log frequency in the training fold is a model buffer; a category only
     the validation fold holds is log(0) = -inf there. The validation forward (after the 4
