@@ -17,8 +17,8 @@ import torch
 
 from .missing_entries import entries_where
 
-__all__ = ["INFINITE_ENTRIES", "TRANSFORM_ENDS", "infinite_entries", "one_sign_note",
-           "transform_ends"]
+__all__ = ["INFINITE_ENTRIES", "TRANSFORM_ENDS", "infinite_entries", "infinite_entries_hint",
+           "one_sign_note", "transform_ends"]
 
 INFINITE_ENTRIES = (
     "the batch itself holds Inf and no NaN, and {tensor} holds it at a few features of records "
@@ -51,6 +51,16 @@ TRANSFORM_ENDS = (
     "extremes); keep the scaled values inside the open interval before the transform "
     "(ranks (rank + 0.5) / n, x.clamp(-1 + eps, 1 - eps)), as sklearn's QuantileTransformer "
     "clips, fitted on the training fold and applied to the others")
+
+
+def infinite_entries_hint(t: torch.Tensor | None, d: int | None, tensor: str) -> str | None:
+    """The hint for batch tensor ``tensor`` (``t``, samples in dim ``d``) holding +-Inf at a
+    few entries: a transform's ends (both signs), or a ratio's zero denominator; else None."""
+    if where := transform_ends(t, d):
+        return TRANSFORM_ENDS.format(tensor=tensor, where=where)
+    if where := infinite_entries(t, d):
+        return INFINITE_ENTRIES.format(tensor=tensor, where=where) + one_sign_note(t)
+    return None
 
 
 def transform_ends(t: torch.Tensor | None, d: int | None) -> str:
