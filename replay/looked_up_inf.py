@@ -1,7 +1,7 @@
 """A NaN made of an infinity that an op picked by index from a buffer of the model: a table of
 one value per id the code built from data (a category's log frequency ``log(count / n)`` in
 the training fold, a class's log prior, a word's log sampling probability), -inf at an id the
-data never held (a log of a count of 0), which the batch then looked up (a category seen only
+data never held (a log or a reciprocal of a count of 0), which the batch then looked up (a category seen only
 in the validation fold or the test set). The op finder takes a buffer holding +-inf for a mask
 (``replay.storages.mask_buffers``), on purpose; picked by id, one of its entries is a value
 the table was built without, not a mask: the hint names the buffer, its non-finite entries and
@@ -47,14 +47,16 @@ def looked_up_inf_hint(hint: str | None, cause: str, start, hit, model: torch.nn
     kinds = sorted({"NaN" if v != v else ("-inf" if v < 0 else "+inf")
                     for v in table.detach()[bad].tolist()})
     at = f" ({start.source})" if start.source else ""
+    made = "NaN" if hit.made == "nan" else hit.made
     samples = origin.get("samples") or hit.rows
     who = f" for sample(s) {samples[:SHOWN]}" if samples else ""
     return (f"{start.op}{at} picked the {'/'.join(kinds)} of buffer '{start.buffer}'{who}, "
             f"which holds it at {count} of its {table.numel()} entries: {', '.join(places)}"
-            f"{more}, and {hit.op} made NaN of it. A table of one value per id looked up by "
-            "the batch's ids is no mask: those entries are ids the data the table was built "
-            "from never held (the log of a count of 0: a category absent from the training "
-            "fold, met in the validation fold or the test set; a class no training sample "
-            "has). Fix the table where it is built: smooth its counts (log((count + 1) / "
-            "(n + k))), or map ids unseen there to an 'unknown' entry before the lookup; an "
-            "eps at the op would only hide the unseen ids")
+            f"{more}, and {hit.op} made {made} of it. A table of one value per id looked up "
+            "by the batch's ids is no mask: those entries are ids the data the table was "
+            "built from never held (the log or the reciprocal of a count of 0: a category "
+            "absent from the training fold, met in the validation fold or the test set; a "
+            "class no training sample has). Fix the table where it is built: smooth its "
+            "counts (log((count + 1) / (n + k)), 1 / (count + 1)), or map ids unseen there "
+            "to an 'unknown' entry before the lookup; an eps at the op would only hide the "
+            "unseen ids")

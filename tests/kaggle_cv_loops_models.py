@@ -11,6 +11,8 @@
   ``forward``, the category's log frequency in the training fold as a feature (a buffer
   ``set_frequencies`` fills per fold), an optional on-the-fly standardisation of the raw
   timestamp column (``E[x^2] - E[x]^2``), an MLP head.
+- ``LinearBaseline``: logistic regression on the features and each category's inverse
+  frequency in the training fold (a buffer).
 - ``ImageNet``: a small CNN with GeM pooling for an image classification fold loop (AMP,
   test-time augmentation by flips: ``tta_predict``).
 - Losses: ``LabelSmoothingCE`` written by hand; ``SoftTargetCE`` (soft pseudo-labels sharpened
@@ -111,6 +113,30 @@ def make_tabular_te():
 
 def make_tabular_time():
     return TabularNet(standardise_time=True)
+
+
+class LinearBaseline(nn.Module):
+    """The notebook's first baseline: a logistic regression on the continuous features and
+    each category's inverse frequency in the training fold (a buffer ``set_frequencies``
+    fills)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.ones(N_CAT, CARD))
+        self.head = nn.Linear(N_CONT + N_CAT, 1)
+
+    @torch.no_grad()
+    def set_frequencies(self, cat_train):
+        for c in range(N_CAT):
+            self.inv_freq[c] = 1.0 / torch.bincount(cat_train[:, c], minlength=CARD).float()
+
+    def forward(self, x, cat):
+        rarity = torch.stack([self.inv_freq[c][cat[:, c]] for c in range(N_CAT)], 1)
+        return self.head(torch.cat([x, rarity], 1)).squeeze(1)
+
+
+def make_linear():
+    return LinearBaseline()
 
 
 class GeM(nn.Module):

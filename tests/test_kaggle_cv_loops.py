@@ -227,6 +227,42 @@ def test_a_category_only_the_validation_fold_holds_names_the_frequency_table(tmp
     assert "smooth its counts" in rep["hint"] and "find the op" not in rep["hint"]
 
 
+def test_an_inverse_frequency_of_a_category_unseen_in_training_reaches_the_baselines_logit(
+        tmp_path):
+    """The logistic-regression baseline's inverse category frequencies: 1/0 = +inf for the
+    category only the validation fold holds, which the head's addmm folds into +-inf at
+    validation rows 3 and 10, and the validation loss takes. The lookup was taken for a
+    mask's intended fill (the generic 'an infinity held on purpose' advice)."""
+    x, cat, _, _, y = M.tabular()
+    cat = cat.clone()
+    cat[cat[:, 0] == 5, 0] = 4
+    tr, va = next(M.kfold(len(y), 2))
+    cat[va[[3, 10]], 0] = 5
+    torch.manual_seed(0)
+    model, loss_fn = M.make_linear(), nn.BCEWithLogitsLoss()
+    model.set_frequencies(cat[tr])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with recorder(model, opt, loss_fn, tmp_path, "make_linear"):
+            for b in tr.split(60):
+                loss = loss_fn(model(x[b], cat[b]), y[b])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            with torch.no_grad():  # (the validation loss: a -inf logit alone is no event)
+                loss_fn(model(x[va], cat[va]), y[va])
+    rep, o = report(info.value, 2, "forward")
+    assert info.value.event["evaluation"] is True
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "", "aten.addmm", "-inf", [3, 10], "invalid"), json.dumps(rep, indent=1)
+    assert [(c["op"], c["made"], c["intentional"]) for c in o["chain"]] == [
+        ("aten.index", "+inf", False), ("aten.addmm", "-inf", False)], o["chain"]
+    assert rep["hint"].startswith("aten.index (" + line_of("rarity = torch.stack(") + ") picked "
+                                  "the +inf of buffer 'inv_freq' for sample(s) [3, 10], which "
+                                  "holds it at 1 of its 12 entries: (0, 5), and aten.addmm "
+                                  "made -inf of it."), rep["hint"]
+
+
 def test_an_on_the_fly_standardisation_of_raw_timestamps_cancels_to_a_negative_variance(
         tmp_path):
     """``E[t^2] - E[t]^2`` of unix timestamps (1.6e9 s) in float32: the squares' rounding
