@@ -87,11 +87,17 @@ def upstream_cause(runner, node: str | None, cause: Cause) -> Cause:
 def past_scaler_cause(step, node: str | None, cause: Cause) -> Cause | None:
     """``cause`` for a backward overflow of a step the recorder's GradScaler did not skip:
     the scaled float16 gradients reached ``opt.step()``, which ``scaler.step(opt)`` would have
-    skipped; None for another event, or without a scaler of a scale above 1."""
+    skipped; None for another event, without a scaler of a scale above 1, or where a
+    non-finite gradient is of a parameter the optimizer (which the scaler checks) lacks."""
     scale = scaler_state(step).get("scale")
     ev = step.event
     if cause.name != "overflow" or not isinstance(scale, (int, float)) or not scale > 1 \
             or ev.get("phase") != "backward" or ev.get("reason") != "non_finite":
+        return None
+    # (the scaler checks the optimizer's gradients only: another one's, no skip to bypass)
+    stepped = {n for g in (step.meta.get("optimizer") or {}).get("param_groups") or []
+               for n in g.get("params") or []}
+    if not ev.get("params") or not set(ev["params"]) <= stepped:
         return None
     op = node or "the backward node"
     return Cause("overflow", f"{op}'s gradient overflowed under the GradScaler's loss scale "

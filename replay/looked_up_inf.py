@@ -1,11 +1,13 @@
-"""A NaN made of an infinity that an op picked by index from a buffer of the model: a table of
-one value per id the code built from data (a category's log frequency ``log(count / n)`` in
-the training fold, a class's log prior, a word's log sampling probability), -inf at an id the
-data never held (a log or a reciprocal of a count of 0), which the batch then looked up (a category seen only
-in the validation fold or the test set). The op finder takes a buffer holding +-inf for a mask
-(``replay.storages.mask_buffers``), on purpose; picked by id, one of its entries is a value
-the table was built without, not a mask: the hint names the buffer, its non-finite entries and
-the fix where the table is built, and the chain's start is no longer marked intentional.
+"""A NaN (or a +-inf output) made of an infinity that an op picked by index from a buffer of
+the model: a table of one value per id the code built from data (a category's log frequency
+``log(count / n)`` in the training fold, its inverse frequency, a class's log prior), infinite
+at an id the data never held (a log or a reciprocal of a count of 0), which the batch then
+looked up (a category seen only in the validation fold or the test set). The op finder takes a
+buffer holding +-inf for a mask (``replay.storages.mask_buffers``), on purpose; picked by id
+from a buffer whose finite values vary (no 0/-inf mask: a CRF's forbidden transitions), one of
+its entries is a value the table was built without: the hint names the buffer, its non-finite
+entries and the fix where the table is built, and the chain's start is no longer marked
+intentional.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ def looked_up_inf_hint(hint: str | None, cause: str, start, hit, model: torch.nn
                        origin: dict[str, Any]) -> str | None:
     """The hint for ``hit``, a NaN made from infinities (``cause`` invalid) when the chain's
     start (``start``, the finder's intended infinity) is a lookup op that picked the +-inf of
-    a model buffer, which holds it at fewer than half its entries; else None. Marks the
-    origin's chain entry of ``start`` as not intentional."""
+    a model buffer, which holds it at fewer than half its entries and more than one finite
+    value elsewhere (no 0/-inf mask); else None. Marks the origin's chain entry of ``start``
+    as not intentional."""
     if cause != "invalid" or hit is None or start is None or start.buffer is None \
             or start.op not in LOOKUPS or hit.inputs_finite:
         return None
@@ -38,6 +41,8 @@ def looked_up_inf_hint(hint: str | None, cause: str, start, hit, model: torch.nn
     count = int(bad.sum())
     if not 0 < 2 * count < table.numel():  # (a mask: as many infinities as values, or more)
         return None
+    if table.detach()[~bad].unique().numel() < 2:  # (a mask of 0 and -inf: a CRF's forbidden
+        return None  # transitions, picked by the tags; a table's values vary)
     for entry in origin.get("chain") or []:
         if entry.get("op") == start.op and entry.get("intentional"):
             entry["intentional"] = False
