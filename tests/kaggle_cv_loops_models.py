@@ -15,9 +15,10 @@
   frequency in the training fold (a buffer).
 - ``ImageNet``: a small CNN with GeM pooling for an image classification fold loop (AMP,
   test-time augmentation by flips: ``tta_predict``).
-- Losses: ``LabelSmoothingCE`` written by hand; ``SoftTargetCE`` (soft pseudo-labels sharpened
-  as MixMatch does), ``ConfidentPseudoCE`` (FixMatch's confidence mask), ``PearsonLoss`` (a
-  per-``time_id`` correlation).
+- Losses: ``BinaryFocalLoss`` (``(1 - pt) ** gamma * bce``), ``LabelSmoothingCE`` written by
+  hand, ``SoftTargetCE`` (soft pseudo-labels sharpened as MixMatch does),
+  ``ConfidentPseudoCE`` (FixMatch's confidence mask), ``PearsonLoss`` (a per-``time_id``
+  correlation).
 - ``ModelEmaV2``: timm's EMA of the weights (deepcopy, ``lerp_`` under no_grad).
 """
 
@@ -180,6 +181,20 @@ def tta_predict(model, img):
     """Test-time augmentation: the mean of the softmax over flips."""
     views = [img, img.flip(-1), img.flip(-2)]
     return torch.stack([model(v).softmax(1) for v in views]).mean(0)
+
+
+class BinaryFocalLoss(nn.Module):
+    """The competition kernels' binary focal loss: ``pt = exp(-bce)``, ``(1 - pt) ** gamma *
+    bce`` (gamma tuned by a sweep)."""
+
+    def __init__(self, gamma: float = 2.0, alpha: float = 0.25):
+        super().__init__()
+        self.gamma, self.alpha = gamma, alpha
+
+    def forward(self, logits, target):
+        bce = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
+        pt = torch.exp(-bce)
+        return (self.alpha * (1 - pt) ** self.gamma * bce).mean()
 
 
 class LabelSmoothingCE(nn.Module):

@@ -263,6 +263,44 @@ def test_an_inverse_frequency_of_a_category_unseen_in_training_reaches_the_basel
                                   "made -inf of it."), rep["hint"]
 
 
+def test_a_focal_loss_with_gamma_below_1_on_a_leaked_column_is_nan_in_backward(tmp_path):
+    """A column leaking the target (x3 = 100 y + noise) and a focal loss whose gamma a sweep
+    set to 0.5: the baseline grows confident within a few steps, bce rounds to 0 and pt to 1
+    on the leaked positives, and ``(1 - pt) ** 0.5`` has an infinite derivative at 0. The
+    samples are the batch's rows where pt is exactly 1, found by the same training run
+    without the recorder."""
+    x, cat, _, _, y = M.tabular()
+    x = x.clone()
+    x[:, 3] = y * 100 + torch.randn(len(y), generator=torch.Generator().manual_seed(1))
+    loss_fn = M.BinaryFocalLoss(gamma=0.5)
+
+    def train(rec=None, steps=None):
+        torch.manual_seed(0)
+        model = M.make_linear()
+        model.set_frequencies(cat)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        with rec(model, opt) if rec else torch.enable_grad():
+            for b in torch.arange(len(y)).split(40)[:steps]:
+                loss = loss_fn(model(x[b], cat[b]), y[b])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        return model
+
+    with pytest.raises(NonFiniteError) as info:
+        train(lambda m, o: recorder(m, o, loss_fn, tmp_path, "make_linear"))
+    rep, o = report(info.value, 5, "backward")
+    b = torch.arange(len(y)).split(40)[5]
+    with torch.no_grad():
+        logits = train(steps=5)(x[b], cat[b])
+    pt = torch.exp(-nn.functional.binary_cross_entropy_with_logits(logits, y[b], reduction="none"))
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "<loss>", "PowBackward0", "+inf", (pt == 1).nonzero().flatten().tolist(), "precision"), \
+        json.dumps(rep, indent=1)
+    assert o["source"] == line_of("return (self.alpha * (1 - pt) ** self.gamma * bce).mean()")
+    assert "a focal loss's (1 - p) ** gamma with gamma < 1" in rep["hint"], rep["hint"]
+
+
 def test_an_on_the_fly_standardisation_of_raw_timestamps_cancels_to_a_negative_variance(
         tmp_path):
     """``E[t^2] - E[t]^2`` of unix timestamps (1.6e9 s) in float32: the squares' rounding
