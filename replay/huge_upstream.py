@@ -86,9 +86,10 @@ def upstream_cause(runner, node: str | None, cause: Cause) -> Cause:
 
 def past_scaler_cause(step, node: str | None, cause: Cause) -> Cause | None:
     """``cause`` for a backward overflow of a step the recorder's GradScaler did not skip:
-    the scaled float16 gradients reached ``opt.step()``, which ``scaler.step(opt)`` would have
-    skipped; None for another event, without a scaler of a scale above 1, or where a
-    non-finite gradient is of a parameter the optimizer (which the scaler checks) lacks."""
+    the scaled gradients an overflow made non-finite reached ``opt.step()``, which
+    ``scaler.step(opt)`` would have skipped; None for another event, without a scaler of a
+    scale above 1, or where a non-finite gradient is of a parameter the optimizer (which the
+    scaler checks) lacks."""
     scale = scaler_state(step).get("scale")
     ev = step.event
     if cause.name != "overflow" or not isinstance(scale, (int, float)) or not scale > 1 \
@@ -101,7 +102,7 @@ def past_scaler_cause(step, node: str | None, cause: Cause) -> Cause | None:
         return None
     op = node or "the backward node"
     return Cause("overflow", f"{op}'s gradient overflowed under the GradScaler's loss scale "
-                 f"({scale:g}): by design, the scaler grows its scale until a float16 gradient "
+                 f"({scale:g}): by design, the scaler grows its scale until a scaled gradient "
                  "overflows, then scaler.step(optimizer) skips that step and scaler.update() "
                  "lowers the scale (the recorder, given the scaler, raises nothing for a "
                  "skipped step). This step's optimizer.step() ran on the non-finite gradients "
