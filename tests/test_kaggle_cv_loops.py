@@ -421,6 +421,37 @@ def test_optimizer_stepped_past_the_grad_scaler_after_unscale_for_clipping(tmp_p
     assert "compute this op in float32" not in rep["hint"], rep["hint"]
 
 
+def test_a_nan_max_lr_for_onecyclelr_names_the_schedules_settings(tmp_path):
+    """OneCycleLR built with ``max_lr`` NaN (an LR range test's suggestion read off a loss
+    curve that went NaN): every lr it derives is NaN, and the first AdamW update makes the
+    weights NaN. The hint said to evaluate the scheduler's formula at each step (a division
+    by a step count of 0); it now names the param group's max_lr, initial_lr and min_lr,
+    NaN as given."""
+    x, cat, mask, _, y = M.tabular()
+    losses = torch.tensor([0.7, 0.69, 0.6, 0.4, float("nan")])  # the range test diverged
+    lrs = torch.logspace(-5, 0, len(losses))
+    max_lr = float((lrs[1:] * losses.diff()).sum() / losses.diff().sum())  # (weighted: NaN)
+    torch.manual_seed(0)
+    model, loss_fn = M.make_tabular(), nn.BCEWithLogitsLoss()
+    model.set_frequencies(cat)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=max_lr, total_steps=6)
+    with pytest.raises(NonFiniteError) as info:
+        with recorder(model, opt, loss_fn, tmp_path, "make_tabular", lr_scheduler=sched):
+            for b in torch.arange(len(y)).split(40):
+                loss = loss_fn(model(x[b], cat[b], mask[b]), y[b])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                sched.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (0, "optimizer")
+    rep = nanreplay_json(info.value.bundle_path, code=None)
+    assert rep["cause"] == "optimizer", json.dumps(rep, indent=1)
+    assert "the param group's initial_lr=nan, max_lr=nan, min_lr=nan too, the settings " \
+           "OneCycleLR derives every lr from" in rep["hint"], rep["hint"]
+    assert "evaluate its formula" not in rep["hint"], rep["hint"]
+
+
 def test_ema_weights_loaded_back_hold_the_lerp_of_an_unseen_categorys_minus_inf(tmp_path):
     """Stage 2 of the notebook continues from the EMA's weights on pseudo-labelled test rows.
     The training rows never held category 5 of column 1, so the model's log frequency there
