@@ -38,6 +38,7 @@ from .lineage import Lineage
 from .literal_fill import nan_given
 from .load import Step
 from .looked_up import looked_up_hint
+from .looked_up_inf import looked_up_inf_hint
 from .made_of_params import params_hint
 from .masked_product import masked_row_product_hint
 from .masked_whole import masked_whole_hint
@@ -154,6 +155,9 @@ def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin,
     hit, node = found
     lineage = finder.lineage
     hint = with_node(origin, _with_param(step, runner, finder, o, cause, hit), cause.name, node)
+    # (a -inf a table of log frequencies holds at an unseen category, picked by its id)
+    hint = looked_up_inf_hint(hint, cause.name, finder.intentional, hit, runner.model,
+                              origin) or hint
     hint = raw_pole_hint(lineage and lineage.raw, cause.name, hit) or class_counts_hint(
         lineage and lineage.counts, cause.name, hit) or (
         lineage_hints(hint, cause.name, hit, lineage) if lineage else hint)

@@ -14,10 +14,12 @@ MISSING_ENTRIES = (
     "the batch itself holds NaN, and {tensor} holds it at scattered entries of records "
     "otherwise finite: {where}: missing values the data pipeline read as NaN and never "
     "imputed (an empty cell, a test not taken), or a 0/0 it computed there (a division by zero: "
-    "a mean over no values, a database column all NULL; a rate over a zero duration); impute them where the "
-    "data is made (the feature's training-set mean, or 0 after standardising, with a "
-    "missing-indicator where missingness may carry signal) or guard that division; where the "
-    "model imputes them itself, name the input to FlightRecorder(..., allow_nan=[...])")
+    "a mean over no values, a database column all NULL, a target encoding's mean target of a "
+    "category absent from the folds it was fitted on; a rate over a zero duration); impute "
+    "them where the data is made (the feature's training-set mean, or 0 after standardising, "
+    "with a missing-indicator where missingness may carry signal) or guard that division; "
+    "where the model imputes them itself, name the input to FlightRecorder(..., "
+    "allow_nan=[...])")
 
 SHOWN = 8  # samples, and entries of each, named
 NARROWEST = 3  # features: of two, one NaN is half the record's

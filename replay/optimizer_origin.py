@@ -4,6 +4,7 @@ bundle's, from the copies taken before it), and the hint of an update the bundle
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -153,9 +154,36 @@ def _second_moment(step: Step, name: str) -> torch.Tensor | None:
 
 
 def _hyper_why(bad: tuple[str, str], step: Step) -> str:
+    if bad[0] == "lr" and (anchors := _lr_anchors(step)):
+        cls = ((step.meta.get("lr_scheduler") or {}).get("class") or "").rpartition(".")[2]
+        return (f"its lr was {bad[1]} in that update, and the param group's {anchors} too, "
+                f"the settings {cls or 'the schedule'} derives every lr from: they were "
+                "non-finite as given (a max_lr or base lr of NaN: an LR finder's suggestion "
+                "from losses that went NaN, a ratio of settings over 0), no step's formula "
+                "made them so; fix them where the schedule is built")
     return (f"its {bad[0]} was {bad[1]} in that update: {_writer(bad[0], step)} "
             "computed it (a division by a step count of 0, a 0/0, a sqrt or log of a negative "
             "step count); fix that value")
+
+
+def _lr_anchors(step: Step) -> str:
+    """The learning-rate settings other than ``lr`` a scheduler keeps in the optimizer's param
+    groups (OneCycleLR's ``max_lr``, ``initial_lr``, ``min_lr``; SWALR's ``swa_lr``) that are
+    non-finite, as ``name=value`` text; "" when none is."""
+    found = {}
+    for g in (step.meta.get("optimizer") or {}).get("param_groups") or []:
+        for k, v in g.items():
+            if k != "lr" and k.endswith("lr") and k not in found and _non_finite(v):
+                found[k] = str(v)
+    return ", ".join(f"{k}={v}" for k, v in found.items())
+
+
+def _non_finite(v) -> bool:
+    """Whether a param group's value (a number, or as the bundle writes one: 'nan') is."""
+    try:
+        return not math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
 
 
 def _writer(name: str, step: Step) -> str:

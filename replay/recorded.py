@@ -37,7 +37,7 @@ from .env_observations import env_observation_hint
 from .findings import origin_fields
 from .group_nan import group_nan
 from .grouped_rows import grouped, grouped_hint
-from .infinite_entries import INFINITE_ENTRIES, infinite_entries
+from .infinite_entries import infinite_entries_hint
 from .load import Step, micro_batch_inputs
 from .loss_arg_name import forward_param_name, with_param_name
 from .masked_gaps import masked_gaps
@@ -292,9 +292,9 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
     if key and origin.get("samples") and (where := missing_entries(  # (per sample: no field)
             step.tensors.get(key), _sample_dim(step, origin, key))):
         return scattered_missing(step.tensors[key], tensor, _named_batch(step, origin), where)
-    if key and origin.get("samples") and (where := infinite_entries(  # (a ratio's x / 0)
-            step.tensors.get(key), _sample_dim(step, origin, key))):
-        return INFINITE_ENTRIES.format(tensor=tensor, where=where)
+    if key and origin.get("samples") and (inf := infinite_entries_hint(  # (a ratio's x / 0,
+            step.tensors.get(key), _sample_dim(step, origin, key), tensor)):  # a rank-gauss)
+        return inf
     if origin.get("samples") or not tensor:
         return None
     return SHARED_INPUT.format(tensor=f"the input {tensor}") + _some_rows(
