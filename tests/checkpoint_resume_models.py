@@ -191,3 +191,16 @@ class FocalLoss(nn.Module):
     def forward(self, logits, target):
         logp = logits.log_softmax(-1).gather(-1, target[:, None]).squeeze(-1)
         return (-(1 - logp.exp()) ** self.gamma * logp).mean()
+
+
+def amp_step(model, opt, crit, scaler, batch) -> None:
+    """One float16 autocast step through a GradScaler (unscaled before clipping)."""
+    ids, mask, y = batch
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = crit(model(ids, mask), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(opt)
+    scaler.update()

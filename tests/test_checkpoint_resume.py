@@ -250,3 +250,40 @@ def test_rollback_after_an_event_under_warn_continues_with_the_same_recorder(tmp
     assert (o["module"], o["op"], o["samples"]) == ("", "aten.div", [3])
     assert o["source"] == source_line(MODELS, "pooled = (h * mask.unsqueeze(-1)).sum(1)")
     assert "no valid entry" in r["hint"]
+
+
+@pytest.mark.parametrize("scale", [2.0 ** 16, float("inf")])
+def test_grad_scaler_state_of_inf_from_the_checkpoint(tmp_path, blob, scale):
+    """AMP resume: the scaler's state is loaded with the rest. A checkpoint whose scale is inf
+    skips every update (``inf * loss``); the recorder's skip limit ends the run. Before: the
+    re-run unscaled, 'loss terms computed outside loss_fn', MGDA weights; now the scale, and
+    that it came in with the scaler state loaded. A finite scale trains with no event."""
+    ck = M.load_checkpoint(blob)
+    model = M.make_model()
+    model.load_state_dict(ck["model"])
+    opt = M.make_optimizer(model)
+    opt.load_state_dict(ck["optimizer"])
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.load_state_dict({**scaler.state_dict(), "scale": scale})
+    crit = M.SmoothedCE()
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, factory=FACTORY,
+                         start_step=SAVED, scaler=scaler, max_skipped_steps=3)
+    try:
+        with rec:
+            for _, batch in zip(range(6), M.loader(seed=1)):
+                M.amp_step(model, opt, crit, scaler, batch)
+    except NonFiniteError:
+        pass
+    if scale == 2.0 ** 16:
+        assert rec.event is None and 0 < scaler.get_scale() <= 2.0 ** 16
+        assert not torch.equal(model.head.weight, ck["model"]["head.weight"])  # (it trained)
+        return
+    r = nanreplay_json(rec.bundle_path, code=1)  # (not re-run)
+    o = r["origin"]
+    assert (r["event"]["step"], r["event"]["kind"], r["cause"]) == (SAVED + 3, "scale",
+                                                                     "overflow")
+    assert (o["phase"], o["tensor"], o["module"], o["op"]) == ("backward", "GradScaler scale",
+                                                               None, None)
+    assert r["hint"].startswith("the GradScaler's scale is inf")
+    assert "first step the recorder saw (step 6)" in r["hint"]
+    assert "scaler.load_state_dict" in r["hint"] and "MGDA" not in r["hint"]
