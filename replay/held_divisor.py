@@ -22,6 +22,7 @@ from recorder.target import LOSS_PREFIX
 
 from . import lost_eps
 from .batch_written import written_divisor_hint
+from .half_cast import flushed_text
 from .held_pole import held_pole_hint
 
 __all__ = ["held_divisor_hint", "loss_buffers"]
@@ -81,7 +82,7 @@ def held_divisor_hint(hint: str | None, cause: str, finder, hit,
             f"entr{'ies' if len(at) > 1 else 'y'} {where} of its shape {tuple(buf.shape)}; "
             "every sample divides by the same entries, so no record is to blame, there are no "
             "rows to drop and an eps in the data does not help. " + (
-                _never_filled(name, buf) or _HELD_ADVICE.format(short=short)))
+                _never_filled(name, buf) or flushed_text(name, buf) or _HELD_ADVICE.format(short=short)))
 
 
 _HELD_ADVICE = ("A statistic of the data (a "
@@ -116,7 +117,7 @@ def _made_of_hint(op: str, name: str, buf: torch.Tensor | None,
             f"{_entries(at)} of its shape {tuple(buf.shape)}, where the buffer holds "
             f"{' / '.join(f'{v:g}' for v in held)}; every sample divides by the same entries, so "
             "no record is to blame and there are no rows to drop. " + (
-                _never_filled(name, buf) or "A statistic of the data at "
+                _never_filled(name, buf) or flushed_text(name, buf) or "A statistic of the data at "
                 "its edge for a feature constant where it was computed (an allele frequency of "
                 "0 or 1 in sqrt(2p(1 - p)): a SNP monomorphic in the training set; a std of 0: "
                 "an EEG reference electrode) is the cause: drop such features where the "

@@ -149,6 +149,50 @@ def test_float16_checkpoint_in_a_float32_model_names_the_cast(tmp_path, blob):
     assert "element-wise division" not in r["hint"]
 
 
+def test_float16_checkpoint_flushes_a_tiny_variance_to_zero(tmp_path, blob):
+    """A calibrated normaliser's variance of 2e-8 (a near-constant feature) saved with
+    ``.half()``: 0 after the cast, then x / sqrt(0). Before: a data statistic constant in the
+    feature (an allele frequency); now the float16 cast's underflow."""
+    def halved(ck):
+        var = torch.rand(M.DIM, generator=torch.Generator().manual_seed(3)) * 2 + 0.5
+        var[5] = 2e-8
+        ck["model"]["norm.var"] = var
+        ck["model"] = {k: v.half() if v.is_floating_point() else v
+                       for k, v in ck["model"].items()}
+
+    r = nanreplay_json(_resume(blob, tmp_path, halved))
+    o = r["origin"]
+    assert (r["event"]["step"], r["cause"], o["phase"]) == (SAVED, "invalid", "forward")
+    assert (o["module"], o["op"]) == ("norm", "aten.div") and o["all_samples"]
+    assert "is 0 at entry 5 of its shape (16,)" in r["hint"]
+    assert "float16" in r["hint"] and "underflow" in r["hint"]
+    assert "allele" not in r["hint"]
+
+
+def test_nan_in_ema_weights_swapped_in_for_evaluation(tmp_path):
+    """The EMA copy (NaN in one bias entry) loaded into the model for a no-grad evaluation:
+    an evaluation forward's weights event, the write outside optimizer.step() named."""
+    model = M.make_model()
+    opt = M.make_optimizer(model)
+    crit, ema = M.SmoothedCE(), M.EMA(model)
+    batches = list(M.loader())
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, factory=FACTORY):
+            for i, batch in enumerate(batches[:8]):
+                M.train_step(model, opt, crit, batch)
+                ema.update(model)
+                if i == 4:
+                    ema.shadow["proj.bias"][0] = float("nan")
+                if i % 3 == 2:
+                    ema.evaluate(model, batches[-1])
+    r = nanreplay_json(info.value.bundle_path)
+    o = r["origin"]
+    assert (r["event"]["step"], r["event"]["evaluation"], r["cause"]) == (6, True, "weights")
+    assert (o["module"], o["op"], o["param"], o["last_update_step"]) == (
+        "proj", "aten.addmm", "proj.bias", 5)
+    assert "EMA or SWA average copied in" in r["hint"]
+
+
 def test_nan_optimizer_state_is_the_load_not_the_update_rule(tmp_path, blob):
     def bad_moments(ck):
         ck["optimizer"]["state"][2]["exp_avg_sq"][1] = float("nan")  # proj.bias
