@@ -7,7 +7,10 @@ settings. When the loop replaced every parameter of the model at once, that is a
 state_dict loaded as new tensors (``model.load_state_dict(ckpt, assign=True)``, a rollback or
 resume mid-run): the checkpoint is what held the value, and where the recorded optimizer
 still holds the tensors they replaced (its groups' names recorded as None), its ``step()``
-trains those no longer: the optimizer is to be built again over the new parameters."""
+trains those no longer: the optimizer is to be built again over the new parameters. When the
+bundle holds no optimizer though the step stayed open through several forwards, the loop did
+build a new one and dropped the recorded one: its updates ran unseen, and which parameters the
+load brought in non-finite is not known."""
 
 from __future__ import annotations
 
@@ -22,8 +25,30 @@ def _held_by_optimizer(step, bad: list[str]) -> bool | None:
     return all(n in held for n in bad)
 
 
+def _dropped_optimizer(step, names: str, kind: str, held: bool | None) -> str | None:
+    """With the recorded optimizer gone from the bundle or holding none of the bad tensors,
+    and the step open through several forwards: the loop built a new optimizer over the
+    loaded parameters and steps that one, whose updates since ran unseen."""
+    n = len(step.meta.get("micro_batches") or ())
+    if n < 2 or (step.meta.get("optimizer") and held is not False):
+        return None
+    return (f"the training loop replaced every parameter of the model at once with new "
+            f"tensors (a state_dict loaded with load_state_dict(..., assign=True): a rollback "
+            f"or resume mid-run), and the optimizer the recorder was given "
+            f"{'holds none of them' if step.meta.get('optimizer') else 'is gone from the bundle'}"
+            f" and never stepped again: the loop built a new one over them, whose updates ran "
+            f"unseen; the step stayed open through {n} forwards, and {names} "
+            f"held {kind} at its end. Which of them the checkpoint brought in non-finite and "
+            "which the new optimizer's updates made so is not known: check the checkpoint "
+            "first (torch.isfinite(t).all() for each tensor before loading it), and give the "
+            "recorder the optimizer the loop steps (rec.detach(), then a new "
+            "FlightRecorder(model, optimizer) after building it)")
+
+
 def _whole_model_hint(step, names: str, kind: str, bad: list[str]) -> str:
     held = _held_by_optimizer(step, bad)
+    if (dropped := _dropped_optimizer(step, names, kind, held)) is not None:
+        return dropped
     stale = "" if held is not False else (
         "; the recorded optimizer still holds the tensors they replaced, so its step() no "
         "longer updates the model: after load_state_dict(..., assign=True) build the "

@@ -331,3 +331,30 @@ def test_grad_scaler_state_of_inf_from_the_checkpoint(tmp_path, blob, scale):
     assert r["hint"].startswith("the GradScaler's scale is inf")
     assert "first step the recorder saw (step 6)" in r["hint"]
     assert "scaler.load_state_dict" in r["hint"] and "MGDA" not in r["hint"]
+
+
+def test_assign_true_load_with_a_new_optimizer_the_recorder_was_not_given(tmp_path, blob):
+    """The same load, the optimizer then built again over the new parameters (and the old one
+    dropped) without telling the recorder: no step closes, the new optimizer's updates spread
+    the NaN unseen, and every parameter is NaN when the recorder detaches. Before: each of the
+    five 'already held nan before any update' (densification); now the dropped optimizer,
+    and that which of them the load brought in is not known."""
+    model = M.make_model()
+    opt = M.make_optimizer(model)
+    crit = M.SmoothedCE()
+    ck = M.load_checkpoint(blob)
+    ck["model"]["head.weight"][2, 3] = float("nan")
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, factory=FACTORY):
+            for i, batch in zip(range(6), M.loader()):
+                if i == 3:
+                    model.load_state_dict(ck["model"], assign=True)
+                    opt = M.make_optimizer(model)
+                    opt.load_state_dict(ck["optimizer"])
+                M.train_step(model, opt, crit, batch)
+    r = nanreplay_json(info.value.bundle_path)
+    o = r["origin"]
+    assert (r["event"]["step"], r["cause"], o["phase"]) == (3, "weights", "weights")
+    assert r["event"]["micro_batches"] == 3 and len(o["params"]) == 5
+    assert "gone from the bundle and never stepped again" in r["hint"]
+    assert "is not known" in r["hint"] and "before any update" not in r["hint"]
