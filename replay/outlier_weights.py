@@ -1,6 +1,7 @@
 """A forward overflow whose scale is a parameter's, not the data's: one element (or a few) of a
 weight tensor out of scale with the rest of it, by a factor of 2**20 or more over the tensor's
-median magnitude, and large enough to be the overflowed op's scale. A flipped exponent bit in a
+median magnitude, 2**64 or more (beyond any init, a mask's -1e9 fill or a training's drift),
+and large enough to be the overflowed op's scale. A flipped exponent bit in a
 checkpoint (a storage or transfer fault: bit 30 of a float32 multiplies a value by 2**128), a
 partial write or a tensor from another run put such a value into a model that otherwise trains
 as before; a learning rate or update cannot make one element 2**20 times its neighbours in one
@@ -23,8 +24,9 @@ from .param_writes import first_recorded
 __all__ = ["outlier_weight_hint"]
 
 _RATIO = 2.0 ** 20  # an element this many times its tensor's median magnitude is an outlier
+_HUGE = 2.0 ** 64  # and this large: no init, mask fill (-1e9) or training makes one
 _FEW = 0.01  # at most this share of the tensor's elements (at least 1)
-_REACH = 1e6  # the outlier times this reaches the op's scale: the op's values came of it
+_REACH = 1e3  # the outlier times this reaches the op's scale: the op's values came of it
 
 
 def _outliers(t: torch.Tensor) -> tuple[int, list[int], float, float] | None:
@@ -36,7 +38,7 @@ def _outliers(t: torch.Tensor) -> tuple[int, list[int], float, float] | None:
     med = float(a.median())
     if med <= 0:
         return None
-    far = (a >= _RATIO * med).nonzero().flatten()
+    far = ((a >= _RATIO * med) & (a >= _HUGE)).nonzero().flatten()
     if far.numel() == 0 or far.numel() > max(1, int(_FEW * a.numel())):
         return None
     return far.numel(), far[:4].tolist(), float(a[far].max()), med
