@@ -358,3 +358,24 @@ def test_assign_true_load_with_a_new_optimizer_the_recorder_was_not_given(tmp_pa
     assert r["event"]["micro_batches"] == 3 and len(o["params"]) == 5
     assert "gone from the bundle and never stepped again" in r["hint"]
     assert "is not known" in r["hint"] and "before any update" not in r["hint"]
+
+
+def test_optimizer_state_of_another_models_shapes_is_no_event(tmp_path, blob):
+    """``optimizer.load_state_dict`` checks the number of parameters, not their shapes: the
+    state of a model with 8 classes loads into the 4-class one, and AdamW's first update
+    raises its own shape error. That error is the loop's to see, unchanged; no bundle."""
+    ck = M.load_checkpoint(blob)
+    other = M.TokenClassifier(classes=8)
+    other_opt = M.make_optimizer(other)
+    M.train_step(other, other_opt, M.SmoothedCE(), next(iter(M.loader())))
+    model = M.make_model()
+    model.load_state_dict(ck["model"])
+    opt = M.make_optimizer(model)
+    opt.load_state_dict(other_opt.state_dict())
+    crit = M.SmoothedCE()
+    with pytest.raises(RuntimeError, match="must match the size"):
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, factory=FACTORY,
+                            start_step=SAVED) as rec:
+            for _, batch in zip(range(2), M.loader(seed=1)):
+                M.train_step(model, opt, crit, batch)
+    assert rec.event is None and not list(tmp_path.glob("*.nan"))
