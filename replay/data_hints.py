@@ -11,7 +11,9 @@ a NaN the loss made that a mask's 0 then met (``replay.masked_after``); an overf
 entries a mask's 0 then met (``replay.masked_overflow``); an overflow of an op
 that took the loss's data alone (``replay.data_overflow``), or a model output already near the
 type's range (``replay.output_overflow``); a square of a batch tensor in raw units beyond the
-type's range (``replay.squared_data``); the samples a loss argument of a
+type's range (``replay.squared_data``); a weight element far out of its tensor's scale at
+an overflow's (``replay.outlier_weights``: a checkpoint's flipped bit); the samples a loss
+argument of a
 value per pair or group reaches (``replay.grouped_arg``); a loss made non-finite by a
 micro-batch of one sample (``replay.single_sample``); a 0/0 over records with nothing in them
 (``replay.empty_records``), or over a class one-hot labels hold none of in those records
@@ -75,6 +77,7 @@ from .nan_attribute import nan_attribute_hint
 from .nan_cast import nan_cast_hint
 from .negative_rows import negative_hint
 from .other_inputs import other_inputs_note
+from .outlier_weights import outlier_weight_hint
 from .output_overflow import huge_output_hint
 from .output_range import output_range_hint
 from .padded_units import padded_units_hint
@@ -111,6 +114,7 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     data_overflow_hint(report, step)  # (a loss's pow of its targets alone: 0..255 heatmaps)
     huge_output_hint(report, step)  # (mse of traces a CFL-unstable simulation made 1e35)
     squared_data_hint(report, step)  # (a GP's squared residual of outcomes of 1e25, float32)
+    outlier_weight_hint(report, step)  # (a checkpoint's weight of 2e38: a flipped exponent bit)
     grown_argument_hint(report, step)  # (an EMA teacher's logits of 1e9 with decay > 1)
     grouped_arg_hint(report, step)  # (a preference pair's NaN rating gap: the pair's rows)
     single_sample_hint(report, step)  # (InfoLOOB's negatives of a last batch of one)

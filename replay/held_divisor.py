@@ -22,6 +22,7 @@ from recorder.target import LOSS_PREFIX
 
 from . import lost_eps
 from .batch_written import written_divisor_hint
+from .half_cast import flushed_text
 from .held_pole import held_pole_hint
 
 __all__ = ["held_divisor_hint", "loss_buffers"]
@@ -80,14 +81,18 @@ def held_divisor_hint(hint: str | None, cause: str, finder, hit,
     return (f"{hit.op} of {what}: the divisor is the buffer {name} as the code keeps it, 0 at "
             f"entr{'ies' if len(at) > 1 else 'y'} {where} of its shape {tuple(buf.shape)}; "
             "every sample divides by the same entries, so no record is to blame, there are no "
-            "rows to drop and an eps in the data does not help. A statistic of the data (a "
-            "training set's std or scale) is 0 for a feature constant where it was computed "
-            "(an EEG reference electrode, 0 against itself; a sensor never connected): floor it "
-            "there (std.clamp_min(eps); scikit-learn's StandardScaler sets a zero scale to 1) or "
-            "drop that feature. A running statistic (a running mean of the class "
-            "probabilities, a count or histogram per class) is 0 where it started at 0 or was "
-            "never updated: start it above 0 (uniform, not zeros), update it with the batch "
-            f"before dividing, or divide by self.{short}.clamp_min(eps)")
+            "rows to drop and an eps in the data does not help. " + (
+                _never_filled(name, buf) or flushed_text(name, buf) or _HELD_ADVICE.format(short=short)))
+
+
+_HELD_ADVICE = ("A statistic of the data (a "
+                "training set's std or scale) is 0 for a feature constant where it was computed "
+                "(an EEG reference electrode, 0 against itself; a sensor never connected): floor it "
+                "there (std.clamp_min(eps); scikit-learn's StandardScaler sets a zero scale to 1) or "
+                "drop that feature. A running statistic (a running mean of the class "
+                "probabilities, a count or histogram per class) is 0 where it started at 0 or was "
+                "never updated: start it above 0 (uniform, not zeros), update it with the batch "
+                "before dividing, or divide by self.{short}.clamp_min(eps)")
 
 
 def _entries(at: torch.Tensor) -> str:
@@ -111,12 +116,28 @@ def _made_of_hint(op: str, name: str, buf: torch.Tensor | None,
             f"sample's record, nothing learned), and is 0 at entr{'ies' if len(at) > 1 else 'y'} "
             f"{_entries(at)} of its shape {tuple(buf.shape)}, where the buffer holds "
             f"{' / '.join(f'{v:g}' for v in held)}; every sample divides by the same entries, so "
-            "no record is to blame and there are no rows to drop. A statistic of the data at "
-            "its edge for a feature constant where it was computed (an allele frequency of 0 or "
-            "1 in sqrt(2p(1 - p)): a SNP monomorphic in the training set; a std of 0: an EEG "
-            "reference electrode) is the cause: drop such features where the statistic is made "
-            "(a minor-allele-frequency or variance filter), or floor the divisor "
-            "(.clamp_min(eps))" + (_COUNTS if _whole(buf) else ""))
+            "no record is to blame and there are no rows to drop. " + (
+                _never_filled(name, buf) or flushed_text(name, buf) or "A statistic of the data at "
+                "its edge for a feature constant where it was computed (an allele frequency of "
+                "0 or 1 in sqrt(2p(1 - p)): a SNP monomorphic in the training set; a std of 0: "
+                "an EEG reference electrode) is the cause: drop such features where the "
+                "statistic is made (a minor-allele-frequency or variance filter), or floor the "
+                "divisor (.clamp_min(eps))" + (_COUNTS if _whole(buf) else "")))
+
+
+def _never_filled(name: str, buf: torch.Tensor) -> str | None:
+    """The advice for a buffer of several entries that is 0 in every one: no statistic of
+    data is 0 for every feature, so it is the value the buffer was built with, never written
+    since (its statistic never computed, or a checkpoint without it loaded with strict=False,
+    which leaves it at its init); None when some entry is not 0."""
+    if buf.numel() < 2 or bool((buf.detach() != 0).any()):
+        return None
+    return (f"{name} is 0 in every entry, as a buffer is built before its statistic is "
+            "written: it was never filled, neither computed from the data (a calibration or "
+            "statistics pass the run skipped: a resume that goes straight to training) nor "
+            "loaded (a checkpoint without it, loaded with load_state_dict(..., strict=False), "
+            "leaves it at its init: check the missing_keys that load returns, or compute the "
+            "statistic again after loading)")
 
 
 # (a buffer of whole numbers, 0 where the division broke: a count per class or group)

@@ -25,6 +25,7 @@ from recorder.finite import finite, kind_of
 from .built_by import FirstMade, built_by_text
 from .errors import ReplayError
 from .grown_weights import grown_rule_hint
+from .half_cast import half_cast_text
 from .load import Step, micro_batch_inputs
 from .ops import OpFinder
 from .partial_params import partial_hint
@@ -269,6 +270,8 @@ def _spread(step: Step, bad: list[str]) -> str | None:
                 "by a count of local steps or a norm that is 0) or a contribution non-finite "
                 "throughout (a diverged client's weights)")
     name, t = next(iter(tensors.items()))
+    if (cast := half_cast_text(name, t)) is not None:  # (a float16 checkpoint's overflow)
+        return cast
     n_bad = int((~torch.isfinite(t)).sum())
     rows = unit_rows_text(name, t)
     if whole_rows(t):

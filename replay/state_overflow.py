@@ -18,6 +18,7 @@ from typing import Any
 from .domains import g
 from .findings import finish, origin_fields
 from .grown_number import number_attributes
+from .infinite_scale import scale_report
 from .load import Step
 
 _F32_MAX = 3.4028234663852886e38
@@ -25,7 +26,11 @@ _LARGE = 1e6  # a float attribute this large is a scale, not a setting
 
 
 def state_report(report: dict[str, Any], step: Step) -> dict[str, Any] | None:
-    """The report of a ``state`` event; None for any other."""
+    """The report of a ``state`` event, or of a GradScaler event whose scale itself is not
+    finite (``replay.infinite_scale``: training state too, loaded or grown so); None for any
+    other."""
+    if (scaled := scale_report(report, step)) is not None:
+        return scaled
     state = step.event.get("state")
     if not state or step.event.get("phase") != "optimizer":
         return None
