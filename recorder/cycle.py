@@ -250,7 +250,8 @@ class StepCycle:
             reason = "non_finite"
         elif self.target.has_scaler or layout.skipped or self.skips:
             self.skips = self.skips + 1 if layout.skipped else 0
-            if layout.scale is not None and layout.scale < self.settings.min_scale:
+            # (or inf: loaded so, or grown past float32's range; never halved back to finite)
+            if layout.scale is not None and not self.settings.min_scale <= layout.scale < math.inf:
                 reason = "scale_collapse"
             elif self.skips > self.settings.max_skipped_steps:
                 reason = "scale_skipping"

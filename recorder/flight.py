@@ -103,7 +103,7 @@ class FlightRecorder:
             Their NaN is recorded but is no event by itself; one that gets past the model's
             handling (into a module's output, the loss or a gradient) is an ``input`` event.
         scaler: the ``torch.amp.GradScaler`` in use: steps it skips are not events, but a scale
-            below ``min_scale`` or more than ``max_skipped_steps`` skips in a row are.
+            below ``min_scale`` (or not finite) or more than ``max_skipped_steps`` skips in a row are.
         lr_scheduler: saved in the bundle when given.
         guard_optimizer: keep a device copy of the weights, gradients and optimizer state
             before each ``optimizer.step()`` and check the weights right after it (a second

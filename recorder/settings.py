@@ -36,7 +36,7 @@ class Settings:
     # fnmatch patterns of root inputs that may hold NaN (missing values the model imputes)
     allow_nan: tuple[str, ...] = ()
     strict_inf: bool = False  # every +-Inf is an event (else only those that matter)
-    min_scale: float = 1.0  # a GradScaler scale below this is an event (0: never)
+    min_scale: float = 1.0  # a GradScaler scale below this (or not finite) is an event
     max_skipped_steps: int = 50  # more skips in a row (GradScaler, end_step(skipped=True)) are an event
     guard_optimizer: bool = False  # copy the update's inputs, check weights right after it
     stats: str = "minmax"  # "full" adds means, RMS and parameter norms

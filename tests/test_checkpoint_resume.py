@@ -299,7 +299,8 @@ def test_rollback_after_an_event_under_warn_continues_with_the_same_recorder(tmp
 @pytest.mark.parametrize("scale", [2.0 ** 16, float("inf")])
 def test_grad_scaler_state_of_inf_from_the_checkpoint(tmp_path, blob, scale):
     """AMP resume: the scaler's state is loaded with the rest. A checkpoint whose scale is inf
-    skips every update (``inf * loss``); the recorder's skip limit ends the run. Before: the
+    skips every update (``inf * loss``) and is never halved back: its first skipped step is the
+    event (before, only the recorder's skip limit, max_skipped_steps later, ended it). Before: the
     re-run unscaled, 'loss terms computed outside loss_fn', MGDA weights; now the scale, and
     that it came in with the scaler state loaded. A finite scale trains with no event."""
     ck = M.load_checkpoint(blob)
@@ -324,8 +325,7 @@ def test_grad_scaler_state_of_inf_from_the_checkpoint(tmp_path, blob, scale):
         return
     r = nanreplay_json(rec.bundle_path, code=1)  # (not re-run)
     o = r["origin"]
-    assert (r["event"]["step"], r["event"]["kind"], r["cause"]) == (SAVED + 3, "scale",
-                                                                     "overflow")
+    assert (r["event"]["step"], r["event"]["kind"], r["cause"]) == (SAVED, "scale", "overflow")
     assert (o["phase"], o["tensor"], o["module"], o["op"]) == ("backward", "GradScaler scale",
                                                                None, None)
     assert r["hint"].startswith("the GradScaler's scale is inf")
