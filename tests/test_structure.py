@@ -6,6 +6,7 @@ no import cycle between the package's modules. One package per parameter."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -24,8 +25,13 @@ TORCH_PRIVATE = re.compile(
 
 
 def _modules(package: str) -> dict[str, ast.Module]:
-    return {p.name: ast.parse(p.read_text(), str(p))
-            for p in sorted((ROOT / package).glob("*.py"))}
+    return _parsed(ROOT / package)
+
+
+@functools.cache
+def _parsed(folder: Path) -> dict[str, ast.Module]:
+    """Each module's tree, parsed once for all the checks (which only read them)."""
+    return {p.name: ast.parse(p.read_text(), str(p)) for p in sorted(folder.glob("*.py"))}
 
 
 def _private(attr: str) -> bool:
@@ -123,8 +129,8 @@ def test_every_module_has_a_layout_row(package):
     """A newcomer finds each concept from the README's layout table: every module of the
     package is named there (as `package/module.py`), so a module added without its row fails."""
     table = _layout_table()
-    missing = [f"{package}/{name}" for name in _modules(package)
-               if not name.startswith("__") and f"`{package}/{name}`" not in table]
+    missing = [f"{package}/{p.name}" for p in sorted((ROOT / package).glob("*.py"))
+               if not p.name.startswith("__") and f"`{package}/{p.name}`" not in table]
     assert not missing, f"modules with no row in README.md's layout table: {missing}"
     rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
     named = [m for cell in rows for m in re.findall(rf"`({package}/\w+\.py)`", cell)]
