@@ -88,6 +88,12 @@ def grad_hooks(t: torch.Tensor) -> list:
     return list(hooks.values()) if hooks else []
 
 
+def accumulate_hooks(t: torch.Tensor) -> list:
+    """The hooks ``t.register_post_accumulate_grad_hook`` put on ``t``, in order."""
+    hooks = getattr(t, "_post_accumulate_grad_hooks", None)
+    return list(hooks.values()) if hooks else []
+
+
 def version_of(t: torch.Tensor) -> int | None:
     """``t._version``, or None for an inference-mode tensor, which keeps no version counter (so
     whether it changed in place is unknown: it is measured again, its buffer copied again)."""

@@ -36,6 +36,7 @@ from .settings import Settings
 from .shards import class_name, localize, mixed_precision
 from .tape import Tape
 from .target import Target
+from .user_hooks import user_grad_hooks
 
 
 def qualname(obj: Any) -> str:
@@ -143,6 +144,8 @@ def _model(src: Sources, tape: Tape | None, guard, meta, tensors) -> None:
         meta["written_in_step"] = [params[i][0] for i in written]
     if src.target.replaced:  # swapped for new tensors (densified): shapes the factory lacks
         meta["replaced_params"] = sorted(src.target.replaced)
+    if hooked := user_grad_hooks(params):  # (the script's own: the factory's model lacks them)
+        meta["user_grad_hooks"] = hooked
     for name, p in params:
         w = guard["weights"].get(name, p) if guard else p
         tensors[f"weights/{name}"] = w.detach()

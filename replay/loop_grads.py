@@ -14,6 +14,7 @@ from .load import Step
 from .nan_skips import nan_skips_text
 from .rescaled_grads import entrywise_divisor_text
 from .shared_factor import shared_factor_text
+from .user_grad_hooks import hooked_gradient
 from .zero_grad import normalised_zero_gradient
 from .zero_rows import empty_batch_text, zero_gradient_rows, zero_rows_text
 from .zero_tasks import zero_outputs_text
@@ -68,7 +69,9 @@ def gradients_from_the_loop(report, step: Step, reached: bool = False,
         + zero_rows_text(zero)
         + empty_batch_text(step) + zero_outputs_text(step, runner)
         + nan_skips_text(step))
-    if reached and runner is not None and (kept := kept_terms_text(runner)):
+    if reached and hooked_gradient(report, step, runner, params):
+        pass  # (a tensor hook the script registered on the parameter: named with its line)
+    elif reached and runner is not None and (kept := kept_terms_text(runner)):
         report["hint"] = kept
     elif reached and (normed := normalised_zero_gradient(step, runner, params)):
         report["cause"], report["hint"] = "invalid", normed  # (the loop's 0/0, shown)
