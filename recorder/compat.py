@@ -94,6 +94,13 @@ def accumulate_hooks(t: torch.Tensor) -> list:
     return list(hooks.values()) if hooks else []
 
 
+def forward_hooks(m: nn.Module) -> list[tuple[str, Any]]:
+    """``(kind, hook)`` of the forward pre-hooks and forward hooks registered on ``m`` (its
+    ``_forward_pre_hooks`` and ``_forward_hooks``), in order."""
+    return [(kind, h) for kind, d in (("forward_pre", m._forward_pre_hooks),
+                                      ("forward", m._forward_hooks)) for h in d.values()]
+
+
 def version_of(t: torch.Tensor) -> int | None:
     """``t._version``, or None for an inference-mode tensor, which keeps no version counter (so
     whether it changed in place is unknown: it is measured again, its buffer copied again)."""

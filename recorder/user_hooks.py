@@ -8,6 +8,7 @@ them after the factory built the model, so the replay's model has none; a hook i
 a bundle never holds. Its description is what the report can name: the function, its source
 line, and, for an optimizer hook, the optimizer its closure steps for that parameter (class
 and number settings: Adam's ``eps=0``). The recorder's own hooks (:class:`Hook`) are left out.
+Forward hooks and pre-hooks the user put on the modules are described the same way.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
-from .compat import accumulate_hooks, grad_hooks
+from .compat import accumulate_hooks, forward_hooks, grad_hooks
 from .hooks import Hook
 
 KINDS = (("tensor", grad_hooks), ("post_accumulate", accumulate_hooks))
@@ -43,6 +45,41 @@ def user_grad_hooks(params: list[tuple[str, torch.Tensor]]) -> dict[str, list[di
     return found
 
 
+def user_module_hooks(modules: list[tuple[str, nn.Module]]) -> dict[str, list[dict]]:
+    """``{module name: [hook description, ...]}`` of the forward pre-hooks and forward hooks
+    the user's code put on the modules (``kind``: ``forward_pre``, ``forward``): feature noise,
+    an input normalisation, an activation capture. torch's own (``prune``'s, the hook-based
+    ``spectral_norm``'s and ``weight_norm``'s, which the replay rebuilds or names from the
+    parameters) and the recorder's (its callbacks' too) are left out. ``before_recorder``: a
+    pre-hook that runs before the recorder's on the root, whose returned inputs it records."""
+    found: dict[str, list[dict]] = {}
+    for name, m in modules:
+        hooks = forward_hooks(m)
+        ours = [i for i, (kind, fn) in enumerate(hooks)
+                if kind == "forward_pre" and isinstance(fn, Hook)]
+        for i, (kind, fn) in enumerate(hooks):
+            if not isinstance(fn, Hook) and not _torch_own(fn):
+                entry = {"kind": kind, **describe(fn)}
+                # (a root pre-hook run before the recorder's: the inputs recorded are its)
+                if ours and kind == "forward_pre" and i < ours[0]:
+                    entry["before_recorder"] = True
+                found.setdefault(name, []).append(entry)
+    return found
+
+
+def module_hooks_meta(modules: list[tuple[str, nn.Module]]) -> dict[str, Any]:
+    """``{"user_module_hooks": ...}`` for a bundle's meta, ``{}`` when no module has any (the
+    script's own, which the factory's model may lack)."""
+    hooked = user_module_hooks(modules)
+    return {"user_module_hooks": hooked} if hooked else {}
+
+
+def _torch_own(fn: Any) -> bool:
+    owner = getattr(fn, "__module__", None) or type(fn).__module__
+    # (the recorder's callbacks' own; the replay's, when it describes a rebuilt model)
+    return (owner or "").split(".")[0] in ("torch", "recorder", "replay")
+
+
 def describe(fn: Any) -> dict[str, Any]:
     """The function's qualified name and, where Python knows it, ``file:line`` and that line."""
     fn = getattr(fn, "func", fn)  # (a functools.partial: the function it calls)
@@ -51,13 +88,25 @@ def describe(fn: Any) -> dict[str, Any]:
     code = getattr(inspect.unwrap(code_of), "__code__", None)
     if code is None:
         return {"name": name}
-    line = code.co_firstlineno
-    text = linecache.getline(code.co_filename, line).strip()
-    if text.startswith("def ") and not name.endswith("<lambda>"):  # (the body's first line)
-        body = linecache.getline(code.co_filename, line + 1).strip()
-        if body and not body.startswith(('"""', "'''")):
-            line, text = line + 1, body
+    line, text = _telling_line(code)
     return {"name": name, "source": f"{Path(code.co_filename).name}:{line}", "line": text}
+
+
+def _telling_line(code) -> tuple[int, str]:
+    """The line of a hook that says what it does: the first ``return`` of a value in its body
+    (``return out + noise``), else its first statement (``optimizers[p].step()``); a lambda's
+    own line."""
+    first = code.co_firstlineno
+    try:
+        lines, start = inspect.getsourcelines(code)
+    except (OSError, TypeError):
+        return first, linecache.getline(code.co_filename, first).strip()
+    body = [(start + i, t.strip()) for i, t in enumerate(lines) if t.strip()]
+    if not body or not body[0][1].startswith("def "):
+        return first, body[0][1] if body else ""
+    stmts = [(n, t) for n, t in body[1:] if not t.startswith(("#", '"""', "'''"))]
+    returns = [(n, t) for n, t in stmts if t.startswith("return ") and t != "return None"]
+    return (returns or stmts or body)[0]
 
 
 def closure_optimizer(fn: Any, p: torch.Tensor) -> dict[str, Any] | None:

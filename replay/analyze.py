@@ -21,7 +21,7 @@ from typing import Any
 
 from recorder.scalers import not_given as scaler_not_given
 
-from . import fidelity
+from . import fidelity, module_hooks
 from .ascent import ascent_hint
 from .batch_overflow import said_of_data
 from .before_update import nan_before_update
@@ -103,6 +103,7 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     if (late := sorted(_late(step))) and not step.event.get("before_update"):
         report["problems"].append(fidelity.late_note(late, bool(step.meta.get("optimizer"))))
     report = state_report(report, step) or _from_bundle(report, step) or _from_rerun(report, step)
+    report["problems"] += module_hooks.notes(step, report)  # (the script's forward hooks)
     if note := number_note(step, report):  # (a NaN number the forward took: no input)
         report["problems"].append(note)
     if not add_window(step, report) and below_zero(step) is None:  # (else the precursors;
@@ -475,9 +476,8 @@ def _not_reproduced(report, step: Step, runner: Runner, phase: str) -> dict[str,
         "counter, a global or a random generator of your own; data-dependent code outside the "
         "recorded model) or it was transient; re-run training from the step before with the "
         "same data to tell which")
-    if built := step.built_otherwise:  # (what the bundle can name: a setting made after build)
-        more = f" (+{len(built) - 3} more)" if len(built) > 3 else ""
-        report["hint"] = fidelity.BUILT_OTHERWISE.format(attrs=", ".join(built[:3]) + more)
+    # (what the bundle can name: a setting made after build, hooks the script registered)
+    report["hint"] = fidelity.rebuilt_otherwise(step) or report["hint"]
     return report
 
 

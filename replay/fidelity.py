@@ -25,6 +25,7 @@ from recorder.finite import matches, pair_ok
 
 from .cause_text import module_label
 from .load import Step, recorded_device
+from .module_hooks import missing_text
 from .run_result import Run
 from .world_forward import MISMATCH as WORLD_MISMATCH
 from .world_forward import describe as world_describe
@@ -296,6 +297,16 @@ def describe(fid: dict[str, Any]) -> str:
                    "run-time configuration: command-line flags, globals, config files); record "
                    "with FlightRecorder(..., factory_kwargs={...}) or pass --factory-kwargs "
                    "'{...}' so it builds the same one")
+
+
+def rebuilt_otherwise(step: Step) -> str:
+    """The hint of an event the re-run does not make that the bundle can explain by the model
+    the factory built: with number attributes the run had otherwise, or without forward hooks
+    the training code registered (:mod:`replay.module_hooks`); ``""`` otherwise."""
+    if built := step.built_otherwise:
+        more = f" (+{len(built) - 3} more)" if len(built) > 3 else ""
+        return BUILT_OTHERWISE.format(attrs=", ".join(built[:3]) + more)
+    return missing_text(step)
 
 
 BUILT_OTHERWISE = (

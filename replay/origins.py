@@ -208,7 +208,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     held = non_finite_loss_state(step.loss_fn)
     hit = finder.blamed(made) or (  # (first_met: a held inf met the data: w * q, before sum)
         (finder.first_held or finder.first_met) if held else None) or finder.first_reduced
-    if hit is None and (term := report_term_arg(report, step, mb)) is not None:
+    if hit is None and (term := report_term_arg(report, step, mb, runner)) is not None:
         return term  # (a penalty the loop made of the weights, given to the loss: passed on)
     if hit is finder.first_nan and hit and not finder.first and not finder.intentional:
         # made of infinities the model output holds, which allow_inf let it hold (a mask)

@@ -162,6 +162,59 @@ def test_a_normalising_pre_hook_over_a_constant_column_is_named_per_feature(tmp_
     assert (rep["event"]["step"], o["phase"], o["tensor"], len(o["samples"]), rep["cause"]) \
         == (0, "input", "args[0]", 32, "input"), rep
     assert "column(s) 5" in rep["hint"] and "zero std" in rep["hint"]
+    line = source_line(MODELS, "return (feats - mean) / std, cat")
+    hook = f"forward pre-hook normalise_inputs.pre_hook ({line}"
+    note = next(n for n in rep["problems"] if hook in n)
+    assert "not as the loop passed them" in note and "a second time" not in note
+
+
+def test_a_normalising_pre_hook_the_factory_registers_too_is_said_to_apply_twice(tmp_path):
+    """The same pre-hook registered by the factory: the bundle's inputs are already its output
+    (it runs before the recorder's pre-hook), which a re-run standardises again."""
+    model = M.make_standardised_tabular()
+    err = _run(model, _adam(model.parameters()), M.tabular_data(constant_col=5), tmp_path,
+               factory="user_hooks_in_backward_models:make_standardised_tabular")
+    rep = nanreplay_json(err.bundle_path)
+    assert (rep["event"]["step"], rep["origin"]["phase"], rep["cause"]) == (0, "input", "input")
+    assert any("normalise_inputs.pre_hook" in n and "applies it a second time" in n
+               for n in rep["problems"]), rep["problems"]
+
+
+@pytest.mark.filterwarnings("ignore:std\\(\\)")  # (the replay's re-runs)
+def test_feature_noise_hooked_mid_training_over_a_batch_of_one_names_the_hook(tmp_path):
+    """A forward hook adding noise scaled by ``out.std(0)`` is registered on ``fc1`` at step 3,
+    after the recorder attached; the last batch holds one record, whose std is 0/0 (step 8).
+    The replay's model has no such hook: the report said only that what decided the event is
+    not in the bundle; it names fc1's hook and its line."""
+    model = M.make_tabular()
+
+    def add_noise(step, model):
+        if step == 3:
+            model.fc1.register_forward_hook(M.FeatureNoise(0.1))
+
+    with pytest.warns(UserWarning, match="degrees of freedom"):
+        err = _run(model, _adam(model.parameters()), M.tabular_data(n=257), tmp_path,
+                   each_step=add_noise, epochs=1)
+    rep = nanreplay_json(err.bundle_path, code=1)
+    line = source_line(MODELS, "return out + self.sigma * out.std(0, keepdim=True)")
+    assert (rep["event"]["step"], rep["event"]["phase"], rep["cause"]) == (
+        8, "forward", "not_reproduced"), rep
+    assert f"fc1's forward hook FeatureNoise ({line}" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.filterwarnings("ignore:std\\(\\)")  # (the replay's re-runs)
+def test_feature_noise_the_factory_registers_over_a_batch_of_one_is_named(tmp_path):
+    """The same hook registered where the factory builds the model: re-run, named in fc1 as
+    aten.std of one sample."""
+    model = M.make_noisy_tabular()
+    with pytest.warns(UserWarning, match="degrees of freedom"):
+        err = _run(model, _adam(model.parameters()), M.tabular_data(n=257), tmp_path,
+                   factory="user_hooks_in_backward_models:make_noisy_tabular", epochs=1)
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["module"], o["op"], o["samples"],
+            rep["cause"]) == (8, "forward", "fc1", "aten.std", [0], "invalid"), rep
+    assert not any("factory's model lacks" in n for n in rep["problems"])
 
 
 def test_old_spectral_norm_of_a_zero_initialised_head_is_named(tmp_path):
@@ -175,3 +228,22 @@ def test_old_spectral_norm_of_a_zero_initialised_head_is_named(tmp_path):
     assert (rep["event"]["step"], o["phase"], o["module"], o["op"], rep["cause"]) == (
         0, "forward", "head", "aten.div", "invalid"), rep
     assert "head.weight_orig is 0 everywhere" in rep["hint"]
+
+
+def test_an_activation_penalty_a_forward_hook_captured_overflowing_in_float16(tmp_path):
+    """A forward hook on ``fc2`` stores ``out.pow(2).sum(1).mean()`` for an activation
+    penalty, which the loss module adds; under float16 autocast over raw-unit features the
+    sum overflows. The report said 'loss: +inf made by <loss>' with no op (the loss only
+    added it); it names the hook's aten.sum in fc2, its line, and the overflow."""
+    built = M.make_penalised()
+    model = built["model"]
+    err = _run(model, _adam(model.parameters()), M.tabular_data(scale=300.0), tmp_path,
+               factory="user_hooks_in_backward_models:make_penalised",
+               loss_fn=built["loss_fn"], amp=True)
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["event"]["step"], rep["event"]["phase"], o["phase"], o["module"], o["op"],
+            o["source"], rep["cause"]) == (
+        0, "loss", "forward", "fc2", "aten.sum",
+        source_line(MODELS, "self.value = out.pow(2).sum(1).mean()"), "overflow"), rep
+    assert "float16's largest value" in rep["hint"]

@@ -173,3 +173,11 @@ def make_noisy_tabular() -> TabularNet:
     model = make_tabular()
     model.fc1.register_forward_hook(FeatureNoise(0.1))
     return model
+
+
+def make_standardised_tabular() -> TabularNet:
+    """The classifier with the input-standardising pre-hook registered where it is built, with
+    the statistics of the training split (a stuck sensor's column 5 among them)."""
+    model = make_tabular()
+    normalise_inputs(model, tabular_data(constant_col=5)[0])
+    return model
