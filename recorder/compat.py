@@ -95,10 +95,13 @@ def accumulate_hooks(t: torch.Tensor) -> list:
 
 
 def forward_hooks(m: nn.Module) -> list[tuple[str, Any]]:
-    """``(kind, hook)`` of the forward pre-hooks and forward hooks registered on ``m`` (its
-    ``_forward_pre_hooks`` and ``_forward_hooks``), in order."""
-    return [(kind, h) for kind, d in (("forward_pre", m._forward_pre_hooks),
-                                      ("forward", m._forward_hooks)) for h in d.values()]
+    """``(kind, hook)`` of the forward pre-hooks, forward hooks, backward pre-hooks and (full)
+    backward hooks registered on ``m`` (its ``_forward_pre_hooks``, ``_forward_hooks``,
+    ``_backward_pre_hooks``, ``_backward_hooks``), in order."""
+    return [(kind, h) for kind, d in (
+        ("forward_pre", m._forward_pre_hooks), ("forward", m._forward_hooks),
+        ("backward_pre", m._backward_pre_hooks), ("backward", m._backward_hooks))
+        for h in d.values()]
 
 
 def version_of(t: torch.Tensor) -> int | None:

@@ -46,9 +46,10 @@ def user_grad_hooks(params: list[tuple[str, torch.Tensor]]) -> dict[str, list[di
 
 
 def user_module_hooks(modules: list[tuple[str, nn.Module]]) -> dict[str, list[dict]]:
-    """``{module name: [hook description, ...]}`` of the forward pre-hooks and forward hooks
-    the user's code put on the modules (``kind``: ``forward_pre``, ``forward``): feature noise,
-    an input normalisation, an activation capture. torch's own (``prune``'s, the hook-based
+    """``{module name: [hook description, ...]}`` of the forward and backward hooks and
+    pre-hooks the user's code put on the modules (``kind``: ``forward_pre``, ``forward``,
+    ``backward_pre``, ``backward``): feature noise, an input normalisation, an activation
+    capture, a ``register_full_backward_hook`` returning a new grad_input. torch's own (``prune``'s, the hook-based
     ``spectral_norm``'s and ``weight_norm``'s, which the replay rebuilds or names from the
     parameters) and the recorder's (its callbacks' too) are left out. ``before_recorder``: a
     pre-hook that runs before the recorder's on the root, whose returned inputs it records."""

@@ -21,8 +21,9 @@ from .load import Step
 from .user_grad_hooks import where
 
 
-def missing(step: Step) -> list[tuple[str, dict]]:
-    """``(module, hook)`` of the recorded hooks the factory's model does not have (by name)."""
+def missing(step: Step, kinds=("forward_pre", "forward")) -> list[tuple[str, dict]]:
+    """``(module, hook)`` of the recorded hooks of ``kinds`` the factory's model does not
+    have (by name)."""
     recorded = step.meta.get("user_module_hooks") or {}
     if not recorded or step.model is None:
         return []
@@ -32,6 +33,8 @@ def missing(step: Step) -> list[tuple[str, dict]]:
         have = [h.get("name") for h in user_module_hooks(
             [(name, modules[name])]).get(name, [])] if name in modules else []
         for h in hooks:
+            if h.get("kind") not in kinds:
+                continue
             if h.get("name") in have:
                 have.remove(h.get("name"))
             else:
@@ -39,14 +42,34 @@ def missing(step: Step) -> list[tuple[str, dict]]:
     return out
 
 
+def _said(gone: list[tuple[str, dict]]) -> str:
+    return "; ".join(f"{m or '<root>'}'s {h['kind'].replace('_', ' ')} hook {where(h)}"
+                     for m, h in gone[:3]) + (f" (+{len(gone) - 3} more)" if len(gone) > 3
+                                              else "")
+
+
+def backward_missing_text(step: Step, params: list[str]) -> str:
+    """The sentence naming the module backward hooks the factory's model lacks (a
+    ``register_full_backward_hook`` returning a grad_input it rewrote), which made gradients
+    the re-run's backward, without them, makes finite; ``""`` when none."""
+    gone = missing(step, ("backward_pre", "backward"))
+    if not gone:
+        return ""
+    which = f" ({', '.join(params[:4])}{' ...' if len(params) > 4 else ''})" if params else ""
+    return (f"the gradients the update was about to use{which} went through module backward "
+            f"hooks the training code registered, which the factory's model lacks: "
+            f"{_said(gone)}; the re-run's backward ran without them and makes every gradient "
+            "finite, so a hook's arithmetic made the non-finite values (a division by a "
+            "gradient's norm that is 0); check it, and register the hooks where the factory "
+            "builds the model so that nanreplay re-runs them")
+
+
 def missing_text(step: Step) -> str:
     """The sentence naming the hooks the factory's model lacks, ``""`` when none."""
     gone = missing(step)
     if not gone:
         return ""
-    said = "; ".join(f"{m or '<root>'}'s {h['kind'].replace('_', ' ')} hook {where(h)}"
-                     for m, h in gone[:3]) + (f" (+{len(gone) - 3} more)" if len(gone) > 3
-                                              else "")
+    said = _said(gone)
     return (f"the training code registered hooks that the factory's model lacks: {said}; the "
             "re-run computed without them, so what they do (noise or a transform of a layer's "
             "output, a normalisation of its input, a value captured for the loss) is not in "

@@ -247,3 +247,21 @@ def test_an_activation_penalty_a_forward_hook_captured_overflowing_in_float16(tm
         0, "loss", "forward", "fc2", "aten.sum",
         source_line(MODELS, "self.value = out.pow(2).sum(1).mean()"), "overflow"), rep
     assert "float16's largest value" in rep["hint"]
+
+
+def test_a_full_backward_hook_the_script_registered_is_named_with_the_sample(tmp_path):
+    """``fc2.register_full_backward_hook`` normalising each sample's grad_input: record 100 is
+    unlabelled (ignore_index), its gradient 0, 0/0 (step 3, row 4). The replay's model has no
+    hook; the report said the loop's own code wrote the gradients (per-sample gradients,
+    gradient surgery, Reptile); it names fc2's backward hook, its line and sample 4."""
+    model = M.make_tabular()
+    model.fc2.register_full_backward_hook(M.unit_grad_input)
+    err = _run(model, _adam(model.parameters()), M.tabular_data(unlabelled_row=100), tmp_path,
+               loss_fn=nn.CrossEntropyLoss(ignore_index=-1))
+    rep = nanreplay_json(err.bundle_path, code=1)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["param"], o["samples"], rep["cause"]) == (
+        3, "backward", "cat_emb.weight", [4], "not_reproduced"), rep
+    line = source_line(MODELS, "return (g / g.norm(dim=1, keepdim=True),)")
+    assert f"fc2's backward hook unit_grad_input ({line}" in rep["hint"], rep["hint"]
+    assert "Reptile" not in rep["hint"] and "sample(s) [4]" in rep["hint"]

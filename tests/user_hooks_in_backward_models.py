@@ -53,17 +53,21 @@ def make_sn_tabular() -> TabularNet:
 
 
 def tabular_data(n: int = 256, seed: int = 0, nan_row: int | None = None,
-                 constant_col: int | None = None, scale: float = 3.0):
+                 constant_col: int | None = None, scale: float = 3.0,
+                 unlabelled_row: int | None = None):
     """``(x, cat, y)``: features, a categorical code in ``[0, N_CAT - 2]`` (the last code
     never occurs in this split) and labels; ``nan_row``: a record with a missing feature read
     as NaN; ``constant_col``: a column one value in every record (a sensor stuck); ``scale``:
-    the features' spread (raw units, not standardised, at 100)."""
+    the features' spread (raw units, not standardised, at 100); ``unlabelled_row``: a record
+    whose label is -1 (unlabelled, ignored by the loss)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, D_IN, generator=g) * scale + 1
     cat = torch.randint(0, N_CAT - 1, (n,), generator=g)
     y = (x[:, 0] + x[:, 1] > 2).long() + 2 * (cat % 2)
     if constant_col is not None:
         x[:, constant_col] = 7.0
+    if unlabelled_row is not None:
+        y[unlabelled_row] = -1
     if nan_row is not None:
         x[nan_row, 3] = float("nan")  # the bug: a missing value read as NaN
     return x, cat, y
@@ -102,6 +106,13 @@ def normalise_grad_rows(model: nn.Module) -> list:
     row of the gradient scaled to norm 1 (the training script registers them)."""
     return [p.register_hook(lambda g: g / g.norm(dim=1, keepdim=True))  # the bug: no eps
             for p in model.parameters() if p.dim() > 1]
+
+
+def unit_grad_input(module, grad_input, grad_output):
+    """A full backward hook normalising the gradient each sample sends back through the layer
+    (per-sample gradient normalisation), registered by the training script."""
+    g = grad_input[0]
+    return (g / g.norm(dim=1, keepdim=True),)  # the bug: no eps; an ignored record's is 0
 
 
 # ----------------------------------------------------------------------------------------------
