@@ -13,9 +13,11 @@ Forward hooks and pre-hooks the user put on the modules are described the same w
 
 from __future__ import annotations
 
+import ast
 import inspect
 import linecache
 import math
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,7 @@ def user_grad_hooks(params: list[tuple[str, torch.Tensor]]) -> dict[str, list[di
     for name, p in params:
         for kind, of in KINDS:
             for fn in of(p):
-                if isinstance(fn, Hook):
+                if not _users(fn):
                     continue
                 entry = {"kind": kind, **describe(fn)}
                 if kind == "post_accumulate" and (opt := closure_optimizer(fn, p)):
@@ -59,7 +61,7 @@ def user_module_hooks(modules: list[tuple[str, nn.Module]]) -> dict[str, list[di
         ours = [i for i, (kind, fn) in enumerate(hooks)
                 if kind == "forward_pre" and isinstance(fn, Hook)]
         for i, (kind, fn) in enumerate(hooks):
-            if not isinstance(fn, Hook) and not _torch_own(fn):
+            if _users(fn):
                 entry = {"kind": kind, **describe(fn)}
                 # (a root pre-hook run before the recorder's: the inputs recorded are its)
                 if ours and kind == "forward_pre" and i < ours[0]:
@@ -75,10 +77,20 @@ def module_hooks_meta(modules: list[tuple[str, nn.Module]]) -> dict[str, Any]:
     return {"user_module_hooks": hooked} if hooked else {}
 
 
-def _torch_own(fn: Any) -> bool:
+def _users(fn: Any) -> bool:
+    """Whether ``fn`` is a hook of the training code's: not the recorder's, not torch's own,
+    not an installed library's (Opacus's per-sample gradient capture: what a library registers
+    it registers again around the factory's model), nor the replay's on a rebuilt model."""
+    if isinstance(fn, Hook):
+        return False
+    fn = getattr(fn, "func", fn)
     owner = getattr(fn, "__module__", None) or type(fn).__module__
-    # (the recorder's callbacks' own; the replay's, when it describes a rebuilt model)
-    return (owner or "").split(".")[0] in ("torch", "recorder", "replay")
+    if (owner or "").split(".")[0] in ("torch", "recorder", "replay"):
+        return False
+    code_of = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn).__call__
+    code = getattr(inspect.unwrap(code_of), "__code__", None)
+    parts = Path(code.co_filename).parts if code is not None else ()
+    return not {"site-packages", "dist-packages"} & set(parts)
 
 
 def describe(fn: Any) -> dict[str, Any]:
@@ -89,25 +101,35 @@ def describe(fn: Any) -> dict[str, Any]:
     code = getattr(inspect.unwrap(code_of), "__code__", None)
     if code is None:
         return {"name": name}
-    line, text = _telling_line(code)
-    return {"name": name, "source": f"{Path(code.co_filename).name}:{line}", "line": text}
+    line, text, returns = _telling_line(code)
+    return {"name": name, "source": f"{Path(code.co_filename).name}:{line}", "line": text,
+            **({} if returns is None else {"returns": returns})}
 
 
-def _telling_line(code) -> tuple[int, str]:
+def _telling_line(code) -> tuple[int, str, bool | None]:
     """The line of a hook that says what it does: the first ``return`` of a value in its body
-    (``return out + noise``), else its first statement (``optimizers[p].step()``); a lambda's
-    own line."""
+    (``return out + noise``), else its first statement after a docstring
+    (``optimizers[p].step()``); a lambda's own line. And whether it returns a value (one that
+    replaces what the hook was given: a rewritten grad_input), None when unknown."""
     first = code.co_firstlineno
+    own = (first, linecache.getline(code.co_filename, first).strip(),
+           True if code.co_name == "<lambda>" else None)
     try:
         lines, start = inspect.getsourcelines(code)
-    except (OSError, TypeError):
-        return first, linecache.getline(code.co_filename, first).strip()
-    body = [(start + i, t.strip()) for i, t in enumerate(lines) if t.strip()]
-    if not body or not body[0][1].startswith("def "):
-        return first, body[0][1] if body else ""
-    stmts = [(n, t) for n, t in body[1:] if not t.startswith(("#", '"""', "'''"))]
-    returns = [(n, t) for n, t in stmts if t.startswith("return ") and t != "return None"]
-    return (returns or stmts or body)[0]
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError):  # (a lambda amid a call's arguments)
+        return own
+    fn = tree.body[0] if tree.body else None
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return own
+    body = fn.body[1:] if len(fn.body) > 1 and isinstance(fn.body[0], ast.Expr) and \
+        isinstance(fn.body[0].value, ast.Constant) else fn.body  # (a docstring)
+    returns = [n for stmt in body for n in ast.walk(stmt) if isinstance(n, ast.Return)
+               and n.value is not None and not (isinstance(n.value, ast.Constant)
+                                                and n.value.value is None)]
+    node = (returns or body or [fn])[0]
+    line = start + node.lineno - 1
+    return line, linecache.getline(code.co_filename, line).strip(), bool(returns)
 
 
 def closure_optimizer(fn: Any, p: torch.Tensor) -> dict[str, Any] | None:

@@ -52,7 +52,8 @@ def backward_missing_text(step: Step, params: list[str]) -> str:
     """The sentence naming the module backward hooks the factory's model lacks (a
     ``register_full_backward_hook`` returning a grad_input it rewrote), which made gradients
     the re-run's backward, without them, makes finite; ``""`` when none."""
-    gone = missing(step, ("backward_pre", "backward"))
+    gone = [(m, h) for m, h in missing(step, ("backward_pre", "backward"))
+            if h.get("returns", True)]  # (one returning nothing only reads: a capture)
     if not gone:
         return ""
     which = f" ({', '.join(params[:4])}{' ...' if len(params) > 4 else ''})" if params else ""
