@@ -27,6 +27,7 @@ from .cause_text import module_label
 from .load import Step, recorded_device
 from .module_hooks import missing_text
 from .run_result import Run
+from .user_grad_hooks import stepping_hook, where
 from .world_forward import MISMATCH as WORLD_MISMATCH
 from .world_forward import describe as world_describe
 from .world_forward import world_forward
@@ -405,17 +406,34 @@ REUSED = (
     "first non-finite one agree)")
 
 
-def late_note(names: list[str], optimizer: bool) -> str:
+def late_note(names: list[str], step: Step) -> str:
     """The note for parameters the loop made non-finite after the step's forward read them
     finite (the recorder's ``written_after_forward``): between the step's forwards (a SAM
-    perturbation), or, with no optimizer given, in its own update."""
+    perturbation), or, with no optimizer given, in its own update (inside backward, from
+    post-accumulate-grad hooks: :func:`replay.user_grad_hooks.stepping_hook`)."""
+    hook = stepping_hook(step, names)
     how = ("the loop wrote them in place between the step's forwards (SAM's w + e), from "
-           "this step's gradients" if optimizer else
+           "this step's gradients" if step.meta.get("optimizer") else
+           f"the loop updates them inside backward, from a post-accumulate-grad hook it "
+           f"registered, {where(hook)}, as each gradient is accumulated" if hook else
            "with no optimizer given, the step stays open until the next forward, through the "
            "loop's own update (p -= lr * p.grad, a master copy written back, a "
            "load_state_dict of weights it computed), which wrote them after the forward")
     return (f"{_changed_params(names)} were finite when this step's forward read them and "
             f"non-finite when it was checked: {how}; the bundle holds them as it left them")
+
+
+def own_update_fix(step: Step) -> str:
+    """How to record a step of a loop without an optimizer that wrote the weights after its
+    forward so that it can be re-run."""
+    if hook := stepping_hook(step, step.event.get("written_after_forward") or []):
+        return (f"the loop updates the weights inside backward ({where(hook)}), so no check "
+                "comes between a gradient and its update: while you debug, step the "
+                "optimizers after backward instead of in the hooks (for opt in "
+                "optimizers.values(): opt.step()), or skip an update whose gradient is "
+                "non-finite in the hook (if torch.isfinite(p.grad).all(): ...),")
+    return ("call rec.end_step() after backward, before the loop's own update (or give "
+            "FlightRecorder the optimizer)")
 
 
 def elsewhere_note(meta: dict | None = None) -> str:

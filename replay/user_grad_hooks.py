@@ -122,3 +122,9 @@ def in_backward(hint: str | None) -> bool:
     """Whether a weights event's hint is :func:`updated_in_backward`'s: the update that made
     them non-finite is known to be an optimizer's (cause ``optimizer``)."""
     return bool(hint) and STEPPED in hint
+
+
+def stepping_hook(step: Step, params: list[str]) -> dict | None:
+    """The post-accumulate-grad hook of the script's that updates the first of ``params``
+    that has one (the optimizer step in backward), None when none does."""
+    return next((h for n in params for h in script_hooks(step, n, "post_accumulate")), None)

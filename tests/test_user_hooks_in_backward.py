@@ -265,3 +265,33 @@ def test_a_full_backward_hook_the_script_registered_is_named_with_the_sample(tmp
     line = source_line(MODELS, "return (g / g.norm(dim=1, keepdim=True),)")
     assert f"fc2's backward hook unit_grad_input ({line}" in rep["hint"], rep["hint"]
     assert "Reptile" not in rep["hint"] and "sample(s) [4]" in rep["hint"]
+
+
+def test_a_backward_nan_under_an_optimizer_stepped_in_backward_says_how_to_replay(tmp_path):
+    """The tutorial's optimizer-in-backward with a logit-norm penalty ``sqrt(sum(out²))``; the
+    loop re-initialises the head to zeros at step 3, so the logits are 0 and the sqrt's
+    derivative is infinite: NaN into the model's output. The hooks' updates ran inside that
+    backward, so the bundle holds weights written after the forward and the step is not
+    re-run; the report said to call rec.end_step() before the loop's own update, which cannot
+    come between a gradient and its hook. It names the hook and says to step after backward."""
+    model = M.make_tabular()
+    M.optim_in_backward(model, _adam)
+
+    def reset_head(step, model):
+        if step == 3:
+            with torch.no_grad():
+                model.head.weight.zero_()
+                model.head.bias.zero_()
+
+    err = _run(model, None, M.tabular_data(), tmp_path, loss_fn=M.NormPenalisedLoss(),
+               each_step=reset_head)
+    rep = nanreplay_json(err.bundle_path, code=None)
+    assert (rep["event"]["step"], rep["event"]["phase"], rep["origin"]["tensor"],
+            len(rep["origin"]["samples"]), rep["not_rerun"]) == (
+        3, "backward", "grad of the model output", 32, "weights written after its forward"), rep
+    step_line = source_line(MODELS, "optimizers[p].step()")
+    assert f"optim_in_backward.step_hook ({step_line}" in rep["hint"], rep["hint"]
+    assert "step the optimizers after backward" in rep["hint"]
+    assert "rec.end_step()" not in rep["hint"]
+    assert any("inside backward, from a post-accumulate-grad hook" in n
+               for n in rep["problems"]), rep["problems"]
