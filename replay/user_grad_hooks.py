@@ -50,7 +50,8 @@ def hooked_gradient(report: dict[str, Any], step: Step, runner, params: list[str
     """Name a tensor hook of the script's on ``params[0]`` as what made its gradient
     non-finite, where the re-run (without the hook) makes it finite; True when it did."""
     name = params[0] if params and runner is not None else None
-    hooks = script_hooks(step, name, "tensor")
+    hooks = [h for h in script_hooks(step, name, "tensor")
+             if h.get("returns", True)]  # (one returning nothing only reads the gradient)
     recorded = step.tensors.get(f"grads/{name}")
     if not hooks or recorded is None or not recorded.is_floating_point():
         return False
