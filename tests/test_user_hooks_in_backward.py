@@ -228,6 +228,9 @@ def test_old_spectral_norm_of_a_zero_initialised_head_is_named(tmp_path):
     assert (rep["event"]["step"], o["phase"], o["module"], o["op"], rep["cause"]) == (
         0, "forward", "head", "aten.div", "invalid"), rep
     assert "head.weight_orig is 0 everywhere" in rep["hint"]
+    # (it said 'divides it by its norm (or sum) over each slice (weight normalisation)')
+    assert "spectral_norm's forward pre-hook divides it by its largest singular value" \
+        in rep["hint"] and "weight normalisation" not in rep["hint"]
 
 
 def test_an_activation_penalty_a_forward_hook_captured_overflowing_in_float16(tmp_path):
