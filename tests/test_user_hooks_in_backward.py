@@ -31,7 +31,8 @@ def _adam(params, eps=1e-8):
 def _run(model, opt, data, out_dir, *, factory=FACTORY, loss_fn=None, epochs=2, amp=False,
          record=True, each_step=None):
     """Train ``model`` over ``data`` (``opt`` None: the model's hooks step it in backward);
-    the recorder's ``NonFiniteError``, or the final weights when no event came."""
+    the recorder's ``NonFiniteError``, or the final state (weights and buffers) when no event
+    came."""
     crit = loss_fn or nn.CrossEntropyLoss()
     rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, factory=factory) \
         if record else None
@@ -56,14 +57,14 @@ def _run(model, opt, data, out_dir, *, factory=FACTORY, loss_fn=None, epochs=2, 
             assert rec.event is None
     except NonFiniteError as e:
         return e
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}  # (spectral_norm's u)
 
 
 def _healthy(kind, record, out_dir):
     """A loop of ``kind`` with no bug: ``in_backward`` (the tutorial's optimizer per parameter,
     its gradients clamped by tensor hooks) or ``hooks`` (one Adam; a feature-noise forward hook
     removed at step 10, pruning at step 4 made permanent at step 12, an input-normalising
-    pre-hook, gradient clamping)."""
+    pre-hook, the old hook-based spectral_norm and weight_norm, gradient clamping)."""
     model = M.make_tabular()
     data = M.tabular_data()
     torch.manual_seed(1)
@@ -72,6 +73,8 @@ def _healthy(kind, record, out_dir):
         M.optim_in_backward(model, _adam)
         return _run(model, None, data, out_dir, record=record)
     M.normalise_inputs(model, data[0])
+    nn.utils.spectral_norm(model.head)  # (the hook-based one: u, v power-iterated in training)
+    nn.utils.weight_norm(model.fc1)  # (hook-based too: weight_g * weight_v / its norm)
     noise = model.fc1.register_forward_hook(M.FeatureNoise(0.1))
 
     def surgery(step, model):
