@@ -22,6 +22,7 @@ from .load import Step
 
 ZERO_EPS = ("eps", "epsilon")
 STEPPED = "inside backward, from a post-accumulate-grad hook it registered"
+EPS0 = "with eps=0"
 
 
 def script_hooks(step: Step, name: str | None, kind: str) -> list[dict]:
@@ -105,24 +106,30 @@ def updated_in_backward(step: Step, params: list[str]) -> str:
             f"{where(hooks[0])} (the optimizer step in backward: one optimizer per parameter, "
             "its gradient freed after the step): that update ran as the step before's backward "
             "accumulated each gradient, before any check of that step, and its gradient is gone")
+    eps0 = [o for o in opts if any(o["settings"].get(k) == 0 for k in ZERO_EPS)]
     if opts:
-        o = opts[0]
+        o = (eps0 or opts)[0]
         settings = ", ".join(f"{k}={v}" for k, v in o["settings"].items())
         text += f"; the hook steps {o['class']}({settings})"
-        if any(o["settings"].get(k) == 0 for k in ZERO_EPS) or any(
-                p["settings"].get(k) == 0 for p in opts for k in ZERO_EPS):
-            text += (" with eps=0: an update divides by the root of its second moment, 0 for "
-                     "an entry whose gradient has been 0 so far (an embedding row no batch "
-                     "looked up, a dead unit), 0/0; keep eps > 0 (1e-8)")
+    text += (f" {EPS0}: an update divides by the root of its second moment, 0 for an entry "
+             "whose gradient has been 0 so far (an embedding row no batch looked up, a dead "
+             "unit), 0/0; keep eps > 0 (1e-8)" if eps0 else
+             ": a gradient that was already non-finite (a NaN the backward made) or the "
+             "update's own arithmetic (a learning rate, a state) made them")
+    if not eps0 and (tensor := [h for n in params for h in script_hooks(step, n, "tensor")
+                                if h.get("returns", True)]):
+        text += (f"; before that update each gradient went through a tensor hook the script "
+                 f"registered, {where(tensor[0])}: check it (a division by a norm that is 0)")
     return text + ("; the recorder sees such an update only at the next step: to stop before "
                    "it, check the gradient in the hook before stepping (skip the step unless "
                    "torch.isfinite(p.grad).all())")
 
 
 def in_backward(hint: str | None) -> bool:
-    """Whether a weights event's hint is :func:`updated_in_backward`'s: the update that made
-    them non-finite is known to be an optimizer's (cause ``optimizer``)."""
-    return bool(hint) and STEPPED in hint
+    """Whether a weights event's hint is :func:`updated_in_backward`'s with an optimizer
+    setting that makes the update itself non-finite (``eps=0``): cause ``optimizer``. Without
+    one, the gradient it took may have been non-finite already (the cause stays ``weights``)."""
+    return bool(hint) and STEPPED in hint and f" {EPS0}: " in hint
 
 
 def stepping_hook(step: Step, params: list[str]) -> dict | None:

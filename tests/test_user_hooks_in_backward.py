@@ -301,3 +301,24 @@ def test_a_backward_nan_under_an_optimizer_stepped_in_backward_says_how_to_repla
     assert "rec.end_step()" not in rep["hint"]
     assert any("inside backward, from a post-accumulate-grad hook" in n
                for n in rep["problems"]), rep["problems"]
+
+
+def test_a_nan_gradient_hook_under_an_optimizer_stepped_in_backward_names_both_hooks(tmp_path):
+    """The script's row-normalising tensor hooks (0/0 on the embedding's row 9, a code absent
+    from the split) under the tutorial's per-parameter Adam (eps=1e-8) stepped in backward:
+    the NaN gradient is applied inside backward and freed. The recorder sees the weights at
+    step 2, when a forward first reads one (cat_emb's row 9 is never looked up; fc2.weight,
+    written NaN by step 1's backward, is): a weights event. No optimizer setting is to blame,
+    so the cause stays weights (not optimizer); the hint names the stepping hook and the
+    tensor hook with their lines."""
+    model = M.make_tabular()
+    M.normalise_grad_rows(model)
+    M.optim_in_backward(model, _adam)
+    err = _run(model, None, M.tabular_data(), tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    assert (rep["event"]["step"], rep["origin"]["phase"], rep["origin"]["param"],
+            rep["cause"]) == (2, "weights", "cat_emb.weight", "weights"), rep
+    hint = rep["hint"]
+    assert f"optim_in_backward.step_hook ({source_line(MODELS, 'optimizers[p].step()')}" in hint
+    assert source_line(MODELS, "p.register_hook(lambda g: g / g.norm(") in hint, hint
+    assert "eps=0" not in hint and "p -= lr * p.grad" not in hint
