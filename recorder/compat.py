@@ -88,6 +88,22 @@ def grad_hooks(t: torch.Tensor) -> list:
     return list(hooks.values()) if hooks else []
 
 
+def accumulate_hooks(t: torch.Tensor) -> list:
+    """The hooks ``t.register_post_accumulate_grad_hook`` put on ``t``, in order."""
+    hooks = getattr(t, "_post_accumulate_grad_hooks", None)
+    return list(hooks.values()) if hooks else []
+
+
+def forward_hooks(m: nn.Module) -> list[tuple[str, Any]]:
+    """``(kind, hook)`` of the forward pre-hooks, forward hooks, backward pre-hooks and (full)
+    backward hooks registered on ``m`` (its ``_forward_pre_hooks``, ``_forward_hooks``,
+    ``_backward_pre_hooks``, ``_backward_hooks``), in order."""
+    return [(kind, h) for kind, d in (
+        ("forward_pre", m._forward_pre_hooks), ("forward", m._forward_hooks),
+        ("backward_pre", m._backward_pre_hooks), ("backward", m._backward_hooks))
+        for h in d.values()]
+
+
 def version_of(t: torch.Tensor) -> int | None:
     """``t._version``, or None for an inference-mode tensor, which keeps no version counter (so
     whether it changed in place is unknown: it is measured again, its buffer copied again)."""

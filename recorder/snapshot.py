@@ -36,6 +36,7 @@ from .settings import Settings
 from .shards import class_name, localize, mixed_precision
 from .tape import Tape
 from .target import Target
+from .user_hooks import module_hooks_meta, user_grad_hooks
 
 
 def qualname(obj: Any) -> str:
@@ -81,6 +82,7 @@ def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
             meta["model"]["default_factory"] = default_factory(model)
         meta["modules"] = [_module_info(s.name, s.module, target.attributes, tensors)
                            for s in hook_sites(model)]
+        meta.update(module_hooks_meta([(s.name, s.module) for s in hook_sites(model)]))
         meta["compiled_regions"] = sorted(target.compiled)  # recorded as one call each
         meta["passthrough_modules"] = sorted(target.passing)  # recorded as no call
     if tape is not None:
@@ -143,6 +145,8 @@ def _model(src: Sources, tape: Tape | None, guard, meta, tensors) -> None:
         meta["written_in_step"] = [params[i][0] for i in written]
     if src.target.replaced:  # swapped for new tensors (densified): shapes the factory lacks
         meta["replaced_params"] = sorted(src.target.replaced)
+    if hooked := user_grad_hooks(params):  # (the script's own: the factory's model lacks them)
+        meta["user_grad_hooks"] = hooked
     for name, p in params:
         w = guard["weights"].get(name, p) if guard else p
         tensors[f"weights/{name}"] = w.detach()

@@ -21,7 +21,7 @@ from typing import Any
 
 from recorder.scalers import not_given as scaler_not_given
 
-from . import fidelity
+from . import fidelity, module_hooks
 from .ascent import ascent_hint
 from .batch_overflow import said_of_data
 from .before_update import nan_before_update
@@ -101,8 +101,9 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     if step.meta.get("scaler_not_given"):  # (a GradScaler's skipped step may be no bug)
         report["problems"].append((said := scaler_not_given(step.meta))[0].lower() + said[1:-1])
     if (late := sorted(_late(step))) and not step.event.get("before_update"):
-        report["problems"].append(fidelity.late_note(late, bool(step.meta.get("optimizer"))))
+        report["problems"].append(fidelity.late_note(late, step))
     report = state_report(report, step) or _from_bundle(report, step) or _from_rerun(report, step)
+    report["problems"] += module_hooks.notes(step, report)  # (the script's forward hooks)
     if note := number_note(step, report):  # (a NaN number the forward took: no input)
         report["problems"].append(note)
     if not add_window(step, report) and below_zero(step) is None:  # (else the precursors;
@@ -310,8 +311,7 @@ def _weights_written_late(report, step: Step) -> dict[str, Any]:
     if step.event.get("before_update"):  # (between backward and step(): RigL's regrowth)
         return written_before_update(report, step)
     hand = _late(step) and not step.meta.get("optimizer")
-    fix = ("call rec.end_step() after backward, before the loop's own update (or give "
-           "FlightRecorder the optimizer)" if hand else
+    fix = (fidelity.own_update_fix(step) if hand else
            "it is in the step's first forward, which ran on the weights before the write"
            if _late(step) else
            "give FlightRecorder the optimizer the loop steps" if _elsewhere(step) else
@@ -475,9 +475,8 @@ def _not_reproduced(report, step: Step, runner: Runner, phase: str) -> dict[str,
         "counter, a global or a random generator of your own; data-dependent code outside the "
         "recorded model) or it was transient; re-run training from the step before with the "
         "same data to tell which")
-    if built := step.built_otherwise:  # (what the bundle can name: a setting made after build)
-        more = f" (+{len(built) - 3} more)" if len(built) > 3 else ""
-        report["hint"] = fidelity.BUILT_OTHERWISE.format(attrs=", ".join(built[:3]) + more)
+    # (what the bundle can name: a setting made after build, hooks the script registered)
+    report["hint"] = fidelity.rebuilt_otherwise(step) or report["hint"]
     return report
 
 

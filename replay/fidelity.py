@@ -25,7 +25,10 @@ from recorder.finite import matches, pair_ok
 
 from .cause_text import module_label
 from .load import Step, recorded_device
+from .module_hooks import missing_text
 from .run_result import Run
+from .same_build import SAME_BUILD, same_build
+from .user_grad_hooks import stepping_hook, where
 from .world_forward import MISMATCH as WORLD_MISMATCH
 from .world_forward import describe as world_describe
 from .world_forward import world_forward
@@ -81,18 +84,6 @@ def compare(step: Step, run: Run, written: list[str] = ()) -> dict[str, Any] | N
     if not found["matches"] and found.get("difference") == "values differ":
         found["same_build"] = same_build(step) or None
     return found
-
-
-def same_build(step: Step) -> bool:
-    """Whether the factory's model has every recorded module under its name, of its recorded
-    class, with the plain attributes the run had (no ``built_otherwise``): the factory then
-    builds the recorded modules, and a call whose values differ may have run with weights
-    other than its own (``torch.func.functional_call``)."""
-    model, recorded = step.model, step.meta.get("modules") or []
-    if model is None or not recorded or step.built_otherwise:
-        return False
-    built = {n: f"{type(m).__module__}.{type(m).__qualname__}" for n, m in model.named_modules()}
-    return all(built.get(m.get("name")) == m.get("type") for m in recorded)
 
 
 def _after_change(step: Step, run: Run, r: int, names, fields, found) -> dict[str, Any]:
@@ -316,13 +307,15 @@ def describe(fid: dict[str, Any]) -> str:
                    "'{...}' so it builds the same one")
 
 
-SAME_BUILD = (
-    "the factory builds the recorded modules (each of its recorded class, with the attributes "
-    "the run had), yet this call's values differ: it likely ran with weights other than the "
-    "module's own, passed in by torch.func.functional_call (a MAML inner loop's p - lr * g, "
-    "its own forwards under torch.func.grad, which are not recorded: the bundle holds the "
-    "weights before adaptation), which the replay cannot re-run; else the factory's code "
-    "computes otherwise (run-time configuration: pass it with factory_kwargs)")
+def rebuilt_otherwise(step: Step) -> str:
+    """The hint of an event the re-run does not make that the bundle can explain by the model
+    the factory built: with number attributes the run had otherwise, or without forward hooks
+    the training code registered (:mod:`replay.module_hooks`); ``""`` otherwise."""
+    if built := step.built_otherwise:
+        more = f" (+{len(built) - 3} more)" if len(built) > 3 else ""
+        return BUILT_OTHERWISE.format(attrs=", ".join(built[:3]) + more)
+    return missing_text(step)
+
 
 BUILT_OTHERWISE = (
     "the factory builds a different model than the one recorded: it builds {attrs}, which the "
@@ -420,17 +413,34 @@ REUSED = (
     "first non-finite one agree)")
 
 
-def late_note(names: list[str], optimizer: bool) -> str:
+def late_note(names: list[str], step: Step) -> str:
     """The note for parameters the loop made non-finite after the step's forward read them
     finite (the recorder's ``written_after_forward``): between the step's forwards (a SAM
-    perturbation), or, with no optimizer given, in its own update."""
+    perturbation), or, with no optimizer given, in its own update (inside backward, from
+    post-accumulate-grad hooks: :func:`replay.user_grad_hooks.stepping_hook`)."""
+    hook = stepping_hook(step, names)
     how = ("the loop wrote them in place between the step's forwards (SAM's w + e), from "
-           "this step's gradients" if optimizer else
+           "this step's gradients" if step.meta.get("optimizer") else
+           f"the loop updates them inside backward, from a post-accumulate-grad hook it "
+           f"registered, {where(hook)}, as each gradient is accumulated" if hook else
            "with no optimizer given, the step stays open until the next forward, through the "
            "loop's own update (p -= lr * p.grad, a master copy written back, a "
            "load_state_dict of weights it computed), which wrote them after the forward")
     return (f"{_changed_params(names)} were finite when this step's forward read them and "
             f"non-finite when it was checked: {how}; the bundle holds them as it left them")
+
+
+def own_update_fix(step: Step) -> str:
+    """How to record a step of a loop without an optimizer that wrote the weights after its
+    forward so that it can be re-run."""
+    if hook := stepping_hook(step, step.event.get("written_after_forward") or []):
+        return (f"the loop updates the weights inside backward ({where(hook)}), so no check "
+                "comes between a gradient and its update: while you debug, step the "
+                "optimizers after backward instead of in the hooks (for opt in "
+                "optimizers.values(): opt.step()), or skip an update whose gradient is "
+                "non-finite in the hook (if torch.isfinite(p.grad).all(): ...),")
+    return ("call rec.end_step() after backward, before the loop's own update (or give "
+            "FlightRecorder the optimizer)")
 
 
 def elsewhere_note(meta: dict | None = None) -> str:

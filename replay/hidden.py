@@ -42,3 +42,26 @@ def report_hidden_forward(report, step: Step, runner: Runner) -> dict[str, Any] 
             "loss_fn, so that the recorder checks it and the replay re-runs it"
             if cause.hint else None)
     return finish(report, origin, cause.name, reproduced=False, hint=hint)
+
+
+def report_held_forward(report, step: Step, runner: Runner, mb: int) -> dict[str, Any] | None:
+    """A loss event whose loss, re-run, is non-finite while no op of the loss made a
+    non-finite value of finite inputs: it took one the forward made and kept aside, no
+    module output (a forward hook's capture the loss module holds: an activation penalty
+    ``out.pow(2).sum()`` stored by the hook, overflowed under float16 autocast). The report
+    names that forward op and its line; None when no forward op made one."""
+    hit = find_op_in_call(runner, "", 0, mb).origin()
+    if hit is None or not hit.inputs_finite or hit.intentional:
+        return None
+    module, call = hit.within or ("", 0)
+    origin = origin_fields(phase="forward", module=module, call=call, micro_batch=mb,
+                           inputs_finite=True, made=hit.made, op=hit.op, source=hit.source,
+                           samples=hit.rows or [], chain=[hit.as_json()],
+                           input_range=[hit.input_min, hit.input_max])
+    cause = classify(runner, "forward", until=("", 0, mb), hit=hit)
+    report["problems"].append(
+        f"the loss is non-finite, but no op of the loss made the value: it took a {hit.made} "
+        f"that the forward made ({hit.op} in {module or '<root>'}) and no module output "
+        "carries, a value kept aside (a forward hook's capture, an aux loss stored on a "
+        "module) that loss_fn reads")
+    return finish(report, origin, cause.name, reproduced=True, hint=cause.hint)

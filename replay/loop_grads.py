@@ -11,9 +11,11 @@ from .cause_text import NO_FORWARD
 from .findings import finish, origin_fields
 from .kept_terms import kept_terms_text
 from .load import Step
+from .module_hooks import backward_missing_text
 from .nan_skips import nan_skips_text
 from .rescaled_grads import entrywise_divisor_text
 from .shared_factor import shared_factor_text
+from .user_grad_hooks import hooked_gradient
 from .zero_grad import normalised_zero_gradient
 from .zero_rows import empty_batch_text, zero_gradient_rows, zero_rows_text
 from .zero_tasks import zero_outputs_text
@@ -55,7 +57,7 @@ def gradients_from_the_loop(report, step: Step, reached: bool = False,
                                           param=(params or [None])[0],
                                           made=step.event.get("kind")),
                     "not_reproduced", reproduced=False)
-    report["hint"] = (
+    report["hint"] = ((backward_missing_text(step, params) or (
         f"the gradients the update was about to use{' (' + ', '.join(params) + ')' if params else ''}"
         " were written by the loop's own code, not by backward through the model: per-sample "
         "gradients (torch.func.vmap/grad), a hand-written clip or noise, gradients set or "
@@ -64,11 +66,13 @@ def gradients_from_the_loop(report, step: Step, reached: bool = False,
         "computed in loss_fn instead, given the model, loss_fn(out, y, model), it is re-run "
         "and its op named), a difference of weights "
         "(Reptile's p - fast_p from a copy the loop trained); check that code at this "
-        "step, e.g. a division by a norm that is 0" + shared_factor_text(step, params)
+        "step, e.g. a division by a norm that is 0")) + shared_factor_text(step, params)
         + zero_rows_text(zero)
         + empty_batch_text(step) + zero_outputs_text(step, runner)
         + nan_skips_text(step))
-    if reached and runner is not None and (kept := kept_terms_text(runner)):
+    if reached and hooked_gradient(report, step, runner, params):
+        pass  # (a tensor hook the script registered on the parameter: named with its line)
+    elif reached and runner is not None and (kept := kept_terms_text(runner)):
         report["hint"] = kept
     elif reached and (normed := normalised_zero_gradient(step, runner, params)):
         report["cause"], report["hint"] = "invalid", normed  # (the loop's 0/0, shown)

@@ -77,6 +77,7 @@ from .self_pairs import self_pair_hint
 from .swapped_in import swapped_in_hint
 from .term_args import report_term_arg
 from .twice_differentiated import twice_hint
+from .user_grad_hooks import in_backward
 from .weight_readers import bad_row_fields, first_reader, rows_text
 from .written_forward import report_forward_wrote
 from .zero_start_distance import zero_start_hint
@@ -104,13 +105,13 @@ def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
     report = finish(report, origin_fields(phase="weights", params=bad, param=bad[0],
                                           tensor="buffer" if buffer else None,
                                           first_seen_step=seen, last_update_step=last,
-                                          # (not with weights the loop wrote after the forward
-                                          # read them: the re-run reads those as written)
+                                          # (not weights written after the forward read them)
                                           **({} if late else first_reader(step)), **rows),
                     "weights", reproduced=True,
                     hint=built_non_finite_hint(step, bad) or swapped_in_hint(step, bad)
                     or loop_written_hint(step, bad)
                     or (None if step.meta.get("optimizer") else own_update_hint(step)))
+    report["cause"] = "optimizer" if in_backward(report["hint"]) else report["cause"]
     if (where := rows_text(bad[0], rows)) is not None and report.get("hint"):
         report["hint"] = f"{report['hint']}; {where}"
     if last is not None:
@@ -207,7 +208,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     held = non_finite_loss_state(step.loss_fn)
     hit = finder.blamed(made) or (  # (first_met: a held inf met the data: w * q, before sum)
         (finder.first_held or finder.first_met) if held else None) or finder.first_reduced
-    if hit is None and (term := report_term_arg(report, step, mb)) is not None:
+    if hit is None and (term := report_term_arg(report, step, mb, runner)) is not None:
         return term  # (a penalty the loop made of the weights, given to the loss: passed on)
     if hit is finder.first_nan and hit and not finder.first and not finder.intentional:
         # made of infinities the model output holds, which allow_inf let it hold (a mask)

@@ -31,6 +31,7 @@ from .ops import OpFinder
 from .partial_params import partial_hint
 from .rerun import Runner
 from .unit_rows import unit_rows_text
+from .user_grad_hooks import updated_in_backward
 
 
 def forward_made(step: Step, bad: list[str]) -> dict[str, Any] | None:
@@ -426,6 +427,8 @@ def own_update_hint(step: Step) -> str:
     grads = (f" from finite gradients (their norm was {before[0]:.3g})"
              if before and math.isfinite(before[0]) else "")
     late = step.event.get("written_after_forward") or []
+    if text := updated_in_backward(step, step.event.get("params") or []):
+        return text  # (an optimizer per parameter, stepped by the script's hooks in backward)
     return (f"the weights were already non-finite when step {at} began, and the recorder was "
             "given no optimizer: the loop's own update after the step before (p -= lr * "
             f"p.grad) wrote them{grads}, or weights it computed and loaded (load_state_dict "

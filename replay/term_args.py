@@ -12,12 +12,14 @@ from recorder.capture import loss_path
 from recorder.finite import finite, kind_of
 
 from .findings import finish, origin_fields
+from .hidden import report_held_forward
 from .load import Step
 
 
-def report_term_arg(report, step: Step, mb: int) -> dict[str, Any] | None:
+def report_term_arg(report, step: Step, mb: int, runner=None) -> dict[str, Any] | None:
     """The report of such an event for micro-batch ``mb``'s loss, or None when none of its
-    arguments made from the weights is non-finite."""
+    arguments made from the weights is non-finite; with ``runner``, else the forward op that
+    made a value the loss held (:func:`replay.hidden.report_held_forward`)."""
     entry = step.micro_batches[mb]
     paths = entry.get("loss_paths") or {}
     for key in entry.get("loss_grad_args") or ():
@@ -39,4 +41,4 @@ def report_term_arg(report, step: Step, mb: int) -> dict[str, Any] | None:
             "term inside loss_fn (a loss module holding that state, given the model) so that "
             "the replay re-runs it and names the op")
         return report
-    return None
+    return report_held_forward(report, step, runner, mb) if runner is not None else None

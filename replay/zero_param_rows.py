@@ -8,7 +8,8 @@ the code has not written yet: a retriever's bank of EMA-refreshed document embed
 at zeros, ``bank / bank.norm(dim=-1, keepdim=True)`` before every document was encoded once.
 And a parameter 0 everywhere, every entry of the division NaN: a zero initialisation of a
 weight the forward normalises (a tau-normalised or cosine classifier re-initialised to zeros
-for decoupled re-training, ``w / w.norm(dim=1)**tau``).
+for decoupled re-training, ``w / w.norm(dim=1)**tau``); under the hook-based
+``torch.nn.utils.spectral_norm``, its ``weight_orig`` divided by a largest singular value of 0.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def zero_param_rows_hint(model: torch.nn.Module, module: str | None, hit) -> str
             zero = (p.detach().movedim(d, 0).reshape(p.shape[d], -1) == 0).all(1)
             bad = ev.bad.movedim(d, 0).reshape(p.shape[d], -1).any(1)
             if says is _says and d == 0 and bool(zero.all()) and bool(bad.all()):
-                return _says_whole(hit.op, f"{module}.{name}" if module else name)
+                return _says_whole(hit.op, f"{module}.{name}" if module else name,
+                                   _spectral(sub, name))
             if bool(zero.any()) and not bool(zero.all()) and torch.equal(bad, zero):
                 return says(hit.op, f"{module}.{name}" if module else name, d,
                             zero.nonzero().flatten().tolist())
@@ -77,7 +79,24 @@ def _says(op: str, name: str, dim: int, rows: list[int]) -> str:
             "(w.norm(dim, keepdim=True).clamp_min(eps), F.normalize)")
 
 
-def _says_whole(op: str, name: str) -> str:
+def _spectral(sub: torch.nn.Module, name: str) -> bool:
+    """Whether ``name`` is the ``<w>_orig`` of the hook-based ``torch.nn.utils.spectral_norm``
+    (its power-iteration vectors ``<w>_u`` and ``<w>_v`` beside it; pruning's ``_orig`` has a
+    ``_mask`` instead)."""
+    base = name.removesuffix("_orig")
+    return base != name and all(isinstance(getattr(sub, f"{base}_{k}", None), torch.Tensor)
+                                for k in "uv")
+
+
+def _says_whole(op: str, name: str, spectral: bool = False) -> str:
+    if spectral:  # (weight = weight_orig / sigma, computed by its forward pre-hook)
+        return (f"{op} of 0 by 0 (0/0) in every entry: the parameter {name} is 0 everywhere as "
+                "this step began, and torch.nn.utils.spectral_norm's forward pre-hook divides "
+                "it by its largest singular value, 0 for a matrix of zeros; every sample meets "
+                "it, no record is to blame. No gradient step zeroes a whole weight exactly: it "
+                "was initialised to zeros before spectral_norm was applied (nn.init.zeros_, a "
+                "zero-initialised head): initialise it nonzero (the layer's own "
+                "reset_parameters, a small normal), or leave that layer out of spectral_norm")
     return (f"{op} of 0 by 0 (0/0) in every entry: the parameter {name} is 0 everywhere as "
             "this step began, and the forward divides it by its norm (or sum) over each slice, "
             "0 too (weight normalisation: w / w.norm(dim, keepdim=True) ** tau); every sample "
