@@ -33,7 +33,15 @@ KINDS = (("tensor", grad_hooks), ("post_accumulate", accumulate_hooks))
 def user_grad_hooks(params: list[tuple[str, torch.Tensor]]) -> dict[str, list[dict]]:
     """``{parameter name: [hook description, ...]}`` of the parameters that carry hooks of the
     user's (``kind``: ``tensor`` or ``post_accumulate``; ``name``, ``source``, ``line``;
-    ``optimizer``: the class and settings of an optimizer the hook's closure holds for it)."""
+    ``optimizer``: the class and settings of an optimizer the hook's closure holds for it).
+    ``{}`` if describing them fails: a description never costs the bundle."""
+    try:
+        return _user_grad_hooks(params)
+    except Exception:  # (user objects of any kind: a failure here must not lose the bundle)
+        return {}
+
+
+def _user_grad_hooks(params: list[tuple[str, torch.Tensor]]) -> dict[str, list[dict]]:
     found: dict[str, list[dict]] = {}
     for name, p in params:
         for kind, of in KINDS:
@@ -73,7 +81,10 @@ def user_module_hooks(modules: list[tuple[str, nn.Module]]) -> dict[str, list[di
 def module_hooks_meta(modules: list[tuple[str, nn.Module]]) -> dict[str, Any]:
     """``{"user_module_hooks": ...}`` for a bundle's meta, ``{}`` when no module has any (the
     script's own, which the factory's model may lack)."""
-    hooked = user_module_hooks(modules)
+    try:
+        hooked = user_module_hooks(modules)
+    except Exception:  # (as in user_grad_hooks: never at the bundle's cost)
+        return {}
     return {"user_module_hooks": hooked} if hooked else {}
 
 
