@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .cause_text import BEYOND_FLOAT64
 from .memo import TensorMemo
 from .softplus_overflow import ExpFollowed
 from .source import user_source
@@ -64,11 +65,13 @@ def fill_ratio_text(hit, found: str, seen: tuple) -> str:
     return (f"{hit.op} overflowed on the difference at {found}, whose subtracted operand holds "
             f"{fill:.3g} at the {count} entries that overflowed (its others "
             f"between {lo:.3g} and {hi:.3g}): no log-probability of a real choice is that low, "
-            "but a mask's fill is (logits of unavailable actions filled with -1e10 before the "
-            "softmax). In an importance ratio exp(logp - old_logp), the stored log-probabilities "
-            "of those samples are of actions the mask forbade: they were computed under another "
-            "mask than this update's (available actions stored one step off, or for the next "
-            "state), or the action was drawn outside the mask (exploration over every action). "
-            "Store the mask the action was taken under and use it in both passes, or check that "
-            "every taken action is available; clamping the exponent or a lower learning rate "
-            "would only hide it")
+            "but a fill value is: a mask's (logits of unavailable actions filled with -1e10 "
+            "before the softmax) or a sentinel stored where there is no action or token "
+            "(padding). In an importance ratio exp(logp - old_logp), the stored "
+            "log-probabilities of those entries are such fills: computed under another mask "
+            "than this update's (available actions stored one step off, or for the next "
+            "state), of an action drawn outside the mask (exploration over every action), or "
+            "padding the loss masks out only after the exp. Store the mask the action was "
+            "taken under and use it in both passes, and store 0 rather than a fill where the "
+            f"loss leaves entries out. e^{-fill:.3g} is too large for float32{BEYOND_FLOAT64}, "
+            "and clamping the exponent or a lower learning rate would only hide it")

@@ -65,9 +65,11 @@ def backward_missing_text(step: Step, params: list[str]) -> str:
             "builds the model so that nanreplay re-runs them")
 
 
-def missing_text(step: Step) -> str:
-    """The sentence naming the hooks the factory's model lacks, ``""`` when none."""
-    gone = missing(step)
+def missing_text(step: Step, reading: bool = True) -> str:
+    """The sentence naming the hooks the factory's model lacks, ``""`` when none; without
+    ``reading``, only those that return a value (a hook returning nothing reads the output:
+    a capture, a measurement, which matters only where the event did not come back)."""
+    gone = [(m, h) for m, h in missing(step) if reading or h.get("returns", True)]
     if not gone:
         return ""
     said = _said(gone)
@@ -93,6 +95,7 @@ def notes(step: Step, report: dict[str, Any]) -> list[str]:
             "normalisation dividing by a std of 0), not the data's"
             + ("; the factory's model registers it too, so a re-run applies it a second time "
                "to inputs it already transformed" if twice else ""))
-    if (text := missing_text(step)) and text not in (report.get("hint") or ""):
+    if (text := missing_text(step, reading=not report.get("reproduced"))) \
+            and text not in (report.get("hint") or ""):
         out.append(text)
     return out

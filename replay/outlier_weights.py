@@ -5,7 +5,8 @@ and large enough to be the overflowed op's scale. A flipped exponent bit in a
 checkpoint (a storage or transfer fault: bit 30 of a float32 multiplies a value by 2**128), a
 partial write or a tensor from another run put such a value into a model that otherwise trains
 as before; a learning rate or update cannot make one element 2**20 times its neighbours in one
-step. The overflow's generic advice (rescale the op's inputs, compute in float64) points away
+step (a run the ring shows growing its weights over several steps is left to the diverging
+hint). The overflow's generic advice (rescale the op's inputs, compute in float64) points away
 from it: the hint names the parameter, the element and its value, and at the first step the
 recorder saw (no update ran under it) says the weights came in so, with the state_dict loaded
 before: the checkpoint to check.
@@ -20,6 +21,7 @@ import torch
 
 from .load import Step
 from .param_writes import first_recorded
+from .precursors import history
 
 __all__ = ["outlier_weight_hint"]
 
@@ -68,8 +70,8 @@ def outlier_weight_hint(report: dict[str, Any], step: Step) -> None:
         if key.startswith("weights/") and isinstance(t, torch.Tensor) and t.is_floating_point():
             if (out := _outliers(t)) is not None and out[2] * _REACH >= top:
                 found.append((out[2], key.removeprefix("weights/"), t.shape, out))
-    if not found:
-        return
+    if not found or (not first_recorded(step) and _weights_grew(step)):
+        return  # (weights the run itself grew, a diverging SGD's: the diverging hint's)
     _, name, shape, (n, at, big, med) = max(found, key=lambda f: f[0])
     where = ", ".join(_index(shape, i) for i in at) + (", ..." if n > len(at) else "")
     said = (f"{name} holds {n} element{'s' if n > 1 else ''} out of scale with the rest of it "
@@ -88,3 +90,14 @@ def outlier_weight_hint(report: dict[str, Any], step: Step) -> None:
                  "element 2**20 times its neighbours in a step. Check what wrote it (each "
                  "tensor's abs().max() against its median before loading it)")
     report["hint"] = said
+
+
+def _weights_grew(step: Step) -> bool:
+    """The weights' norm, as the ring recorded it before the event, moved by more than 2x: the
+    run grew them (a divergence), so an element out of scale may be its own doing."""
+    hist = history(step.meta, step.tensors)
+    at = hist.get("event_step")
+    norms = [abs(v) for s, v in zip(hist["steps"], hist.get("weight_norm") or hist["param_norm"])
+             if s is not None and at is not None and s < at and isinstance(v, (int, float))
+             and math.isfinite(v) and v > 0]
+    return len(norms) >= 2 and max(norms) > 2 * min(norms)

@@ -98,6 +98,7 @@ def test_ppo_ratio_overflow_beyond_float64_is_not_sent_to_float64(tmp_path):
     o = rep["origin"]
     assert (rep["reproduced"], rep["cause"], o["op"], o["made"]) == (
         True, "overflow", "aten.exp", "+inf"), json.dumps(rep, indent=1)
+    assert "holds -1e+09 at the 46 entries that overflowed" in rep["hint"], rep["hint"]
     assert "for float64 as well" in rep["hint"], rep["hint"]
     assert rep["what_if"] == [], rep["what_if"]  # (was dtype=float64: nan again)
 
