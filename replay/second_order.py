@@ -27,6 +27,7 @@ from .node_labels import NodeLabels, grad_fns
 from .recorded import samples
 from .rerun import Runner, scalar_loss
 from .source import node_source, node_tracebacks
+from .unseen_weights import other_weights_report
 
 
 @dataclass
@@ -213,18 +214,13 @@ def report_made_weights(report, step: Step, run) -> dict | None:
     if again is None or not again.outputs_finite or run.bad_grads:
         return None
     label = name or "<root>"
-    report["problems"].append(
+    return other_weights_report(report, ev, (
         f"'{label}' took finite inputs in micro-batch {m} and made {ev.get('kind')} in "
         "training, but re-run on the bundle's weights it is finite: that forward ran with "
         "other weights, made within the step from an earlier micro-batch's gradient (a MAML "
         "inner loop's p - lr * g through functional_call), and non-finite; that gradient "
-        "re-runs finite")
-    report = finish(report, origin_fields(
-        phase="forward", module=name, call=k, micro_batch=m, inputs_finite=True,
-        made=ev.get("kind"), samples=ev.get("samples", [])), None, reproduced=False)
-    report["hint"] = (
+        "re-runs finite"), (
         f"the loop's inner update made the weights '{label}' ran with non-finite from finite "
         "gradients: check its factors at this step (an inner learning rate too large, a "
         "learned per-parameter one, Meta-SGD's, whose exp overflows: bound it, or learn it "
-        "without exp) and the number of inner steps; the replay cannot re-run that update")
-    return report
+        "without exp) and the number of inner steps; the replay cannot re-run that update"))

@@ -19,7 +19,7 @@ from .findings import finish, origin_fields
 from .load import Step
 from .rerun import Runner
 
-__all__ = ["report_unseen_weights"]
+__all__ = ["other_weights_report", "report_unseen_weights"]
 
 
 def report_unseen_weights(report, step: Step, runner: Runner) -> dict[str, Any] | None:
@@ -44,19 +44,28 @@ def report_unseen_weights(report, step: Step, runner: Runner) -> dict[str, Any] 
     if run.error is not None or again is None or not again.outputs_finite:
         return None
     label = name or "<root>"
-    report["problems"].append(
+    return other_weights_report(report, ev, (
         f"'{label}' took finite inputs and made {ev.get('kind')} in training, but re-run on "
         "the bundle's weights it is finite: that forward most likely ran with weights the "
-        f"bundle does not hold ({', '.join(own[:2])}), passed in by torch.func.functional_call (a MAML inner "
-        "loop's p - lr * g, its own forwards run under torch.func.grad, which are not "
-        "recorded) or edited and put back within the step")
-    report = finish(report, origin_fields(
-        phase="forward", module=name, call=k, micro_batch=m, inputs_finite=True,
-        made=ev.get("kind"), samples=ev.get("samples", [])), None, reproduced=False)
-    report["hint"] = (
+        f"bundle does not hold ({', '.join(own[:2])}), passed in by "
+        "torch.func.functional_call (a MAML inner loop's p - lr * g, its own forwards run "
+        "under torch.func.grad, which are not recorded) or edited and put back within the "
+        "step"), (
         f"the weights '{label}' ran with were most likely not the model's own, and they were "
-        "non-finite or large enough to overflow it: check the loop's code that made them at this step "
-        "(an inner learning rate too large for this task's loss scale, an unnormalised task, "
-        "too many inner steps, a learned per-parameter rate whose exp overflows: bound it, "
-        "clip the inner gradient); the replay cannot re-run code outside the recorded forward")
+        "non-finite or large enough to overflow it: check the loop's code that made them at "
+        "this step (an inner learning rate too large for this task's loss scale, an "
+        "unnormalised task, too many inner steps, a learned per-parameter rate whose exp "
+        "overflows: bound it, clip the inner gradient); the replay cannot re-run code outside "
+        "the recorded forward"))
+
+
+def other_weights_report(report, ev: dict[str, Any], note: str, hint: str) -> dict[str, Any]:
+    """The report of forward event ``ev`` whose call ran with weights the bundle does not
+    hold: the recorder's origin, not reproduced, no cause; ``note`` why, ``hint`` where."""
+    report["problems"].append(note)
+    report = finish(report, origin_fields(
+        phase="forward", module=ev.get("module"), call=ev.get("call"),
+        micro_batch=ev.get("micro_batch"), inputs_finite=True, made=ev.get("kind"),
+        samples=ev.get("samples", [])), None, reproduced=False)
+    report["hint"] = hint
     return report
