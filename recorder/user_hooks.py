@@ -26,6 +26,7 @@ from torch import nn
 
 from .compat import accumulate_hooks, forward_hooks, grad_hooks
 from .hooks import Hook
+from .unhooked_call import unwrapped
 
 KINDS = (("tensor", grad_hooks), ("post_accumulate", accumulate_hooks))
 
@@ -98,8 +99,7 @@ def _users(fn: Any) -> bool:
     owner = getattr(fn, "__module__", None) or type(fn).__module__
     if (owner or "").split(".")[0] in ("torch", "recorder", "replay"):
         return False
-    code_of = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn).__call__
-    code = getattr(inspect.unwrap(code_of), "__code__", None)
+    code = _code(fn)
     parts = Path(code.co_filename).parts if code is not None else ()
     return not {"site-packages", "dist-packages"} & set(parts)
 
@@ -107,14 +107,20 @@ def _users(fn: Any) -> bool:
 def describe(fn: Any) -> dict[str, Any]:
     """The function's qualified name and, where Python knows it, ``file:line`` and that line."""
     fn = getattr(fn, "func", fn)  # (a functools.partial: the function it calls)
-    code_of = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn).__call__
     name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-    code = getattr(inspect.unwrap(code_of), "__code__", None)
+    code = _code(fn)
     if code is None:
         return {"name": name}
     line, text, returns = _telling_line(code)
     return {"name": name, "source": f"{Path(code.co_filename).name}:{line}", "line": text,
             **({} if returns is None else {"returns": returns})}
+
+
+def _code(fn: Any):
+    """The code object a hook runs: a function's or method's own, else its class's
+    ``__call__`` (a callable object), through any ``functools.wraps`` chain; None if none."""
+    code_of = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn).__call__
+    return getattr(unwrapped(code_of), "__code__", None)
 
 
 def _telling_line(code) -> tuple[int, str, bool | None]:

@@ -14,17 +14,18 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from recorder.capture import UnrebuildableLeaf, unflatten_tree
+
 from .findings import finish, origin_fields
 from .load import Step
 from .recorded import scaler_state
 
 
 def _number(v: Any) -> float | None:
-    if isinstance(v, dict) and "$float" in v:  # (the bundle's JSON of a non-finite float)
-        v = v["$float"]
+    """A number of the bundle's JSON (a non-finite one is ``{"$float": "inf"}``), else None."""
     try:
-        return float(v)
-    except (TypeError, ValueError):
+        return float(unflatten_tree(v, {}))
+    except (TypeError, ValueError, KeyError, UnrebuildableLeaf):
         return None
 
 

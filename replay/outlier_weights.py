@@ -47,11 +47,7 @@ def _outliers(t: torch.Tensor) -> tuple[int, list[int], float, float] | None:
 
 
 def _index(shape: torch.Size, flat: int) -> str:
-    at = []
-    for n in reversed(shape):
-        at.append(flat % n)
-        flat //= n
-    at = at[::-1]
+    at = [int(k) for k in torch.unravel_index(torch.tensor(flat), shape)]
     return str(tuple(at)) if len(at) > 1 else str(at[0])
 
 

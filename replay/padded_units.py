@@ -96,7 +96,7 @@ def _empty_mask_rows(t: torch.Tensor, d: int, rows: list[int]) -> str:
         return ""
     inner = t.shape[1:-1]
     return "; ".join(
-        f"sample {r}, at " + ", ".join(str(tuple(torch.unravel_index(torch.tensor(i), inner)[j].item()
-                                                 for j in range(len(inner))))
-                                        for i in empty[r].nonzero()[:3, 0].tolist())
+        f"sample {r}, at " + ", ".join(
+            str(tuple(int(k) for k in torch.unravel_index(torch.tensor(i), inner)))
+            for i in empty[r].nonzero()[:3, 0].tolist())
         + (" ..." if int(empty[r].sum()) > 3 else "") for r in rows[:3])
