@@ -142,8 +142,14 @@ def train_sgd(recorder=None, trial: Trial | None = None, lr: float = 0.08,
     model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=weight_decay)
     crit = nn.MSELoss()
+    return fit_plainly(model, opt, crit, regression_loader(steps), recorder, trial)
+
+
+def fit_plainly(model, opt, crit, batches, recorder, trial: Trial) -> int | None:
+    """The plain loop (the trial's change from its start step, its clip after backward) over
+    ``batches``, under ``recorder`` if given; the step whose loss went non-finite, or None."""
     with recorder(model, opt, crit) if recorder else _nothing():
-        for step, (x, y) in enumerate(regression_loader(steps)):
+        for step, (x, y) in enumerate(batches):
             if step == trial.start:
                 trial.apply(opt)
             opt.zero_grad()
@@ -156,8 +162,8 @@ def train_sgd(recorder=None, trial: Trial | None = None, lr: float = 0.08,
             opt.step()
     return None
 
-
 # --- 3. log(0) in a log-space loss ------------------------------------------------------------
+
 
 class LogMSE(nn.Module):
     """Weighted mean squared error of logarithms (counts, prices, durations spanning decades):
@@ -333,19 +339,7 @@ def train_rnn(recorder=None, trial: Trial | None = None, steps: int = 40):
     model = make_sequence_regressor()
     opt = torch.optim.SGD(model.parameters(), lr=RNN_LR)
     crit = nn.MSELoss()
-    with recorder(model, opt, crit) if recorder else _nothing():
-        for step, (x, y) in enumerate(sequence_loader(steps)):
-            if step == trial.start:
-                trial.apply(opt)
-            opt.zero_grad()
-            loss = crit(model(x), y)
-            if not math.isfinite(loss.item()):
-                return step
-            loss.backward()
-            if trial.on(step) and trial.clip is not None:
-                nn.utils.clip_grad_norm_(model.parameters(), trial.clip)
-            opt.step()
-    return None
+    return fit_plainly(model, opt, crit, sequence_loader(steps), recorder, trial)
 
 
 def _loader(x, y, n_steps: int):
