@@ -358,14 +358,9 @@ def test_a_per_time_id_pearson_loss_of_a_one_row_group_is_nan_only_in_backward(t
     assert "torch.linalg.vector_norm" in rep["hint"], rep["hint"]
 
 
-def test_sharpened_pseudo_labels_of_an_unsure_row_underflow_to_0_over_0(tmp_path):
-    """MixMatch's sharpening ``p ** (1/T)`` with T = 0.01 inside the soft-target loss: a
-    pseudo-label near uniform (0.34, 0.33, 0.33) is below float32's range in every class,
-    and its renormalisation is 0/0 (row 5 of the first batch)."""
-    img, y = M.images()
-    probs = torch.softmax(nn.functional.one_hot(y, M.N_CLASSES).float() * 3, 1)
-    probs[[5, 20]] = torch.tensor([0.34, 0.33, 0.33])
-    loss_fn = M.SoftTargetCE(0.01)
+def pseudo_label_event(tmp_path, img, probs, loss_fn):
+    """The image model trained on soft pseudo-labels ``probs`` under ``loss_fn`` until the
+    recorder raises; the pytest exception info."""
     torch.manual_seed(0)
     model = M.make_image()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -376,6 +371,18 @@ def test_sharpened_pseudo_labels_of_an_unsure_row_underflow_to_0_over_0(tmp_path
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
+    return info
+
+
+def test_sharpened_pseudo_labels_of_an_unsure_row_underflow_to_0_over_0(tmp_path):
+    """MixMatch's sharpening ``p ** (1/T)`` with T = 0.01 inside the soft-target loss: a
+    pseudo-label near uniform (0.34, 0.33, 0.33) is below float32's range in every class,
+    and its renormalisation is 0/0 (row 5 of the first batch)."""
+    img, y = M.images()
+    probs = torch.softmax(nn.functional.one_hot(y, M.N_CLASSES).float() * 3, 1)
+    probs[[5, 20]] = torch.tensor([0.34, 0.33, 0.33])
+    loss_fn = M.SoftTargetCE(0.01)
+    info = pseudo_label_event(tmp_path, img, probs, loss_fn)
     rep, o = report(info.value, 0, "loss")
     assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == (
         "<loss>", "aten.div", "nan", [5], "underflow"), json.dumps(rep, indent=1)
@@ -390,16 +397,7 @@ def test_confident_pseudo_label_mask_empty_in_an_unsure_batch_is_0_over_0(tmp_pa
     probs = torch.softmax(nn.functional.one_hot(y, M.N_CLASSES).float() * 4, 1)
     probs[16:32] = torch.full((16, M.N_CLASSES), 1 / M.N_CLASSES)
     loss_fn = M.ConfidentPseudoCE(0.95)
-    torch.manual_seed(0)
-    model = M.make_image()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with pytest.raises(NonFiniteError) as info:
-        with recorder(model, opt, loss_fn, tmp_path, "make_image"):
-            for xb, pb in DataLoader(TensorDataset(img, probs), batch_size=16):
-                loss = loss_fn(model(xb), pb)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+    info = pseudo_label_event(tmp_path, img, probs, loss_fn)
     rep, o = report(info.value, 1, "loss")
     assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == (
         "<loss>", "aten.div", "nan", [], "invalid"), json.dumps(rep, indent=1)
