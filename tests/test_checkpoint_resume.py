@@ -239,10 +239,11 @@ def test_focal_loss_backward_at_a_saturated_class(tmp_path, blob):
     assert o["source"] == source_line(MODELS, "return (-(1 - logp.exp()) ** self.gamma")
 
 
-def test_assign_true_load_keeps_the_optimizer_on_the_old_parameters(tmp_path, blob):
-    """A mid-run rollback with ``load_state_dict(assign=True)``: new Parameter objects, NaN in
-    one; the optimizer still holds the old ones. Before: 'densification, pruning' and 'not a
-    checkpoint'; now the whole-model load, the checkpoint and the stale optimizer."""
+def assign_true_rollback(tmp_path, blob, steps: int, new_optimizer: bool):
+    """Train under the recorder; at step 3 load the checkpoint, with NaN at head.weight[2, 3],
+    by ``load_state_dict(assign=True)`` (new Parameter objects), and with ``new_optimizer``
+    build the optimizer again over them (from the checkpoint's state) without telling the
+    recorder. The bundle of the event."""
     model = M.make_model()
     opt = M.make_optimizer(model)
     crit = M.SmoothedCE()
@@ -250,11 +251,21 @@ def test_assign_true_load_keeps_the_optimizer_on_the_old_parameters(tmp_path, bl
     ck["model"]["head.weight"][2, 3] = float("nan")
     with pytest.raises(NonFiniteError) as info:
         with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, factory=FACTORY):
-            for i, batch in zip(range(8), M.loader()):
+            for i, batch in zip(range(steps), M.loader()):
                 if i == 3:
                     model.load_state_dict(ck["model"], assign=True)
+                    if new_optimizer:
+                        opt = M.make_optimizer(model)
+                        opt.load_state_dict(ck["optimizer"])
                 M.train_step(model, opt, crit, batch)
-    r = nanreplay_json(info.value.bundle_path)
+    return info.value.bundle_path
+
+
+def test_assign_true_load_keeps_the_optimizer_on_the_old_parameters(tmp_path, blob):
+    """A mid-run rollback with ``load_state_dict(assign=True)``: new Parameter objects, NaN in
+    one; the optimizer still holds the old ones. Before: 'densification, pruning' and 'not a
+    checkpoint'; now the whole-model load, the checkpoint and the stale optimizer."""
+    r = nanreplay_json(assign_true_rollback(tmp_path, blob, steps=8, new_optimizer=False))
     o = r["origin"]
     assert (r["event"]["step"], r["cause"], o["phase"]) == (3, "weights", "weights")
     assert (o["module"], o["op"], o["params"], o["rows"]) == ("head", "aten.addmm",
@@ -339,20 +350,7 @@ def test_assign_true_load_with_a_new_optimizer_the_recorder_was_not_given(tmp_pa
     the NaN unseen, and every parameter is NaN when the recorder detaches. Before: each of the
     five 'already held nan before any update' (densification); now the dropped optimizer,
     and that which of them the load brought in is not known."""
-    model = M.make_model()
-    opt = M.make_optimizer(model)
-    crit = M.SmoothedCE()
-    ck = M.load_checkpoint(blob)
-    ck["model"]["head.weight"][2, 3] = float("nan")
-    with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, factory=FACTORY):
-            for i, batch in zip(range(6), M.loader()):
-                if i == 3:
-                    model.load_state_dict(ck["model"], assign=True)
-                    opt = M.make_optimizer(model)
-                    opt.load_state_dict(ck["optimizer"])
-                M.train_step(model, opt, crit, batch)
-    r = nanreplay_json(info.value.bundle_path)
+    r = nanreplay_json(assign_true_rollback(tmp_path, blob, steps=6, new_optimizer=True))
     o = r["origin"]
     assert (r["event"]["step"], r["cause"], o["phase"]) == (3, "weights", "weights")
     assert r["event"]["micro_batches"] == 3 and len(o["params"]) == 5
