@@ -81,6 +81,32 @@ def pytest_runtest_makereport(item, call):
             report.longrepr = f"skipped under CI=true, where nothing may be skipped: {reason}"
 
 
+# The files whose tests take longest (torchrun's processes, the benchmark scripts, Trainers,
+# torch.compile), run first: xdist then shares the rest out around them instead of one worker
+# finishing a slow file alone at the end of the run.
+SLOW_FIRST = ("test_torchrun.py", "test_benchmarks_smoke.py", "test_huggingface.py",
+              "test_compiled.py", "test_image_registration.py", "test_compiled_training.py",
+              "test_fidelity.py", "test_recorder_api.py", "test_docs_examples.py",
+              "test_neural_odes.py", "test_trl_stack.py", "test_botorch_bo.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """accelerate keeps process-wide state (``AcceleratorState``: the mixed precision the first
+    ``Accelerator`` or ``Trainer`` fixed): reset it as each test file ends, as accelerate's own
+    test cases do, so the next file's ``Accelerator(mixed_precision=...)`` is not refused by
+    whichever file xdist happened to run before it in that worker."""
+    if (nextitem is None or nextitem.path != item.path) and "accelerate.state" in sys.modules:
+        state = sys.modules["accelerate.state"]
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+        state.GradientState._reset_state()
+
+
 @pytest.fixture(autouse=True)
 def _seeded():
     """Every test starts from the same global torch RNG state (deterministic weights)."""
