@@ -190,22 +190,56 @@ class StrictClipNorm(Callback):
 # ---------------------------------------------------------------- metric learning
 
 class ArcFaceNet(nn.Module):
-    """An additive angular margin head (ArcFace) over a small encoder; the labels come into
-    ``forward`` beside the features (``x = (features, labels)``), as the margin needs them.
-    The class centres start at the embeddings of one training record per class (a common
-    warm start of prototypes)."""
+    """An additive angular margin head (ArcFace) over a small residual encoder; the labels come
+    into ``forward`` beside the features (``x = (features, labels)``), as the margin needs them.
+    The encoder's branch starts at 0 (its last layer zero-initialised, as ReZero / Fixup do), so
+    at the start a record's embedding is its features, exactly. The class centres start at the
+    embeddings of one training record per class (a common warm start of prototypes)."""
 
     def __init__(self, s: float = 8.0, m: float = 0.3):
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(N_FEATURES, 8), nn.Tanh(), nn.Linear(8, 8))
-        self.centres = nn.Parameter(torch.randn(N_CLASSES, 8))
+        self.branch = nn.Sequential(nn.Linear(N_FEATURES, 16), nn.Tanh(),
+                                    nn.Linear(16, N_FEATURES))
+        nn.init.zeros_(self.branch[-1].weight)
+        nn.init.zeros_(self.branch[-1].bias)
+        self.centres = nn.Parameter(torch.randn(N_CLASSES, N_FEATURES))
         self.s, self.m = s, m
 
+    def embed(self, x):
+        return x + self.branch(x)
+
     def forward(self, x, labels):
-        cos = F.normalize(self.body(x)) @ F.normalize(self.centres).T
+        cos = F.normalize(self.embed(x)) @ F.normalize(self.centres).T
         theta = torch.acos(cos)  # the bug: no clamp, cos rounds past 1 for an aligned record
         margin = F.one_hot(labels, N_CLASSES).bool()
         return self.s * torch.where(margin, torch.cos(theta + self.m), cos)
+
+
+# Records entered with two fields only, the others imputed at the column mean (0 once
+# standardised): row -> ((column, value), (column, value)). Each pair is a Pythagorean triple's
+# legs (a, b) over a power of 2, so the record's norm (c over it) is exact in any float type
+# and order of summation, and its unit vector is (a / c, b / c) rounded once. The cosine of
+# such a record with a centre warm-started on it (its copy) is then the sum of two rounded
+# squares, with or without FMA: for the triples with c = 137, 289, 457, 541 it is 1.0 in
+# float32 in every case (below 1 in float64: acos's derivative is finite there), for 533 it
+# is 1.0000001 in float32 (1.0 in float64), on every CPU.
+SPARSE_RECORDS = {
+    0: ((0, -88 / 64), (1, 105 / 64)),  # 137: 1.0
+    1: ((1, 341 / 256), (4, 420 / 256)),  # 541: 1.0
+    3: ((2, 161 / 128), (3, 240 / 128)),  # 289: 1.0
+    5: ((4, 168 / 256), (5, -425 / 256)),  # 457: 1.0
+    7: ((0, 308 / 256), (3, 435 / 256)),  # 533: 1.0000001
+}
+
+
+def with_sparse_records(X: torch.Tensor) -> torch.Tensor:
+    """``X`` with the rows of ``SPARSE_RECORDS`` replaced by those records (labels kept)."""
+    X = X.clone()
+    for row, fields in SPARSE_RECORDS.items():
+        X[row] = 0.0
+        for col, value in fields:
+            X[row, col] = value
+    return X
 
 
 def make_arcface(warm_rows: tuple[int, ...] = (0, 3, 5)) -> nn.Module:
@@ -213,5 +247,5 @@ def make_arcface(warm_rows: tuple[int, ...] = (0, 3, 5)) -> nn.Module:
     net = ArcFaceNet()
     X, _ = tabular()
     with torch.no_grad():
-        net.centres.copy_(net.body(X[list(warm_rows)]))
+        net.centres.copy_(net.embed(with_sparse_records(X)[list(warm_rows)]))
     return net

@@ -12,6 +12,7 @@ import botorch_bo_models as M
 import pytest
 import torch
 from botorch.fit import fit_gpytorch_mll
+from botorch.optim.closures import ForwardBackwardClosure
 from bundles import nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
@@ -169,29 +170,80 @@ def test_infinite_observation_is_an_input_event_on_its_row(out_dir):
         (0, "input", "input", [5]), rep
 
 
+class _Diverged(Exception):
+    """Ends the plain fit at its first evaluation that returned a non-finite gradient (not a
+    RuntimeError: BoTorch's closure and fit_gpytorch_mll's fallback let it through)."""
+
+
+def _first_nan_gradient(step) -> tuple[int, list[str | None], float]:
+    """The oracle for a fit that diverges: ``fit_gpytorch_mll`` run plainly (no recorder)
+    through a closure like ``M.step_closure``'s that counts its evaluations (a step each, as
+    the recorder without an optimizer counts root forwards). Returns the first evaluation
+    whose gradient was non-finite, for each evaluation before it the name of the exception its
+    forward raised (None where it returned), and the smallest lengthscale at that
+    evaluation."""
+    x, y = M.train_batch(step)
+    raised: list[str | None] = []
+
+    def forward():
+        raised.append("?")  # (until the forward returns)
+        try:
+            loss = step(x, y)
+        except Exception as e:
+            raised[-1] = type(e).__name__
+            raise
+        raised[-1] = None
+        return loss
+
+    inner = ForwardBackwardClosure(forward=forward, parameters={
+        n: p for n, p in step.mll.named_parameters() if p.requires_grad})
+
+    def closure(**kw):
+        loss, grads = inner(**kw)
+        if not all(bool(torch.isfinite(g).all()) for g in grads if g is not None):
+            # (read here: the fit puts the initial values back when it ends on an exception)
+            low = step.model.covar_module.lengthscale.detach().abs().min()
+            raise _Diverged(len(raised) - 1, float(low))
+        return loss, grads
+
+    with pytest.raises(_Diverged) as stop:
+        fit_gpytorch_mll(step.mll, closure=closure)
+    at, low = stop.value.args
+    return at, raised[:at], low
+
+
 def test_lengthscale_prior_toward_zero_names_the_vanished_divisor(out_dir):
     """A Gamma(0.2, 50) lengthscale prior, whose density grows without bound at 0: L-BFGS-B
-    drives the raw lengthscale to -355 (the lengthscale 4e-155). Evaluations whose Cholesky
-    failed raise inside the model and BoTorch's closure catches them (a NaN loss for scipy);
-    the first evaluation that returned with a NaN gradient is the event: ``DivBackward0`` of
-    GPyTorch's ``x.div(lengthscale)``, whose ``-x / d²`` overflows. Before, the hint said to
-    make the op's input safe (torch.where) or add an eps, and the note read the caught
-    forwards as a recurrent cell's calls; now it names the learned divisor and its value, and
-    the note the forwards that raised, from step 214."""
+    drives the raw lengthscale to about -355 (a lengthscale near 5e-155). Evaluations whose
+    Cholesky failed raise NanError inside the model and BoTorch's closure catches them (a NaN
+    loss for scipy); the first evaluation that returned with a NaN gradient is the event:
+    ``DivBackward0`` of GPyTorch's ``x.div(lengthscale)``, whose ``-x / d²`` overflows. Before,
+    the hint said to make the op's input safe (torch.where) or add an eps, and the note read
+    the caught forwards as a recurrent cell's calls; now it names the learned divisor and its
+    value, and the note the forwards that raised, from the first in the history. The step, the
+    value and the forwards that raised follow the trajectory, which the CPU's rounding moves
+    (step 273 on one CPU, 503 on another): a plain fit counting its evaluations gives them."""
     kw = {"ls_prior": [0.2, 50.0]}
+    at, raised, low = _first_nan_gradient(M.make_stgp(**kw))
+    history = 64  # (the recorder's ring: the event's step and the 63 before it)
+    window = range(max(0, at - (history - 1)), at)
+    failed = [s for s in window if raised[s] is not None]
+    assert failed and {raised[s] for s in failed} == {"NanError"}, raised
     with pytest.raises(NonFiniteError) as info:
-        _fit(M.make_stgp(**kw), rec=dict(out_dir=out_dir, factory=STGP, factory_kwargs=kw))
+        _fit(M.make_stgp(**kw), rec=dict(out_dir=out_dir, factory=STGP, factory_kwargs=kw,
+                                         history=history))
     rep = nanreplay_json(info.value.bundle_path)
     o = rep["origin"]
     assert (rep["event"]["step"], o["phase"], o["module"], o["op"], o["param"],
-            rep["cause"]) == (273, "backward", "", "DivBackward0",
+            rep["cause"]) == (at, "backward", "", "DivBackward0",
                               "model.covar_module.raw_lengthscale", "invalid"), rep
+    assert low * low < torch.finfo(torch.float64).tiny < low, low
     assert "a learned value (model.covar_module.raw_lengthscale) that is not 0 but as small " \
-        "as 4.08e-155" in rep["hint"] and "GreaterThan(1e-4)" in rep["hint"] \
+        f"as {low:.3g}," in rep["hint"] and "GreaterThan(1e-4)" in rep["hint"] \
         and "torch.where" not in rep["hint"], rep["hint"]
-    assert any("33 of the 63 steps before this one, the earliest recorded step 214, ended "
-               "without the model's forward returning" in p for p in rep["problems"]), \
-        rep["problems"]
+    assert any(f"{len(failed)} of the {len(window)} steps before this one, the earliest "
+               f"recorded step {failed[0]}, ended without the model's forward returning" in p
+               for p in rep["problems"]), rep["problems"]
 
 
 def test_mixed_gp_with_adam_crosses_the_unenforced_noise_bound(out_dir):

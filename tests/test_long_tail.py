@@ -211,30 +211,60 @@ def test_asl_without_eps_under_bf16_names_the_log_of_the_saturated_sigmoid(tmp_p
     assert "clamp_min(eps)" in rep["hint"] and "logsigmoid" in rep["hint"], rep["hint"]
 
 
+def asl_fp16_loop(data, model, opt, scaler, loss_fn):
+    """Yields each step's (model output, loss) of ASL's training under float16 autocast with
+    a GradScaler (SGD with momentum), the loop the test records."""
+    for x, y in data:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+            loss = loss_fn(out, y)
+        yield out, loss
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
+def asl_fp16_setup():
+    model = M.make_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return model, opt, torch.amp.GradScaler("cpu")
+
+
+def first_saturated_sigmoid(data) -> tuple[int, list[int]]:
+    """(step, rows) of the same training without the recorder: the first step whose loss is
+    non-finite, and the rows holding a float16 sigmoid of exactly 0 there. Where the
+    trajectory first saturates a sigmoid depends on the CPU's rounding (step 33 on an Intel
+    Xeon; 28 or 32 on an AMD EPYC by ``ATEN_CPU_CAPABILITY``)."""
+    model, opt, scaler = asl_fp16_setup()
+    crit = M.AsymmetricLoss()
+    for step, (out, loss) in enumerate(asl_fp16_loop(data, model, opt, scaler, crit)):
+        assert torch.isfinite(out).all(), step  # (the output stays finite: the loss starts it)
+        if not torch.isfinite(loss):
+            zero = torch.sigmoid(out) == 0
+            return step, zero.any(1).nonzero().flatten().tolist()
+    raise AssertionError("no non-finite loss")
+
+
 def test_asl_default_eps_under_fp16_and_a_grad_scaler_names_the_lost_eps(tmp_path):
     """ASL as shipped (``eps=1e-8``) trained under float16 autocast with a GradScaler: the
     clamp's 1e-8 is 0 in float16, so the saturated sigmoids of confident negatives stay 0 and
-    their log is -inf at step 33 (the rows counted without the recorder). The replay names
-    the log, those rows, underflow, and the eps float16 rounds to 0."""
-    model = M.make_net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    scaler = torch.amp.GradScaler("cpu")
-    crit = M.AsymmetricLoss()
+    their log is -inf, after some 30 steps (the step and the rows found without the recorder).
+    The replay names the log, those rows, underflow, and the eps float16 rounds to 0."""
+    data = multilabel_loader(scale=8.0, repeat=10)
+    step, rows = first_saturated_sigmoid(data)
+    assert step >= 4 and rows, (step, rows)  # (past the first epoch's 4 batches)
+    model, opt, scaler = asl_fp16_setup()
     with pytest.raises(NonFiniteError) as info, FlightRecorder(
-            model, opt, loss_fn=crit, out_dir=tmp_path, scaler=scaler,
+            model, opt, loss_fn=M.AsymmetricLoss(), out_dir=tmp_path, scaler=scaler,
             factory="long_tail_models:make_net") as rec:
-        for x, y in multilabel_loader(scale=8.0, repeat=10):
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = rec.loss_fn(model(x), y)
-            opt.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+        for _ in asl_fp16_loop(data, model, opt, scaler, rec.loss_fn):
+            pass
     ev = info.value.event
-    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (33, "loss", "<loss>", "nan")
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (step, "loss", "<loss>", "nan")
     rep = nanreplay_json(info.value.bundle_path)
     o = rep["origin"]
-    assert (o["op"], o["made"], o["samples"]) == ("aten.log", "-inf", [9, 12, 14, 19, 20, 24])
+    assert (o["op"], o["made"], o["samples"]) == ("aten.log", "-inf", rows)
     assert o["source"] == line_of("los_pos = y * torch.log(xs_pos)"), o
     assert rep["cause"] == "underflow", rep["cause"]
     assert "the eps 1e-08 added to that input is 0 in float16" in rep["hint"], rep["hint"]

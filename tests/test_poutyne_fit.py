@@ -13,6 +13,7 @@ import torch
 from bundles import nanreplay_json, source_line
 from poutyne import ClipNorm, Experiment, Model, ModelCheckpoint, ReduceLROnPlateau
 from torch import nn
+from torch.nn import functional as F
 
 from recorder import NonFiniteError
 from recorder.poutyne import FlightRecorderCallback
@@ -172,12 +173,22 @@ def test_poutyne_clipnorm_spreading_the_sqrt_backward_nan_is_said_in_a_note(tmp_
 
 @pytest.mark.parametrize(("warm", "phase", "op", "samples"), [
     ((0, 3, 5), "backward", "AcosBackward0", [0, 3, 5]),  # cos rounded to 1: acos' pole
-    ((0, 7, 1), "forward", "aten.acos", [7])])  # cos rounded past 1: NaN
+    ((0, 7, 1), "forward", "aten.acos", [7])])  # cos rounded past 1 (rows 0, 1: to 1): NaN
 def test_arcface_centres_warm_started_on_records_round_their_cosine_to_1(tmp_path, warm, phase,
                                                                          op, samples):
+    """Each class centre starts at a record's embedding, its features at the start; the
+    cosine of that record with its own centre is 1 up to rounding. The records are sparse ones
+    whose norm is exact (``M.SPARSE_RECORDS``), so the rounding is the same on every CPU: to
+    exactly 1.0 for rows 0, 1, 3, 5 (acos finite, its derivative -inf: a backward event; float64
+    rounds below 1), to 1.0000001 for row 7 (acos NaN: a forward event)."""
     X, y = M.tabular()
-    model = Model(M.make_arcface(warm), "adam", nn.CrossEntropyLoss(),
-                  batch_metrics=["accuracy"])
+    X = M.with_sparse_records(X)
+    net = M.make_arcface(warm)
+    with torch.no_grad():  # the plant, as the head computes it: each record on its own centre
+        cos = (F.normalize(net.embed(X[:16])) @ F.normalize(net.centres).T)[list(warm), [0, 1, 2]]
+    assert (cos > 1).nonzero().flatten().tolist() == ([] if phase == "backward" else [1])
+    assert bool((cos >= 1).all())
+    model = Model(net, "adam", nn.CrossEntropyLoss(), batch_metrics=["accuracy"])
     err = fire(model, M.PairLoader(X, y, y), [recorder_cb(tmp_path, "make_arcface")])
     rep, o = report(err, 0, phase)
     assert (o["module"], o["op"], o["samples"], rep["cause"]) == ("", op, samples, "precision")

@@ -123,12 +123,14 @@ def train_char_rnn(out_dir, *, factory="make_char_rnn", lr=0.0005, steps=6):
     return rnn
 
 
-def train_transformer(out_dir, *, clip=True, epochs=2, amp=False):
+def train_transformer(out_dir, *, clip=True, epochs=2, amp=False, watch=None):
     """``train``: SGD lr 5, CrossEntropyLoss of the flattened logits, clip_grad_norm_(0.5)
     (``clip``), StepLR(1, gamma=0.95) each epoch; the last batch's mask cut to its length.
     With ``amp``, the AMP recipe's float16 autocast and GradScaler (unscale_ before the
-    clipping)."""
+    clipping). ``watch``: called with the model before training (a test's own hooks)."""
     model = M.make_transformer_lm()
+    if watch is not None:
+        watch(model)
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=5.0)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1.0, gamma=0.95)
@@ -386,18 +388,70 @@ def test_healthy_amp_transformer_raises_no_event(tmp_path):
     _same_weights(recorded, plain)
 
 
+class FirstNonFiniteOutput:
+    """Forward hooks on every module of a model called once a step: the step, the module (its
+    name and type), the kind made (NaN before +Inf before -Inf) and the batch columns of the
+    first module output, in call order, holding a non-finite value that the module made (at
+    entries whose input was finite, for an output shaped as its input: a Dropout fed an
+    infinity passes it on). A call given an additive mask holding -inf (attention's
+    ``attn_mask``: the causal mask) is not counted, as the recorder counts it not: its inputs
+    were not all finite. Computes nothing the model computes (a run with it trains as one
+    without it)."""
+
+    def __init__(self, model: nn.Module):
+        self.step, self.first, self.root = 0, None, model
+        for name, module in model.named_modules():
+            module.register_forward_hook(self.hook(name), with_kwargs=True)
+
+    def hook(self, name: str):
+        def check(module, args, kwargs, out):
+            masked = any(k.endswith("mask") and isinstance(v, torch.Tensor)
+                         and not torch.isfinite(v).all() for k, v in kwargs.items())
+            out = out[0] if isinstance(out, tuple) else out
+            if self.first is None and not masked and isinstance(out, torch.Tensor) \
+                    and out.is_floating_point():
+                made = ~torch.isfinite(out)
+                x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+                if x is not None and x.shape == out.shape:
+                    made &= torch.isfinite(x)
+                if made.any():
+                    bad = out[made]
+                    kind = "nan" if bad.isnan().any() else "+inf" if (bad == torch.inf).any() \
+                        else "-inf"
+                    columns = made.flatten(2).any(2).any(0)  # ([seq, batch, ...])
+                    self.first = (self.step, name, type(module), kind,
+                                  columns.nonzero().flatten().tolist())
+            if module is self.root:
+                self.step += 1
+        return check
+
+
+# the op a module's overflowing output comes from: a Linear's matmul with its bias, a
+# Dropout's 1 / (1 - p) scaling of the kept entries
+OVERFLOWING_OP = {nn.Linear: "aten.addmm", nn.Dropout: "aten.mul"}
+
+
 def test_amp_transformer_without_clipping_overflows_float16_and_says_it_diverged(tmp_path):
     """Under float16 autocast, without the clipping, the diverging activations pass float16's
-    65504 in the second layer's dropout (its 1 / (1 - p) scaling) at step 13: an overflow of
-    float16 whose hint says the run was diverging, not only to compute the op in float32."""
+    65504 in the second layer: where and when first, the trajectory's rounding decides (found
+    by the same training without the recorder, with its own forward hooks): at step 13 in its
+    dropout1's 1 / (1 - p) scaling on an Intel Xeon, at step 14 in its linear2's matmul on an
+    AMD EPYC. An overflow of float16 whose hint says the run was diverging, not only to
+    compute the op in float32."""
+    watched = []
+    train_transformer(None, clip=False, epochs=3, amp=True,
+                      watch=lambda m: watched.append(FirstNonFiniteOutput(m)))
+    assert watched[0].first is not None, "the run without the recorder stayed finite"
+    step, module, module_type, made, samples = watched[0].first
+    assert step > 0 and samples  # (a divergence: its first steps were finite)
     err = event_of(train_transformer, tmp_path, clip=False, epochs=3, amp=True)
-    assert (err.event["step"], err.event["phase"]) == (13, "forward")
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == \
+        (step, "forward", module)
     rep = nanreplay_json(err.bundle_path)
     o = rep["origin"]
     assert rep["reproduced"] is True and rep["cause"] == "overflow"
-    assert (o["op"], o["module"], o["made"]) == \
-        ("aten.mul", "transformer_encoder.layers.1.dropout1", "+inf")
-    assert o["samples"] and set(o["samples"]) <= {0, 1, 2, 3}  # (chaos: see above)
+    assert (o["op"], o["module"], o["made"], o["samples"]) == \
+        (OVERFLOWING_OP[module_type], module, made, samples)
     assert "beyond float16's largest value" in rep["hint"]
     assert "the run was diverging" in rep["hint"] and "clip the gradients" in rep["hint"]
 
