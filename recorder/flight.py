@@ -9,6 +9,7 @@ keeps their hooks' handles.
 
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 from collections.abc import Callable
@@ -41,6 +42,8 @@ from .validate import (
     check_not_importing,
     torch_optimizer,
 )
+
+log = logging.getLogger("nanreplay")
 
 
 class _CallableLoss(nn.Module):
@@ -187,10 +190,27 @@ class FlightRecorder:
             if exc_type is None:
                 self.cycle.close_open_step(at="detach")
                 self.cycle.check_last_update()
+                self._said_unused()
             else:
                 self.cycle.check_on_exception(exc)
         finally:
             self.detach()
+
+    def _said_unused(self) -> None:
+        """A block that ended cleanly with no forward of the model and no update of the
+        optimizer: the loop trained another model (one built again per fold or trial after
+        the recorder was), and nothing was checked. Said, since no event can come of it."""
+        cycle = self.cycle
+        if cycle.slots is not None or cycle.ever_updated or cycle.unrooted_call is not None \
+                or self.alarm.fired or (model := self.target.model()) is None:
+            return
+        opt = self.target.optimizer()
+        log.warning("nanreplay: the recorder saw no forward of its model (%s)%s while it was "
+                    "attached: nothing was recorded or checked. A model (and optimizer) built "
+                    "again after the recorder was, for a fold, a trial or a restart, is not the "
+                    "one it records: build the FlightRecorder around the model the loop "
+                    "trains, after building it", type(model).__name__,
+                    f" and no step of its optimizer ({type(opt).__name__})" if opt else "")
 
     def attach(self) -> FlightRecorder:
         """Register every hook. Idempotent."""

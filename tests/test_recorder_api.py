@@ -713,6 +713,42 @@ def test_a_loop_that_never_calls_the_model_is_told_once(out_dir, caplog, through
         assert "no forward of the recorded model" in said[0] and "'enc'" in said[0]
 
 
+def test_a_recorder_built_before_the_folds_that_rebuild_the_model_says_it_saw_nothing(
+        out_dir, caplog):
+    """K-fold cross-validation written with the recorder built once, around the first model,
+    and each fold building its model and optimizer again: the recorder's model never runs, so
+    a fold's NaN raises nothing and no bundle is written. At the block's end it says so, with
+    what to do; a block whose model ran says nothing."""
+    def fold(k):
+        model = M.mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with torch.no_grad():
+            model[0].weight[0, 0] = math.nan if k == 1 else 0.0  # (fold 1 starts broken)
+        M.train(model, opt, nn.CrossEntropyLoss(), 2)
+        return model
+
+    first = M.mlp()
+    first_opt = torch.optim.SGD(first.parameters(), lr=0.1)
+    with caplog.at_level("WARNING", logger="nanreplay"):
+        with FlightRecorder(first, first_opt, out_dir=out_dir) as rec:
+            trained = [fold(k) for k in range(3)]
+    said = [r.getMessage() for r in caplog.records if r.name == "nanreplay"]
+    assert not torch.isfinite(trained[1][0].weight).all() and not list(out_dir.glob("*.nan"))
+    assert rec.step == 0 and said == [
+        "nanreplay: the recorder saw no forward of its model (Sequential) and no step of its "
+        "optimizer (SGD) while it was attached: nothing was recorded or checked. A model (and "
+        "optimizer) built again after the recorder was, for a fold, a trial or a restart, is "
+        "not the one it records: build the FlightRecorder around the model the loop trains, "
+        "after building it"], said
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="nanreplay"):
+        with FlightRecorder(first, out_dir=out_dir) as rec:  # (no optimizer: its forwards)
+            with torch.no_grad():
+                first(M.batch(0)[0])
+    assert not [r for r in caplog.records if r.name == "nanreplay"]
+
+
 class _SelfForwarding(nn.Linear):
     """PyTorch's forward-forward example's layer: a Linear whose training calls
     ``self.forward(x)``, and whose forward calls a submodule."""
