@@ -16,7 +16,8 @@ def chain_origin(by_order: list[dict], allowed: set[int], names: list[str],
     +-Inf in the root output. Its chain starts at the first call, inside it (completed before
     it), that made a non-finite value from finite inputs; when the event's own inputs held
     +-Inf, at the first call of its micro-batch before it that made +-Inf from finite inputs
-    (an fp16 overflow that a later layer turns into NaN), else, when no call made them, at the
+    (an fp16 overflow that a later layer turns into NaN; a mask's or an allowed buffer's
+    intended -inf among them counts as finite), else, when no call made them, at the
     innermost call enclosing the event whose inputs were finite (its own code made them:
     ``log(0)`` in the root's forward before a submodule), else at the batch's own infinities,
     unless all of them are additive masks (micro-batches in ``masked``): intended, as a
@@ -31,8 +32,10 @@ def chain_origin(by_order: list[dict], allowed: set[int], names: list[str],
     if trigger is None:
         return None, False
     mb, pos = trigger["micro_batch"], by_order.index(trigger)
+    # (inputs finite but for the intended infinities of masks and allowed buffers: an
+    # attention given its causal mask whose projection overflowed made the first +-Inf)
     before = [d for d in by_order[:pos] if d["micro_batch"] == mb
-              and not d["outputs_finite"] and d["inputs_all_finite"]
+              and not d["outputs_finite"] and d["inputs_finite"]
               and d["module"] not in allowed]
     if trigger["inputs_all_finite"]:
         # inside it: calls of its submodules since its previous call completed
@@ -59,7 +62,8 @@ def chain_origin(by_order: list[dict], allowed: set[int], names: list[str],
 
 
 def enclosing_maker(by_order: list[dict], pos: int, names: list[str]) -> dict | None:
-    """The innermost call enclosing call ``by_order[pos]`` whose inputs were all finite: the
+    """The innermost call enclosing call ``by_order[pos]`` whose inputs were finite (a mask's
+    intended -inf aside: a transformer layer's own residual sum): the
     calls of its micro-batch completed after it whose module contains it by name (the root
     contains every module), innermost first."""
     d = by_order[pos]
@@ -68,7 +72,7 @@ def enclosing_maker(by_order: list[dict], pos: int, names: list[str]) -> dict | 
         own = names[e["module"]]
         if e["micro_batch"] != mb or not (own == "" or inner.startswith(own + ".")):
             continue
-        if e["inputs_all_finite"]:
+        if e["inputs_finite"] if e["module"] else e["inputs_all_finite"]:  # (root: masks)
             return e
         inner = own  # (its own inputs held the infinity: further out)
     return None

@@ -72,20 +72,32 @@ def input_refs(tape: Tape, target: Target, args, kwargs, made_here=None) -> tupl
     measured again, unless this call returned it (an in-place module: the produced
     statistics are its input's)."""
     refs = []
+    masks = mask_inputs(kwargs) if kwargs else ()
     for t in leaves(args, kwargs):
+        mask = id(t) in masks
         if not t.is_floating_point() or t.numel() == 0:
             if not (t.is_complex() and t.numel()):
                 continue
             t = real_view(t)  # (complex: its real view; float32 refuses a complex sum)
         hit = produced(tape, t, made_here)
         if hit is not None:
-            refs.append(hit[1:4])
+            refs.append((hit[1], hit[2], hit[3] or mask))
             continue
         # Only "were they finite" matters for an inner call's inputs: a sum says it in
         # half an aminmax's time (NaN/Inf survive a sum; float32 accumulation)
         ref = tape.slots.total(t.detach(), LOOSE)
-        refs.append((ref, ref, target.allowed_buffer(t)))
+        refs.append((ref, ref, mask or target.allowed_buffer(t)))
     return tuple(refs)
+
+
+def mask_inputs(kwargs: dict) -> set[int]:
+    """The ids of the tensors passed under a keyword named as a mask (``attn_mask``,
+    ``src_mask``, ``attention_mask``): an additive float mask's -inf there is intended, as an
+    ``allow_inf`` input's is (the causal mask ``nn.TransformerEncoderLayer`` hands its
+    ``self_attn``), so a call that made a non-finite value from it and finite data started a
+    chain (an overflow in the attention's projection) instead of passing one on."""
+    return {id(t) for k, v in kwargs.items() if k.lower().endswith("mask")
+            for t in tensor_leaves(v)}
 
 
 def output_refs(tape: Tape, output, allowed: bool, intended: bool, full: bool) -> tuple:

@@ -16,6 +16,7 @@ import torch
 
 from recorder.capture import output_leaves, tensor_leaves
 from recorder.finite import ends, pair_flag, real_view
+from recorder.refs import mask_inputs
 from recorder.scripted import hookable_modules
 
 from .compat import in_buffers
@@ -88,15 +89,17 @@ def probe_origin(runner, k: int, nan_only: bool = False) -> tuple[str, int, int]
     produced_allowed = TensorSet()  # outputs of allow_inf modules: -inf is fine
     ends_of = _ends_memo()
 
-    def input_ok(t: torch.Tensor) -> torch.Tensor:
-        soft = nan_only or in_buffers(t, runner.allowed_buffers) or t in produced_allowed
+    def input_ok(t: torch.Tensor, masks) -> torch.Tensor:
+        soft = nan_only or id(t) in masks or in_buffers(t, runner.allowed_buffers) \
+            or t in produced_allowed
         return pair_flag(ends_of(t), allow_inf=soft)
 
     def pre(module, args, kwargs, name):
         key = (name, runner.micro_batch)
         call = state["starts"].get(key, 0)
         state["starts"][key] = call + 1
-        flags = [input_ok(t) for t in tensor_leaves([list(args), kwargs])
+        masks = mask_inputs(kwargs) if kwargs and name else ()  # (the root's: as recorded)
+        flags = [input_ok(t, masks) for t in tensor_leaves([list(args), kwargs])
                  if (t.is_floating_point() or t.is_complex()) and t.numel()]
         ok = torch.stack(flags).all() if flags else torch.tensor(True)
         state["stack"].append((name, call, runner.micro_batch, ok))

@@ -15,6 +15,7 @@ import torch
 
 from recorder.capture import output_leaves, tensor_leaves  # not pytree: see replay.rerun
 from recorder.finite import ends, finite, has_nan, pair_kind, pair_ok, real_view
+from recorder.refs import mask_inputs
 from recorder.samples import Samples, packed_in
 from recorder.scripted import hookable_modules
 
@@ -54,16 +55,18 @@ class CallRecorder:
         pair = self.checked.get(t)
         return pair if pair is not None else self.checked.put(t, tuple(ends(t).tolist()))
 
-    def _inputs_ok(self, args, kwargs) -> tuple[bool, bool, bool]:
+    def _inputs_ok(self, args, kwargs, root: bool) -> tuple[bool, bool, bool]:
         """Finite (allow_inf honoured), finite (every +-Inf counted), NaN-free."""
         ok = every = nan_free = True
+        masks = mask_inputs(kwargs) if kwargs and not root else ()  # (the root's: recorded)
         for t in tensor_leaves([list(args), kwargs]):
             if not t.is_floating_point() or t.numel() == 0:
                 if t.is_complex() and not finite(t):
                     ok = every = False
                     nan_free = nan_free and not has_nan(t)
                 continue
-            soft = in_buffers(t, self.runner.allowed_buffers) or t in self.produced_allowed
+            soft = id(t) in masks or in_buffers(t, self.runner.allowed_buffers) \
+                or t in self.produced_allowed
             pair = self._pair(t)
             ok = ok and pair_ok(*pair, allow_inf=soft)
             every = every and pair_ok(*pair)
@@ -74,7 +77,7 @@ class CallRecorder:
         def hook(module, args, kwargs):
             call_id = self.started
             self.started += 1
-            self.pending[call_id] = (self._inputs_ok(args, kwargs), tuple(self.stack))
+            self.pending[call_id] = (self._inputs_ok(args, kwargs, not name), tuple(self.stack))
             # (a module called from several lines: its call's own, for the report)
             self.called_at[call_id] = caller_source(inspect.currentframe())
             # until it returns: a call the model raises in (a validate_args check) never does

@@ -130,7 +130,7 @@ class Run:
             return None, None, False
         before = [c for c in calls[:calls.index(trigger)]
                   if c.micro_batch == trigger.micro_batch and not c.outputs_finite
-                  and c.inputs_all_finite and c.module not in allowed]
+                  and c.inputs_finite and c.module not in allowed]  # (a mask's -inf: finite)
         if trigger.inputs_all_finite:  # made inside it: by it, or by a call it encloses
             inside = [c for c in before if trigger.call_id in c.parents]
             return (inside[0] if inside else trigger), trigger, False
@@ -158,13 +158,14 @@ class Run:
             and call.micro_batch in self.bad_loss_data
 
     def _enclosing_maker(self, call: Call) -> Call | None:
-        """The innermost call enclosing ``call`` whose inputs were all finite, among those that
+        """The innermost call enclosing ``call`` whose inputs were finite (a mask's intended
+        -inf aside: a transformer layer's own residual sum), among those that
         returned and those the model raised in (the root's, when a distribution's
         ``validate_args`` refused the NaN its own code made)."""
         by_id = {c.call_id: c for c in self.calls}
         return next((p for i in reversed(call.parents)
                      if (p := by_id.get(i) or self._unfinished(i)) is not None
-                     and p.inputs_all_finite), None)
+                     and (p.inputs_finite if p.module else p.inputs_all_finite)), None)
 
     def _unfinished(self, call_id: int) -> Call | None:
         """The call ``call_id`` that never returned, as a :class:`Call` with no outputs."""

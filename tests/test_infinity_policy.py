@@ -166,6 +166,39 @@ def test_float16_overflow_turned_into_nan_is_blamed_on_the_overflow(out_dir):
     assert rep["bisection"]["agrees"] is True
 
 
+def test_float16_overflow_in_an_attention_given_the_causal_mask_names_its_projection(out_dir):
+    """The tutorial's ``nn.TransformerEncoder`` under float16 autocast, its causal mask (-inf
+    above the diagonal) handed to each layer's ``self_attn`` as ``attn_mask``. At step 3 the
+    second layer's output projection's weights are 1e5 times larger (planted: as a diverging
+    run's grow) and its ``addmm`` passes float16's 65504. That call's inputs held the mask's
+    -inf, so before, no chain could start there: the recorder named the layer and the replay
+    its norm1 (whose NaN only followed), not reproduced. A mask's -inf is intended, as an
+    ``allow_inf`` input's is: now both name the attention's projection, an overflow."""
+    model = I.TutorialLM()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = nn.CrossEntropyLoss()
+    mask = nn.Transformer.generate_square_subsequent_mask(I.CTX)
+    with pytest.raises(NonFiniteError) as info, FlightRecorder(
+            model, opt, loss_fn=crit, out_dir=out_dir, factory="infinity_models:make_tutorial_lm"):
+        for step in range(6):
+            src, tgt = I.token_batch(step)
+            if step == K:
+                with torch.no_grad():
+                    model.encoder.layers[1].self_attn.out_proj.weight.mul_(1e5)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(src, src_mask=mask)
+            crit(out.float().reshape(-1, I.VOCAB), tgt.reshape(-1)).backward()
+            opt.step()
+    check_event(info.value.event, step=K, phase="forward", module="encoder.layers.1.self_attn",
+                kind="+inf")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"], rep["reproduced"]) == \
+        ("encoder.layers.1.self_attn", "aten.addmm", "+inf", [0, 1, 2, 3], "overflow", True), o
+    assert "beyond float16's largest value" in rep["hint"], rep["hint"]
+
+
 def test_inf_reaching_the_root_output_is_an_event(out_dir):
     def make(step):
         x, y = I.batch(step)
@@ -310,11 +343,13 @@ def test_nan_in_a_mask_every_sample_shares_names_no_sample(out_dir):
 def test_overflow_in_an_attention_given_the_padding_mask_names_the_attention(
         out_dir, lr, op, made):
     """nn.TransformerEncoder (norm_first) gives each attention its bool padding mask as a
-    -inf float mask, so no attention call has finite inputs. A schedule's jump of the
+    -inf float mask. A schedule's jump of the
     learning rate at step 3 blows the weights up, and at step 5 the first layer's attention
     overflows (at lr=1e4 it returns +inf, which the layer's norm turns into NaN; at lr=1e5 its
-    own scores go NaN). Module statistics stop at the encoder, whose inputs were finite, and
-    the replay named the encoder too; it now names the attention, whose own code ran the op."""
+    own scores go NaN). Module statistics stopped at the encoder, whose inputs were finite,
+    and the replay named the encoder too; the replay then named the attention, whose own code
+    ran the op, and now the recorder does too: the mask's -inf, passed as ``attn_mask``, is
+    intended, and leaves the attention's inputs finite."""
     model = I.make_padded_encoder_classifier()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     crit = nn.CrossEntropyLoss()
@@ -330,7 +365,9 @@ def test_overflow_in_an_attention_given_the_padding_mask_names_the_attention(
                 opt.zero_grad()
                 crit(model(ids), torch.randint(0, I.N_CLASSES, (8,), generator=g)).backward()
                 opt.step()
-    check_event(info.value.event, step=5, phase="forward", module="encoder", kind="nan")
+    check_event(info.value.event, step=5, phase="forward", module="encoder.layers.0.self_attn",
+                inputs_finite=True)
+    assert info.value.event["kind"] in made, info.value.event
     rep = nanreplay_json(info.value.bundle_path)
     o = rep["origin"]
     assert (o["module"], o["call"], o["op"], rep["cause"], rep["reproduced"]) == \
