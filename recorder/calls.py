@@ -29,7 +29,15 @@ from .errors import NonFiniteError
 from .finite import ANY, checkable, real_view, stored
 from .hooks import Health, Hook
 from .out_grads import keep_grad, keep_out_grad
-from .refs import input_refs, leaves, named_leaves, output_ref, output_refs, produced
+from .refs import (
+    input_refs,
+    leaves,
+    mask_positions,
+    named_leaves,
+    output_ref,
+    output_refs,
+    produced,
+)
 from .shards import local
 from .slots import FLOAT32, GRAD, LOOSE, NAN_ONLY, RELU_OF, STRICT
 from .tape import MicroBatch, Tape
@@ -47,6 +55,7 @@ class CallHooks:
         self.loss_recorded = False  # record_loss has been given a loss (no loss_fn to replay)
         self.copy_inputs = False  # the model's forward writes into its floating inputs
         self.shape_pass = False  # the root runs on meta tensors; the recorder paused
+        self.mask_at: dict[int, tuple[int, ...]] = {}  # site -> its forward's mask positions
 
     def register(self) -> list:
         """Hook every site of the bound target (and the loss module, and the gradients of the
@@ -74,6 +83,7 @@ class CallHooks:
             # root is checked for NaN only, yet the +-Inf it returns are no finite input)
             allowed = target.inf_allowed(idx, site.name)
             intended = target.is_allowed(site.name)
+            self.mask_at[idx] = mask_positions(site.module) if idx else ()
             hook = (Hook(disabled(partial(fn, idx, allowed, intended))) if site.disable or not idx
                     else Hook(fn, idx, allowed, intended))
             handles.append(site.target.register_forward_hook(hook, with_kwargs=True))
@@ -219,7 +229,8 @@ class CallHooks:
                     (hit := produced(tape, args[0], output)) is not None:
                 ins = (hit[1:4],)  # one tensor in, an earlier call's output: the usual chain
             else:
-                ins = input_refs(tape, self.target, args, kwargs, made_here=output)
+                ins = input_refs(tape, self.target, args, kwargs, made_here=output,
+                                 mask_at=self.mask_at.get(idx, ()))
             if type(output) is torch.Tensor and not self.param_norms:  # the usual case
                 outs, stats = output_ref(tape, output, allowed, intended, reuse=True), None
             else:

@@ -40,6 +40,7 @@ from .validate import (
     check_loss_fn,
     check_model,
     check_not_importing,
+    has_own_forward,
     torch_optimizer,
 )
 
@@ -202,7 +203,8 @@ class FlightRecorder:
         the recorder was), and nothing was checked. Said, since no event can come of it."""
         cycle = self.cycle
         if cycle.slots is not None or cycle.ever_updated or cycle.unrooted_call is not None \
-                or self.alarm.fired or (model := self.target.model()) is None:
+                or self.alarm.fired or (model := self.target.model()) is None \
+                or not has_own_forward(model):  # (said when it was built)
             return
         opt = self.target.optimizer()
         log.warning("nanreplay: the recorder saw no forward of its model (%s)%s while it was "

@@ -5,9 +5,11 @@ reduction per call; an output is measured once, or moved to the region it is che
 
 from __future__ import annotations
 
+import inspect
 import weakref
 
 import torch
+from torch import nn
 
 from .capture import output_leaves, tensor_leaves
 from .compat import version, version_of, view_base
@@ -63,16 +65,18 @@ def output_ref(tape: Tape, t: torch.Tensor, allowed: bool, intended: bool, reuse
     return ((a, b),)
 
 
-def input_refs(tape: Tape, target: Target, args, kwargs, made_here=None) -> tuple:
+def input_refs(tape: Tape, target: Target, args, kwargs, made_here=None,
+               mask_at: tuple[int, ...] = ()) -> tuple:
     """(min, max, allowed) refs of each floating input of an inner call (kept, never
     checked); an input that an earlier call produced reuses that call's statistics, so a
     chain of modules costs nothing here.
 
     Inputs are seen after the call: one changed in place since it was produced is
     measured again, unless this call returned it (an in-place module: the produced
-    statistics are its input's)."""
+    statistics are its input's). ``mask_at``: the positions of the forward's mask
+    parameters (:func:`mask_positions`)."""
     refs = []
-    masks = mask_inputs(kwargs) if kwargs else ()
+    masks = mask_inputs(args, kwargs, mask_at) if kwargs or mask_at else ()
     for t in leaves(args, kwargs):
         mask = id(t) in masks
         if not t.is_floating_point() or t.numel() == 0:
@@ -90,14 +94,32 @@ def input_refs(tape: Tape, target: Target, args, kwargs, made_here=None) -> tupl
     return tuple(refs)
 
 
-def mask_inputs(kwargs: dict) -> set[int]:
-    """The ids of the tensors passed under a keyword named as a mask (``attn_mask``,
-    ``src_mask``, ``attention_mask``): an additive float mask's -inf there is intended, as an
-    ``allow_inf`` input's is (the causal mask ``nn.TransformerEncoderLayer`` hands its
-    ``self_attn``), so a call that made a non-finite value from it and finite data started a
-    chain (an overflow in the attention's projection) instead of passing one on."""
-    return {id(t) for k, v in kwargs.items() if k.lower().endswith("mask")
-            for t in tensor_leaves(v)}
+def mask_inputs(args, kwargs, positions: tuple[int, ...] = ()) -> set[int]:
+    """The ids of the tensors passed as a mask: under a keyword named as one (``attn_mask``,
+    ``src_mask``, ``attention_mask``) or at a position of the forward's parameter so named
+    (``positions``, :func:`mask_positions`: ``attn(x, mask)``). An additive float mask's -inf
+    there is intended, as an ``allow_inf`` input's is (the causal mask
+    ``nn.TransformerEncoderLayer`` hands its ``self_attn``), so a call that made a non-finite
+    value from it and finite data started a chain (an overflow in the attention's projection)
+    instead of passing one on."""
+    ids = {id(t) for k, v in kwargs.items() if k.lower().endswith("mask")
+           for t in tensor_leaves(v)} if kwargs else set()
+    for i in positions:
+        if i < len(args):
+            ids.update(id(t) for t in tensor_leaves(args[i]))
+    return ids
+
+
+def mask_positions(module: nn.Module) -> tuple[int, ...]:
+    """The positions, in a call's ``args``, of the module's ``forward`` parameters named as a
+    mask (read once, when its hooks are registered)."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # (a builtin's, a C extension's forward)
+        return ()
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY,
+                                                       p.POSITIONAL_OR_KEYWORD)]
+    return tuple(i for i, name in enumerate(positional) if name.lower().endswith("mask"))
 
 
 def output_refs(tape: Tape, output, allowed: bool, intended: bool, full: bool) -> tuple:

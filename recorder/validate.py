@@ -88,6 +88,13 @@ def check_model(model, optimizer, loss_fn=None) -> None:
                              "from this model's parameters()" + STRAY_INPUT)
 
 
+def has_own_forward(model: nn.Module) -> bool:
+    """Its class defines ``forward`` (a ``torch.compile`` wrapper's: its module's)."""
+    while is_compile_wrapper(model):
+        model = compiled_module(model)
+    return type(model).forward is not nn.Module.forward
+
+
 def _warn_no_forward(model: nn.Module) -> None:
     """A container with no forward of its own (an RL agent holding its actor, critics and
     target critics, which the loop calls one by one) never opens a step: the recorder opens
@@ -95,10 +102,10 @@ def _warn_no_forward(model: nn.Module) -> None:
     update (when only the submodule that ran is named), with what to record instead. A
     ``torch.compile`` wrapper (``OptimizedModule``, whose class has no forward) is judged by
     the module it compiled."""
+    if has_own_forward(model):
+        return
     while is_compile_wrapper(model):
         model = compiled_module(model)
-    if type(model).forward is not nn.Module.forward:
-        return
     parts = [n for n, m in model.named_children() if any(True for _ in m.parameters())]
     named = f" ({', '.join(parts[:4])})" if parts else ""
     log.warning("nanreplay: %s has no forward of its own, and the recorder opens a step at the "

@@ -16,7 +16,7 @@ import torch
 
 from recorder.capture import output_leaves, tensor_leaves
 from recorder.finite import ends, pair_flag, real_view
-from recorder.refs import mask_inputs
+from recorder.refs import mask_inputs, mask_positions
 from recorder.scripted import hookable_modules
 
 from .compat import in_buffers
@@ -88,6 +88,7 @@ def probe_origin(runner, k: int, nan_only: bool = False) -> tuple[str, int, int]
     state: dict[str, Any] = {"i": 0, "stack": [], "starts": {}, "answer": None}
     produced_allowed = TensorSet()  # outputs of allow_inf modules: -inf is fine
     ends_of = _ends_memo()
+    mask_at: dict[str, tuple[int, ...]] = {}  # module -> its forward's mask positions
 
     def input_ok(t: torch.Tensor, masks) -> torch.Tensor:
         soft = nan_only or id(t) in masks or in_buffers(t, runner.allowed_buffers) \
@@ -98,7 +99,7 @@ def probe_origin(runner, k: int, nan_only: bool = False) -> tuple[str, int, int]
         key = (name, runner.micro_batch)
         call = state["starts"].get(key, 0)
         state["starts"][key] = call + 1
-        masks = mask_inputs(kwargs) if kwargs and name else ()  # (the root's: as recorded)
+        masks = mask_inputs(args, kwargs, mask_at[name]) if name else ()  # (root's: recorded)
         flags = [input_ok(t, masks) for t in tensor_leaves([list(args), kwargs])
                  if (t.is_floating_point() or t.is_complex()) and t.numel()]
         ok = torch.stack(flags).all() if flags else torch.tensor(True)
@@ -123,6 +124,7 @@ def probe_origin(runner, k: int, nan_only: bool = False) -> tuple[str, int, int]
     def hooks(model):
         hs = []
         for name, m in hookable_modules(model):
+            mask_at[name] = mask_positions(m)
             hs.append(m.register_forward_pre_hook(outside_transforms(
                 lambda mod, a, kw, name=name: pre(mod, a, kw, name)), with_kwargs=True))
             hs.append(m.register_forward_hook(outside_transforms(

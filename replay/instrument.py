@@ -15,7 +15,7 @@ import torch
 
 from recorder.capture import output_leaves, tensor_leaves  # not pytree: see replay.rerun
 from recorder.finite import ends, finite, has_nan, pair_kind, pair_ok, real_view
-from recorder.refs import mask_inputs
+from recorder.refs import mask_inputs, mask_positions
 from recorder.samples import Samples, packed_in
 from recorder.scripted import hookable_modules
 
@@ -45,7 +45,8 @@ class CallRecorder:
     def install(self, model) -> list:
         handles = []
         for name, m in hookable_modules(model):
-            handles.append(m.register_forward_pre_hook(outside_transforms(self._pre(name)),
+            at = mask_positions(m) if name else ()  # (the root's masks: as recorded)
+            handles.append(m.register_forward_pre_hook(outside_transforms(self._pre(name, at)),
                                                        with_kwargs=True))
             handles.append(m.register_forward_hook(outside_transforms(self._post(name)),
                                                    with_kwargs=True))
@@ -55,10 +56,11 @@ class CallRecorder:
         pair = self.checked.get(t)
         return pair if pair is not None else self.checked.put(t, tuple(ends(t).tolist()))
 
-    def _inputs_ok(self, args, kwargs, root: bool) -> tuple[bool, bool, bool]:
+    def _inputs_ok(self, args, kwargs, root: bool, mask_at: tuple[int, ...]
+                   ) -> tuple[bool, bool, bool]:
         """Finite (allow_inf honoured), finite (every +-Inf counted), NaN-free."""
         ok = every = nan_free = True
-        masks = mask_inputs(kwargs) if kwargs and not root else ()  # (the root's: recorded)
+        masks = mask_inputs(args, kwargs, mask_at) if not root else ()  # (root's: recorded)
         for t in tensor_leaves([list(args), kwargs]):
             if not t.is_floating_point() or t.numel() == 0:
                 if t.is_complex() and not finite(t):
@@ -73,11 +75,12 @@ class CallRecorder:
             nan_free = nan_free and pair_ok(*pair, allow_inf=True)
         return ok, every, nan_free
 
-    def _pre(self, name: str):
+    def _pre(self, name: str, mask_at: tuple[int, ...]):
         def hook(module, args, kwargs):
             call_id = self.started
             self.started += 1
-            self.pending[call_id] = (self._inputs_ok(args, kwargs, not name), tuple(self.stack))
+            self.pending[call_id] = (self._inputs_ok(args, kwargs, not name, mask_at),
+                                     tuple(self.stack))
             # (a module called from several lines: its call's own, for the report)
             self.called_at[call_id] = caller_source(inspect.currentframe())
             # until it returns: a call the model raises in (a validate_args check) never does

@@ -352,3 +352,52 @@ class TiedMaskLM(nn.Module):
 def make_tied_mask_lm(sliced: bool = False) -> nn.Module:
     torch.manual_seed(0)
     return TiedMaskLM(sliced=sliced)
+
+
+# ---------------------------------------------------------------------------------------------
+# a hand-written GPT whose causal mask its forward builds and hands each attention by position
+
+
+class PositionalMaskAttention(nn.Module):
+    """``forward(x, mask)``: scores ``q @ k.T / sqrt(d)`` plus the additive mask, softmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+        self.proj = nn.Linear(D, D)
+
+    def forward(self, x, mask):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        att = q @ k.transpose(-2, -1) / D ** 0.5 + mask
+        return self.proj(att.softmax(dim=-1) @ v)
+
+
+class PositionalMaskBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.attn = PositionalMaskAttention()
+
+    def forward(self, x, mask):
+        return x + self.attn(self.ln(x), mask)
+
+
+class PositionalMaskGPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleList([PositionalMaskBlock() for _ in range(2)])
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, idx):
+        T = idx.shape[1]
+        mask = torch.full((T, T), float("-inf"), device=idx.device).triu(1)
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(x)
+
+
+def make_positional_mask_gpt() -> nn.Module:
+    torch.manual_seed(0)
+    return PositionalMaskGPT()

@@ -19,7 +19,7 @@ from pathlib import Path
 import infinity_models as I
 import pytest
 import torch
-from bundles import nanreplay_json
+from bundles import nanreplay_json, source_line
 from click.testing import CliRunner
 from models import bundles, check_event
 from test_recorder_sync import FLIGHT, count_host_reads
@@ -197,6 +197,41 @@ def test_float16_overflow_in_an_attention_given_the_causal_mask_names_its_projec
     assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"], rep["reproduced"]) == \
         ("encoder.layers.1.self_attn", "aten.addmm", "+inf", [0, 1, 2, 3], "overflow", True), o
     assert "beyond float16's largest value" in rep["hint"], rep["hint"]
+
+
+def test_float16_scores_overflowing_beside_a_mask_passed_by_position_name_the_attention(
+        out_dir):
+    """A hand-written GPT whose forward builds the causal mask and hands it to each attention
+    by position, ``self.attn(self.ln(x), mask)``, under float16 autocast. At step 3 the second
+    block's ``qkv`` weights are 300 times larger (planted) and its scores ``q @ k.T`` pass
+    float16's 65504: +-inf, whose softmax is NaN, in the attention's own code. Its inputs held
+    the mask's -inf, so before, the chain went out to the first caller with finite inputs,
+    the root (its input is token ids), and said its own code made it; the forward's parameter
+    is named ``mask``: its -inf is intended, and the attention is named, its matmul an
+    overflow."""
+    model = I.make_positional_mask_gpt()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info, FlightRecorder(
+            model, opt, loss_fn=crit, out_dir=out_dir,
+            factory="infinity_models:make_positional_mask_gpt"):
+        for step in range(6):
+            src, tgt = I.token_batch(step)
+            if step == K:
+                with torch.no_grad():
+                    model.blocks[1].attn.qkv.weight.mul_(300.0)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(src)
+            crit(out.float().reshape(-1, I.VOCAB), tgt.reshape(-1)).backward()
+            opt.step()
+    check_event(info.value.event, step=K, phase="forward", module="blocks.1.attn",
+                inputs_finite=True)
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], rep["cause"], rep["reproduced"]) == \
+        ("blocks.1.attn", "aten.bmm", "overflow", True), o
+    assert o["source"] == source_line("infinity_models.py", "att = q @ k.transpose"), o
 
 
 def test_inf_reaching_the_root_output_is_an_event(out_dir):
