@@ -64,10 +64,11 @@ def assert_fully_masked_row(rep: dict):
     assert (o["phase"], o["module"], o["op"], o["made"], o["samples"]) == (
         "forward", "decoder", "aten._softmax", "nan", [2]), o
     assert o["source"] == line_of("out = (score.softmax(-1) @ self.v)"), o
-    # the chain starts at a mask's write of -inf, read as intended
+    # the chain starts in the decoder, at the softmax of the -inf its ``ninf_mask`` argument
+    # brought in (a mask, read as intended: the caller's write of it is no start)
     first = o["chain"][0]
-    assert (first["op"], first["made"], first["intentional"]) == (
-        "aten.index_put_", "-inf", True), first
+    assert (first["op"], first["made"], first["input_min"], first["intentional"]) == (
+        "aten._softmax", "nan", "-inf", False), first
     assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
     assert "keep at least one key per row" in rep["hint"], rep["hint"]
 
@@ -77,8 +78,10 @@ def test_cvrp_undivided_demands_mask_every_node_and_multinomial_raises(tmp_path)
     after a visit) every unserved customer exceeds the load, the row of the mask is all -inf
     and the softmax NaN, so ``multinomial`` raises inside the forward, as POMO users see it.
     The recorder still writes the step's bundle (its statistics saw the NaN); the replay names
-    the attention's softmax in the decoder, the capacity mask's line that closed the row, the
-    instance, and a fully masked row."""
+    the attention's softmax in the decoder, the instance, and a fully masked row. (Its chain
+    showed the caller's write of the mask's -inf first while a call given a mask counted as
+    one given an infinity; the decoder's ``ninf_mask`` parameter is a mask, and its chain
+    starts at the softmax.)"""
     with pytest.raises(RuntimeError, match="probability tensor contains"):
         train("make_cvrp", tmp_path, bad=2)
     (bundle,) = tmp_path.glob("*.nan")
