@@ -37,13 +37,15 @@ class KNNLM(nn.Module):
     """kNN-LM: ``log(lam * p_knn + (1 - lam) * p_lm)`` at every position. The datastore
     (``keys``, ``vals``) is a buffer filled from the LM's own hidden states (``build``);
     ``sqrt_dist`` takes the L2 distance rather than its square (faiss IndexFlatL2 returns the
-    square; hand-written code often takes the root)."""
+    square; hand-written code often takes the root); ``diff_dist`` sums the squared differences
+    ``(q - k)^2`` instead of expanding them (exactly 0 for a query equal to its key)."""
 
     def __init__(self, lam: float = 0.25, temp: float = 1.0, sqrt_dist: bool = False,
-                 logsumexp: bool = False):
+                 logsumexp: bool = False, diff_dist: bool = False):
         super().__init__()
         self.lm = TinyLM()
         self.lam, self.temp, self.sqrt_dist, self.logsumexp = lam, temp, sqrt_dist, logsumexp
+        self.diff_dist = diff_dist
         self.register_buffer("keys", torch.zeros(STORE, DIM))
         self.register_buffer("vals", torch.zeros(STORE, dtype=torch.long))
 
@@ -55,8 +57,11 @@ class KNNLM(nn.Module):
         self.vals.copy_(ids[:, 1:].reshape(-1)[:STORE])
 
     def knn_logprobs(self, q: torch.Tensor) -> torch.Tensor:
-        d = (q.pow(2).sum(-1, keepdim=True) - 2 * q @ self.keys.t()
-             + self.keys.pow(2).sum(-1))  # squared L2 to every key
+        if self.diff_dist:  # squared L2 to every key, >= 0 and 0 only where q == k
+            d = (q[..., None, :] - self.keys).pow(2).sum(-1)
+        else:  # squared L2 to every key; its rounding depends on the CPU's kernels
+            d = (q.pow(2).sum(-1, keepdim=True) - 2 * q @ self.keys.t()
+                 + self.keys.pow(2).sum(-1))
         top, idx = d.topk(K, dim=-1, largest=False)  # faiss IndexFlatL2's search
         if self.sqrt_dist:
             top = top.sqrt()  # a query equal to its key: |q|^2 - 2 q.k + |k|^2 rounds below 0
@@ -103,9 +108,11 @@ def make_knnlm_lse_only() -> nn.Module:
 
 
 def make_knnlm_cold() -> nn.Module:
-    """kNN temperature 0 (a config's ``knn_temp: 0`` meant as "hard nearest neighbour")."""
+    """kNN temperature 0 (a config's ``knn_temp: 0`` meant as "hard nearest neighbour"), with
+    the distances summed from ``(q - k)^2``: a query equal to its key is exactly 0 on every CPU
+    (the expanded ``|q|^2 - 2 q.k + |k|^2`` is 0, or +-3.8e-06, depending on the kernels)."""
     torch.manual_seed(0)
-    return KNNLM(temp=0.0)
+    return KNNLM(temp=0.0, diff_dist=True)
 
 
 def lm_loss(logp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -25,11 +25,14 @@ def corpus(g: torch.Generator, n: int) -> torch.Tensor:
 
 
 def train_knnlm(out_dir, factory: str, steps: int, record: bool = True, from_store=None,
-                bf16: bool = False, **rec_kw):
+                bf16: bool = False, hook=None, **rec_kw):
     """The datastore is rebuilt from the current LM at each step (REALM's index refresh);
     ``from_store = (step, micro_batch)``: that micro-batch's row 2 is a sequence of the
-    datastore's own corpus (built from the training set), so its queries equal keys."""
+    datastore's own corpus (built from the training set), so its queries equal keys;
+    ``hook``: a forward hook on the model (the plain run's oracle)."""
     model = getattr(M, factory)()
+    if hook is not None:
+        model.register_forward_hook(hook)
     g = torch.Generator().manual_seed(0)
     store = corpus(g, M.STORE // (M.CTX - 1) + 1)
     opt = torch.optim.AdamW(model.lm.parameters(), lr=1e-3, weight_decay=0.01)
@@ -101,6 +104,22 @@ def raised(fn, *args, **kw) -> NonFiniteError:
     return info.value
 
 
+def first_nan_output(factory: str, steps: int, **kw):
+    """The oracle: the same training run plainly (no recorder); ``(step, micro_batch, rows)``
+    of the first forward whose output holds a NaN, or None."""
+    calls, found = [], []
+
+    def hook(module, args, out):
+        n = len(calls)
+        calls.append(n)
+        rows = out.isnan().flatten(1).any(1).nonzero().flatten().tolist()
+        if rows and not found:
+            found.append((n // ACCUM, n % ACCUM, rows))
+
+    train_knnlm(None, factory, steps, record=False, hook=hook, **kw)
+    return found[0] if found else None
+
+
 def same_weights(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
                                                   b.state_dict().values()))
@@ -133,17 +152,24 @@ def test_knnlm_only_in_log_space_names_the_log_of_p_knn_s_zeros(tmp_path):
 
 
 def test_knnlm_sqrt_of_a_query_s_own_squared_distance_rounded_below_0(tmp_path):
-    """A training sequence that is in the datastore: its queries equal their own keys, and
-    ``|q|^2 - 2 q.k + |k|^2`` rounds to -7.6e-06 in one of them; the root of the top-K
-    distances is NaN in that row (2), and in row 0, whose first token starts a datastore
-    sequence too (position 0's state is its token's alone): a rounding float64 does not make."""
+    """A training sequence that is in the datastore: its queries equal their own keys (bit for
+    bit), and ``|q|^2 - 2 q.k + |k|^2`` rounds to -3.8e-06 in some of them; the root of the
+    top-K distances is NaN in those rows: a rounding float64 does not make. Where it first
+    rounds below 0 follows the CPU's kernels (the AMD EPYC's AVX-512 and AVX2 kernels: step 1,
+    micro-batch 1, the planted row 2 and row 0, whose first token starts a datastore sequence
+    too, position 0's state being its token's alone; scalar kernels: already step 0,
+    micro-batch 0, row 3's position 0), so the plain run's first NaN output is the oracle."""
+    first = first_nan_output("make_knnlm_sqrt", 3, from_store=(1, 1))
+    assert first is not None
+    step, micro, rows = first
     err = raised(train_knnlm, tmp_path, "make_knnlm_sqrt", 3, from_store=(1, 1))
-    assert (err.event["step"], err.event["micro_batch"]) == (1, 1), err.event
+    assert (err.event["step"], err.event["micro_batch"], err.event["phase"]) == (
+        step, micro, "forward"), err.event
     rep = nanreplay_json(err.bundle_path)
     o = rep["origin"]
     assert (rep["cause"], o["op"], o["module"], o["made"], o["samples"]) == (
-        "precision", "aten.sqrt", "", "nan", [0, 2]), rep
-    assert err.event["samples"] == [0, 2]
+        "precision", "aten.sqrt", "", "nan", rows), rep
+    assert err.event["samples"] == rows
     assert o["source"] == source_line(MODELS, "top = top.sqrt()")
     assert o["input_range"][0] < 0
     assert "clamp to the domain before the op" in rep["hint"], rep["hint"]
@@ -151,7 +177,8 @@ def test_knnlm_sqrt_of_a_query_s_own_squared_distance_rounded_below_0(tmp_path):
 
 def test_knnlm_temperature_0_divides_a_zero_distance_by_the_number_0(tmp_path):
     """``knn_temp: 0`` meant as "hard nearest neighbour": ``-top / 0`` is NaN where a query's
-    distance is exactly 0 (position 0 sees only its own token, which is in the datastore)."""
+    distance is exactly 0 (position 0 sees only its own token, which is in the datastore: rows
+    0 and 3 at step 0; ``(q - k)^2`` summed is 0 there on every CPU)."""
     err = raised(train_knnlm, tmp_path, "make_knnlm_cold", 2)
     assert (err.event["step"], err.event["phase"]) == (0, "forward")
     rep = nanreplay_json(err.bundle_path)
