@@ -202,6 +202,8 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
     ev, op, name = hit.evidence, hit.op, _name(hit.op)
     dt = _type(ev.dtype)
     if ev.local64 is not None and bool(torch.isfinite(ev.local64).all()):
+        if own := domains.own_factor_sign(op, ev):  # (its own rounding, not an overflow)
+            return Cause("precision", f"{own}: " + DO["log_det"])
         return _beyond_type(op, ev)
     if domains.no_pole(name, ev):
         if ev.local64 is None and not still:  # a random op: the float64 step decides

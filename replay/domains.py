@@ -323,6 +323,29 @@ def _of_matrix(op: str, base: str, ev: Evidence) -> tuple[str, str] | None:
             "eigenvalues")
 
 
+def own_factor_sign(op: str, ev: Evidence) -> str | None:
+    """A log-determinant's NaN that float64 does not make on the very same input (``local64``
+    finite): the matrix is positive-definite as given, and the op's own LU factorisation in
+    its type rounded the determinant of a near-singular one below 0 (which factorisation
+    kernel runs decides where); None for any other op or input."""
+    if op.removeprefix("aten.") not in ("logdet", "_linalg_slogdet", "linalg_slogdet", "slogdet") \
+            or not ev.inputs or ev.inputs[0].dim() < 2 \
+            or ev.inputs[0].shape[-1] != ev.inputs[0].shape[-2]:
+        return None
+    x = ev.inputs[0]
+    sign, logabs = torch.linalg.slogdet(x.to(ev.input_dtypes[0]))
+    sign64, logabs64 = torch.linalg.slogdet(x.double())
+    neg = (sign < 0) & (sign64 > 0)
+    if not bool(neg.any()):
+        return None
+    dt = str(ev.input_dtypes[0]).removeprefix("torch.")
+    det, det64 = -float(logabs[neg].min().exp()), float(logabs64[neg].min().exp())
+    return (f"{op} of a matrix whose determinant is negative ({g(det)}) in {dt}'s own "
+            f"factorisation and positive ({g(det64)}) in float64 on the very same input: no "
+            f"value left {dt}'s range, but rounding in the op pushed a near-singular matrix's "
+            "determinant across 0")
+
+
 def _log_determinant(op: str, x: torch.Tensor | None) -> tuple[str, str]:
     """The log-determinant of a matrix whose determinant is negative (``logdet``'s NaN) or
     0 (``-inf``), given the whole matrix (a composite function's input, see

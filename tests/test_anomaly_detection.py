@@ -210,7 +210,10 @@ def test_dagmm_last_short_batch_covariance_fails_as_few_samples(tmp_path, loss_f
 def test_dagmm_logdet_of_a_three_sample_covariance_rounded_negative_is_precision(tmp_path):
     # 67 records leave 3: each covariance of 3 points in 3 dimensions is singular but for
     # the 1e-12, and float32 rounds one determinant below 0: torch.logdet is NaN at the end
-    # of an epoch (the second epoch's on the AMD EPYC, the first's on an Intel Xeon)
+    # of an epoch (the plain run's oracle gives the step: the second epoch's on the AMD EPYC's
+    # AVX-512 and AVX2 kernels, where the covariance itself rounds indefinite; the first's on
+    # an Intel Xeon, and with scalar kernels, where the covariance is positive-definite in
+    # float64 and logdet's own float32 LU rounds its determinant negative: precision too)
     X = M.normal_data(torch.Generator().manual_seed(0), n=67)
     step, raised = first_nonfinite_loss(X, M.dagmm_loss_inverse)
     assert not raised
