@@ -58,10 +58,13 @@ def train_dann(out_dir, align: str, nt: int = 8, repeat: bool = False, temp: flo
 
 def test_mmd_median_bandwidth_of_a_repeated_target_batch_is_invalid_not_precision(tmp_path):
     """The target batch repeats one frame: more than half the pairwise distances are 0, so
-    the median bandwidth is 0 and exp(-d² / sigma) divides 0 by 0. float64 re-ran the step
-    finite only because cdist's |x|² + |y|² - 2 x·y left sigma at 2.8e-16 there, a rounding
-    residue: the report said precision (catastrophic cancellation) and --try auto proposed
-    dtype=float64. Exact arithmetic makes sigma 0 too: invalid, with the division advice."""
+    the median bandwidth is 0 and exp(-d² / sigma) divides 0 by 0. Exact arithmetic makes
+    sigma 0 too: invalid, with the division advice. (Regression: with cdist's matrix-product
+    form |x|² + |y|² - 2 x·y, float64 re-ran the step finite on the AMD EPYC because it left
+    sigma at 2.8e-16, a rounding residue, and the report said precision and --try auto
+    proposed dtype=float64; that form's float32 zeros were CPU-dependent too, none with scalar
+    kernels, so the model now takes the differences' exact form: 0 for equal rows on every
+    CPU, in float32 and float64.)"""
     err, _ = train_dann(tmp_path, "mmd", nt=24, repeat=True)
     assert (err.event["step"], err.event["phase"]) == (BAD, "loss")
     rep = nanreplay_json(err.bundle_path, "--try", "auto")
