@@ -34,6 +34,7 @@ from .fed_back import report_fed_back
 from .findings import base_report, finish, origin_fields, recorded_origin
 from .forward import report_forward
 from .given_loss import report_given_loss
+from .grown_state import grown_state_advice
 from .hidden import report_hidden_forward
 from .imputed import RERUN, made_from_imputed
 from .input_grad import made_by_input_gradient
@@ -131,7 +132,9 @@ def _diverging(report, step: Step) -> None:
     """An overflow (or an underflow: a sigmoid driven to 0) after the loss, gradient norm, rate
     or weights jumped: the run was diverging (a rate too high for unscaled features), and a
     wider type only postpones it; the hint says so (and, without a rewind window, how to record
-    the steps that grew). Not of an op on the batch's data alone: nothing learned reaches it."""
+    the steps that grew). Without such a jump, an overflow after a buffer the model carries
+    across steps grew far past its built value (``replay.grown_state``) names that buffer.
+    Not of an op on the batch's data alone: nothing learned reaches it."""
     at, cause = report["event"].get("step"), report.get("cause")
     if cause not in ("overflow", "underflow") or at is None or said_of_data(report):
         return
@@ -140,15 +143,21 @@ def _diverging(report, step: Step) -> None:
                  and p.get("step") is not None and (p["step"] < at or p["step"] == at
                                                     and p["kind"] == "weight_jump")
                  and not transient(report.get("history") or {}, p)), None)
-    if jump is not None:
-        when = f"in the update before step {at}" if jump["step"] == at else \
-            f"at step {jump['step']}"
-        then = ("a wider type only postpones the overflow" if cause == "overflow" else
-                "the values this op took grew extreme with it, and log space or a wider type "
-                "only moves the failure on")
-        report["hint"] = (f"{report['hint']}. But the {_GROWTH[jump['kind']]} had jumped "
-                          f"{when} (see precursors): the run was diverging, and {then}; "
-                          + diverging_advice(step, window_of(step) is not None))
+    if jump is None:
+        # (no jump in the window's loss or weights, yet a buffer the model carries across
+        # steps had grown far past its built value: FORCE's P under a forgetting factor
+        # grows whether or not the loss showed it by the event, as the CPU's rounding has it)
+        if cause == "overflow" and (grown := grown_state_advice(step)):
+            report["hint"] = f"{report['hint']}. But {grown}"
+        return
+    when = f"in the update before step {at}" if jump["step"] == at else \
+        f"at step {jump['step']}"
+    then = ("a wider type only postpones the overflow" if cause == "overflow" else
+            "the values this op took grew extreme with it, and log space or a wider type "
+            "only moves the failure on")
+    report["hint"] = (f"{report['hint']}. But the {_GROWTH[jump['kind']]} had jumped "
+                      f"{when} (see precursors): the run was diverging, and {then}; "
+                      + diverging_advice(step, window_of(step) is not None))
 
 
 def analyze_bundle(path, factory: str | None = None, device: str | None = None,

@@ -41,10 +41,11 @@ def multilabel_loader(absent=(), scale: float = 1.0, repeat: int = 1):
 
 
 def train(make: str, crit, out_dir, data, record: bool = True, adam_eps: float | None = None,
-          bf16: bool = False, mix: float | None = None, clip: float | None = 5.0):
+          bf16: bool = False, mix: float | None = None, clip: float | None = 5.0, watch=None):
     """SGD with momentum and gradient clipping (or Adam with ``adam_eps``), the model under
     bfloat16 autocast where ``bf16``, mixup with ``Beta(mix, mix)`` where ``mix``; ``crit`` is
-    called as ``crit(out, y)``. Returns the model."""
+    called as ``crit(out, y)``; ``watch(step, out, loss)``, where given, sees each step's
+    output and loss before the backward. Returns the model."""
     model = getattr(M, make)()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=0.05, momentum=0.9) if adam_eps is None else \
@@ -55,7 +56,7 @@ def train(make: str, crit, out_dir, data, record: bool = True, adam_eps: float |
                          factory=f"long_tail_models:{make}") if record else None
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else crit
-        for x, y in data:
+        for step, (x, y) in enumerate(data):
             if mix is not None:
                 x, y_a, y_b, lam = M.mixup(x, y, mix, gen)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -64,6 +65,8 @@ def train(make: str, crit, out_dir, data, record: bool = True, adam_eps: float |
                 loss = M.mixup_criterion(loss_fn, out, y_a, y_b, lam)
             else:
                 loss = loss_fn(out, y)
+            if watch is not None:
+                watch(step, out, loss)
             opt.zero_grad()
             loss.backward()
             if clip is not None:
@@ -195,17 +198,43 @@ def test_focal_gamma_below_one_on_a_cosine_classifier_names_the_pow_gradient(tmp
     assert "focal loss's (1 - p) ** gamma with gamma < 1" in rep["hint"], rep["hint"]
 
 
+class Saturated(Exception):
+    """Raised by ``first_bf16_saturated_sigmoid``'s watch at the first non-finite loss."""
+
+
+def first_bf16_saturated_sigmoid(data, tmp_path) -> tuple[int, list[int]]:
+    """(step, rows) of ASL without eps trained under bfloat16 autocast without the recorder
+    (the same ``train``): the first step whose loss is non-finite, and the rows holding a
+    bfloat16 sigmoid of exactly 0 there. The step follows the CPU's rounding (step 22, row
+    0 on an AMD EPYC with its vectorised kernels; step 26, row 9 with
+    ``ATEN_CPU_CAPABILITY=default``)."""
+    def watch(step, out, loss):
+        assert torch.isfinite(out).all(), step  # (the output stays finite: the loss starts it)
+        if not torch.isfinite(loss):
+            zero = torch.sigmoid(out) == 0
+            raise Saturated(step, zero.any(1).nonzero().flatten().tolist())
+
+    with pytest.raises(Saturated) as info:
+        train("make_net", M.AsymmetricLoss(eps=None), tmp_path, data, record=False,
+              bf16=True, clip=None, watch=watch)
+    return info.value.args
+
+
 def test_asl_without_eps_under_bf16_names_the_log_of_the_saturated_sigmoid(tmp_path):
     """ASL without its ``clamp(min=eps)`` on the model's bfloat16 logits: a confident negative
-    label's sigmoid underflows and ``log`` of it is -inf at step 22 (then times ``y = 0``:
-    NaN). The replay names the log on ASL's positive line, the one record, underflow, and the
-    clamp or a log-space form."""
-    ev, rep = fire("make_net", M.AsymmetricLoss(eps=None), tmp_path,
-                   multilabel_loader(scale=8.0, repeat=10), bf16=True, clip=None)
-    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (22, "loss", "<loss>", "nan")
+    label's sigmoid underflows and ``log`` of it is -inf after some 20 steps (then times
+    ``y = 0``: NaN; the step and the rows found without the recorder). The replay names the
+    log on ASL's positive line, those records, underflow, and the clamp or a log-space form."""
+    data = multilabel_loader(scale=8.0, repeat=10)
+    step, rows = first_bf16_saturated_sigmoid(data, tmp_path / "plain")
+    assert step >= 4 and rows, (step, rows)  # (past the first epoch's 4 batches)
+    ev, rep = fire("make_net", M.AsymmetricLoss(eps=None), tmp_path, data, bf16=True,
+                   clip=None)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (
+        step, "loss", "<loss>", "nan")
     o = rep["origin"]
     assert (o["module"], o["op"], o["made"], o["samples"]) == (
-        "<loss>", "aten.log", "-inf", [0]), o
+        "<loss>", "aten.log", "-inf", rows), o
     assert o["source"] == line_of("los_pos = y * torch.log(xs_pos)"), o
     assert rep["cause"] == "underflow", rep["cause"]
     assert "clamp_min(eps)" in rep["hint"] and "logsigmoid" in rep["hint"], rep["hint"]

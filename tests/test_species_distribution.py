@@ -348,10 +348,15 @@ def test_lbfgs_hierarchical_model_raises_nothing_and_fits_the_same(tmp_path):
 
 
 def fit_ppp_lbfgs(out_dir, record: bool = True, etas: list | None = None):
-    """The point process as a GLM is fitted in R: LBFGS at lr=1 over the whole data set, here
-    without a line search (torch's default); ``etas``: each closure call's log-intensity."""
+    """The point process as a GLM is fitted in R: LBFGS over the whole data set, here at
+    lr=8 and without a line search (torch's default); ``etas``: each closure call's
+    log-intensity. Its fifth closure call (step 4) jumps a background point's log-intensity
+    from at most 29.5 to 140, far past float32's exp range (88.72) on every CPU; at lr=1 the
+    overshoot came some 65 calls in, after the kernels' rounding had parted the trajectories
+    (an AMD EPYC's ``ATEN_CPU_CAPABILITY=default`` never overflowed there: LBFGS's own
+    update made the parameters NaN first)."""
     model = M.make_ppp()
-    opt = torch.optim.LBFGS(model.parameters(), lr=1.0, max_iter=20, history_size=10)
+    opt = torch.optim.LBFGS(model.parameters(), lr=8.0, max_iter=20, history_size=10)
     x, y, w = M.presence_background(torch.Generator().manual_seed(0), n_bg=200)
     ctx, loss_fn = recording(model, opt, M.ppp_loss, "make_ppp", out_dir, record)
     with ctx:
@@ -369,13 +374,13 @@ def fit_ppp_lbfgs(out_dir, record: bool = True, etas: list | None = None):
 
 
 def test_lbfgs_without_line_search_overflows_exp_and_the_hint_says_strong_wolfe(tmp_path):
-    """LBFGS's quasi-Newton steps at full length overshoot until a background point's
-    ``exp(eta)`` overflows. The recorder counts closure calls as steps; the replay names the
+    """LBFGS's quasi-Newton steps at full length (lr=8) overshoot until a background point's
+    ``exp(eta)`` overflows at step 4. The recorder counts closure calls as steps; the replay names the
     exp at the points an unrecorded run's same closure call has past float32's exp range,
     a diverging run, and the line search (not clipping, which LBFGS does not do; nor the
     standardisation of the rainfall column in mm, which the model's buffers already do)."""
     ev, bundle = fire(fit_ppp_lbfgs, tmp_path)
-    assert (ev["phase"], ev["module"], ev["kind"]) == ("loss", "<loss>", "+inf"), ev
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (4, "loss", "<loss>", "+inf"), ev
     etas: list = []
     fit_ppp_lbfgs(None, record=False, etas=etas)  # (unrecorded it goes on, silently)
     eta = etas[ev["step"]]
