@@ -23,18 +23,17 @@ from recorder.scalers import not_given as scaler_not_given
 
 from . import fidelity, module_hooks
 from .ascent import ascent_hint
-from .batch_overflow import said_of_data
 from .before_update import nan_before_update
 from .cast_overflow import data_hint
 from .data_hints import data_hints
 from .derived_input import derived_input_hint
+from .diverging_hint import diverging_hint
 from .eps_checked import checked_eps
 from .errors import FactoryRefused
 from .fed_back import report_fed_back
 from .findings import base_report, finish, origin_fields, recorded_origin
 from .forward import report_forward
 from .given_loss import report_given_loss
-from .grown_state import grown_state_advice
 from .hidden import report_hidden_forward
 from .imputed import RERUN, made_from_imputed
 from .input_grad import made_by_input_gradient
@@ -60,7 +59,6 @@ from .origins import (
 )
 from .param_writes import number_note
 from .pre_update import written_before_update
-from .precursors import transient
 from .raised_note import raised_note
 from .recorded import (
     batch_non_finite,
@@ -82,9 +80,7 @@ from .trained_input import trained_input_hint
 from .unrecorded_steps import report_unrecorded
 from .unset_state import unset_state_or_raise
 from .update_params import others_note, update_params
-from .weight_scale import diverging_advice
 from .whatif import run_tries
-from .window import window_of
 from .window_report import add_window
 from .written_forward import report_written_forward
 
@@ -108,7 +104,7 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     if note := number_note(step, report):  # (a NaN number the forward took: no input)
         report["problems"].append(note)
     if not add_window(step, report) and below_zero(step) is None:  # (else the precursors;
-        _diverging(report, step)  # a rate below 0 climbed: a smaller one is no fix)
+        diverging_hint(report, step)  # a rate below 0 climbed: a smaller one is no fix)
     ascent_hint(step, report)  # (maximize=True with a loss that rose: after the growth's)
     negative_lr_hint(step, report)  # (a linear decay run past its end: descent turned ascent)
     checked_eps(step, report)  # (an eps the hint would propose, re-run before it is)
@@ -120,44 +116,6 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     if tries:
         report["what_if"] = run_tries(step, report, list(tries))
     return report
-
-
-# precursors that say the training itself was growing, not one op's range (a learning rate
-# that jumped in an earlier step drove the weights there)
-_GROWTH = {"loss_jump": "loss", "grad_norm_jump": "gradient norm", "weight_jump": "weights",
-           "lr_jump": "learning rate"}
-
-
-def _diverging(report, step: Step) -> None:
-    """An overflow (or an underflow: a sigmoid driven to 0) after the loss, gradient norm, rate
-    or weights jumped: the run was diverging (a rate too high for unscaled features), and a
-    wider type only postpones it; the hint says so (and, without a rewind window, how to record
-    the steps that grew). Without such a jump, an overflow after a buffer the model carries
-    across steps grew far past its built value (``replay.grown_state``) names that buffer.
-    Not of an op on the batch's data alone: nothing learned reaches it."""
-    at, cause = report["event"].get("step"), report.get("cause")
-    if cause not in ("overflow", "underflow") or at is None or said_of_data(report):
-        return
-    # (a weight jump at the event step is the update before it: the weights the step began with)
-    jump = next((p for p in report.get("precursors") or [] if p.get("kind") in _GROWTH
-                 and p.get("step") is not None and (p["step"] < at or p["step"] == at
-                                                    and p["kind"] == "weight_jump")
-                 and not transient(report.get("history") or {}, p)), None)
-    if jump is None:
-        # (no jump in the window's loss or weights, yet a buffer the model carries across
-        # steps had grown far past its built value: FORCE's P under a forgetting factor
-        # grows whether or not the loss showed it by the event, as the CPU's rounding has it)
-        if cause == "overflow" and (grown := grown_state_advice(step)):
-            report["hint"] = f"{report['hint']}. But {grown}"
-        return
-    when = f"in the update before step {at}" if jump["step"] == at else \
-        f"at step {jump['step']}"
-    then = ("a wider type only postpones the overflow" if cause == "overflow" else
-            "the values this op took grew extreme with it, and log space or a wider type "
-            "only moves the failure on")
-    report["hint"] = (f"{report['hint']}. But the {_GROWTH[jump['kind']]} had jumped "
-                      f"{when} (see precursors): the run was diverging, and {then}; "
-                      + diverging_advice(step, window_of(step) is not None))
 
 
 def analyze_bundle(path, factory: str | None = None, device: str | None = None,

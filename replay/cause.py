@@ -4,7 +4,7 @@ The origin op (found by :class:`~replay.ops.OpFinder`, its :class:`~replay.ops.E
 while it ran) and a re-run of the step in float64 tell the causes apart:
 
 - the op computed again in float64 on its very inputs is finite: the true result only
-  exceeded the dtype's range, ``overflow`` (float64 holds it: a wider type or rescaling);
+  exceeded the dtype's range, ``overflow`` (logdet's sign its own LU rounded: precision);
 - still non-finite, and the op has no pole or domain edge (exp, mul, a sum, a matmul): the
   true result is beyond float64 as well, ``overflow`` (clamp the exponent or the input range);
 - still non-finite for an op with a pole or a domain (log, sqrt, division, CTC): its inputs
@@ -12,9 +12,8 @@ while it ran) and a re-run of the step in float64 tell the causes apart:
   call, says whether exact arithmetic puts them there too:
 
   - the float64 op is finite: the dtype's rounding moved an input. An input that is 0 where
-    float64 holds a value below the dtype's smallest normal number underflowed,
-    ``underflow``; any other move (a cancelled variance below 0, a difference rounded to 0)
-    is ``precision``;
+    float64 holds a value below the dtype's smallest normal number underflowed, ``underflow``;
+    any other move (a cancelled variance below 0, a difference rounded to 0): ``precision``;
   - non-finite in float64 too: an input that is 0 and came from exp, softmax or sigmoid of a
     finite argument (directly, or gathered, sliced, divided) is positive in exact arithmetic,
     ``underflow``; else exact arithmetic makes the value too, ``invalid`` (log(0), x/0,
@@ -23,13 +22,13 @@ while it ran) and a re-run of the step in float64 tell the causes apart:
   ``-inf`` row): ``invalid``.
 
 A backward origin is ``invalid`` when the float64 re-run's gradients are non-finite too (a
-pole: sqrt at 0; but 1 - y of a y below 1, rounded to 0, is ``precision``: replay.below_one).
-When finite and an op with a pole saved an exact 0: ``underflow`` when that input came from
-exp, softmax or sigmoid of a finite argument (sqrt(exp(-120))), else ``precision`` (rounding
-put it on the pole: sqrt(1 - sigmoid(20)) in float32). Otherwise ``overflow``; without an op,
-the float64 re-run alone decides. That re-run is :mod:`replay.float64_step`'s; where the model
-refuses float64 (a half-only kernel), the op alone in float64 can still say ``overflow``, else
-the cause is left open (``None``) and the hint says why.
+pole: sqrt at 0; 1 - y of a y below 1 rounded to 0 is ``precision``: replay.below_one). When
+finite and an op with a pole saved an exact 0: ``underflow`` when that input came from exp,
+softmax or sigmoid of a finite argument (sqrt(exp(-120))), else ``precision`` (rounding put it
+on the pole: sqrt(1 - sigmoid(20)) in float32). Otherwise ``overflow``; without an op, the
+float64 re-run alone decides (:mod:`replay.float64_step`'s; where the model refuses float64, a
+half-only kernel, the op alone in float64 can still say ``overflow``, else the cause is left
+open, ``None``, and the hint says why).
 """
 
 from __future__ import annotations
@@ -202,9 +201,8 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
     ev, op, name = hit.evidence, hit.op, _name(hit.op)
     dt = _type(ev.dtype)
     if ev.local64 is not None and bool(torch.isfinite(ev.local64).all()):
-        if own := domains.own_factor_sign(op, ev):  # (its own rounding, not an overflow)
-            return Cause("precision", f"{own}: " + DO["log_det"])
-        return _beyond_type(op, ev)
+        own = domains.own_factor_sign(op, ev)  # (its own rounding, not an overflow)
+        return Cause("precision", f"{own}: " + DO["log_det"]) if own else _beyond_type(op, ev)
     if domains.no_pole(name, ev):
         if ev.local64 is None and not still:  # a random op: the float64 step decides
             return Cause("overflow", f"{op}'s result is too large for {dt} and finite in "
