@@ -148,17 +148,32 @@ def test_an_unmasked_arcosh_at_1_keeps_its_own_advice(out_dir):
 def test_a_float16_table_rounds_the_artanh_clamp_to_1_under_the_mask(out_dir):
     """The embedding table kept in float16, hyptorch's artanh clamped to 1 - 1e-5, which is 1
     in float16: a known ancestor near the boundary (masked to -inf) makes atanh(1), whose
-    backward is NaN under the mask's 0. The hint gave float32's eps, the one the code has."""
+    backward is NaN under the mask's 0. The hint gave float32's eps, the one the code has.
+
+    The table is loaded with the first batch's child 14 and its masked ancestor 2 on opposite
+    sides of the ball, at float16's 0.999 (1023/1024, the loop's projection to 1 - 1e-3), on
+    an axis: every value on the way to |(-x) (+) y| is exact or rounded elementwise in one
+    way (sums and norms of one nonzero entry), so the clamp's input is 1 on every CPU (exactly
+    0.9999995 in float64, under the clamp's 1 - 1e-5: ``precision``). (A run
+    of 8 steps at lr=10 that reached the boundary by training gave the pair with AVX2 and
+    AVX-512 kernels, and a positive pair at the boundary, a loss event, with the scalar
+    ones.)"""
     model = M.make_poincare(dtype="float16")
+    child, _, neg, known = _batch_at(0)
+    assert child[4] == 14 and neg[4, 7] == 2 and known[4, 7], (child, neg)
+    with torch.no_grad():  # (14 is nowhere its own negative: (-x) (+) x would be 0/0)
+        model.emb.weight[14] = torch.tensor([-0.999, 0.0])
+        model.emb.weight[2] = torch.tensor([0.999, 0.0])
     with pytest.raises(NonFiniteError) as info:
         _train_embeddings(model, out_dir, "make_poincare", 8, lr=10.0, eps=1e-3,
                           allow_inf=[""], factory_kwargs={"dtype": "float16"})
     err = info.value
+    assert err.event["step"] == 0, err.event
     u, v, neg, known = _batch_at(err.event["step"])
     w = model.emb.weight.detach()  # (the event's weights: the loop's update did not run)
     at_one = M.mobius_add(-w[u][:, None], w[neg]).norm(dim=-1).clamp(max=1 - 1e-5) == 1
     rows = (at_one & known).any(1).nonzero().flatten().tolist()
-    assert rows and err.event["phase"] == "backward"
+    assert rows == [4] and err.event["phase"] == "backward", rows
     rep = nanreplay_json(err.bundle_path)
     assert _origin(rep) == (err.event["step"], "backward", "", "AtanhBackward0", rows,
                             "precision"), rep["origin"]
