@@ -218,6 +218,13 @@ def compiled_module(wrapper: nn.Module) -> nn.Module:
     return wrapper._orig_mod
 
 
+def uncompiled(m: nn.Module) -> nn.Module:
+    """``m`` without its ``torch.compile`` wrappers (``OptimizedModule``s, nested or not)."""
+    while is_compile_wrapper(m):
+        m = compiled_module(m)
+    return m
+
+
 def compiled_in_place(m: nn.Module) -> bool:
     """``m.compile()``, or ``m.forward = torch.compile(m.forward)`` (what Lightning does to a
     compiled LightningModule, with its ``training_step``)."""

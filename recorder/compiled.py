@@ -27,6 +27,7 @@ from .compat import (
     compiled_module,
     dynamo_disabled,
     is_compile_wrapper,
+    uncompiled,
     undo_in_place_compile,
 )
 from .scripted import is_scripted
@@ -120,8 +121,7 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, nn.Module | None, bool]:
 def decompile(model: nn.Module) -> nn.Module:
     """The same model run eagerly: compile wrappers replaced by what they wrap, in-place
     compilation undone (the replay instruments every layer, which a graph would hide)."""
-    while is_compile_wrapper(model):
-        model = compiled_module(model)
+    model = uncompiled(model)
     for m in list(model.modules()):
         if compiled_in_place(m):
             undo_in_place_compile(m)

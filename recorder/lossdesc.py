@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .compat import compiled_module, compiled_original, is_compile_wrapper, own_slots
+from .compat import compiled_original, own_slots, uncompiled
 from .compiled import compiled_loss
 from .validate import import_object, script_module
 
@@ -45,7 +45,7 @@ def describe_loss(loss_fn: nn.Module, tensors: dict[str, torch.Tensor],
     loss eagerly, as it runs the model), a compiled function as the function it compiled;
     either is marked ``"compiled": true``."""
     compiled = {"compiled": True} if compiled_loss(loss_fn) else {}
-    loss_fn = _eager(loss_fn)
+    loss_fn = uncompiled(loss_fn)  # (an OptimizedModule's class cannot be rebuilt)
     fn = getattr(loss_fn, "fn", None)
     if fn is not None and type(loss_fn).__name__ == "_CallableLoss":
         fn = compiled_original(fn)
@@ -287,20 +287,12 @@ def _describe_module(m: nn.Module, prefix: str, tensors: dict[str, torch.Tensor]
                 node["frozen"].append(k)
         node["params"][k] = key
     for k, c in children.items():
-        c = None if c is None else _eager(c)
+        c = None if c is None else uncompiled(c)
         node["children"][k] = None if c is None else _describe_module(c, f"{prefix}{k}.",
                                                                       tensors, shared)
         if c is not None and id(c) in shared:  # (described too: a replay that predates it)
             node["children"][k]["model"] = shared[id(c)]
     return node
-
-
-def _eager(m: nn.Module) -> nn.Module:
-    """``m`` without its ``torch.compile`` wrappers (``OptimizedModule``, whose class cannot be
-    rebuilt from attributes: its ``__getattr__`` reads the module it wraps)."""
-    while is_compile_wrapper(m):
-        m = compiled_module(m)
-    return m
 
 
 def _plain(v: Any) -> bool:

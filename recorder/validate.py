@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .compat import compiled_module, is_compile_wrapper, is_grad_scaler
+from .compat import is_grad_scaler, uncompiled
 from .scripted import check_not_scripted
 from .shards import check_supported
 from .unhooked_call import warn_unhooked
@@ -90,9 +90,7 @@ def check_model(model, optimizer, loss_fn=None) -> None:
 
 def has_own_forward(model: nn.Module) -> bool:
     """Its class defines ``forward`` (a ``torch.compile`` wrapper's: its module's)."""
-    while is_compile_wrapper(model):
-        model = compiled_module(model)
-    return type(model).forward is not nn.Module.forward
+    return type(uncompiled(model)).forward is not nn.Module.forward
 
 
 def _warn_no_forward(model: nn.Module) -> None:
@@ -104,8 +102,7 @@ def _warn_no_forward(model: nn.Module) -> None:
     the module it compiled."""
     if has_own_forward(model):
         return
-    while is_compile_wrapper(model):
-        model = compiled_module(model)
+    model = uncompiled(model)
     parts = [n for n, m in model.named_children() if any(True for _ in m.parameters())]
     named = f" ({', '.join(parts[:4])})" if parts else ""
     log.warning("nanreplay: %s has no forward of its own, and the recorder opens a step at the "
