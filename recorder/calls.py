@@ -48,14 +48,14 @@ class CallHooks:
     """Module, loss and gradient hooks of one recorder (see the module docstring)."""
 
     def __init__(self, target: Target, cycle: StepCycle, health: Health, loss_fn, param_norms):
-        self.target, self.cycle, self.health = target, cycle, health
-        self.loss_fn = loss_fn
+        self.target, self.cycle, self.health, self.loss_fn = target, cycle, health, loss_fn
         self.param_norms = param_norms  # stats="full": means, RMS and weight norms too
         self.strict_inf = target.settings.strict_inf
         self.loss_recorded = False  # record_loss has been given a loss (no loss_fn to replay)
         self.copy_inputs = False  # the model's forward writes into its floating inputs
         self.shape_pass = False  # the root runs on meta tensors; the recorder paused
         self.mask_at: dict[int, tuple[int, ...]] = {}  # site -> its forward's mask positions
+        self.loss_seen = False  # the loss module's hook ran (see OptimizerGuard._loss_called)
 
     def register(self) -> list:
         """Hook every site of the bound target (and the loss module, and the gradients of the
@@ -322,7 +322,7 @@ class CallHooks:
     # the loss and the gradients
 
     def loss_post_hook(self, module, args, kwargs, output):
-        cycle = self.cycle
+        self.loss_seen, cycle = True, self.cycle
         tape = cycle.tape
         if func_transform() is not None:  # (see _outside)
             return None

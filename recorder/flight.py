@@ -169,6 +169,9 @@ class FlightRecorder:
         if isinstance(self.loss_fn, _CallableLoss):  # (said once if the loop calls it directly)
             fn = getattr(loss_fn, "func", loss_fn)  # (a functools.partial: its function's name)
             self.guard.loss_function = getattr(fn, "__qualname__", None) or type(fn).__name__
+        elif self.loss_fn is not None:  # (said once if the loop computes its loss otherwise)
+            self.guard.loss_function = type(loss_fn).__name__
+            self.guard.loss_seen = partial(getattr, self.calls, "loss_seen")
         self._handles: list = []
         self._ddp = weakref.ref(ddp) if (ddp := ddp_in(model)) is not None else None
         self._attached = False

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -54,8 +55,10 @@ class OptimizerGuard:
         self._transform_warned = False
         self._update_only_said = False
         self._forward_steps = False  # a step opened by a forward of the model has closed
-        # a plain function given as loss_fn (its name), until the first training step closes
+        # the loss_fn given (its name), until the first training step closes; a module's:
+        # whether its hook has run since attach
         self.loss_function: str | None = None
+        self.loss_seen: Callable[[], bool] | None = None
 
     def register(self, optimizer) -> list:
         # (run eagerly where dynamo traces ``optimizer.step()``, a compiled training step:
@@ -138,18 +141,31 @@ class OptimizerGuard:
             self.last_tape = tape
 
     def _loss_called(self, tape: Tape) -> None:
-        """The first training step says whether the plain function given as ``loss_fn`` is
-        called through ``rec.loss_fn``. A function cannot be hooked: called directly, its loss
-        is neither checked nor recorded, and one that is NaN with finite gradients (a
-        cross-entropy whose targets are all ``ignore_index``: 0/0, gradients 0) trains on
-        silently. Said once, with the step's close (no event: the gradients still are checked)."""
+        """The first training step says whether the ``loss_fn`` given computed its loss. A
+        plain function cannot be hooked: called directly, not through ``rec.loss_fn``, its loss
+        is neither checked nor recorded. Nor is a loss module's when the loop computes the
+        loss otherwise (``F.cross_entropy`` beside the ``nn.CrossEntropyLoss`` given, another
+        instance of it). A loss that is NaN with finite gradients (a cross-entropy whose
+        targets are all ``ignore_index``: 0/0, gradients 0) then trains on silently. Said once,
+        with the step's close (no event: the gradients still are checked)."""
         name, self.loss_function = self.loss_function, None
-        if not tape.loss:
+        if tape.loss or any(mb.loss_args is not None for mb in tape.micro_batches):
+            return
+        if self.loss_seen is None:
             log.warning("nanreplay: the loss function given as loss_fn (%s) was not called "
                         "through rec.loss_fn in step %d, so its loss is neither checked nor "
                         "recorded (only the gradients it sends into the model are): call "
                         "loss = rec.loss_fn(...), or pass a loss module, which is hooked where "
                         "it is", name, tape.step)
+            return
+        if self.loss_seen():  # (called, if outside the step: GradCache's no-grad pass first)
+            return
+        log.warning("nanreplay: the loss module given as loss_fn (a %s) was not called in step "
+                    "%d, so the step's loss is neither checked nor recorded (only the gradients "
+                    "it sends into the model are), and the replay cannot re-run it: compute the "
+                    "loss with that very object (loss = loss_fn(output, target)), or pass "
+                    "FlightRecorder the loss module the loop calls, or call "
+                    "rec.record_loss(loss)", name, tape.step)
 
     def _grads_written(self) -> bool:
         """Some parameter holds a gradient: the loop wrote one (an update without any, as the

@@ -802,3 +802,58 @@ def test_a_loss_function_called_directly_is_said_once_at_the_first_step(tmp_path
             _train_ignored(tmp_path / "through", through_recorder=True)
     assert (info.value.event["step"], info.value.event["phase"]) == (2, "loss")
     assert not any("not called through" in r.getMessage() for r in caplog.records)
+
+
+def _train_beside_module(out_dir: Path, loop_loss: str) -> None:
+    """As :func:`_train_ignored`, with ``nn.CrossEntropyLoss(ignore_index=-1)`` given as
+    ``loss_fn``; the loop computes its loss with ``F.cross_entropy`` (``"inline"``), with a
+    second instance of the class (``"other"``), or with the module given (``"given"``), which
+    it also calls once on a held-out batch before training (a baseline validation loss)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = torch.nn.CrossEntropyLoss(ignore_index=-1)
+    other = torch.nn.CrossEntropyLoss(ignore_index=-1)
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir):
+        if loop_loss == "given":
+            with torch.no_grad():
+                crit(model(torch.randn(8, 4)), torch.randint(0, 3, (8,)))
+        for step in range(4):
+            x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+            if step == 2:
+                y[:] = -1
+            opt.zero_grad()
+            out = model(x)
+            if loop_loss == "inline":
+                loss = F.cross_entropy(out, y, ignore_index=-1)
+            else:
+                loss = (other if loop_loss == "other" else crit)(out, y)
+            loss.backward()
+            opt.step()
+
+
+@pytest.mark.parametrize("loop_loss", ["inline", "other"])
+def test_a_loss_module_the_loop_never_calls_is_said_once_at_the_first_step(
+        tmp_path, caplog, loop_loss):
+    """``loss_fn=nn.CrossEntropyLoss()`` given, but the loop's loss is ``F.cross_entropy`` or
+    another instance: the given module's hook never runs, and step 2's 0/0 loss (zero
+    gradients) trained on with no word. The first training step's close says so once, naming
+    the class, the step and the fixes; no bundle is written (the case it warns of)."""
+    with caplog.at_level("WARNING", logger="nanreplay"):
+        _train_beside_module(tmp_path, loop_loss)
+    said = [r.getMessage() for r in caplog.records if "was not called" in r.getMessage()]
+    assert len(said) == 1, said
+    assert said[0].startswith("nanreplay: the loss module given as loss_fn (a CrossEntropyLoss) "
+                              "was not called in step 0,"), said[0]
+    assert "loss = loss_fn(output, target)" in said[0] and "rec.record_loss(loss)" in said[0]
+    assert not list(tmp_path.glob("*.nan"))
+
+
+def test_the_loss_module_given_and_called_is_checked_and_nothing_is_said(tmp_path, caplog):
+    """The same loop computing its loss with the module given (called first on a held-out
+    batch before the first step): its NaN is a loss event at step 2, and nothing is said."""
+    with caplog.at_level("WARNING", logger="nanreplay"):
+        with pytest.raises(NonFiniteError) as info:
+            _train_beside_module(tmp_path, "given")
+    assert (info.value.event["step"], info.value.event["phase"]) == (2, "loss")
+    assert not any("was not called" in r.getMessage() for r in caplog.records)
