@@ -22,6 +22,7 @@ import inspect
 import torch
 
 from .errors import StopRun
+from .recorded import batch_size
 from .rerun import Runner
 
 __all__ = ["masked_whole_hint"]
@@ -51,7 +52,9 @@ def masked_whole_hint(runner: Runner, origin, hint: str | None, rows) -> str | N
                     "the other convention (1 = keep: Hugging Face's attention_mask and "
                     "pixel_mask) and must be inverted (~mask.bool()); if they are padding "
                     "only (an empty image or sequence), leave them out of the batch")
-    return _masked_together(hint, named, rows)
+    every = rows == list(range(batch_size(runner.step, origin.micro_batch or 0)))
+    return _masked_together(hint, named, rows) or (
+        _masked_queries(hint, named, rows) if every else None)
 
 
 def _grown(hint: str, name: str, t: torch.Tensor, first, rows, call: int) -> str | None:
@@ -101,6 +104,42 @@ def _masked_together(hint: str, named: dict, rows) -> str | None:
                     "attention (SASRec's timeline mask), give the masks as one float mask "
                     "of a large finite negative number (RecBole's -10000) instead of "
                     "True or -inf, or pad on the right")
+    return None
+
+
+def _masked_queries(hint: str, named: dict, rows) -> str | None:
+    """``hint`` with the attention mask ``(L, S)`` of the call, shared by every sample, that
+    alone masks every key of some query positions (True, or -inf in a float mask), so every
+    sample's softmax is NaN there, whatever the data (the caller checked that ``rows`` is the
+    whole batch): a causal mask built to mask the diagonal too (``triu(ones, diagonal=0)``),
+    whose first query sees no key. Not a padding mask ``(B, S)``, whose masked rows would be
+    the NaN samples themselves."""
+    head = hint[:hint.index("(a fully masked row)") + len("(a fully masked row)")]
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.numel() == 0:
+            continue
+        blocked = torch.isneginf(t) if t.is_floating_point() else t.bool()
+        if t.is_floating_point() and not bool((torch.isfinite(t) | blocked).all()):
+            continue
+        dead = [int(i) for i in blocked.all(-1).nonzero().flatten()]
+        if not dead or len(dead) == t.shape[0] or set(dead) == set(rows):
+            continue
+        square = t.shape[0] == t.shape[1]
+        upper = torch.ones_like(blocked).triu()
+        if square and bool((blocked == upper).all()):
+            return (f"{head}: {name} masks every key of query position 0 in every sample, "
+                    "whatever the data: it is a causal mask that masks the diagonal too "
+                    "(triu(ones, diagonal=0)), each position hidden from itself, which leaves "
+                    "the first query no key. Build it with diagonal=1 (True above the "
+                    "diagonal only) or nn.Transformer.generate_square_subsequent_mask(T); a "
+                    "finite fill instead of -inf would hide it, that query then attending "
+                    "evenly to keys it must not see")
+        if t.shape[0] == len(rows):  # (one row per sample: a padding mask, not queries)
+            continue
+        return (f"{head}: {name}, one mask shared by every sample, masks every key of query "
+                f"positions {dead}, so every sample has no key there whatever the data: the "
+                "mask is built wrong, not the batch; leave each query position at least one "
+                "key (its own)")
     return None
 
 
