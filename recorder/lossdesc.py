@@ -72,9 +72,9 @@ def describe_callable(fn) -> dict[str, Any]:
     {"args", "keywords"}``."""
     if isinstance(fn, functools.partial):
         inner = describe_callable(fn.func)
-        if "import" in inner and _plain(list(fn.args)) and _plain(dict(fn.keywords)):
-            inner["partial"] = {"args": _to_json(list(fn.args)),
-                                "keywords": _to_json(dict(fn.keywords))}
+        if "import" in inner and json_plain(list(fn.args)) and json_plain(dict(fn.keywords)):
+            inner["partial"] = {"args": to_json(list(fn.args)),
+                                "keywords": to_json(dict(fn.keywords))}
             inner["name"] = f"functools.partial({inner['name']})"
             return inner
         return {"name": f"functools.partial({inner['name']})", "why": "partial",
@@ -114,14 +114,14 @@ def _describe_method(fn) -> dict[str, Any] | None:
     elif not inspect.ismethod(fn):
         return None
     if obj is None or isinstance(obj, (type, nn.Module)) \
-            or not hasattr(obj, "__dict__") or not _plain(state := dict(vars(obj))):
+            or not hasattr(obj, "__dict__") or not json_plain(state := dict(vars(obj))):
         return None
     cls = describe_callable(type(obj))
     if "import" not in cls:
         return None
     name = cls["name"] if obj is fn else f"{cls['name']}.{method}"
     return {"name": name, "import": cls["import"],
-            "method": method, "state": _to_json(state),
+            "method": method, "state": to_json(state),
             "tuples": sorted(k for k, v in state.items() if isinstance(v, tuple))}
 
 
@@ -140,8 +140,8 @@ def _plain_object(v: Any) -> dict[str, Any] | None:
         return None
     state, functions = {}, {}
     for k, x in vars(v).items():
-        if _plain(x):
-            state[k] = _to_json(x)
+        if json_plain(x):
+            state[k] = to_json(x)
         elif isinstance(x, (types.FunctionType, types.BuiltinFunctionType, type)) and \
                 "import" in (d := describe_callable(x)):
             functions[k] = d["import"]
@@ -251,12 +251,12 @@ def _describe_module(m: nn.Module, prefix: str, tensors: dict[str, torch.Tensor]
     for k, v in vars(m).items():
         if k.startswith("_") or k == "training":
             continue
-        if _plain(v):
-            node["config"][k] = _to_json(v)
+        if json_plain(v):
+            node["config"][k] = to_json(v)
             if isinstance(v, tuple):
                 node["tuples"].append(k)
         elif _number_keyed(v):  # (scale weights keyed by stride, {2: 0.32, 4: 0.08})
-            node["config"][k] = {"$dict": [[key, _to_json(x)] for key, x in v.items()]}
+            node["config"][k] = {"$dict": [[key, to_json(x)] for key, x in v.items()]}
         elif isinstance(v, torch.Tensor):
             key = f"loss/{prefix}{k}"
             tensors[key] = v.detach()
@@ -295,14 +295,14 @@ def _describe_module(m: nn.Module, prefix: str, tensors: dict[str, torch.Tensor]
     return node
 
 
-def _plain(v: Any) -> bool:
+def json_plain(v: Any) -> bool:
     """A value JSON holds as it is: scalars, and lists, tuples and string-keyed dicts of them."""
     if v is None or isinstance(v, (bool, int, float, str)):
         return True
     if isinstance(v, (list, tuple)):
-        return all(_plain(x) for x in v)
+        return all(json_plain(x) for x in v)
     if isinstance(v, dict):
-        return all(isinstance(k, str) and _plain(x) for k, x in v.items())
+        return all(isinstance(k, str) and json_plain(x) for k, x in v.items())
     return False
 
 
@@ -310,12 +310,12 @@ def _number_keyed(v: Any) -> bool:
     """A dict of plain values whose keys are JSON scalars, not all strings (JSON would make
     its keys strings: kept as its pairs)."""
     return isinstance(v, dict) and bool(v) and all(
-        isinstance(k, (bool, int, float, str)) and _plain(x) for k, x in v.items())
+        isinstance(k, (bool, int, float, str)) and json_plain(x) for k, x in v.items())
 
 
-def _to_json(v: Any) -> Any:
+def to_json(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
-        return [_to_json(x) for x in v]
+        return [to_json(x) for x in v]
     if isinstance(v, dict):
-        return {k: _to_json(x) for k, x in v.items()}
+        return {k: to_json(x) for k, x in v.items()}
     return v

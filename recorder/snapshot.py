@@ -34,6 +34,7 @@ from .samples import of_micro_batch
 from .seq_state import store_seq
 from .settings import Settings
 from .shards import class_name, localize, mixed_precision
+from .stock_model import describe_stock
 from .tape import Tape
 from .target import Target
 from .user_hooks import module_hooks_meta, user_grad_hooks
@@ -79,7 +80,7 @@ def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
     if model is not None:
         meta["model"] = {"class": class_name(model), "training": model.training}
         if settings.factory is None:  # the replay's guess at one (see default_factory)
-            meta["model"]["default_factory"] = default_factory(model)
+            meta["model"].update(_without_factory(model))
         meta["modules"] = [_module_info(s.name, s.module, target.attributes, tensors)
                            for s in hook_sites(model)]
         meta.update(module_hooks_meta([(s.name, s.module) for s in hook_sites(model)]))
@@ -257,6 +258,14 @@ def _optimizer_attrs(opt) -> dict[str, Any]:
     return {k: v for k, v in getattr(opt, "__dict__", {}).items()
             if not k.startswith("_") and k not in ("defaults", "state", "param_groups")
             and (v is None or type(v) in (bool, int, float, str)) and jsonish(v)}
+
+
+def _without_factory(model: nn.Module) -> dict[str, Any]:
+    """What rebuilds a model recorded without a factory: its class called bare
+    (``default_factory``), else, made of torch.nn's own modules only, their description."""
+    guess = default_factory(model)
+    stock = describe_stock(model) if guess is None else None
+    return {"default_factory": guess, **({"stock": stock} if stock is not None else {})}
 
 
 def default_factory(model: nn.Module) -> str | None:

@@ -37,6 +37,7 @@ from .optim import build_optimizer
 from .patched_forward import check_patched_forwards
 from .sharded_optim import gather_state
 from .shards import resolve
+from .stock_model import NotStock, stock_factory
 from .views import same_view
 from .warned_check import warning_as_error
 from .weights import load_weights
@@ -197,6 +198,10 @@ def _build_without_factory(step: Step, factory_kwargs: dict[str, Any] | None) ->
     report says what the recorder saw."""
     guess = (step.meta.get("model") or {}).get("default_factory")
     how = "pass --factory MOD:FN (a function returning the model) to re-run the step"
+    if not isinstance(guess, str) and not factory_kwargs \
+            and (stock := stock_factory(step.meta)) is not None:
+        _build_stock(step, stock, how)
+        return
     if not isinstance(guess, str) or factory_kwargs:
         raise FactoryRefused(f"{NO_FACTORY}, so nothing was re-run: {how}")
     try:
@@ -214,10 +219,26 @@ def _build_without_factory(step: Step, factory_kwargs: dict[str, Any] | None) ->
         f"{how}")
 
 
+def _build_stock(step: Step, stock, how: str) -> None:
+    """The model of torch.nn's own modules, rebuilt from the bundle (``replay.stock_model``)."""
+    try:
+        _build_with(step, stock, "torch.nn", {})
+    except (ReplayError, NotStock) as e:
+        raise FactoryRefused(f"{NO_FACTORY}, and its model of torch.nn's own modules was not "
+                             f"rebuilt from the bundle ({one_line(e, 200)}): {how}") from None
+    step.problems.append(
+        f"{NO_FACTORY}: the model, made of torch.nn's own modules only, was rebuilt from the "
+        "bundle's description of them (their classes and arguments), the weights from the "
+        "bundle")
+
+
 def _build(step: Step, spec: str, explicit: bool, factory_kwargs: dict[str, Any] | None
            ) -> None:
+    _build_with(step, resolve_factory(spec, explicit=explicit), spec, factory_kwargs)
+
+
+def _build_with(step: Step, fn, spec: str, factory_kwargs: dict[str, Any] | None) -> None:
     meta = step.meta
-    fn = resolve_factory(spec, explicit=explicit)
     kwargs = factory_kwargs if factory_kwargs is not None else meta.get("factory_kwargs") or {}
     step.factory_kwargs = dict(kwargs)
     kwargs, left_out = taken_kwargs(fn, kwargs, spec)  # (a sweep's trial.params: lr, ...)

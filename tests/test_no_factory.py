@@ -1,7 +1,9 @@
 """End to end: a run recorded without ``factory=`` (a user's first try) still gets a report.
 The replay rebuilds the model from its class called with no arguments when the recorder saw
-that every argument has a default (and says so in a note); when it cannot (no defaults, a
-torch container, defaults that build another model) nothing is re-run, and the report says
+that every argument has a default (and says so in a note), or, made of torch.nn's own modules
+only, from the bundle's description of them (``test_stock_model``); when it cannot (no
+defaults, a torch container of a user's module, defaults that build another model) nothing is
+re-run, and the report says
 what the recorder saw and which option to pass, with exit 1, not a bare error."""
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def test_a_class_with_defaults_is_rebuilt_and_the_step_re_run(tmp_path):
 
 
 @pytest.mark.parametrize("model", [
-    pytest.param(lambda: torch.nn.Sequential(torch.nn.Linear(RL.OBS, 1)), id="nn.Sequential"),
+    pytest.param(lambda: torch.nn.Sequential(RL.Critic(width=16)), id="nn.Sequential of a user's"),
     pytest.param(lambda: RL.Critic(width=16), id="other defaults")])
 def test_a_model_its_class_cannot_rebuild_gets_the_recorders_report(tmp_path, model):
     rep, code = replay_json(record(tmp_path, model()))
