@@ -396,7 +396,8 @@ def _unit_pole(op: str, name: str, fn: str, dtype: torch.dtype, still: bool, gap
 
 def _backward(node: str | None, still: bool, dtype: torch.dtype,
               saved: str | None = None, at_pole: str | None = None,
-              underflowed: bool = False, inner: str | None = None, edge_gap=lambda: None) -> Cause:
+              underflowed: bool = False, inner: str | None = None,
+              edge_gap=lambda: None) -> Cause:
     op = node or "the backward node"
     name = m.group(1).lower() if (m := re.fullmatch(r"(\w+?)Backward\d*", node or "")) else None
     fn = f"the derivative of {name}" if name else "the derivative"
