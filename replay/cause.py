@@ -146,7 +146,7 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
     if phase == "backward":
         return _backward(node, still, dtype or _step_dtype(runner, micro_batch), saved,
                          at_pole, underflowed, inner,
-                         lambda: exact_edge.float64_gap(runner, node, edge))
+                         lambda: exact_edge.exact_gap(runner, node, edge))
     if hit is not None and hit.intentional and phase == "forward":
         # the only non-finite value is a literal fill (a mask) reaching the module's output:
         # no op overflowed or left its domain, so the generic domain advice would mislead

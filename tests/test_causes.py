@@ -151,8 +151,10 @@ def test_a_unit_vectors_cosine_with_itself_is_a_pole_whatever_float64_rounds(tmp
     """acos of the dot of a row's two unit embeddings, where both halves of row 5 are the same
     record: its cosine is 1 in exact arithmetic, 1 in float32, and 1 or 1 - 1e-16 in float64
     by the summation order of the CPU's kernels (1 - 1e-16 on AVX2, 1 on the scalar ones).
-    acos's derivative is infinite there: ``invalid`` either way, not ``precision`` (float64
-    is within rounding noise of the edge; replay.exact_edge)."""
+    acos's derivative is infinite there: ``invalid`` either way, not ``precision`` (the
+    float64 cosine compares equal operands and is within rounding noise of the edge;
+    replay.exact_edge). Its ``precision`` counterpart, distinct vectors a float32 rounding
+    apart: test_numerics' ArcFace weight planted along an embedding."""
     err = train("make_twin_angle_net", with_row([0.4, 0.84, 0.4, 0.84]), tmp_path)
     rep = nanreplay_json(err.bundle_path)
     check(rep, err, phase="backward", module="0", op="AcosBackward0", samples=[ROW],
