@@ -28,6 +28,7 @@ from .below_one import BelowOneNodes
 from .centred_root import centred_root
 from .compat import saved_value
 from .copied_rows import CopiedRow, copied_row
+from .exact_edge import edge_input
 from .exp_factor import huge_exp_factor
 from .exp_forms import exp_form
 from .factors import at_tie
@@ -105,6 +106,7 @@ class BackwardOrigin:
     zero_divisor: str | None = None
     vanished: float | None = None  # and for "vanished", its smallest |d| (vanished_divisor)
     complement: bool = False  # it took 1 - y of a y below 1 (replay.below_one)
+    edge_input: torch.Tensor | None = None  # its saved input at "1" (replay.exact_edge)
     scalar_pole: bool = False  # it saved only 0-d values, one exactly 0 (replay.scalar_pole)
     copied: CopiedRow | None = None  # a sqrt's 0 distance to a parameter row copied from it
     # the forward differentiated itself (create_graph=True); the forward node whose derivative
@@ -297,6 +299,7 @@ def _record(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
     found.lead_rows = None if found.samples else lead_rows(bad)
     found.saved, found.saved_zero = saved_facts(node, grad_inputs, grad_outputs)
     found.scalar_pole = scalar_at_pole(node, saved_tensors(node))
+    found.edge_input = edge_input(saved_tensors(node)) if found.saved_zero == "1" else None
     found.positive_input = from_positive(node) or (
         found.saved_zero == "subnormal" and segment_sum_of_positive(node))
     found.exp_of = _exp_of(node)

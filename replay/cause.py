@@ -45,6 +45,7 @@ from . import (
     cancellation,
     domains,
     empty_rows,
+    exact_edge,
     float64_inputs,
     half_clamp,
     lost_eps,
@@ -116,7 +117,7 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
              hit: OpHit | None = None, micro_batch: int = 0, node: str | None = None,
              saved: str | None = None, at_pole: str | None = None,
              underflowed: bool = False, inner: str | None = None,
-             dtype: torch.dtype | None = None) -> Cause:
+             dtype: torch.dtype | None = None, edge: torch.Tensor | None = None) -> Cause:
     """The cause of a forward, loss or backward origin. ``until``, for a forward origin, is its
     ``(module, call, micro-batch)``: the float64 forward stops after that call, as what comes
     later (made from the origin's value, or another problem) cannot say what the origin's
@@ -127,7 +128,8 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
     number, ``underflowed`` whether an input of it came from exp, softmax or sigmoid (a 0 there
     underflowed), ``inner`` the aten op that made the value inside a custom autograd.Function's
     backward (its derivative's poles are that op's), ``dtype`` that of the node's non-finite
-    gradient (else the micro-batch's narrowest)."""
+    gradient (else the micro-batch's narrowest), ``edge`` the input it saved at +-1 (its
+    float64 counterpart's distance to the edge: replay.exact_edge)."""
     # (a backward ``hit``: an op of a gradient hook, whose occurrence is counted in the hook)
     # (also without evidence: a model raising after the op, on its NaN, is answered by it)
     capture = OpAt(hit.op, hit.occurrence) if hit is not None and phase != "backward" else None
@@ -143,7 +145,8 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
         return Cause(found.name, found.hint + upstream.context(found.name, hit.evidence, None))
     if phase == "backward":
         return _backward(node, still, dtype or _step_dtype(runner, micro_batch), saved,
-                         at_pole, underflowed, inner)
+                         at_pole, underflowed, inner,
+                         lambda: exact_edge.exact_gap(runner, node, edge))
     if hit is not None and hit.intentional and phase == "forward":
         # the only non-finite value is a literal fill (a mask) reaching the module's output:
         # no op overflowed or left its domain, so the generic domain advice would mislead
@@ -383,25 +386,18 @@ def _overflow_among_infinities(hit: OpHit, dtype: torch.dtype) -> Cause:
                  + _wider(dtype, hit.op))
 
 
-def _unit_pole(op: str, name: str, fn: str, dtype: torch.dtype, still: bool) -> Cause:
+def _unit_pole(op: str, name: str, fn: str, dtype: torch.dtype, still: bool, gap) -> Cause:
     """acos, asin, atanh or acosh given exactly +-1 (acosh: 1), where the derivative is
-    infinite."""
+    infinite; ``gap``: the float64 input's distance to it (replay.exact_edge)."""
     edge, advice = ("1", DO["acosh"]) if name == "acosh" else (
         "+-1", DO[name if name in ("atanh", "erfinv") else "unit"])
-    if still:
-        return Cause("invalid", f"{op} made a non-finite gradient from finite incoming "
-                     f"gradients, in float64 too: its input is exactly {edge}, the edge of "
-                     f"{name}'s domain, where {fn} is infinite; " + advice)
-    # a cosine of (nearly) parallel unit vectors rounded to exactly 1 (an ArcFace margin's
-    # acos): float64 rounds it elsewhere, which is luck, not a fix
-    return Cause("precision", f"{op} made a non-finite gradient in {_type(dtype)}: its input "
-                 f"rounded to exactly {edge}, the edge of {name}'s domain, where {fn} is "
-                 "infinite (finite in float64, whose rounding stopped short of it); " + advice)
+    return Cause(*exact_edge.unit_pole(op, name, fn, _type(dtype), edge, advice, still, gap))
 
 
 def _backward(node: str | None, still: bool, dtype: torch.dtype,
               saved: str | None = None, at_pole: str | None = None,
-              underflowed: bool = False, inner: str | None = None) -> Cause:
+              underflowed: bool = False, inner: str | None = None,
+              edge_gap=lambda: None) -> Cause:
     op = node or "the backward node"
     name = m.group(1).lower() if (m := re.fullmatch(r"(\w+?)Backward\d*", node or "")) else None
     fn = f"the derivative of {name}" if name else "the derivative"
@@ -419,7 +415,7 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
     if (still or at_pole == "tie") and name and (gap := domains.value_gap(name)):
         return _at_tie(op, gap, still, dtype)
     if at_pole == "1" and name and domains.derivative_pole(name):
-        return _unit_pole(op, name, fn, dtype, still)
+        return _unit_pole(op, name, fn, dtype, still, None if still else edge_gap())
     if still:  # (sqrt at 0: mostly a distance written out, TransE's sqrt(((h + r - t)**2)...))
         return Cause("invalid", f"{op} made a non-finite gradient from finite incoming "
                      f"gradients, in float64 too: {fn} has a pole at the op's input (sqrt or "

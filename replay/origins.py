@@ -189,7 +189,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
         if probed:
             return probed_report(report, step, _backward_fields(b), b)
         cause = classify(runner, "backward", node=b.node, saved=b.saved, at_pole=b.saved_zero,
-                         underflowed=b.positive_input, dtype=b.dtype)
+                         underflowed=b.positive_input, dtype=b.dtype, edge=b.edge_input)
         cause = recause(cause, b.node, b.copied, dict(runner.model.named_parameters()))
         cause = below_one.recause(cause, b.node, b.complement, b.saved_zero)
         cause.hint = node_hints(b, cause)
@@ -472,7 +472,7 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
                       .format(node=b.node, tensor=came["tensor"], rows=came["samples"]))
     cause = classify(runner, "backward", node=b.node, saved=b.saved, at_pole=b.saved_zero,
                      underflowed=b.positive_input, inner=b.inner_op, dtype=b.dtype,
-                     hit=b.hook.op if b.hook is not None else None)
+                     hit=b.hook.op if b.hook is not None else None, edge=b.edge_input)
     cause = recause(cause, b.node, b.copied, dict(runner.model.named_parameters()))
     cause = below_one.recause(cause, b.node, b.complement, b.saved_zero)
     cause.hint = node_hints(b, cause)

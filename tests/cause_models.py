@@ -546,3 +546,24 @@ def make_count_model() -> nn.Module:
     """The log rate of a count regression (a Poisson GLM's linear predictor, by an MLP)."""
     torch.manual_seed(1)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+class TwinAngle(nn.Module):
+    """A siamese pair in one row: the first and second halves of the features embedded by
+    one layer, and the angle between their unit embeddings as ``acos`` of their dot (beside
+    the first embedding). A row whose two halves are the same is the pair of a record with
+    itself: its cosine is 1 in exact arithmetic, where acos's derivative is infinite."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(D_IN // 2, D_IN // 2)
+
+    def forward(self, x):
+        a, b = (F.normalize(self.embed(v), dim=-1) for v in x.chunk(2, dim=-1))
+        angle = torch.acos((a * b).sum(-1, keepdim=True))  # BUG: no clamp(-1 + eps, 1 - eps)
+        return torch.cat([a, angle], -1)
+
+
+def make_twin_angle_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(TwinAngle(), nn.Linear(D_IN // 2 + 1, N_CLASSES))

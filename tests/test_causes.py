@@ -147,6 +147,22 @@ def test_a_pole_that_underflow_reached_is_underflow_in_backward(tmp_path):
     assert "exp, softmax, sigmoid or softplus" in hint and "log space" in hint, hint
 
 
+def test_a_unit_vectors_cosine_with_itself_is_a_pole_whatever_float64_rounds(tmp_path):
+    """acos of the dot of a row's two unit embeddings, where both halves of row 5 are the same
+    record: its cosine is 1 in exact arithmetic, 1 in float32, and 1 or 1 - 1e-16 in float64
+    by the summation order of the CPU's kernels (1 - 1e-16 on AVX2, 1 on the scalar ones).
+    acos's derivative is infinite there: ``invalid`` either way, not ``precision`` (the
+    float64 cosine compares equal operands and is within rounding noise of the edge;
+    replay.exact_edge). Its ``precision`` counterpart, distinct vectors a float32 rounding
+    apart: test_numerics' ArcFace weight planted along an embedding."""
+    err = train("make_twin_angle_net", with_row([0.4, 0.84, 0.4, 0.84]), tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, err, phase="backward", module="0", op="AcosBackward0", samples=[ROW],
+          cause="invalid")
+    hint = rep["hint"]
+    assert "exactly +-1" in hint and "cos.clamp(-1 + eps, 1 - eps)" in hint, hint
+
+
 def test_a_pole_masked_in_the_forward_is_invalid_not_overflow(tmp_path):
     """``torch.where(h != 0, 1 / h, 0)`` at a zero row: the reciprocal saves its +inf result
     (a pole, not an overflow), the masked branch's 0 meets it in the backward."""

@@ -171,16 +171,19 @@ def test_poutyne_clipnorm_spreading_the_sqrt_backward_nan_is_said_in_a_note(tmp_
     assert "spread embed.weight's NaN into them, as a clip_grad_norm_ does" in note
 
 
-@pytest.mark.parametrize(("warm", "phase", "op", "samples"), [
-    ((0, 3, 5), "backward", "AcosBackward0", [0, 3, 5]),  # cos rounded to 1: acos' pole
-    ((0, 7, 1), "forward", "aten.acos", [7])])  # cos rounded past 1 (rows 0, 1: to 1): NaN
+@pytest.mark.parametrize(("warm", "phase", "op", "samples", "cause"), [
+    ((0, 3, 5), "backward", "AcosBackward0", [0, 3, 5], "invalid"),  # cos 1: acos' pole
+    ((0, 7, 1), "forward", "aten.acos", [7], "precision")])  # rounded past 1 (0, 1: to 1): NaN
 def test_arcface_centres_warm_started_on_records_round_their_cosine_to_1(tmp_path, warm, phase,
-                                                                         op, samples):
+                                                                         op, samples, cause):
     """Each class centre starts at a record's embedding, its features at the start; the
     cosine of that record with its own centre is 1 up to rounding. The records are sparse ones
     whose norm is exact (``M.SPARSE_RECORDS``), so the rounding is the same on every CPU: to
     exactly 1.0 for rows 0, 1, 3, 5 (acos finite, its derivative -inf: a backward event; float64
-    rounds below 1), to 1.0000001 for row 7 (acos NaN: a forward event)."""
+    rounds below 1), to 1.0000001 for row 7 (acos NaN: a forward event). At step 0 a centre is
+    its record's embedding exactly, so its cosine is 1 in exact arithmetic: the backward pole
+    is ``invalid`` (replay.exact_edge: equal operands, whatever float64 rounds them to), while
+    the forward's NaN past 1 is rounding's, ``precision`` (exact acos(1) is 0)."""
     X, y = M.tabular()
     X = M.with_sparse_records(X)
     net = M.make_arcface(warm)
@@ -191,7 +194,7 @@ def test_arcface_centres_warm_started_on_records_round_their_cosine_to_1(tmp_pat
     model = Model(net, "adam", nn.CrossEntropyLoss(), batch_metrics=["accuracy"])
     err = fire(model, M.PairLoader(X, y, y), [recorder_cb(tmp_path, "make_arcface")])
     rep, o = report(err, 0, phase)
-    assert (o["module"], o["op"], o["samples"], rep["cause"]) == ("", op, samples, "precision")
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == ("", op, samples, cause)
     assert o["source"] == line_of("theta = torch.acos(cos)")
     assert "cos.clamp(-1 + eps, 1 - eps)" in rep["hint"]
 
