@@ -35,6 +35,7 @@ from .settings import SETTINGS, Settings
 from .snapshot import Sources, build_bundle
 from .tape import Tape
 from .target import Target
+from .unwatched_loss import LossWatch
 from .validate import (
     check_companions,
     check_loss_fn,
@@ -58,6 +59,16 @@ class _CallableLoss(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
+
+
+def _loss_watch(given, loss_fn: nn.Module | None, calls: CallHooks, integration) -> LossWatch:
+    """What says, once, that the first training step's loss went unwatched."""
+    if isinstance(loss_fn, _CallableLoss):
+        fn = getattr(given, "func", given)  # (a functools.partial: its function's name)
+        name = getattr(fn, "__qualname__", None) or type(fn).__name__
+        return LossWatch("function", name, bool, integration)
+    return LossWatch("none" if loss_fn is None else "module", type(given).__name__,
+                     partial(getattr, calls, "loss_seen"), integration)
 
 
 class FlightRecorder:
@@ -166,12 +177,8 @@ class FlightRecorder:
         self.calls = CallHooks(self.target, self.cycle, self.health, self.loss_fn,
                                self.settings.param_norms)
         self.guard = OptimizerGuard(self.target, self.cycle, self.health, self.alarm)
-        if isinstance(self.loss_fn, _CallableLoss):  # (said once if the loop calls it directly)
-            fn = getattr(loss_fn, "func", loss_fn)  # (a functools.partial: its function's name)
-            self.guard.loss_function = getattr(fn, "__qualname__", None) or type(fn).__name__
-        elif self.loss_fn is not None:  # (said once if the loop computes its loss otherwise)
-            self.guard.loss_function = type(loss_fn).__name__
-            self.guard.loss_seen = partial(getattr, self.calls, "loss_seen")
+        self.guard.loss_watch = _loss_watch(loss_fn, self.loss_fn, self.calls,
+                                            partial(getattr, self, "integration"))
         self._handles: list = []
         self._ddp = weakref.ref(ddp) if (ddp := ddp_in(model)) is not None else None
         self._attached = False

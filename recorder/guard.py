@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -32,6 +31,7 @@ from .shards import local
 from .slots import _WIDE, STRICT, FlatViews, Slots
 from .tape import Tape
 from .target import Target
+from .unwatched_loss import LossWatch
 
 log = logging.getLogger("nanreplay")
 
@@ -55,10 +55,9 @@ class OptimizerGuard:
         self._transform_warned = False
         self._update_only_said = False
         self._forward_steps = False  # a step opened by a forward of the model has closed
-        # the loss_fn given (its name), until the first training step closes; a module's:
-        # whether its hook has run since attach
-        self.loss_function: str | None = None
-        self.loss_seen: Callable[[], bool] | None = None
+        # says once whether the first training step's loss went unwatched (set by the recorder)
+        self.loss_watch = LossWatch("module", "", bool, str)
+        self.loss_watch.armed = False
 
     def register(self, optimizer) -> list:
         # (run eagerly where dynamo traces ``optimizer.step()``, a compiled training step:
@@ -134,38 +133,11 @@ class OptimizerGuard:
         except Exception as e:
             self.health.internal_error(e)
         cycle.close_tape(at="optimizer")
-        if self.loss_function is not None and tape.micro_batches and not tape.evaluation:
-            self._loss_called(tape)
+        if self.loss_watch.armed and tape.micro_batches and not tape.evaluation:
+            self.loss_watch.step_closed(tape)
         if self.settings.guard_optimizer and not self.alarm.fired:
             self.copies = _copy_for_guard(optimizer, self.target.params)
             self.last_tape = tape
-
-    def _loss_called(self, tape: Tape) -> None:
-        """The first training step says whether the ``loss_fn`` given computed its loss. A
-        plain function cannot be hooked: called directly, not through ``rec.loss_fn``, its loss
-        is neither checked nor recorded. Nor is a loss module's when the loop computes the
-        loss otherwise (``F.cross_entropy`` beside the ``nn.CrossEntropyLoss`` given, another
-        instance of it). A loss that is NaN with finite gradients (a cross-entropy whose
-        targets are all ``ignore_index``: 0/0, gradients 0) then trains on silently. Said once,
-        with the step's close (no event: the gradients still are checked)."""
-        name, self.loss_function = self.loss_function, None
-        if tape.loss or any(mb.loss_args is not None for mb in tape.micro_batches):
-            return
-        if self.loss_seen is None:
-            log.warning("nanreplay: the loss function given as loss_fn (%s) was not called "
-                        "through rec.loss_fn in step %d, so its loss is neither checked nor "
-                        "recorded (only the gradients it sends into the model are): call "
-                        "loss = rec.loss_fn(...), or pass a loss module, which is hooked where "
-                        "it is", name, tape.step)
-            return
-        if self.loss_seen():  # (called, if outside the step: GradCache's no-grad pass first)
-            return
-        log.warning("nanreplay: the loss module given as loss_fn (a %s) was not called in step "
-                    "%d, so the step's loss is neither checked nor recorded (only the gradients "
-                    "it sends into the model are), and the replay cannot re-run it: compute the "
-                    "loss with that very object (loss = loss_fn(output, target)), or pass "
-                    "FlightRecorder the loss module the loop calls, or call "
-                    "rec.record_loss(loss)", name, tape.step)
 
     def _grads_written(self) -> bool:
         """Some parameter holds a gradient: the loop wrote one (an update without any, as the

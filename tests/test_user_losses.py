@@ -857,3 +857,64 @@ def test_the_loss_module_given_and_called_is_checked_and_nothing_is_said(tmp_pat
             _train_beside_module(tmp_path, "given")
     assert (info.value.event["step"], info.value.event["phase"]) == (2, "loss")
     assert not any("was not called" in r.getMessage() for r in caplog.records)
+
+
+class _WithLoss(torch.nn.Module):
+    """A classifier that returns its loss when given labels, as a Hugging Face model does."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 3)
+
+    def forward(self, x, labels=None):
+        logits = self.net(x)
+        return logits if labels is None else F.cross_entropy(logits, labels, ignore_index=-1)
+
+
+def _train_without_loss_fn(out_dir: Path, how: str) -> None:
+    """As :func:`_train_ignored`, recorded with no ``loss_fn``: the loop's loss is
+    ``F.cross_entropy`` (``"inline"``), handed to ``rec.record_loss`` (``"recorded"``), or
+    the model's own output (``"output"``)."""
+    torch.manual_seed(0)
+    model = _WithLoss() if how == "output" else torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with FlightRecorder(model, opt, out_dir=out_dir) as rec:
+        for step in range(4):
+            x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+            if step == 2:
+                y[:] = -1
+            opt.zero_grad()
+            if how == "output":
+                loss = model(x, labels=y)
+            else:
+                loss = F.cross_entropy(model(x), y, ignore_index=-1)
+            if how == "recorded":
+                rec.record_loss(loss)
+            loss.backward()
+            opt.step()
+
+
+def test_a_run_without_loss_fn_is_told_once_that_its_loss_is_unwatched(tmp_path, caplog):
+    """No ``loss_fn``, no ``record_loss``, no loss in the model's output: the 0/0 loss of
+    step 2 (zero gradients) trains on. The first training step's close says so once, with the
+    two fixes; no bundle is written (the case it warns of)."""
+    with caplog.at_level("WARNING", logger="nanreplay"):
+        _train_without_loss_fn(tmp_path, "inline")
+    said = [r.getMessage() for r in caplog.records if "no loss_fn was given" in r.getMessage()]
+    assert len(said) == 1, said
+    assert said[0].startswith("nanreplay: no loss_fn was given, and step 0's loss is neither "
+                              "checked nor recorded"), said[0]
+    assert "loss_fn=criterion" in said[0] and "rec.record_loss(loss)" in said[0]
+    assert not list(tmp_path.glob("*.nan"))
+
+
+@pytest.mark.parametrize(("how", "phase"), [("recorded", "loss"), ("output", "forward")])
+def test_a_loss_recorded_or_returned_by_the_model_is_checked_and_nothing_is_said(
+        tmp_path, caplog, how, phase):
+    """The same loss handed to ``rec.record_loss``, or returned by the model itself: its NaN
+    is an event at step 2, and nothing is said."""
+    with caplog.at_level("WARNING", logger="nanreplay"):
+        with pytest.raises(NonFiniteError) as info:
+            _train_without_loss_fn(tmp_path, how)
+    assert (info.value.event["step"], info.value.event["phase"]) == (2, phase)
+    assert not any("no loss_fn was given" in r.getMessage() for r in caplog.records)
