@@ -31,6 +31,7 @@ from .shards import local
 from .slots import _WIDE, STRICT, FlatViews, Slots
 from .tape import Tape
 from .target import Target
+from .unheld_params import say_unheld
 from .unwatched_loss import LossWatch
 
 log = logging.getLogger("nanreplay")
@@ -58,6 +59,7 @@ class OptimizerGuard:
         # says once whether the first training step's loss went unwatched (set by the recorder)
         self.loss_watch = LossWatch("module", "", bool, str)
         self.loss_watch.armed = False
+        self.loss_module: torch.nn.Module | None = None  # (the loss_fn given: its parameters too)
 
     def register(self, optimizer) -> list:
         # (run eagerly where dynamo traces ``optimizer.step()``, a compiled training step:
@@ -134,7 +136,8 @@ class OptimizerGuard:
             self.health.internal_error(e)
         cycle.close_tape(at="optimizer")
         if self.loss_watch.armed and tape.micro_batches and not tape.evaluation:
-            self.loss_watch.step_closed(tape)
+            self.loss_watch.step_closed(tape)  # (the first training step: said once)
+            say_unheld(self.target.model(), optimizer, self.loss_module)
         if self.settings.guard_optimizer and not self.alarm.fired:
             self.copies = _copy_for_guard(optimizer, self.target.params)
             self.last_tape = tape

@@ -377,3 +377,40 @@ def test_optimizer_state_of_another_models_shapes_is_no_event(tmp_path, blob):
             for _, batch in zip(range(2), M.loader(seed=1)):
                 M.train_step(model, opt, crit, batch)
     assert rec.event is None and not list(tmp_path.glob("*.nan"))
+
+
+@pytest.mark.parametrize("optimizer_after_load", [False, True])
+def test_a_resume_by_assign_true_that_leaves_the_optimizer_behind_is_said_once(
+        tmp_path, blob, caplog, optimizer_after_load):
+    """A resume with a healthy checkpoint, loaded by ``load_state_dict(assign=True)`` inside the
+    recorded block after the optimizer was built: ``step()`` updates the old tensors, the model
+    never trains, and nothing goes non-finite. The first training step's close says so once;
+    with the optimizer built again after the load (and the recorder told, by building it
+    there), nothing is said."""
+    model = M.make_model()
+    opt = M.make_optimizer(model)
+    crit = M.SmoothedCE()
+    ck = M.load_checkpoint(blob)
+    with caplog.at_level("WARNING", logger="nanreplay"):
+        if optimizer_after_load:
+            model.load_state_dict(ck["model"], assign=True)
+            opt = M.make_optimizer(model)
+            opt.load_state_dict(ck["optimizer"])
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, factory=FACTORY):
+            if not optimizer_after_load:
+                model.load_state_dict(ck["model"], assign=True)
+            before = model.head.weight.detach().clone()
+            for _, batch in zip(range(3), M.loader()):
+                M.train_step(model, opt, crit, batch)
+    said = [r.getMessage() for r in caplog.records if "optimizer holds" in r.getMessage()]
+    assert not list(tmp_path.glob("*.nan"))
+    trained = not torch.equal(before, model.head.weight)
+    assert trained == optimizer_after_load  # (the oracle: did the weights move)
+    if optimizer_after_load:
+        assert not said, said
+        return
+    n = len(list(model.parameters()))
+    assert said == [said[0]] and said[0].startswith(
+        f"nanreplay: the optimizer holds {n} parameter tensor(s), and none of them is among "
+        "the model's now"), said
+    assert "assign=True" in said[0] and "build the optimizer after" in said[0]
