@@ -116,8 +116,9 @@ def _masked_queries(hint: str, named: dict, rows) -> str | None:
     the NaN samples themselves."""
     head = hint[:hint.index("(a fully masked row)") + len("(a fully masked row)")]
     for name, t in named.items():
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.numel() == 0:
-            continue
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.numel() == 0 \
+                or not (t.dtype is torch.bool or t.is_floating_point()):
+            continue  # (a mask is bool or additive: ids, a ColBERT's d_ids, are none)
         blocked = torch.isneginf(t) if t.is_floating_point() else t.bool()
         if t.is_floating_point() and not bool((torch.isfinite(t) | blocked).all()):
             continue
