@@ -38,9 +38,11 @@ from __future__ import annotations
 from .errors import ReplayError
 
 
-def replay(path, *, factory: str | None = None, device: str | None = None,
+def replay(path, *, factory=None, device: str | None = None,
            factory_kwargs: dict | None = None, tries: list[str] | None = None) -> dict:
     """The report for one bundle, as ``nanreplay --json`` prints it (plus ``history``);
+    ``factory``: ``"module:function"``, or the function (or model class) itself, called with
+    ``factory_kwargs`` (a notebook's own ``make_model``: trusted, as the caller passes it);
     ``factory_kwargs`` replace the recorded ones; ``tries`` are ``--try`` what-ifs
     (``["lr=0.1x", "auto"]``)."""
     from .analyze import analyze_bundle

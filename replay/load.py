@@ -159,10 +159,11 @@ def check_meta(meta: dict[str, Any], path: str | os.PathLike) -> None:
 # model
 
 
-def build(step: Step, factory: str | None, device: str | None,
+def build(step: Step, factory, device: str | None,
           factory_kwargs: dict[str, Any] | None = None) -> None:
     """Fill ``step.model``, ``step.loss_fn``, ``step.optimizer`` (or say in ``step.problems``
-    why they cannot be rebuilt). ``factory_kwargs`` replace the recorded ones."""
+    why they cannot be rebuilt). ``factory``: ``"module:function"`` or a callable; its
+    ``factory_kwargs`` replace the recorded ones."""
     meta = step.meta
     step.device = torch.device(device) if device else recorded_device(meta) or torch.device("cpu")
     no_cuda = step.device.type == "cuda" and not torch.cuda.is_available()
@@ -197,7 +198,8 @@ def _build_without_factory(step: Step, factory_kwargs: dict[str, Any] | None) ->
     recorded factory; else (or when that builds another model) nothing is re-run and the
     report says what the recorder saw."""
     guess = (step.meta.get("model") or {}).get("default_factory")
-    how = "pass --factory MOD:FN (a function returning the model) to re-run the step"
+    how = ("pass --factory MOD:FN (a function returning the model) to re-run the step, or, "
+           "where it is defined (a notebook), replay.replay(path, factory=that_function)")
     if not isinstance(guess, str) and not factory_kwargs \
             and (stock := stock_factory(step.meta)) is not None:
         _build_stock(step, stock, how)
@@ -232,8 +234,10 @@ def _build_stock(step: Step, stock, how: str) -> None:
         "bundle")
 
 
-def _build(step: Step, spec: str, explicit: bool, factory_kwargs: dict[str, Any] | None
-           ) -> None:
+def _build(step: Step, spec, explicit: bool, factory_kwargs: dict[str, Any] | None) -> None:
+    if callable(spec):  # replay.replay(path, factory=Net) in the notebook that defines it
+        name = f"{getattr(spec, '__module__', '?')}:{getattr(spec, '__qualname__', spec)}"
+        return _build_with(step, spec, name, factory_kwargs)
     _build_with(step, resolve_factory(spec, explicit=explicit), spec, factory_kwargs)
 
 

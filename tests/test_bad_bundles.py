@@ -654,7 +654,8 @@ def test_bundle_without_a_factory_asks_for_one(toy, tmp_path, in_examples):
     assert lines[0] == ("nanreplay: step 37, forward event — not re-run (factory not "
                         "imported)"), lines
     assert ("  note       the bundle names no model factory, so nothing was re-run: pass "
-            "--factory MOD:FN (a function returning the model) to re-run the step") in lines
+            "--factory MOD:FN (a function returning the model) to re-run the step, or, where it "
+            "is defined (a notebook), replay.replay(path, factory=that_function)") in lines
 
 
 def test_console_script_gives_the_same_single_line(tmp_path):

@@ -16,6 +16,7 @@ import rl_models as RL
 import torch
 from bundles import invoke_cli
 
+import replay
 from recorder import FlightRecorder, NonFiniteError
 
 pytestmark = pytest.mark.usefixtures("in_tests_dir")
@@ -65,8 +66,30 @@ def test_a_model_its_class_cannot_rebuild_gets_the_recorders_report(tmp_path, mo
     assert rep["origin"]["op"] is None and rep["cause"] is None
     [note] = [p for p in rep["problems"] if "no model factory" in p]
     assert note.endswith("pass --factory MOD:FN (a function returning the model) to re-run "
-                         "the step"), note
+                         "the step, or, where it is defined (a notebook), replay.replay(path, "
+                         "factory=that_function)"), note
     assert "\n" not in note
+
+
+def test_the_python_api_takes_the_models_class_itself(tmp_path):
+    """A model class defined where no import reaches it (a notebook cell, here a function's
+    local class) cannot be named by ``--factory``; ``replay.replay(path, factory=Net)`` from
+    where it is defined re-runs the step and names the op."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(RL.OBS, 1)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    torch.manual_seed(0)
+    bundle = record(tmp_path, Net())
+    assert replay_json(bundle)[0]["not_rerun"] == "factory not imported"
+    rep = replay.replay(bundle, factory=Net)
+    assert (rep["reproduced"], rep["not_rerun"]) == (True, None), rep
+    assert (rep["origin"]["phase"], rep["origin"]["op"], rep["cause"]) == (
+        "loss", "aten.mse_loss", "overflow"), rep["origin"]
 
 
 def test_an_input_event_read_from_the_batch_asks_for_no_factory(tmp_path):
