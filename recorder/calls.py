@@ -55,7 +55,7 @@ class CallHooks:
         self.copy_inputs = False  # the model's forward writes into its floating inputs
         self.shape_pass = False  # the root runs on meta tensors; the recorder paused
         self.mask_at: dict[int, tuple[int, ...]] = {}  # site -> its forward's mask positions
-        self.loss_seen = False  # the loss module's hook ran (see OptimizerGuard._loss_called)
+        self.loss_seen = False  # the loss module's hook ran (see recorder.unwatched_loss)
 
     def register(self) -> list:
         """Hook every site of the bound target (and the loss module, and the gradients of the

@@ -57,8 +57,7 @@ class OptimizerGuard:
         self._update_only_said = False
         self._forward_steps = False  # a step opened by a forward of the model has closed
         # says once whether the first training step's loss went unwatched (set by the recorder)
-        self.loss_watch = LossWatch("module", "", bool, str)
-        self.loss_watch.armed = False
+        self.loss_watch: LossWatch | None = None
         self.loss_module: torch.nn.Module | None = None  # (the loss_fn given: its parameters too)
 
     def register(self, optimizer) -> list:
@@ -135,8 +134,9 @@ class OptimizerGuard:
         except Exception as e:
             self.health.internal_error(e)
         cycle.close_tape(at="optimizer")
-        if self.loss_watch.armed and tape.micro_batches and not tape.evaluation:
-            self.loss_watch.step_closed(tape)  # (the first training step: said once)
+        if (watch := self.loss_watch) is not None and watch.armed and tape.micro_batches \
+                and not tape.evaluation:
+            watch.step_closed(tape)  # (the first training step: said once)
             say_unheld(self.target.model(), optimizer, self.loss_module)
         if self.settings.guard_optimizer and not self.alarm.fired:
             self.copies = _copy_for_guard(optimizer, self.target.params)

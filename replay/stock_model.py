@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-STOCK = "torch.nn.modules."
+from recorder.stock_model import STOCK
 
 
 class NotStock(Exception):
