@@ -839,14 +839,20 @@ def test_a_loss_module_the_loop_never_calls_is_said_once_at_the_first_step(
     another instance: the given module's hook never runs, and step 2's 0/0 loss (zero
     gradients) trained on with no word. The first training step's close says so once, naming
     the class, the step and the fixes; no bundle is written (the case it warns of)."""
-    with caplog.at_level("WARNING", logger="nanreplay"):
-        _train_beside_module(tmp_path, loop_loss)
-    said = [r.getMessage() for r in caplog.records if "was not called" in r.getMessage()]
-    assert len(said) == 1, said
-    assert said[0].startswith("nanreplay: the loss module given as loss_fn (a CrossEntropyLoss) "
-                              "was not called in step 0,"), said[0]
-    assert "loss = loss_fn(output, target)" in said[0] and "rec.record_loss(loss)" in said[0]
+    said = _said_once(caplog, "was not called", lambda: _train_beside_module(tmp_path, loop_loss))
+    assert said.startswith("nanreplay: the loss module given as loss_fn (a CrossEntropyLoss) "
+                           "was not called in step 0,"), said
+    assert "loss = loss_fn(output, target)" in said and "rec.record_loss(loss)" in said
     assert not list(tmp_path.glob("*.nan"))
+
+
+def _said_once(caplog, phrase: str, run) -> str:
+    """The one warning holding ``phrase`` that ``run()`` logged."""
+    with caplog.at_level("WARNING", logger="nanreplay"):
+        run()
+    said = [r.getMessage() for r in caplog.records if phrase in r.getMessage()]
+    assert len(said) == 1, said
+    return said[0]
 
 
 def test_the_loss_module_given_and_called_is_checked_and_nothing_is_said(tmp_path, caplog):
@@ -898,13 +904,11 @@ def test_a_run_without_loss_fn_is_told_once_that_its_loss_is_unwatched(tmp_path,
     """No ``loss_fn``, no ``record_loss``, no loss in the model's output: the 0/0 loss of
     step 2 (zero gradients) trains on. The first training step's close says so once, with the
     two fixes; no bundle is written (the case it warns of)."""
-    with caplog.at_level("WARNING", logger="nanreplay"):
-        _train_without_loss_fn(tmp_path, "inline")
-    said = [r.getMessage() for r in caplog.records if "no loss_fn was given" in r.getMessage()]
-    assert len(said) == 1, said
-    assert said[0].startswith("nanreplay: no loss_fn was given, and step 0's loss is neither "
-                              "checked nor recorded"), said[0]
-    assert "loss_fn=criterion" in said[0] and "rec.record_loss(loss)" in said[0]
+    said = _said_once(caplog, "no loss_fn was given",
+                      lambda: _train_without_loss_fn(tmp_path, "inline"))
+    assert said.startswith("nanreplay: no loss_fn was given, and step 0's loss is neither "
+                           "checked nor recorded"), said
+    assert "loss_fn=criterion" in said and "rec.record_loss(loss)" in said
     assert not list(tmp_path.glob("*.nan"))
 
 
