@@ -37,7 +37,7 @@ from .optim import build_optimizer
 from .patched_forward import check_patched_forwards
 from .sharded_optim import gather_state
 from .shards import resolve
-from .stock_model import NotStock, stock_factory
+from .stock_model import stock_factory
 from .views import same_view
 from .warned_check import warning_as_error
 from .weights import load_weights
@@ -225,7 +225,7 @@ def _build_stock(step: Step, stock, how: str) -> None:
     """The model of torch.nn's own modules, rebuilt from the bundle (``replay.stock_model``)."""
     try:
         _build_with(step, stock, "torch.nn", {})
-    except (ReplayError, NotStock) as e:
+    except ReplayError as e:  # (NotStock too)
         raise FactoryRefused(f"{NO_FACTORY}, and its model of torch.nn's own modules was not "
                              f"rebuilt from the bundle ({one_line(e, 200)}): {how}") from None
     step.problems.append(

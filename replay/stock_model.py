@@ -3,24 +3,31 @@
 notebook), rebuilt from the bundle's description: each class imported from ``torch.nn`` alone,
 called with its recorded attributes that its constructor takes (``in_features``,
 ``kernel_size``, ``normalized_shape``), the others set as recorded, its children rebuilt the
-same way, and the parameters the bundle does not hold left out (``bias=False``). The weights
-are then the bundle's (``replay.load``). A description that names any other class, or that a
-constructor refuses, rebuilds nothing."""
+same way, the parameters the bundle does not hold left out (``bias=False``) and the tensors
+the run reached under two names tied again (``head.weight = emb.weight``). The weights are then
+the bundle's (``replay.load``). A description that names any other class, or that a
+constructor refuses, or a module its attributes cannot rebuild (``nn.TransformerEncoderLayer``
+keeps ``d_model`` in no attribute) rebuilds nothing, and the reason names the module."""
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from functools import partial
 from typing import Any
 
+import torch
 from torch import nn
 
 from recorder.stock_model import STOCK
 
+from .errors import ReplayError
 
-class NotStock(Exception):
-    """The description names a class outside ``torch.nn.modules`` or is malformed."""
+
+class NotStock(ReplayError):
+    """The description names a class outside ``torch.nn.modules``, is malformed, or holds
+    arguments a constructor refuses (raised as it is, not as a failed factory call)."""
 
 
 def stock_factory(meta: dict[str, Any]):
@@ -35,7 +42,21 @@ def stock_factory(meta: dict[str, Any]):
 
 
 def _build(tree: dict[str, Any], params: set[str], buffers: set[str]) -> nn.Module:
-    return _module(tree, "", params, buffers)
+    model = _module(tree, "", params, buffers)
+    tied = tree.get("tied") or {}
+    if not isinstance(tied, dict):
+        raise NotStock("a malformed module description")
+    for alias, src in tied.items():  # (built apart: one tensor again, as in the run)
+        owner, _, leaf = alias.rpartition(".") if isinstance(alias, str) else ("", "", "")
+        try:
+            m = model.get_submodule(owner)
+            if src in params:
+                m.register_parameter(leaf, model.get_parameter(src))
+            else:
+                m.register_buffer(leaf, model.get_buffer(src))
+        except (AttributeError, KeyError, TypeError) as e:
+            raise NotStock(f"the tie of {alias!r} to {src!r} is not the model's ({e})") from None
+    return model
 
 
 def _module(node: Any, prefix: str, params: set[str], buffers: set[str]) -> nn.Module:
@@ -43,13 +64,11 @@ def _module(node: Any, prefix: str, params: set[str], buffers: set[str]) -> nn.M
             or not isinstance(node.get("children", {}), dict):
         raise NotStock("a malformed module description")
     cls = _class(node.get("class"))
-    tuples = set(node.get("tuples") or ())
-    config = {k: tuple(v) if k in tuples and isinstance(v, list) else v
-              for k, v in node.get("config", {}).items() if isinstance(k, str)}
-    taken = set(inspect.signature(cls).parameters)
-    m = cls(**{k: v for k, v in config.items() if k in taken})
+    config = _config(node)
+    where = f"{node['class']} ({f'module {prefix[:-1]!r}' if prefix else 'the model'})"
+    m, passed = _construct(cls, config, where)
     for k, v in config.items():
-        if k not in taken and not k.startswith("_"):
+        if k not in passed and not k.startswith("_"):
             setattr(m, k, v)
     for k, child in node.get("children", {}).items():
         m.add_module(k, None if child is None else _module(child, f"{prefix}{k}.", params,
@@ -58,7 +77,81 @@ def _module(node: Any, prefix: str, params: set[str], buffers: set[str]) -> nn.M
         m.register_parameter(k, None)  # (built by default, absent in the run: bias=False)
     for k in [k for k, b in m.named_buffers(recurse=False) if f"{prefix}{k}" not in buffers]:
         m.register_buffer(k, None)
+    _check_held(m, prefix, params | buffers, where)
     return m
+
+
+def _check_held(m: nn.Module, prefix: str, held: set[str], where: str) -> None:
+    """Refuses a module built without a tensor the bundle holds for it: one an argument kept
+    in no attribute makes (``nn.MultiheadAttention``'s ``add_bias_kv``)."""
+    have = {k for k, _ in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]}
+    if lacking := sorted(n[len(prefix):] for n in held if n.startswith(prefix)
+                         and "." not in n[len(prefix):] and n[len(prefix):] not in have):
+        raise NotStock(f"{where} is built without its {', '.join(map(repr, lacking))}, which "
+                       "the bundle holds: the constructor argument that makes it is kept in no "
+                       "attribute")
+
+
+def _config(node: dict[str, Any]) -> dict[str, Any]:
+    """The recorded attributes as they were: tuples, ``torch.Size``s and non-finite floats
+    (which JSON holds as lists and strings)."""
+    tuples, sizes, floats = (set(node.get(k) or ()) for k in ("tuples", "sizes", "floats"))
+    config = {}
+    for k, v in node.get("config", {}).items():
+        if not isinstance(k, str):
+            continue
+        if k in sizes and isinstance(v, list) and all(type(x) is int for x in v):
+            v = torch.Size(v)
+        elif k in tuples and isinstance(v, list):
+            v = tuple(v)
+        elif k in floats and v in ("inf", "-inf", "nan"):
+            v = float(v)
+        config[k] = v
+    return config
+
+
+def _construct(cls: type, config: dict[str, Any], where: str) -> tuple[nn.Module, set[str]]:
+    """``cls`` called with the recorded attributes its constructor takes by name and that
+    differ from their defaults (an argument ``nn.GRU`` refuses even at its default,
+    ``proj_size``, is then left out), and the names passed."""
+    accepted, own = _accepted(cls)
+    if missing := [k for k in own if k not in config]:
+        raise NotStock(f"{where} keeps its constructor's {', '.join(map(repr, missing))} in "
+                       "no plain attribute, so it cannot be rebuilt from the bundle")
+    kwargs = {k: v for k, v in config.items() if k in accepted
+              and not (type(v) is type(accepted[k]) and v == accepted[k])}
+    while True:
+        try:
+            return cls(**kwargs), set(kwargs)
+        except TypeError as e:  # (nn.LSTM passes its base's mode itself: set after instead)
+            twice = re.search(r"got multiple values for argument '(\w+)'", str(e))
+            if twice is None or twice.group(1) not in kwargs:
+                raise NotStock(f"{where} was not rebuilt from its recorded attributes "
+                               f"({type(e).__name__}: {e})") from None
+            del kwargs[twice.group(1)]
+        except ValueError as e:
+            raise NotStock(f"{where} was not rebuilt from its recorded attributes "
+                           f"({type(e).__name__}: {e})") from None
+
+
+def _accepted(cls: type) -> tuple[dict[str, Any], list[str]]:
+    """The arguments ``cls``'s constructor takes by name, with their defaults, following
+    ``**kwargs`` to the base class's (``nn.LSTM(*args, **kwargs)`` to ``RNNBase``'s), and
+    those its own constructor requires."""
+    accepted: dict[str, Any] = {}
+    own: list[str] | None = None
+    for klass in cls.__mro__[:cls.__mro__.index(nn.Module)]:
+        if "__init__" not in vars(klass):
+            continue
+        ps = list(inspect.signature(vars(klass)["__init__"]).parameters.values())[1:]
+        named = [p for p in ps if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        for p in named:
+            accepted.setdefault(p.name, p.default)
+        if own is None:
+            own = [p.name for p in named if p.default is p.empty]
+        if not any(p.kind is p.VAR_KEYWORD for p in ps):
+            break
+    return accepted, own or []
 
 
 def _class(spec: Any) -> type:
