@@ -179,7 +179,6 @@ class FlightRecorder:
         self.guard = OptimizerGuard(self.target, self.cycle, self.health, self.alarm)
         self.guard.loss_watch = _loss_watch(loss_fn, self.loss_fn, self.calls,
                                             partial(getattr, self, "integration"))
-        self.guard.loss_module = self.loss_fn
         self._handles: list = []
         self._ddp = weakref.ref(ddp) if (ddp := ddp_in(model)) is not None else None
         self._attached = False

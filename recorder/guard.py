@@ -58,7 +58,6 @@ class OptimizerGuard:
         self._forward_steps = False  # a step opened by a forward of the model has closed
         # says once whether the first training step's loss went unwatched (set by the recorder)
         self.loss_watch: LossWatch | None = None
-        self.loss_module: torch.nn.Module | None = None  # (the loss_fn given: its parameters too)
 
     def register(self, optimizer) -> list:
         # (run eagerly where dynamo traces ``optimizer.step()``, a compiled training step:
@@ -137,7 +136,7 @@ class OptimizerGuard:
         if (watch := self.loss_watch) is not None and watch.armed and tape.micro_batches \
                 and not tape.evaluation:
             watch.step_closed(tape)  # (the first training step: said once)
-            say_unheld(self.target.model(), optimizer, self.loss_module)
+            say_unheld(self.target.model(), optimizer, self.target.loss_module())
         if self.settings.guard_optimizer and not self.alarm.fired:
             self.copies = _copy_for_guard(optimizer, self.target.params)
             self.last_tape = tape

@@ -16,6 +16,8 @@ import logging
 import torch
 from torch import nn
 
+from .validate import stray_params
+
 log = logging.getLogger("nanreplay")
 
 
@@ -25,13 +27,10 @@ def say_unheld(model: nn.Module | None, optimizer: torch.optim.Optimizer | None,
     whose learnable parameters the optimizer may hold) no longer holds."""
     if model is None or optimizer is None:
         return
-    own = {id(p) for p in model.parameters()}
-    if isinstance(loss_fn, nn.Module):
-        own |= {id(p) for p in loss_fn.parameters()}
-    held = [p for g in optimizer.param_groups for p in g["params"]]
-    gone = [p for p in held if id(p) not in own]
+    gone = stray_params(model, optimizer, loss_fn)
     if not gone:
         return
+    held = [p for g in optimizer.param_groups for p in g["params"]]
     which = "none of them is" if len(gone) == len(held) else f"{len(gone)} of {len(held)} are not"
     log.warning("nanreplay: the optimizer holds %d parameter tensor(s), and %s among the "
                 "model's now: the model's were replaced after the optimizer was built "

@@ -77,15 +77,21 @@ def check_model(model, optimizer, loss_fn=None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"FlightRecorder: optimizer must be a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}" + _wrapper_advice(optimizer))
-        own = {id(p) for p in model.parameters()}
-        if isinstance(loss_fn, nn.Module):
-            own |= {id(p) for p in loss_fn.parameters()}
-        stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
+        stray = stray_params(model, optimizer, loss_fn)
         if stray:
             shapes = ", ".join(str(list(p.shape)) for p in stray[:3])
             raise ValueError(f"FlightRecorder: {len(stray)} optimizer parameter(s) are not "
                              f"parameters of the model (shapes {shapes}); build the optimizer "
                              "from this model's parameters()" + STRAY_INPUT)
+
+
+def stray_params(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn=None) -> list:
+    """The optimizer's parameters that are neither the model's nor the loss module's (a
+    learnable temperature it may hold), in its groups' order."""
+    own = {id(p) for p in model.parameters()}
+    if isinstance(loss_fn, nn.Module):
+        own |= {id(p) for p in loss_fn.parameters()}
+    return [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
 
 
 def has_own_forward(model: nn.Module) -> bool:
