@@ -29,6 +29,7 @@ from .grads import reread_changed_grads
 from .guard import OptimizerGuard
 from .hooks import Health
 from .joined import ddp_in, join_along
+from .lazy_init import AttachWhenInitialized, uninitialized
 from .one_per_model import let_go, take_over
 from .scripted import is_scripted
 from .settings import SETTINGS, Settings
@@ -182,6 +183,7 @@ class FlightRecorder:
         self._handles: list = []
         self._ddp = weakref.ref(ddp) if (ddp := ddp_in(model)) is not None else None
         self._attached = False
+        self._deferred: AttachWhenInitialized | None = None  # (lazy modules: see attach)
         self._commit = git_commit()
 
     def __getattr__(self, name: str):
@@ -230,6 +232,12 @@ class FlightRecorder:
             return self
         target = self.target
         take_over(target.model(), self)  # (a notebook cell run again: the old one detached)
+        if (model := target.model()) is not None \
+                and (names := uninitialized(model, target.optimizer())):
+            self._deferred = AttachWhenInitialized(model, target.optimizer(),
+                                                   self._attach_initialized, names)
+            self._attached = True  # (inactive until then: see recorder.lazy_init)
+            return self
         target.bind()
         self.cycle.capture_rng.generators = target.generators
         self.cycle.buffers.bind(target.buffer_homes + target.loss_buffer_homes,
@@ -244,9 +252,19 @@ class FlightRecorder:
         self._attached = self.health.active = True
         return self
 
+    def _attach_initialized(self, steps: int, module, args, kwargs):
+        """The lazy parameters have shapes now: attach, and record the forward beginning."""
+        self._deferred, self._attached = None, False
+        self.cycle.step += steps  # (the loop's updates before: its steps)
+        self.attach()
+        return self.calls.root_pre_hook(module, args, kwargs)
+
     def detach(self) -> None:
         """Remove every hook and drop every reference to the model, optimizer and batches."""
         let_go(self.target.model(), self)
+        if self._deferred is not None:
+            self._deferred.remove()
+            self._deferred = None
         for h in self._handles:
             h.remove()
         self._handles.clear()

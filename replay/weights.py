@@ -8,6 +8,8 @@ import re
 
 import torch
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.parameter import is_lazy
 
 from recorder.target import LOSS_PREFIX
 
@@ -100,10 +102,10 @@ def _prune_as_recorded(step, model: nn.Module, missing: list[str], have: set[str
 def load_weights(step, model: nn.Module) -> None:
     """Assign the bundle's tensors as the model's parameters (no second copy) and copies of
     them as its buffers: every training forward writes buffers in place (running statistics),
-    and the bundle's values must stay the step's start for every re-run after it (the
-    ``--try`` what-ifs). Whatever updates the parameters in place gives them copies first
-    (``replay.optimizer_origin.report_optimizer``, ``replay.window``)."""
+    and the bundle's values must stay the step's start for every re-run after it (``--try``).
+    What updates parameters in place copies them first (``replay.optimizer_origin``)."""
     t, meta, dev = step.tensors, step.meta, step.device
+    _shaped_as_recorded(step, model)
     names_by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names_by_id.setdefault(id(p), []).append(name)
@@ -157,6 +159,27 @@ def load_weights(step, model: nn.Module) -> None:
     for name, m in model.named_modules():
         if flags.get(name) is not None:
             m.training = flags[name]
+
+
+def _shaped_as_recorded(step, model: nn.Module) -> None:
+    """Lazy modules (``nn.LazyLinear``) as the recorded run's first forward initialized them:
+    their parameters and buffers given the bundle's shapes, and the sizes that forward inferred
+    (``in_features``) the run's, as the bundle's modules had them when the recorder attached
+    (after that forward: see ``recorder.lazy_init``). They become the plain classes at the
+    re-run's first forward."""
+    t, at_attach = step.tensors, {info.get("name"): info.get("attrs_at_attach")
+                                  for info in step.meta.get("modules") or ()}
+    for name, m in model.named_modules():
+        if not isinstance(m, LazyModuleMixin) or not m.has_uninitialized_params():
+            continue
+        for kind, named in (("weights", m.named_parameters), ("buffers", m.named_buffers)):
+            for k, x in named(prefix=name, recurse=False):
+                if is_lazy(x) and (w := t.get(f"{kind}/{k}")) is not None:
+                    x.materialize(w.shape, device=x.device, dtype=w.dtype)  # (meta: see load)
+        attrs = at_attach.get(name)
+        for k, v in (attrs.items() if isinstance(attrs, dict) else ()):
+            if type(v) is int and type(vars(m).get(k)) is int:  # (in_features, num_features)
+                setattr(m, k, v)
 
 
 def _say_regrown(step, regrown: list[str]) -> None:
