@@ -38,7 +38,7 @@ from .hidden import report_hidden_forward
 from .imputed import RERUN, made_from_imputed
 from .input_grad import made_by_input_gradient
 from .kept_report import report_graph_args, report_kept_aside
-from .load import Step, build, read_step, run_switches
+from .load import Step, read_step, run_switches
 from .loop_grads import finite_gradients_reached_the_output as _finite_gradients_reached_the_output
 from .loop_grads import gradients_from_the_loop as _gradients_from_the_loop
 from .loop_grads import no_backward_reached_the_output as _no_backward_reached_the_output
@@ -60,6 +60,7 @@ from .origins import (
 from .param_writes import number_note
 from .pre_update import written_before_update
 from .raised_note import raised_note
+from .rebuild import build
 from .recorded import (
     batch_non_finite,
     batch_size,

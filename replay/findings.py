@@ -11,8 +11,9 @@ from typing import Any
 
 from .cause_text import HINTS
 from .forward_steps import forward_steps_note
-from .load import NO_FACTORY, NO_FACTORY_NEEDED, Step
+from .load import Step
 from .precursors import find_precursors, history, module_dtypes
+from .rebuild import NO_FACTORY, NO_FACTORY_NEEDED
 from .source import statement
 
 FORMAT = "nanreplay-report/1"

@@ -11,7 +11,8 @@ import torch
 from bundles import nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
-from replay.load import build, read_step
+from replay.load import read_step
+from replay.rebuild import build
 from replay.rerun import Runner
 
 pytestmark = pytest.mark.usefixtures("in_tests_dir")

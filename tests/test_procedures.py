@@ -15,7 +15,8 @@ from bundles import invoke_cli
 
 from recorder import FlightRecorder, NonFiniteError
 from recorder.bundle import read_bundle
-from replay.load import build, read_step
+from replay.load import read_step
+from replay.rebuild import build
 from replay.window import Change, run_window, window_of
 
 HERE = Path(__file__).parent

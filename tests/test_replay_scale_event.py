@@ -22,7 +22,8 @@ from torch import nn
 from recorder import FlightRecorder, NonFiniteError
 from replay import replay
 from replay.analyze import scale_of_the_step
-from replay.load import build, read_step
+from replay.load import read_step
+from replay.rebuild import build
 from replay.window import Change, run_window, window_of
 
 pytestmark = pytest.mark.usefixtures("in_tests_dir")

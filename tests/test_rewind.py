@@ -371,7 +371,8 @@ def test_a_try_on_weights_written_by_hand_is_inconclusive_and_auto_proposes_none
     """No re-run replays a weight written by hand: the unchanged window is finite, so a try's
     finite window proves nothing (it was reported as a fix), and ``auto`` proposes no learning
     rate or clipping for it (it proposed both), not even when the precursors began early."""
-    from replay.load import build, read_step
+    from replay.load import read_step
+    from replay.rebuild import build
     from replay.whatif import auto_tries
 
     err = edited_weight(out_dir)
@@ -509,7 +510,8 @@ def test_the_replay_never_writes_the_bundles_tensors(out_dir):
     of a guard bundle's update and its forwards (BatchNorm's running statistics) must leave
     them as recorded, since every what-if starts from them."""
     from replay.analyze import analyze
-    from replay.load import build, read_step
+    from replay.load import read_step
+    from replay.rebuild import build
 
     torch.manual_seed(0)
     model = R.make_normed_classifier()
@@ -810,7 +812,8 @@ def test_drop_removes_the_named_samples_from_their_micro_batch_only(out_dir):
     removed row 3 of micro-batch 0 as well (another sample, finite)."""
     import replay_models as RM
 
-    from replay.load import build, read_step
+    from replay.load import read_step
+    from replay.rebuild import build
     from replay.whatif import parse_try
     from replay.window import _sub_step, step_as_window
 

@@ -18,7 +18,8 @@ from bundles import nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
 from recorder.bundle import read_bundle
-from replay.load import build, read_step
+from replay.load import read_step
+from replay.rebuild import build
 from replay.rerun import Runner
 
 HERE = Path(__file__).parent

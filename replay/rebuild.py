@@ -1,0 +1,185 @@
+"""Rebuilding what ran from a bundle: the model (from its factory, its class called bare, or
+torch.nn's own modules described in the bundle), the bundle's weights in it, the loss and the
+optimizer (see :func:`build`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from torch import nn
+
+from recorder.compiled import decompile
+
+from .attributes import built_otherwise, restore_attributes, restore_trained, restored_note
+from .errors import FactoryRefused, ReplayError, one_line
+from .factory import recorded_argv, resolve_factory
+from .factory_params import taken_kwargs
+from .load import Step, recorded_device
+from .loss_params import attach_loss_params
+from .losses import Unrebuildable, kept_defaults, rebuild_loss
+from .optim import build_optimizer
+from .patched_forward import check_patched_forwards
+from .stock_model import stock_factory
+from .weights import load_weights
+from .written_weights import refill_written
+
+
+def build(step: Step, factory, device: str | None,
+          factory_kwargs: dict[str, Any] | None = None) -> None:
+    """Fill ``step.model``, ``step.loss_fn``, ``step.optimizer`` (or say in ``step.problems``
+    why they cannot be rebuilt). ``factory``: ``"module:function"`` or a callable; its
+    ``factory_kwargs`` replace the recorded ones."""
+    meta = step.meta
+    step.device = torch.device(device) if device else recorded_device(meta) or torch.device("cpu")
+    no_cuda = step.device.type == "cuda" and not torch.cuda.is_available()
+    if no_cuda and device:
+        raise ReplayError(f"--device {device}: this machine has no CUDA device; pass "
+                          "--device cpu")
+    if step.stripped:  # the step cannot be re-run: report what the ring buffer tells
+        if no_cuda:  # nothing runs, so a GPU bundle's copy is read here without --device cpu
+            step.device = torch.device("cpu")
+        parts = sorted(set(step.stripped))
+        verb = "was" if parts == ["batch"] else "were"
+        step.problems.append(f"the {' and the '.join(parts)} {verb} stripped from this bundle")
+        return
+    if no_cuda:
+        raise ReplayError(f"the bundle was recorded on {step.device} and this machine has no "
+                          "CUDA device; pass --device cpu")
+    spec = factory or meta.get("factory")
+    if not spec:
+        _build_without_factory(step, factory_kwargs)
+        return
+    with recorded_argv(meta, spec):
+        _build(step, spec, factory is not None, factory_kwargs)
+
+
+NO_FACTORY = "the bundle names no model factory"
+NO_FACTORY_NEEDED = f"{NO_FACTORY}, and none is needed here: the values are in the bundle's batch"
+
+
+def _build_without_factory(step: Step, factory_kwargs: dict[str, Any] | None) -> None:
+    """A run recorded without ``factory``: the model's class called with no arguments, when
+    the recorder found that it can be (``default_factory``), under the trust rule of a
+    recorded factory; else (or when that builds another model) nothing is re-run and the
+    report says what the recorder saw."""
+    guess = (step.meta.get("model") or {}).get("default_factory")
+    how = ("pass --factory MOD:FN (a function returning the model) to re-run the step, or, "
+           "where it is defined (a notebook), replay.replay(path, factory=that_function)")
+    if not isinstance(guess, str) and not factory_kwargs \
+            and (stock := stock_factory(step.meta)) is not None:
+        _build_stock(step, stock, how)
+        return
+    if not isinstance(guess, str) or factory_kwargs:
+        raise FactoryRefused(f"{NO_FACTORY}, so nothing was re-run: {how}")
+    try:
+        with recorded_argv(step.meta, guess):
+            _build(step, guess, False, {})
+    except FactoryRefused:
+        raise
+    except ReplayError as e:
+        raise FactoryRefused(
+            f"the bundle names no model factory, and its model's class called with no "
+            f"arguments ({guess}()) does not rebuild it ({one_line(e, 200)}): {how}") from None
+    step.problems.append(
+        f"the bundle names no model factory: the model was rebuilt as {guess}() with its "
+        "default arguments, the weights from the bundle; if the run built it otherwise, "
+        f"{how}")
+
+
+def _build_stock(step: Step, stock, how: str) -> None:
+    """The model of torch.nn's own modules, rebuilt from the bundle (``replay.stock_model``)."""
+    try:
+        _build_with(step, stock, "torch.nn", {})
+    except ReplayError as e:  # (NotStock too)
+        raise FactoryRefused(f"{NO_FACTORY}, and its model of torch.nn's own modules was not "
+                             f"rebuilt from the bundle ({one_line(e, 200)}): {how}") from None
+    step.problems.append(
+        f"{NO_FACTORY}: the model, made of torch.nn's own modules only, was rebuilt from the "
+        "bundle's description of them (their classes and arguments), the weights from the "
+        "bundle")
+
+
+def _build(step: Step, spec, explicit: bool, factory_kwargs: dict[str, Any] | None) -> None:
+    if callable(spec):  # replay.replay(path, factory=Net) in the notebook that defines it
+        name = f"{getattr(spec, '__module__', '?')}:{getattr(spec, '__qualname__', spec)}"
+        return _build_with(step, spec, name, factory_kwargs)
+    _build_with(step, resolve_factory(spec, explicit=explicit), spec, factory_kwargs)
+
+
+def _build_with(step: Step, fn, spec: str, factory_kwargs: dict[str, Any] | None) -> None:
+    meta = step.meta
+    kwargs = factory_kwargs if factory_kwargs is not None else meta.get("factory_kwargs") or {}
+    step.factory_kwargs = dict(kwargs)
+    kwargs, left_out = taken_kwargs(fn, kwargs, spec)  # (a sweep's trial.params: lr, ...)
+    if left_out:
+        step.problems.append(left_out)
+    # Build on the meta device so loading the bundle's weights does not hold two copies; fall
+    # back to a real build for factories that need real tensors.
+    try:
+        made = _call_factory(fn, spec, kwargs, on_meta=True)
+        if _meta_attributes(made["model"]):
+            raise _MetaUnsupported
+    except _MetaUnsupported:
+        made = _call_factory(fn, spec, kwargs, on_meta=False)
+    model = decompile(made["model"])  # a compiled model's layers re-run one by one
+    check_patched_forwards(meta, model)  # (a trainer's patch the factory did not apply)
+    step.rebuild = lambda: _call_factory(fn, spec, kwargs, on_meta=False)["model"]
+    load_weights(step, model)
+    step.written = [n for n in meta.get("written_in_step") or () if isinstance(n, str)]
+    if refilled := refill_written(step, model, step.written):  # (NaN the step's code wrote)
+        step.problems.append(refilled)
+    if restored := restore_attributes(meta, model):
+        step.problems.append(restored_note(restored))
+    step.trained = restore_trained(meta, step.tensors, model)  # (another optimizer's tensors)
+    step.built_otherwise = built_otherwise(meta, model)
+    step.model = model
+    step.loss_fn = made.get("loss_fn")
+    if step.loss_fn is None:
+        try:
+            step.loss_fn = rebuild_loss(meta.get("loss"), step.tensors, step.device, model)
+            if step.loss_fn is not None and (kept := kept_defaults(meta.get("loss"))):
+                step.problems.append(kept)
+        except Unrebuildable as e:
+            step.problems.append(str(e))
+    attach_loss_params(step)  # (those the optimizer trained, before it is rebuilt over them)
+    opt_factory = made.get("optimizer")
+    step.optimizer = build_optimizer(step, model, opt_factory)
+
+
+def _call_factory(fn, spec: str, kwargs: dict[str, Any], on_meta: bool) -> dict[str, Any]:
+    def call():
+        made = fn(**kwargs)
+        if isinstance(made, nn.Module):
+            return {"model": made}
+        if isinstance(made, dict) and isinstance(made.get("model"), nn.Module):
+            return made
+        raise ReplayError(f"factory {spec!r} returned {type(made).__name__}; it must return an "
+                          "nn.Module or a dict with 'model' (and optionally 'loss_fn', "
+                          "'optimizer')")
+
+    try:
+        if on_meta:
+            with torch.device("meta"):
+                return call()
+        return call()
+    except ReplayError:
+        raise
+    except Exception as e:
+        if on_meta:
+            raise _MetaUnsupported from None
+        given = f" with factory_kwargs {json.dumps(kwargs)}" if kwargs else ""
+        raise ReplayError(f"factory {spec!r} failed{given} ({type(e).__name__}: {e}); pass "
+                          "--factory MOD:FN (and --factory-kwargs) that builds the recorded "
+                          "model") from None
+
+
+class _MetaUnsupported(Exception):
+    """The factory cannot build on the meta device; build it for real instead."""
+
+
+def _meta_attributes(model: nn.Module) -> bool:
+    """Plain tensor attributes (neither parameter nor buffer) left on the meta device."""
+    return any(isinstance(v, torch.Tensor) and v.is_meta
+               for m in model.modules() for v in vars(m).values())
