@@ -1,5 +1,5 @@
 """What an update's eps did, said in a hint: an eps of 0 in an Adam-style update's denominator
-(torch.optim's or another optimizer's; Adagrad's, RMSprop's and Adadelta's in their own terms), one that rounds to 0 in the weights' dtype, and
+(torch.optim's or another optimizer's; Adagrad's, RMSprop's, Adadelta's and Adamax's in their own terms), one that rounds to 0 in the weights' dtype, and
 Adafactor's squared floor that does."""
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ ACCUMULATED = {
     "RMSprop": ("a square_avg", "grad / (sqrt(square_avg) + eps)", "1e-08"),
     "Adadelta": ("a square_avg and an acc_delta",
                  "sqrt(acc_delta + eps) / sqrt(square_avg + eps) * grad", "1e-06"),
+    # (an infinity norm u = max(beta2 * u, |grad| + eps), no v and no sqrt)
+    "Adamax": ("an exp_avg and an exp_inf", "exp_avg / max(beta2 * exp_inf, |grad| + eps)",
+               "1e-08"),
 }
 # Adagrad's sum starts at initial_accumulator_value: 0 there leaves it 0 until a gradient comes
 ADAGRAD_ACC0 = (" (the sum starts at initial_accumulator_value, here 0: an embedding row "
@@ -37,8 +40,8 @@ ADAGRAD_ACC0 = (" (the sum starts at initial_accumulator_value, here 0: an embed
 def eps0_text(cls: str, groups: list[dict] = ()) -> str:
     """EPS0_UPDATE for torch.optim's Adam-style optimizers, EPS0_ACCUMULATED for those that
     divide by an accumulated square of the gradient alone (Adagrad, RMSprop, Adadelta; for
-    Adagrad with the initial_accumulator_value of ``groups`` that left its sum 0),
-    EPS0_CUSTOM_UPDATE for anyone else's."""
+    Adagrad with the initial_accumulator_value of ``groups`` that left its sum 0) or by an
+    infinity norm of it (Adamax), EPS0_CUSTOM_UPDATE for anyone else's."""
     if not cls.startswith("torch.optim."):
         return EPS0_CUSTOM_UPDATE
     name = cls.rpartition(".")[2]

@@ -9,10 +9,9 @@ import math
 from typing import Any
 
 from .load import Step
-from .optim import pair_eps
+from .optim import SPELT, number_pair, pair_eps
 
 KEYS = ("lr", "weight_decay", "eps", "momentum", "betas", "alpha")
-SPELT = ("nan", "inf", "-inf")  # the bundle's JSON spelling of non-finite floats (``jsonable``)
 
 
 def non_finite_hyper(step: Step, at, own: list[dict]) -> tuple[str, str] | None:
@@ -84,9 +83,7 @@ def set_hyper(opt, record: dict[str, Any], sub: Step, change) -> None:
                 v = sub.tensors[v["$t"]].to(sub.device, copy=True)
             elif isinstance(v, str) and v in SPELT:
                 v = float(v)
-            elif isinstance(v, list) and k == "betas":
-                v = tuple(v)
-            group[k] = v
+            group[k] = number_pair(v)
         if change.lr is not None:
             group["lr"] = change.lr
         if change.lr_factor is not None:

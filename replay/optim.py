@@ -50,9 +50,7 @@ def build_optimizer(step, model: nn.Module, opt_factory):
                 continue
             if isinstance(v, dict) and "$t" in v:
                 v = step.tensors[v["$t"]].to(step.device)
-            elif isinstance(v, list) and k == "betas":
-                v = tuple(v)
-            group[k] = v
+            group[k] = number_pair(v)
         groups.append(group)
     try:
         opt = opt_factory(groups) if opt_factory is not None else cls(groups)
@@ -78,6 +76,22 @@ def build_optimizer(step, model: nn.Module, opt_factory):
         if state:
             put_state(opt, p, state)
     return opt
+
+
+SPELT = ("nan", "inf", "-inf")  # the bundle's JSON spelling of non-finite floats (``jsonable``)
+
+
+def number_pair(v):
+    """A group's value as the optimizer took it: a JSON list of numbers (a tuple written by
+    ``jsonable``: Adam's ``betas``, Rprop's ``etas`` and ``step_sizes``) as a tuple, its
+    non-finite entries spelt 'nan'/'inf'/'-inf' as floats (Rprop's ``step_sizes=(1e-6,
+    inf)``, whose 'inf' the update's ``clamp_`` refused); anything else as it is."""
+    def number(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool) or x in SPELT
+
+    if not isinstance(v, list) or not v or not all(number(x) for x in v):
+        return v
+    return tuple(float(x) if isinstance(x, str) else x for x in v)
 
 
 def needs_closure(opt) -> bool:
