@@ -25,11 +25,23 @@ def written_since(model: nn.Module, before: dict[str, torch.Tensor]) -> dict[str
             if (first := before.get(n)) is not None and _plain(p) and _changed(first, p)}
 
 
-def written_note(written: dict[str, torch.Tensor]) -> str:
+def written_note(written: dict[str, torch.Tensor], model: nn.Module) -> str:
     more = f" +{len(written) - 4} more" if len(written) > 4 else ""
+    renormed = [f"{n.rpartition('.')[0] or '<root>'}' (max_norm={m.max_norm})"
+                for n in written if isinstance(m := _owner(model, n), nn.Embedding)
+                and m.max_norm is not None]
+    how = (f"nn.Embedding '{renormed[0]} renormalises the rows it looks up in place"
+           if renormed else "through .data (a refit in place, a grid update)")
     return (f"the model's forward writes its trained parameters ({', '.join(list(written)[:4])}"
-            f"{more}) itself, through .data (a refit in place, a grid update): the bundle "
-            "holds them as this step's forward left them, and each re-run starts from those")
+            f"{more}) itself, {how}: the bundle holds them as this step's forward left them, "
+            "and each re-run starts from those")
+
+
+def _owner(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name.rpartition(".")[0])
+    except AttributeError:
+        return None
 
 
 def _plain(p: torch.Tensor) -> bool:

@@ -147,7 +147,7 @@ class Runner:
         run1 = self.run()
         if written := written_since(self.model, before):
             self._frozen.keep(written)
-            report["problems"].append(written_note(written))
+            report["problems"].append(written_note(written, self.model))
         del before
         return run1, self.run()
 
