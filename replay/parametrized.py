@@ -45,12 +45,14 @@ def parametrization_hint(step: Step, module: str | None, op: str | None) -> str 
         where = _zero_rows(step.tensors[f"weights/{name}"])
         if where is None:
             continue
-        return (f"{op or 'an op'} in torch's {kind.__name__} parametrization of "
+        head = (f"{op or 'an op'} in torch's {kind.__name__} parametrization of "
                 f"{owner + '.' if owner else ''}{tensor} divides by a norm of its parameter "
-                f"{name}, which {where}: a layer initialised to zeros (nn.init.zeros_) or "
-                "driven there by its updates has norm 0 and the parametrization 0/0; "
-                "initialise that parameter nonzero" + (_WEIGHT_NORM if "original1" in name
-                                                        else ""))
+                f"{name}, which {where}")
+        if "original1" in name and where.startswith("has "):
+            return head + _switched_off(f"{prefix}original0")
+        return (head + ": a layer initialised to zeros (nn.init.zeros_) or driven there by its "
+                "updates has norm 0 and the parametrization 0/0; initialise that parameter "
+                "nonzero" + (_WEIGHT_NORM if "original1" in name else ""))
     return None
 
 
@@ -68,21 +70,36 @@ def _legacy_weight_norm(step: Step, module: str, op: str | None) -> str | None:
         where = _zero_rows(step.tensors[key])
         if where is None:
             continue
-        return (f"{op or 'an op'} in torch's hook-based weight_norm of {prefix}"
+        head = (f"{op or 'an op'} in torch's hook-based weight_norm of {prefix}"
                 f"{name[len(prefix):-2]} (torch.nn.utils.weight_norm: g * v / |v| before each "
-                f"forward) divides by the norm of {name}, which {where}: a layer initialised "
-                "to zeros (nn.init.zeros_) and then put under weight_norm has norm 0 and the "
-                f"weight 0/0; initialise it nonzero (to start the layer at 0, zero "
-                f"{name[:-2]}_g instead: the weight is then 0, and finite)")
+                f"forward) divides by the norm of {name}, which {where}")
+        if where.startswith("has "):
+            return head + _switched_off(f"{name[:-2]}_g")
+        return (head + ": a layer initialised to zeros (nn.init.zeros_) and then put under "
+                "weight_norm has norm 0 and the weight 0/0; initialise it nonzero (to start "
+                f"the layer at 0, zero {name[:-2]}_g instead: the weight is then 0, and "
+                "finite)")
     return None
+
+
+def _switched_off(magnitude: str) -> str:
+    """The advice for some rows of a weight-normed direction all 0, the rest not: rows the run
+    zeroed (a structured pruning of units, a write, updates that drove them there), which no
+    initialisation fixes."""
+    return (": rows zeroed by the run (a pruning of units, a write of 0, updates that drove "
+            "them there) have norm 0 and the weight 0/0 in them; to switch such units off, "
+            f"zero the same rows of the magnitude {magnitude} instead and leave the direction "
+            "nonzero (g * v / |v| is then 0 in them, and finite)")
 
 
 def _zero_rows(w: torch.Tensor) -> str | None:
     """What of ``w`` is 0 along its first dimension ("is all 0", "has 2 of its 8 rows all
-    0"), None when no row is all 0."""
+    0: [3, 5]"), None when no row is all 0."""
     if not w.is_floating_point() or w.dim() == 0 or w.numel() == 0:
         return None
-    rows, n = int((w.reshape(w.shape[0], -1) == 0).all(1).sum()), w.shape[0]
+    zero, n = (w.reshape(w.shape[0], -1) == 0).all(1), w.shape[0]
+    rows = zero.nonzero().flatten().tolist()
     if not rows:
         return None
-    return "is all 0" if rows == n else f"has {rows} of its {n} rows all 0"
+    listed = f"{rows[:8]}"[:-1] + (", ...]" if len(rows) > 8 else "]")
+    return "is all 0" if len(rows) == n else f"has {len(rows)} of its {n} rows all 0: {listed}"
