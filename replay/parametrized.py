@@ -19,6 +19,19 @@ from .load import Step
 _WEIGHT_NORM = (" (to start the layer at 0, zero its magnitude original0 instead: g * v / |v| "
                 "is then 0, and finite)")
 _SITE = re.compile(r"^(?:(?P<owner>.*)\.)?parametrizations\.(?P<tensor>[^.]+)\.\d+$")
+_ORIGINAL = re.compile(r"^(?:(?P<owner>.*)\.)?parametrizations\.(?P<tensor>[^.]+)"
+                       r"\.original\d*$")
+# what to do about the parameter ``original`` of a parametrization that an op took as is
+_IN_ITS_FORWARD = {
+    "overflow": "bound it in that parametrization's forward, where it arrives as the "
+                "argument (clamp it there before the op, x.clamp(max=...), or make the value "
+                "with softplus in place of exp) or lower its learning rate",
+    "invalid": "keep it in the op's domain in that parametrization's forward, where it "
+               "arrives as the argument (clamp it there, or make the value with exp or "
+               "softplus of it)",
+}
+_IN_TORCH = ("torch's code, which takes no clamp: keep the parameter in range by its updates "
+             "(a lower learning rate, gradient clipping, weight decay)")
 
 
 def parametrization_hint(step: Step, module: str | None, op: str | None) -> str | None:
@@ -54,6 +67,27 @@ def parametrization_hint(step: Step, module: str | None, op: str | None) -> str 
                 "updates has norm 0 and the parametrization 0/0; initialise that parameter "
                 "nonzero" + (_WEIGHT_NORM if "original1" in name else ""))
     return None
+
+
+def parametrized_advice(step: Step | None, param: str | None, cause: str) -> str | None:
+    """What to do about ``param`` when it is a parametrization's ``original`` (the value the
+    optimizer trains, which the model reads only through the parametrization's forward, as
+    ``OWNER.TENSOR``: the place to bound it is that forward, not a use of the name), else
+    None."""
+    site = _ORIGINAL.match(param or "")
+    if site is None or cause not in ("overflow", "invalid", "precision"):
+        return None
+    owner = f"{site['owner']}." if site["owner"] else ""
+    made, where = f"{owner}{site['tensor']}", f"{owner}parametrizations.{site['tensor']}"
+    try:
+        kinds = [type(m) for m in step.model.get_submodule(where)] if step else []
+    except (AttributeError, TypeError):
+        kinds = []
+    names = ", ".join(k.__name__ for k in kinds) or "register_parametrization"
+    said = f"torch keeps it for the parametrization that makes {made} ({names} in {where})"
+    if kinds and all(k.__module__.startswith("torch.") for k in kinds):
+        return f"{said}; its forward is {_IN_TORCH}"
+    return f"{said}: {_IN_ITS_FORWARD['invalid' if cause == 'precision' else cause]}"
 
 
 def _legacy_weight_norm(step: Step, module: str, op: str | None) -> str | None:

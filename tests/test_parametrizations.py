@@ -207,4 +207,12 @@ def test_exp_variance_parametrization_overflows_after_an_outlier(out_dir):
     o = rep["origin"]
     assert (o["module"], o["op"], rep["cause"]) == (
         "noise.parametrizations.var.0", "aten.exp", "overflow"), o
-    print(rep["hint"])
+    assert o["samples"] == list(range(BATCH)), o  # (one variance, expanded over the batch)
+    hint = rep["hint"]
+    # the parameter is torch's storage of the parametrization; the place to bound it is the
+    # user's Exp.forward, not a use of that name (which the model never writes)
+    assert "input is the parameter noise.parametrizations.var.original" in hint, hint
+    assert "the parametrization that makes noise.var (Exp in noise.parametrizations.var): " \
+        "bound it in that parametrization's forward" in hint, hint
+    assert "var.original.clamp" not in hint, hint
+    assert f"the gradient norm had jumped at step {K}" in hint, hint  # (the outlier's step)
