@@ -94,5 +94,5 @@ def make_symmetric() -> nn.Sequential:
     torch.manual_seed(0)
     sym = nn.Linear(HIDDEN, HIDDEN)
     parametrize.register_parametrization(sym, "weight", Symmetric())
-    return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.Tanh(), sym, nn.Tanh(),
+    return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.Tanh(), sym, nn.ReLU(),
                          nn.Linear(HIDDEN, N_CLASSES))

@@ -34,6 +34,7 @@ from torch.nn.utils import parametrize
 from torch.utils.data import DataLoader, TensorDataset
 
 from recorder import FlightRecorder, NonFiniteError
+from recorder.bundle import read_bundle
 
 pytestmark = pytest.mark.usefixtures("in_tests_dir")
 K = 3  # the step at which each planted bug is planted
@@ -216,3 +217,84 @@ def test_exp_variance_parametrization_overflows_after_an_outlier(out_dir):
         "bound it in that parametrization's forward" in hint, hint
     assert "var.original.clamp" not in hint, hint
     assert f"the gradient norm had jumped at step {K}" in hint, hint  # (the outlier's step)
+
+
+def record_without_factory(factory: str, out_dir: Path, plant) -> NonFiniteError:
+    """The loop of ``run`` recorded with no ``factory=`` (a notebook's model)."""
+    model = getattr(P, factory)()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir):
+            for step, (x, y) in enumerate(loader()):
+                plant(model, step, y)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    return info.value
+
+
+@pytest.mark.parametrize("factory, storage, module", [
+    ("make_weight_norm", lambda m: m.parametrizations.weight.original1,
+     "0.parametrizations.weight.0"),
+    ("make_old_weight_norm", lambda m: m.weight_v, "0")])
+def test_parametrized_stock_model_is_rebuilt_without_a_factory(out_dir, factory, storage,
+                                                               module):
+    """An ``nn.Sequential`` of torch's modules with torch's own weight_norm on its first layer,
+    recorded with no factory: the README's promise for a model of torch.nn's own modules holds
+    for it too. The bundle describes the layer as the ``Linear`` it is, with the weight_norm
+    applied to it, so the replay rebuilds it, loads ``original0``/``original1`` (or
+    ``weight_g``/``weight_v``) and re-runs the step: the same module, op and cause as with the
+    factory. (Before, the new API's ``ParametrizedLinear`` was no torch.nn class and nothing was
+    re-run; the old API's Linear was rebuilt without its hook, and refused as "built without
+    its 'weight_g', 'weight_v' ...: the constructor argument that makes it is kept in no
+    attribute".)"""
+    err = record_without_factory(factory, out_dir, prune_rows([3, 9], storage))
+    assert (err.event["step"], err.event["module"]) == (K, module), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], rep["cause"], rep["reproduced"]) == (
+        module, "aten._weight_norm_interface", "invalid", True), (o, rep["problems"])
+    assert any("rebuilt from the bundle's description" in p for p in rep["problems"])
+
+
+def test_spectral_norm_discriminator_is_rebuilt_without_a_factory(out_dir):
+    """The discriminator under ``parametrizations.spectral_norm`` recorded with no factory:
+    rebuilt with spectral_norm applied again (its power iteration's ``_u``, ``_v`` loaded from
+    the bundle), the head's ``weight / sigma`` named as with the factory."""
+    model = P.make_discriminator()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.BCEWithLogitsLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir):
+            for step, (x, y) in enumerate(loader()):
+                if step == K:
+                    with torch.no_grad():
+                        model[2].parametrizations.weight.original.zero_()
+                opt.zero_grad()
+                crit(model(x).squeeze(1), (y > 0).float()).backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], rep["cause"], rep["reproduced"]) == (
+        "2.parametrizations.weight.0", "aten.div", "invalid", True), (o, rep["problems"])
+
+
+def test_a_users_own_parametrization_is_no_stock_model(out_dir):
+    """A ``Symmetric`` parametrization of the user's own is user code that no description
+    rebuilds: the bundle describes no stock model, and the replay asks for a factory (the
+    planted bug: a bad checkpoint writes the symmetric weight to 3e38 and the first layer's
+    bias to 10, so every hidden value is tanh(~10) ~ 1 and each of the symmetric layer's sums
+    of 16 terms is ~4.8e38, above float32's max 3.4e38)."""
+    def plant(model, step, y):
+        if step == K:
+            with torch.no_grad():
+                model[2].parametrizations.weight.original.fill_(3e38)
+                model[0].bias.fill_(10.0)
+
+    err = record_without_factory("make_symmetric", out_dir, plant)
+    assert (err.event["step"], err.event["phase"]) == (K, "forward"), err.event
+    assert "stock" not in read_bundle(err.bundle_path)[0]["model"]
+    rep = nanreplay_json(err.bundle_path, code=None)
+    assert rep["reproduced"] is False and rep["origin"]["op"] is None, rep
+    assert any("pass --factory" in p for p in rep["problems"]), rep["problems"]
