@@ -48,7 +48,7 @@ from .offset_divisor import offset_divisor_hint
 from .ops import OpFinder
 from .other_rows import note_other_rows
 from .param_divisor import divisor_hint
-from .parametrized import parametrization_hint, parametrized_advice
+from .parametrized import parametrization_hint, parametrization_range_hint, parametrized_advice
 from .picked_fill import picked_hint, picked_origin
 from .piecewise_forward import forward_piecewise_hint
 from .product_underflow import lineage_hints
@@ -209,6 +209,8 @@ def _with_param(step: Step, runner: Runner, finder: OpFinder, o, found, hit) -> 
         return held  # (a statistic the model keeps: x / self.std, p / self.p_model)
     if cause == "invalid" and (own := parametrization_hint(step, o.module, hit and hit.op)):
         return own
+    if torch_code := parametrization_range_hint(step, o.module, hit and hit.op, hint, cause):
+        return torch_code  # (orthogonal's matrix_exp of a huge generator)
     if cause == "invalid" and (rows := pruned_rows_hint(step, o.module, hit and hit.op)):
         return rows  # (structured pruning's zero rows, normalised by the forward)
     if cause == "invalid" and (empty := empty_mask_hint(step, o.module, hit and hit.op)):

@@ -69,6 +69,38 @@ def parametrization_hint(step: Step, module: str | None, op: str | None) -> str 
     return None
 
 
+def parametrization_range_hint(step: Step, module: str | None, op: str | None, hint: str | None,
+                               cause: str) -> str | None:
+    """For an op of torch's own parametrization module ``module`` (``orthogonal``'s
+    ``matrix_exp``) that overflowed or lost precision on a parameter grown huge: ``hint``'s
+    diagnosis, with the advice that fits torch's code (which takes no rescaling, no row max,
+    no eps): keep the parameter in range by its updates; else None."""
+    site = _SITE.match(module or "")
+    if site is None or step.model is None or hint is None or cause not in ("overflow",
+                                                                           "precision"):
+        return None
+    try:
+        kind = type(step.model.get_submodule(module))
+    except AttributeError:
+        return None
+    if not kind.__module__.startswith("torch."):
+        return None  # (the user's own: its code can be rescaled, as the hint says)
+    owner = f"{site['owner']}." if site["owner"] else ""
+    prefix = f"{owner}parametrizations.{site['tensor']}."
+    held = {k.removeprefix("weights/"): t for k, t in step.tensors.items()
+            if k.startswith(f"weights/{prefix}original") and t.is_floating_point() and t.numel()}
+    if not held:
+        return None
+    name, largest = max(((n, float(t.abs().max())) for n, t in held.items()),
+                        key=lambda nt: nt[1])
+    said = hint.split(": rescale its inputs")[0] if ": rescale its inputs" in hint else hint
+    return (f"{said}; {op or 'the op'} runs in torch's {kind.__name__} parametrization of "
+            f"{owner}{site['tensor']}, on its parameter {name} (|values| up to {largest:.3g}): "
+            "torch's code takes no rescaling there, so keep that parameter in range by its "
+            "updates (a lower learning rate, clipping the gradient norm; a write of a huge "
+            "value, a checkpoint's, is a bug of its own) or compute that layer in float64")
+
+
 def parametrized_advice(step: Step | None, param: str | None, cause: str) -> str | None:
     """What to do about ``param`` when it is a parametrization's ``original`` (the value the
     optimizer trains, which the model reads only through the parametrization's forward, as

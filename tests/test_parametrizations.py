@@ -298,3 +298,39 @@ def test_a_users_own_parametrization_is_no_stock_model(out_dir):
     rep = nanreplay_json(err.bundle_path, code=None)
     assert rep["reproduced"] is False and rep["origin"]["op"] is None, rep
     assert any("pass --factory" in p for p in rep["problems"]), rep["problems"]
+
+
+def test_orthogonal_generator_grown_huge_overflows_matrix_exp(out_dir):
+    """``parametrizations.orthogonal`` on a square layer uses ``matrix_exp`` of the
+    skew-symmetric ``A = X.tril() - X.tril().T`` of its parameter ``original`` (times the
+    ``base`` its trivialization keeps). At step K a bad resume writes ``original`` at a scale
+    of 1e12: exp(A) is still orthogonal (its entries within [-1, 1]), but float32's
+    scaling-and-squaring overflows on the way and returns NaN, which float64 does not (both
+    checked with plain torch.linalg.matrix_exp). The op is ``aten.linalg_matrix_exp`` in
+    ``2.parametrizations.weight.0``, the cause ``overflow``; the fix cannot be to rescale
+    inside torch's code (no row max to subtract there): the hint says to keep ``original`` in
+    range by its updates, or the layer in float64."""
+    def plant(model, step, y):
+        if step == K:
+            with torch.no_grad():
+                g = torch.Generator().manual_seed(0)
+                model[2].parametrizations.weight.original.copy_(
+                    torch.randn(P.HIDDEN, P.HIDDEN, generator=g) * 1e12)
+
+    x = torch.randn(P.HIDDEN, P.HIDDEN, generator=torch.Generator().manual_seed(0)) * 1e12
+    a = x.tril() - x.tril().T
+    assert not torch.linalg.matrix_exp(a).isfinite().all()  # (float32: NaN on the way)
+    assert torch.linalg.matrix_exp(a.double()).isfinite().all()  # (float64 holds it)
+    err = crash("make_orthogonal", out_dir, plant)
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (K, "forward",
+                                                        "2.parametrizations.weight.0"), ev
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], rep["cause"]) == (
+        "2.parametrizations.weight.0", "aten.linalg_matrix_exp", "overflow"), o
+    assert o["samples"] == list(range(BATCH)), o
+    hint = rep["hint"]
+    assert "torch's _Orthogonal parametrization of 2.weight, on its parameter " \
+        "2.parametrizations.weight.original" in hint, hint
+    assert "subtract the row max" not in hint and "keep that parameter in range" in hint, hint
