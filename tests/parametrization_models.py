@@ -6,7 +6,8 @@
   ``original1`` the direction v; the weight is ``g * v / |v|`` row by row);
 - ``make_old_weight_norm``: the same under the old hook-based ``torch.nn.utils.weight_norm``
   (``weight_g``, ``weight_v``, a forward pre-hook);
-- ``make_discriminator``: a GAN discriminator under ``parametrizations.spectral_norm``;
+- ``make_discriminator``: a GAN discriminator under ``parametrizations.spectral_norm``
+  (``make_old_discriminator``: under the hook-based ``nn.utils.spectral_norm``);
 - ``make_orthogonal``: a classifier whose square hidden layer is kept orthogonal;
 - ``make_variance_net``: a heteroscedastic regressor whose variance is the user's own
   positivity parametrization, ``exp`` of an unconstrained parameter;
@@ -43,6 +44,15 @@ def make_old_weight_norm() -> nn.Sequential:
 def make_discriminator() -> nn.Sequential:
     torch.manual_seed(0)
     sn = parametrizations.spectral_norm
+    return nn.Sequential(sn(nn.Linear(D_IN, HIDDEN)), nn.LeakyReLU(0.2),
+                         sn(nn.Linear(HIDDEN, 1)))
+
+
+def make_old_discriminator() -> nn.Sequential:
+    """The discriminator under the hook-based ``nn.utils.spectral_norm`` (``weight_orig``,
+    ``weight_u``, ``weight_v``, a forward pre-hook)."""
+    torch.manual_seed(0)
+    sn = nn.utils.spectral_norm
     return nn.Sequential(sn(nn.Linear(D_IN, HIDDEN)), nn.LeakyReLU(0.2),
                          sn(nn.Linear(HIDDEN, 1)))
 

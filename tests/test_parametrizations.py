@@ -50,13 +50,13 @@ def loader(regression: bool = False) -> DataLoader:
 
 
 def run(factory: str, out_dir: Path | None, *, plant=None, cached: bool = False,
-        steps: int = 6, lr: float = 0.05) -> list[float]:
+        steps: int = 6, lr: float = 0.05, given: bool = True) -> list[float]:
     """Train ``parametrization_models.<factory>()`` for ``steps`` steps (under the recorder when
-    ``out_dir`` is given); ``plant(model, step, batch)`` may break something before a step's
-    forward. Returns the losses."""
+    ``out_dir`` is given, told the factory when ``given``); ``plant(model, step, batch)`` may
+    break something before a step's forward. Returns the losses."""
     model = getattr(P, factory)()
     regression = factory == "make_variance_net"
-    binary = factory == "make_discriminator"  # (real/fake: one logit)
+    binary = "discriminator" in factory  # (real/fake: one logit)
     crit = nn.GaussianNLLLoss() if regression else \
         nn.BCEWithLogitsLoss() if binary else nn.CrossEntropyLoss()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -83,8 +83,8 @@ def run(factory: str, out_dir: Path | None, *, plant=None, cached: bool = False,
     if out_dir is None:
         loop()
     else:
-        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
-                            factory=f"parametrization_models:{factory}"):
+        named = {"factory": f"parametrization_models:{factory}"} if given else {}
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, **named):
             loop()
     return losses
 
@@ -97,7 +97,8 @@ def crash(factory: str, out_dir: Path, plant, **kw) -> NonFiniteError:
 
 @pytest.mark.parametrize("factory, cached", [
     ("make_weight_norm", False), ("make_weight_norm", True), ("make_old_weight_norm", False),
-    ("make_discriminator", False), ("make_orthogonal", False), ("make_orthogonal", True),
+    ("make_discriminator", False), ("make_old_discriminator", False),
+    ("make_orthogonal", False), ("make_orthogonal", True),
     ("make_variance_net", False), ("make_symmetric", False)])
 def test_healthy_parametrized_runs_raise_nothing_and_change_no_loss(out_dir, factory, cached):
     plain = run(factory, None, cached=cached)
@@ -298,6 +299,49 @@ def test_a_users_own_parametrization_is_no_stock_model(out_dir):
     rep = nanreplay_json(err.bundle_path, code=None)
     assert rep["reproduced"] is False and rep["origin"]["op"] is None, rep
     assert any("pass --factory" in p for p in rep["problems"]), rep["problems"]
+
+
+def grow_generator(model, step, y):
+    """At step K a bad resume writes orthogonal's ``original`` at a scale of 1e12."""
+    if step == K:
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(0)
+            model[2].parametrizations.weight.original.copy_(
+                torch.randn(P.HIDDEN, P.HIDDEN, generator=g) * 1e12)
+
+
+def zero_head(model, step, y):
+    """At step K the user resets the discriminator's head to zeros (its trained weight)."""
+    if step == K:
+        with torch.no_grad():
+            head = model[2]
+            (head.weight_orig if hasattr(head, "weight_orig")
+             else head.parametrizations.weight.original).zero_()
+
+
+@pytest.mark.parametrize("factory, plant, module, op", [
+    ("make_orthogonal", grow_generator, "2.parametrizations.weight.0", "aten.linalg_matrix_exp"),
+    ("make_discriminator", zero_head, "2.parametrizations.weight.0", "aten.div"),
+    ("make_old_discriminator", zero_head, "2", "aten.div")])
+def test_no_factory_replay_names_what_the_factory_replay_names(out_dir, tmp_path, factory,
+                                                              plant, module, op):
+    """The same planted bug recorded with and without a factory: the rebuilt model (torch's
+    orthogonal with its trivialization's ``base`` buffer, spectral_norm with its power
+    iteration's ``_u``, ``_v``; the hook-based spectral_norm's ``weight_orig``, ``weight_u``,
+    ``weight_v``) re-runs the step to the same origin, cause and hint. (The hook-based
+    spectral_norm's ``weight / sigma`` runs in the Linear's forward pre-hook, so its module is
+    the Linear ``2``; its op was checked with a TorchDispatchMode: ``aten.div`` of 0 by 0.)"""
+    reps = []
+    for given, where in ((True, out_dir), (False, tmp_path / "no-factory")):
+        with pytest.raises(NonFiniteError) as info:
+            run(factory, where, plant=plant, given=given)
+        reps.append(nanreplay_json(info.value.bundle_path))
+    with_factory, without = reps
+    o = without["origin"]
+    assert (o["module"], o["op"], without["reproduced"]) == (module, op, True), \
+        (o, without["problems"])
+    assert (without["cause"], without["hint"]) == (with_factory["cause"], with_factory["hint"])
+    assert any("rebuilt from the bundle's description" in p for p in without["problems"])
 
 
 def test_orthogonal_generator_grown_huge_overflows_matrix_exp(out_dir):
