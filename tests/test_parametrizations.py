@@ -222,17 +222,7 @@ def test_exp_variance_parametrization_overflows_after_an_outlier(out_dir):
 
 def record_without_factory(factory: str, out_dir: Path, plant) -> NonFiniteError:
     """The loop of ``run`` recorded with no ``factory=`` (a notebook's model)."""
-    model = getattr(P, factory)()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    crit = nn.CrossEntropyLoss()
-    with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir):
-            for step, (x, y) in enumerate(loader()):
-                plant(model, step, y)
-                opt.zero_grad()
-                crit(model(x), y).backward()
-                opt.step()
-    return info.value
+    return crash(factory, out_dir, plant, given=False)
 
 
 @pytest.mark.parametrize("factory, storage, module", [
@@ -257,28 +247,6 @@ def test_parametrized_stock_model_is_rebuilt_without_a_factory(out_dir, factory,
     assert (o["module"], o["op"], rep["cause"], rep["reproduced"]) == (
         module, "aten._weight_norm_interface", "invalid", True), (o, rep["problems"])
     assert any("rebuilt from the bundle's description" in p for p in rep["problems"])
-
-
-def test_spectral_norm_discriminator_is_rebuilt_without_a_factory(out_dir):
-    """The discriminator under ``parametrizations.spectral_norm`` recorded with no factory:
-    rebuilt with spectral_norm applied again (its power iteration's ``_u``, ``_v`` loaded from
-    the bundle), the head's ``weight / sigma`` named as with the factory."""
-    model = P.make_discriminator()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    crit = nn.BCEWithLogitsLoss()
-    with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir):
-            for step, (x, y) in enumerate(loader()):
-                if step == K:
-                    with torch.no_grad():
-                        model[2].parametrizations.weight.original.zero_()
-                opt.zero_grad()
-                crit(model(x).squeeze(1), (y > 0).float()).backward()
-                opt.step()
-    rep = nanreplay_json(info.value.bundle_path)
-    o = rep["origin"]
-    assert (o["module"], o["op"], rep["cause"], rep["reproduced"]) == (
-        "2.parametrizations.weight.0", "aten.div", "invalid", True), (o, rep["problems"])
 
 
 def test_a_users_own_parametrization_is_no_stock_model(out_dir):
