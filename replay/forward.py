@@ -48,7 +48,7 @@ from .offset_divisor import offset_divisor_hint
 from .ops import OpFinder
 from .other_rows import note_other_rows
 from .param_divisor import divisor_hint
-from .parametrized import parametrization_hint
+from .parametrized import parametrization_hint, parametrization_range_hint, parametrized_advice
 from .picked_fill import picked_hint, picked_origin
 from .piecewise_forward import forward_piecewise_hint
 from .product_underflow import lineage_hints
@@ -209,6 +209,8 @@ def _with_param(step: Step, runner: Runner, finder: OpFinder, o, found, hit) -> 
         return held  # (a statistic the model keeps: x / self.std, p / self.p_model)
     if cause == "invalid" and (own := parametrization_hint(step, o.module, hit and hit.op)):
         return own
+    if torch_code := parametrization_range_hint(step, o.module, hit and hit.op, hint, cause):
+        return torch_code  # (orthogonal's matrix_exp of a huge generator)
     if cause == "invalid" and (rows := pruned_rows_hint(step, o.module, hit and hit.op)):
         return rows  # (structured pruning's zero rows, normalised by the forward)
     if cause == "invalid" and (empty := empty_mask_hint(step, o.module, hit and hit.op)):
@@ -240,8 +242,9 @@ def with_param_advice(hint: str | None, cause: str, hit, step: Step | None = Non
     lo, hi = hit.input_min, hit.input_max
     value = f"{lo:.4g}" if lo == hi else f"in [{lo:.4g}, {hi:.4g}]"
     crossed = last_update_text(step, hit) if step is not None and cause == "invalid" else ""
-    return (f"{hint}; {hit.op}'s input is the parameter {hit.param} ({value}): "
-            + PARAM_ADVICE[cause].format(name=hit.param) + crossed)
+    advice = parametrized_advice(step, hit.param, cause) \
+        or PARAM_ADVICE[cause].format(name=hit.param)  # (one a parametrization takes)
+    return f"{hint}; {hit.op}'s input is the parameter {hit.param} ({value}): {advice}{crossed}"
 
 
 # what to do about a learnable parameter used as is by the op that went non-finite

@@ -41,8 +41,10 @@ class CallRecorder:
         self.called_at: dict[int, str | None] = {}  # call id -> the user's line that called it
         self.produced_allowed = TensorSet()  # outputs of modules allowed to hold +-Inf
         self.checked = TensorMemo()  # tensor -> its (min, max) on the host
+        self.weights: set[int] = set()  # ids of the model's parameters and buffers
 
     def install(self, model) -> list:
+        self.weights = {id(t) for t in [*model.parameters(), *model.buffers()]}
         handles = []
         for name, m in hookable_modules(model):
             at = mask_positions(m) if name else ()  # (the root's masks: as recorded)
@@ -91,7 +93,7 @@ class CallRecorder:
     def _post(self, name: str):
         def hook(module, args, kwargs, output):
             if self.stack:
-                self._record(name, self.stack.pop(), output)
+                self._record(name, self.stack.pop(), output, self._of_weights(args, kwargs))
                 self.result.calls[-1].returned_input = returned_input(output, args, kwargs)
         return hook
 
@@ -105,7 +107,14 @@ class CallRecorder:
                 pairs[i] = tuple(pair)
         return pairs
 
-    def _record(self, name: str, call_id: int, output) -> None:
+    def _of_weights(self, args, kwargs) -> bool:
+        """The call took tensors, every one the model's parameter or buffer (a
+        parametrization's ``original``): its output's rows are no samples, whatever their
+        number (a weight of as many rows as the batch has samples)."""
+        given = tensor_leaves([list(args), kwargs])
+        return bool(given) and all(id(t) in self.weights for t in given)
+
+    def _record(self, name: str, call_id: int, output, of_weights: bool = False) -> None:
         (ok_in, every_in, nan_free_in), parents = self.pending.pop(call_id)
         self.result.open.pop(call_id, None)
         inf_ok: set[int] = set()  # (a distribution's logits, as the recorder checks them)
@@ -125,7 +134,7 @@ class CallRecorder:
         k = self.counts.get((name, mb), 0)
         self.counts[(name, mb)] = k + 1
         rows = (_output_rows(outs, samples(self.runner.step, mb), packed_in(output))
-                if not ok_out else [])
+                if not ok_out and not of_weights else [])
         nan = any(math.isnan(lo) or math.isnan(hi) for lo, hi in pairs)
         self.result.calls.append(Call(len(self.result.calls), name, k, mb, ok_in, ok_out, kind,
                                       mm, parents, call_id, rows, nan, every_in, nan_free_in,

@@ -7,22 +7,37 @@ same way, the parameters the bundle does not hold left out (``bias=False``) and 
 the run reached under two names tied again (``head.weight = emb.weight``). The weights are then
 the bundle's (``replay.load``). A description that names any other class, or that a
 constructor refuses, or a module its attributes cannot rebuild (``nn.TransformerEncoderLayer``
-keeps ``d_model`` in no attribute) rebuilds nothing, and the reason names the module."""
+keeps ``d_model`` in no attribute) rebuilds nothing, and the reason names the module. torch's
+own reparametrizations the run had put on a module (``applied``: weight_norm, spectral_norm,
+orthogonal, new or hook-based) are applied again by their public functions, with their
+recorded arguments, before the weights are loaded."""
 
 from __future__ import annotations
 
 import importlib
 import inspect
 import re
+import warnings
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrizations
 
 from recorder.stock_model import STOCK
 
 from .errors import ReplayError
+
+# recorder.stock_model's names of torch's reparametrizations: the function applying each
+APPLY = {
+    "weight_norm": parametrizations.weight_norm,
+    "spectral_norm": parametrizations.spectral_norm,
+    "orthogonal": parametrizations.orthogonal,
+    "hooked_weight_norm": nn.utils.weight_norm,
+    "hooked_spectral_norm": nn.utils.spectral_norm,
+}
+_PLAIN = (int, float, str, bool, type(None))
 
 
 class NotStock(ReplayError):
@@ -73,12 +88,34 @@ def _module(node: Any, prefix: str, params: set[str], buffers: set[str]) -> nn.M
     for k, child in node.get("children", {}).items():
         m.add_module(k, None if child is None else _module(child, f"{prefix}{k}.", params,
                                                             buffers))
+    _apply(m, node.get("applied") or [], where)
     for k in [k for k, p in m.named_parameters(recurse=False) if f"{prefix}{k}" not in params]:
         m.register_parameter(k, None)  # (built by default, absent in the run: bias=False)
     for k in [k for k, b in m.named_buffers(recurse=False) if f"{prefix}{k}" not in buffers]:
         m.register_buffer(k, None)
     _check_held(m, prefix, params | buffers, where)
     return m
+
+
+def _apply(m: nn.Module, applied: Any, where: str) -> None:
+    """Applies each of torch's reparametrizations described in ``applied`` to ``m``."""
+    if not isinstance(applied, list):
+        raise NotStock("a malformed module description")
+    for d in applied:
+        fn = APPLY.get(d.get("apply")) if isinstance(d, dict) else None
+        args, tensor = (d.get("args"), d.get("tensor")) if fn else (None, None)
+        if not isinstance(args, dict) or not isinstance(tensor, str) \
+                or not all(isinstance(k, str) and isinstance(v, _PLAIN) for k, v in args.items()):
+            raise NotStock(f"{where}: a malformed reparametrization {d!r}")
+        try:
+            with warnings.catch_warnings():  # (the hook-based ones are deprecated)
+                warnings.simplefilter("ignore", FutureWarning)
+                fn(m, tensor, **args)
+        except (TypeError, ValueError, RuntimeError, AttributeError) as e:
+            if any(t.is_meta for t in m.parameters()):  # (orthogonal's right_inverse reads
+                raise  # values: built again for real, replay.load)
+            raise NotStock(f"{where}'s {d['apply']} of {tensor!r} was not applied again "
+                           f"({type(e).__name__}: {e})") from None
 
 
 def _check_held(m: nn.Module, prefix: str, held: set[str], where: str) -> None:
