@@ -30,9 +30,28 @@ def bypassing_class(module) -> type | None:
         if call is None:
             continue
         code = getattr(unwrapped(call), "__code__", None)
-        if code is None or "__call__" not in code.co_names:
+        if code is None or not _delegates(cls, code):
             return cls
     return None
+
+
+def _delegates(cls: type, code) -> bool:
+    """``code`` (a class's ``__call__``) names ``__call__``, or calls an object the class holds
+    whose own ``__call__`` does: torch.fx's ``GraphModule`` calls ``self._wrapped_call(...)``,
+    whose ``__call__`` ends in ``super().__call__``. (Plain functions and methods it names are
+    not followed: GPyTorch's ``__call__`` calls ``self.forward``.)"""
+    if "__call__" in code.co_names:
+        return True
+    for name in code.co_names:
+        held = inspect.getattr_static(cls, name, None)
+        if held is None or inspect.isroutine(held) or isinstance(
+                held, (staticmethod, classmethod, property, type)):
+            continue
+        call = inspect.getattr_static(type(held), "__call__", None)
+        inner = getattr(unwrapped(call), "__code__", None)
+        if inner is not None and "__call__" in inner.co_names:
+            return True
+    return False
 
 
 def unwrapped(call):

@@ -2,7 +2,8 @@
 exception came from the model's own code or from the replay.
 
 A frame is the user's when it is neither torch's nor nanreplay's (nor Python's own glue:
-``<string>``, ``contextlib``, ``threading``).
+``<string>``, ``contextlib``, ``threading``); code generated with its source in ``linecache``
+(a torch.fx ``GraphModule``'s ``<eval_with_key>``) is the model's own.
 """
 
 from __future__ import annotations
@@ -138,8 +139,9 @@ def _first_user(frames, skip: tuple[str, ...] = ()) -> str | None:
                 return None
             continue
         left_own = True
-        if f.startswith(_TORCH_DIR) or f.startswith("<") or any(d in f for d in skip):
-            continue
+        if f.startswith(_TORCH_DIR) or any(d in f for d in skip) or f.startswith("<") and (
+                f.startswith("<frozen") or not linecache.getline(f, line)):
+            continue  # (code generated with its source kept is the user's: torch.fx's)
         if os.sep + "contextlib.py" in f or os.sep + "threading.py" in f:
             continue
         return f"{short_path(f)}:{line}"
