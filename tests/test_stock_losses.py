@@ -310,3 +310,76 @@ def test_triplet_with_a_lambda_distance_is_said_not_rebuilt(out_dir):
     assert f"distance_function (a lambda at {line})" in note
     assert "so it was not rebuilt" in note
     assert "define that function at module level" in note
+
+
+def test_soft_margin_loss_exp_overflow_is_an_overflow(out_dir):
+    """Sample 4's features are 1e4 times too large: its score has the wrong sign by far more
+    than 88.7, and soft_margin_loss's exp(-y * x) (taken as is, no softplus) overflows."""
+    g = gen(2)
+    x, y = feats(g, 2), signs(g, 2)
+    x[row(4)] *= 1e4
+    case = ("make_scorer", nn.SoftMarginLoss(), (x, y), None)
+    assert first_bad_op(*case)[0] == "soft_margin_loss"
+    err = planted(out_dir, *case)
+    assert err.event["phase"] == "loss"
+    assert type(rebuilt(err)) is nn.SoftMarginLoss
+    rep = nanreplay_json(err.bundle_path)
+    assert origin(rep, "phase", "module", "op", "made", "samples") == (
+        "loss", "<loss>", "aten.soft_margin_loss", "+inf", [4])
+    assert (rep["reproduced"], rep["cause"]) == (True, "overflow")
+    assert "F.softplus(-y * x).mean()" in rep["hint"] and "--try drop=4" in rep["hint"]
+    assert "outside its domain" not in rep["hint"]
+
+
+def test_kl_div_log_target_minus_inf_is_an_input(out_dir):
+    """A teacher's probability of exactly 0 (sample 6), logged for log_target=True: -inf in
+    the target, and exp(-inf) * (-inf - input) is 0 * -inf inside kl_div."""
+    g = gen()
+    probs = torch.softmax(3 * torch.randn(N, M.C, generator=g), -1)
+    probs[row(6)] = torch.tensor([1.0, 0.0, 0.0])
+    crit = nn.KLDivLoss(reduction="batchmean", log_target=True)
+    case = ("make_log_classifier", crit, (feats(g), probs), lambda out, p: crit(out, p.log()))
+    _, hits = first_bad_op(*case)
+    # the loop's log(0), then kl_div's ops on the -inf: target - input, then 0 * -inf: NaN
+    assert [op for op, _ in hits[:3]] == ["log", "sub", "mul"] and not hits[2][1]
+    err = planted(out_dir, *case)
+    assert err.event["phase"] == "input"  # (the loss's target held the -inf)
+    got = rebuilt(err)
+    assert (got.reduction, got.log_target) == ("batchmean", True)
+    rep = nanreplay_json(err.bundle_path)
+    assert origin(rep, "phase", "made", "samples") == ("input", "-inf", [6])
+    assert (rep["reproduced"], rep["cause"]) == (True, "input")
+    assert "log_target=False" in rep["hint"] and "aten.mul computed 0 * inf" in rep["hint"]
+
+
+def test_bce_with_logits_pos_weight_of_an_absent_class(out_dir):
+    """pos_weight = negatives / positives over the data set, with class 2 never positive:
+    1/0 = inf before the first step; with a target of 0 the kernel's 1 + (inf - 1) * 0 is
+    NaN for every sample. (Its exp never overflows: the kernel is the stable log-sum-exp
+    form; only pos_weight * |x| past float32's range would.)"""
+    g = gen()
+    labels = (torch.rand(N, M.C, generator=g) < 0.4).float()
+    labels[:, 2] = 0
+    pos_weight = (N - labels.sum(0)) / labels.sum(0)
+    assert pos_weight[2].item() == math.inf
+    case = ("make_classifier", nn.BCEWithLogitsLoss(pos_weight=pos_weight), (feats(g), labels),
+            None)
+    err = planted(out_dir, *case, step=0)
+    assert err.event["phase"] == "loss"
+    assert torch.equal(rebuilt(err).pos_weight, pos_weight)
+    rep = nanreplay_json(err.bundle_path)
+    assert origin(rep, "phase", "op", "made", "samples") == (
+        "loss", "aten.binary_cross_entropy_with_logits", "nan", list(range(B)))
+    assert (rep["reproduced"], rep["cause"]) == (True, "weights")
+    assert "'pos_weight' holding inf at index 2" in rep["hint"]
+    assert "count.clamp_min(1)" in rep["hint"]
+
+
+def test_bce_with_logits_stable_for_large_logits():
+    """The plain-PyTorch fact the test above relies on: logits of ±100 with pos_weight 3
+    give a finite loss (no exp overflow), and only pos_weight * |x| beyond float32 is inf."""
+    y = torch.tensor([[1.0, 0.0]])
+    crit = nn.BCEWithLogitsLoss(pos_weight=torch.tensor([3.0, 3.0]))
+    assert math.isfinite(crit(torch.tensor([[-100.0, 100.0]]), y).item())
+    crit = nn.BCEWithLogitsLoss(pos_weight=torch.tensor([1e37, 1.0]))
+    assert crit(torch.tensor([[-100.0, 0.0]]), y).item() == math.inf
