@@ -104,7 +104,7 @@ class FirstBad(TorchDispatchMode):
 
 
 def first_bad_op(factory, crit, data, step_loss=None, backward=False):
-    """Plain PyTorch, no recorder: K steps of the loop, then step K's loss (and backward)
+    """Plain PyTorch, no recorder: K steps of the loop, then step K's loss (or its backward)
     under :class:`FirstBad`. The first op making a non-finite value from finite inputs,
     its name without ``aten.``; the whole list of hits."""
     torch.manual_seed(0)
@@ -114,9 +114,10 @@ def first_bad_op(factory, crit, data, step_loss=None, backward=False):
     for i, (x, *rest) in enumerate(DataLoader(TensorDataset(*data), batch_size=B)):
         opt.zero_grad()
         mode = FirstBad()
-        with mode if i == K else _nothing():
+        with mode if i == K and not backward else _nothing():
             loss = step_loss(model(x), *rest)
-            if i < K or backward:
+        with mode if i == K and backward else _nothing():
+            if i < K or backward:  # (backward=True: the backward's ops alone)
                 loss.backward()
         if i == K:
             first = next((op for op, finite_in in mode.hits if finite_in), None)
@@ -383,3 +384,76 @@ def test_bce_with_logits_stable_for_large_logits():
     assert math.isfinite(crit(torch.tensor([[-100.0, 100.0]]), y).item())
     crit = nn.BCEWithLogitsLoss(pos_weight=torch.tensor([1e37, 1.0]))
     assert crit(torch.tensor([[-100.0, 0.0]]), y).item() == math.inf
+
+
+def test_poisson_nll_of_a_negative_rate(out_dir):
+    """PoissonNLLLoss(log_input=False) takes the rate as is, and the model's rate has no
+    softplus: sample 1's far input (x100) makes it negative, and log(rate + eps) is NaN. Its
+    count is 0 there (a count of 0 is data, not a bound: the log never takes the target),
+    and the counts are at least 1 elsewhere. (A rate of exactly 0 is no bug: eps keeps
+    log(0 + 1e-8) finite, and full=True's Stirling term is masked below a count of 2.)"""
+    g = gen()
+    x = feats(g)
+    counts = torch.poisson(torch.full((N, 2), 3.0), generator=g).clamp_min(1)
+    x[row(1)] *= 100
+    counts[row(1), 0] = 0
+    crit = nn.PoissonNLLLoss(log_input=False, full=True)
+    case = ("make_poisson", crit, (x, counts), None)
+    assert first_bad_op(*case)[0] == "log"
+    err = planted(out_dir, *case)
+    assert err.event["phase"] == "loss"
+    got = rebuilt(err)
+    assert (got.log_input, got.full, got.eps) == (False, True, 1e-8)
+    rep = nanreplay_json(err.bundle_path)
+    assert origin(rep, "phase", "module", "op", "made", "samples") == (
+        "loss", "<loss>", "aten.log", "nan", [1])
+    assert (rep["reproduced"], rep["cause"]) == (True, "invalid")
+    hint = rep["hint"]
+    assert "The negative values are the model's output, which module lin returned" in hint
+    assert "--try drop=1" in hint
+    assert "no feasible point" not in hint and "repair the bound" not in hint
+
+
+def test_gaussian_nll_of_a_relu_variance_with_eps_0(out_dir):
+    """GaussianNLLLoss(full=True, eps=0): the clamp of the variance guards nothing, and
+    sample 3's ReLU variance head is 0 (its features sum below -20): log(0) is -inf first,
+    then (x - y)**2 / 0 and their sum."""
+    g = gen()
+    x, y = feats(g), torch.randn(N, 2, generator=g)
+    x[row(3)] = -10.0
+    crit = nn.GaussianNLLLoss(full=True, eps=0.0)
+    case = ("make_gaussian", crit, (x, y), lambda out, y: crit(out[0], y, out[1]))
+    first, hits = first_bad_op(*case)
+    assert first == "log" and [op for op, _ in hits[:3]] == ["log", "div", "add"]
+    err = planted(out_dir, *case)
+    assert err.event["phase"] == "loss"
+    got = rebuilt(err)
+    assert (got.full, got.eps) == (True, 0.0)
+    rep = nanreplay_json(err.bundle_path)
+    assert origin(rep, "phase", "module", "op", "made", "samples") == (
+        "loss", "<loss>", "aten.log", "-inf", [3])
+    assert (rep["reproduced"], rep["cause"]) == (True, "invalid")
+    hint = rep["hint"]
+    assert "an eps option set to 0" in hint
+    assert "The 0s are the model's output[1]" in hint and "made by aten.relu" in hint
+    assert "spread" not in hint and "pearson" not in hint
+
+
+def test_triplet_with_a_module_level_distance_is_rebuilt(out_dir):
+    """The same mining bug with ``stock_losses_models.euclidean``: the loss is rebuilt with
+    that function, and its backward's first non-finite value is SqrtBackward0's at 0."""
+    case = mined_case(M.euclidean)
+    _, hits = first_bad_op(*case, backward=True)
+    assert hits[0] == ("div", True)  # SqrtBackward0's grad / (2 * sqrt(0))
+    err = planted(out_dir, *case)
+    assert err.event["phase"] == "backward"
+    got = rebuilt(err)
+    assert (got.distance_function, got.margin, got.swap) == (M.euclidean, 0.5, True)
+    rep = nanreplay_json(err.bundle_path)
+    assert origin(rep, "phase", "module", "op", "made", "samples") == (
+        "backward", "<loss>", "SqrtBackward0", "+inf", [7])
+    assert rep["origin"]["source"] == source_line("stock_losses_models.py", "# BUG euclid")
+    assert rep["reproduced"] is True
+    # the positive is the anchor itself: 0 exactly, in float64 as well
+    assert rep["cause"] == "invalid", (rep["cause"], rep["hint"])
+    assert "eps under the root" in rep["hint"] or "torch.sqrt(x + 1e-8)" in rep["hint"]
