@@ -273,7 +273,7 @@ def _describe_module(m: nn.Module, prefix: str, tensors: dict[str, torch.Tensor]
         elif getattr(getattr(v, "__wrapped__", None), "__self__", None) is m:
             continue  # its own method, wrapped by its construction (torchmetrics' update)
         else:
-            node["unrecorded"].append(f"{k} ({type(v).__name__})")
+            node["unrecorded"].append(f"{k} ({_unstored(v)})")
     for k, b in buffers.items():
         key = None if b is None else f"loss/{prefix}{k}"
         if b is not None:
@@ -293,6 +293,19 @@ def _describe_module(m: nn.Module, prefix: str, tensors: dict[str, torch.Tensor]
         if c is not None and id(c) in shared:  # (described too: a replay that predates it)
             node["children"][k]["model"] = shared[id(c)]
     return node
+
+
+def _unstored(v: Any) -> str:
+    """What an attribute the bundle cannot store is: its type's name, or for a function no
+    import path leads to, why and where (``a lambda at train.py:12``: a triplet loss's
+    ``distance_function``)."""
+    if isinstance(v, types.FunctionType):
+        why = {"lambda": "a lambda", "closure": "a function defined inside a function",
+               "script": "a function of the script run as __main__"}.get(
+                   describe_callable(v).get("why"))
+        if why:
+            return why + (f" at {at}" if (at := defined_at(v)) else "")
+    return type(v).__name__
 
 
 def json_plain(v: Any) -> bool:

@@ -84,7 +84,7 @@ from .picked_fill import folded_pick_hint
 from .plus_inf_row import row_hint
 from .power_overflow import power_advice
 from .rerun import Runner
-from .scaled_log import log_advice
+from .scaled_log import INNER_EXP, log_advice
 from .selected_fill import selected_fill_hint
 from .squared_zero import source as zero_source
 from .step_dtype import autocast as _autocast
@@ -207,6 +207,8 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
         own = domains.own_factor_sign(op, ev)  # (its own rounding, not an overflow)
         return Cause("precision", f"{own}: " + DO["log_det"]) if own else _beyond_type(op, ev)
     if domains.no_pole(name, ev):
+        if name in INNER_EXP:  # (its true result fits; its exp does not: a stable form does)
+            return Cause("overflow", f"{op} overflowed: " + log_advice(op, ""))
         if ev.local64 is None and not still:  # a random op: the float64 step decides
             return Cause("overflow", f"{op}'s result is too large for {dt} and finite in "
                          "float64: " + _wider(ev.dtype))

@@ -4,7 +4,9 @@ loss, ``1 - pearson_corrcoef(pred.T, target.T)`` over each series' horizon, of a
 forecaster at initialisation (the last value repeated, its correction's head at 0):
 torchmetrics scales the variance by ``max_abs_dev ** -2``, inf at a spread of 0, and
 ``0 * inf`` is NaN; a z-score or cosine of the row has the same pole. The op's advice (a count
-or degree clamped, an eps) does not say that the prediction is flat; the hint does."""
+or degree clamped, an eps) does not say that the prediction is flat; the hint does. Not where the 0 is the output's own value (``replay.negative_output`` named
+it: a variance head's ReLU at 0 under ``GaussianNLLLoss(eps=0)``'s log), flat because its
+row is all 0."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any
 import torch
 
 from .load import Step
+from .negative_output import ZEROS_MADE
 from .perfect_fit import loss_pole, output_data_pairs
 
 # (the pole texts of replay.domains: "of 0 (a pole: 1/0)", "by 0 (x/0, a pole)", a pow's)
@@ -22,8 +25,8 @@ _AT_ZERO = ("of 0 (", "by 0 (", "of 0 by 0", "of 0 to a negative power")
 def constant_output_hint(report: dict[str, Any], step: Step) -> None:
     """Append to a loss origin's pole at 0 the samples whose model output is constant."""
     hint, gate = report.get("hint") or "", loss_pole(report, step, _AT_ZERO)
-    if gate is None or not gate[1] or "perfect fit" in hint:
-        return
+    if gate is None or not gate[1] or "perfect fit" in hint or ZEROS_MADE in hint:
+        return  # (a 0 that is the output's own value, a ReLU head's: no spread of it)
     mb, rows = gate
     made = _flat_output(step, mb, rows)
     if made is None:

@@ -26,7 +26,8 @@ _NO_POLE = {"exp", "exp2", "expm1", "mul", "add", "sub", "sum", "mean", "mm", "b
             "_convolution", "cumsum", "prod", "cumprod", "sinh", "cosh", "square", "einsum",
             "_to_copy", "copy_", "linalg_vector_norm", "norm", "ldexp", "addcmul", "lerp",
             "_softmax", "_log_softmax", "logsumexp", "mul_", "add_", "sub_", "exp_",
-            "linalg_matrix_exp", "matrix_exp"} | BESSEL  # (NOTEARS' tr(exp(W * W)))
+            "linalg_matrix_exp", "matrix_exp", "soft_margin_loss"} | BESSEL
+# (NOTEARS' tr(exp(W * W)); SoftMarginLoss's log(1 + exp(-y * x)), its exp taken as is)
 
 
 # Ops whose derivative has a pole (a backward node's lower-cased name, ``SqrtBackward0``:

@@ -244,10 +244,18 @@ def _module(node: dict[str, Any], tensors, device, *, top: bool = False,
     m.training = bool(node.get("training", True))
     lost = [a for a in node.get("unrecorded", ()) if not hasattr(m, a.split(" ")[0])]
     if lost:  # (one its default construction set is kept)
-        raise Unrebuildable(f"{what} holds attribute(s) the bundle cannot store ("
-                            f"{', '.join(lost[:3])}: not JSON values, tensors, modules or "
-                            f"importable functions), so it was not rebuilt; {_FACTORY_WAY[3:]}")
+        raise Unrebuildable(_unstored(what, lost))
     return m
+
+
+def _unstored(what: str, lost: list[str]) -> str:
+    """Why the loss was not rebuilt: the attributes the bundle could not store, and for a
+    function no import path leads to (a lambda ``distance_function``), where to define it."""
+    fn = any(w in a for a in lost for w in (" (a lambda", " (a function"))
+    return (f"{what} holds attribute(s) the bundle cannot store ({', '.join(lost[:3])}: not "
+            "JSON values, tensors, modules or importable functions), so it was not rebuilt; "
+            + ("define that function at module level in a module importable from here (def "
+               "distance(a, b): ...) " + _FACTORY_WAY if fn else _FACTORY_WAY[3:]))
 
 
 def _drop_unrecorded(m: nn.Module, node: dict[str, Any]) -> None:

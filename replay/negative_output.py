@@ -34,6 +34,10 @@ _DOMAIN = {"aten.log", "aten.log2", "aten.log10", "aten.sqrt", "aten.rsqrt", "at
 _POLES = {"aten.log", "aten.log2", "aten.log10", "aten.rsqrt", "aten.reciprocal"}
 _CUTS = {"aten.relu", "aten.threshold", "aten.clampmin", "aten.clamp", "aten.hardtanh"}
 _DIVIDES = {"aten.div", "aten.div_"}
+# the openings of the sentences saying that the op's input is a model output as returned (its
+# 0s, its negative values): no statistic of it, no bound in the data (replay.constant_output,
+# replay.zero_bound)
+ZEROS_MADE, NEGATIVES_MADE = "The 0s are the model's ", "The negative values are the model's "
 
 
 def negative_output_hint(runner: Runner, mb: int, hit, cause: str, hint: str | None
@@ -70,15 +74,15 @@ def negative_output_hint(runner: Runner, mb: int, hit, cause: str, hint: str | N
     if cut:
         if op not in _CUTS:
             return hint
-        return (f"{hint}. The 0s are the model's {path}, which {who} returned{made}, exactly 0 "
+        return (f"{hint}. {ZEROS_MADE}{path}, which {who} returned{made}, exactly 0 "
                 "wherever its input is negative: non-negative is not enough for a divisor or a "
                 "log; bound it below where it is made (softplus(x) + eps, or exp of a learned "
                 "log), which an eps in the loss would only patch")
     if cause == "underflow":
-        return (f"{hint}. The 0s are the model's {path}, which {who} returned{made}: bound it "
+        return (f"{hint}. {ZEROS_MADE}{path}, which {who} returned{made}: bound it "
                 "where it is made (a likelihood's lower bound, clamp_min(1e-9) in that "
                 "module), so every use of it gets the bounded value")
-    return (f"{hint}. The negative values are the model's {path}, which {who} returned"
+    return (f"{hint}. {NEGATIVES_MADE}{path}, which {who} returned"
             f"{made}: a value that must not be negative there (a likelihood, a variance, a "
             "scale) came out of the model so; fix it where it is made (bound or "
             "reparameterize what makes it negative), as a clamp in the loss would hide it")

@@ -6,6 +6,9 @@ S^2). Past float32's range from x ≈ 90 and float64's from x ≈ 710, so neithe
 (which caps the concentration) nor float64 is the fix: the log written without the overflowing
 value (the exponentially scaled variant, a log-space identity) is finite for any x.
 
+So is ``nn.SoftMarginLoss``, whose kernel takes ``log(1 + exp(-y * x))`` without softplus's
+linear branch: the stable form, ``F.softplus(-y * x)``, is finite for any score.
+
 So is a softmax written out, ``exp(x) / exp(x).sum(-1)`` (a profile's probabilities, then their
 log): where a narrow type's exp overflowed and the advice said only to widen it, it adds that
 ``softmax``/``log_softmax`` subtract the row max first (:data:`SOFTMAX`)."""
@@ -19,6 +22,9 @@ _SCALED = {"i0": "i0e", "special_i0": "i0e", "special_modified_bessel_i0": "i0e"
 BESSEL = frozenset(_SCALED)  # no pole, no domain edge: a non-finite value is an overflow
 _HYPERBOLIC = ("log(cosh(x)) = x.abs() + log1p(exp(-2 * x.abs())) - log(2), log(sinh(x)) = "
                "x + log1p(-exp(-2 * x)) - log(2) for x > 0")
+
+# fused ops whose result is finite where their exp, taken on the way, overflows
+INNER_EXP = frozenset({"soft_margin_loss"})
 
 SOFTMAX = ("; where the exp is normalised by its sum (a softmax or its log written out, "
            "exp(x) / exp(x).sum(-1)), use torch.softmax or log_softmax on x: they subtract the "
@@ -39,6 +45,12 @@ def log_advice(op: str, advice: str) -> str:
         return (f"where its log is taken (a log-cosh loss, a von Mises-Fisher normaliser "
                 f"kappa / sinh(kappa)), write the log without the overflowing value ({op} "
                 f"grows like e^|x| / 2): {_HYPERBOLIC}, finite for any x; else " + advice)
+    if name in INNER_EXP:
+        return (f"{op} takes log(1 + exp(-y * x)) with exp(-y * x) as is, which leaves "
+                "float32's range once a score has the wrong sign by more than 88.7 (float64's "
+                "by 709), though the loss there is finite (about -y * x); compute it as "
+                "F.softplus(-y * x).mean(), which is linear there, or keep the scores in "
+                "range (a normalised head; a temperature)")
     if name in ("exp", "exp2") and "row max" not in advice:
         return advice + SOFTMAX
     return advice

@@ -9,7 +9,10 @@ model predicts, and the log is NaN there. The log-domain advice (start feasible,
 steps inside) cannot help; the data can. When the origin is such a log and a floating model
 input or loss argument that is data (not made of the model output) is positive everywhere but
 0 at entries of exactly the samples named (each of them holding one), the hint names that
-tensor and its entries and says to repair the bound or leave its constraint out there.
+tensor and its entries and says to repair the bound or leave its constraint out there. Not
+when the log's negative input is a model output as returned (``replay.negative_output`` named
+it: ``PoissonNLLLoss(log_input=False)``'s log of a raw rate), where a 0 count in the target
+is data the log never took.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from .domains import g
 from .empty_counts import root_inputs
 from .load import Step
 from .log_domain import ADVICE as LOG_DOMAIN
+from .negative_output import NEGATIVES_MADE
 from .recorded import samples
 
 _LOGS = {"aten.log", "aten.log2", "aten.log10"}
@@ -37,7 +41,8 @@ def zero_bound_hint(report: dict[str, Any], step: Step) -> None:
     rows, mb = o.get("samples") or [], o.get("micro_batch") or 0
     low = (o.get("input_range") or [(o.get("chain") or [{}])[0].get("input_min")])[0]
     if report.get("cause") != "invalid" or o.get("op") not in _LOGS or low is None \
-            or low >= 0 or not rows or o.get("all_samples") or LOG_DOMAIN not in hint:
+            or low >= 0 or not rows or o.get("all_samples") or LOG_DOMAIN not in hint \
+            or NEGATIVES_MADE in hint:  # (the log took a model output as is: no slack)
         return
     for name, t, d in _data(step, mb):
         at = _zero_bound(t, d, rows)
