@@ -66,9 +66,10 @@ def bound_advice(step: Step, windowed: bool, rerun: str = "the bundle's rewind w
     tries = bound_tries(step)
     if not tries:
         return None
-    test = " and ".join(f"--try {t}" for t in tries)
-    test = (f"{test} re-run {rerun} with each" if windowed else
-            f"record with FlightRecorder(..., rewind=N) so that {test} re-run the steps that grew")
+    test, one = " and ".join(f"--try {t}" for t in tries), len(tries) == 1
+    verb, each = ("re-runs", "it") if one else ("re-run", "each")
+    test = (f"{test} {verb} {rerun} with {each}" if windowed else
+            f"record with FlightRecorder(..., rewind=N) so that {test} {verb} the steps that grew")
     if not grows_step(groups):
         return (f"{cls} updates by lr times a sign, so the gradients' magnitude never reaches "
                 "the weights and clipping them changes nothing: lower the learning rate "

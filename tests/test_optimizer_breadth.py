@@ -396,3 +396,23 @@ def test_asgd_s_rate_beyond_float32_is_said_and_auto_proposes_a_finite_one(out_d
     default = inspect.signature(OPT.ASGD).parameters["lr"].default
     assert [t["try"] for t in rep["what_if"]] == [f"lr={default:g}"], rep["what_if"]
     assert (rep["what_if"][0]["finite"], rep["what_if"][0]["inconclusive"]) == (True, False)
+
+
+def test_lion_s_sign_update_is_not_told_to_clip(out_dir):
+    """pytorch_optimizer's Lion updates by lr * sign(...): at lr=1e37 its second update's
+    weights overflow the loss. The gradients' magnitude never reaches the weights, so the
+    remedy is the rate alone: no clipping advice, and auto's lr=0.1x re-runs the window finite
+    (no clip=1.0 proposed)."""
+    lion = pytest.importorskip("pytorch_optimizer").Lion
+    plain, *_ = _loop(lambda m: lion(m.parameters(), lr=1e37))
+    step = next(i for i, v in enumerate(plain) if not math.isfinite(v))
+    *_, err = _loop(lambda m: lion(m.parameters(), lr=1e37),
+                    record={"out_dir": out_dir, "rewind": 4})
+    assert err.event["step"] == step and err.event["phase"] in ("forward", "loss"), err.event
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
+    assert rep["cause"] == "overflow"
+    assert "clipping them changes nothing: lower the learning rate" in rep["hint"], rep["hint"]
+    assert "clip the gradients" not in rep["hint"], rep["hint"]
+    tries = {t["try"]: t for t in rep["what_if"]}
+    assert "lr=0.1x" in tries and not any(t.startswith("clip=") for t in tries), list(tries)
+    assert (tries["lr=0.1x"]["finite"], tries["lr=0.1x"]["inconclusive"]) == (True, False)
