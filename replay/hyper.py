@@ -92,6 +92,8 @@ def set_hyper(opt, record: dict[str, Any], sub: Step, change) -> None:
             group["eps"] = pair_eps(group.get("eps"), change.eps)
         if change.weight_decay is not None and (_decays(rec) or not decayed):
             group["weight_decay"] = change.weight_decay
+        for k, v in change.hyper:  # (a pair that bounds the update: replay.update_bound)
+            group[k] = v
 
 
 def _decays(hyper: dict[str, Any]) -> bool:

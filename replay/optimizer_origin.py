@@ -14,7 +14,6 @@ from recorder.finite import finite, tensors_kind
 from recorder.inner_optim import put_state, state_items
 from recorder.seq_state import cloned
 
-from .cause_text import HINTS
 from .eps_text import eps0_text
 from .findings import UPDATE_NOT_RERUN, finish, origin_fields
 from .half_update import half_overflow_why
@@ -28,6 +27,7 @@ from .quantised_state import zero_scale_why
 from .reduced_grads import use_reduced_grads
 from .rerun import Runner
 from .unrecorded_update import UNRECORDED_NOT_RERUN, unrecorded_update_hint
+from .update_bound import beyond_dtype_text, optimizer_advice
 from .update_domain import (
     domain_why,
     negative_input,
@@ -91,7 +91,8 @@ def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[st
     # (the groups holding the weights it made non-finite; every group when none is known)
     own = [g for g in groups if set(g.get("params") or ()) & set(params)] or groups
     bad = non_finite_hyper(step, at, own)
-    why = (_hyper_why(bad, step) if bad else stale_why if stale_why else
+    big = None if bad else beyond_dtype_text(step, own, params)  # (ASGD's lr=1e39)
+    why = (_hyper_why(bad, step) if bad else big if big else stale_why if stale_why else
            f"its state {stale[1]} of {stale[0]} already held {stale[2]} before this update "
            "(the recorder does not read optimizer state each step): loaded that way "
            "(optimizer.load_state_dict from a bad checkpoint) or written outside the "
@@ -102,7 +103,7 @@ def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[st
            (None if negative_input(domain)
             else _eps_why(step, own, params, made))
            or (domain and domain_why(domain) + zero_gradient_text(step, params, at))
-           or half_overflow_why(step, made, params) or HINTS["optimizer"])
+           or half_overflow_why(step, made, params) or optimizer_advice(step, own))
     return (f"{op + ' in ' if op else ''}{cls}'s update at step {at} made {made} in "
             f"{params[0]} from finite gradients and weights ({rerun_from}); {why}")
 
@@ -126,7 +127,8 @@ def after_update_hint(step: Step, params: list[str]) -> str | None:
     opt = step.meta.get("optimizer") or {}
     groups = [g for g in opt.get("param_groups", []) if set(g.get("params") or ()) & set(params)]
     bad = non_finite_hyper(step, step.event.get("step"), groups)
-    why = _hyper_why(bad, step) if bad else _eps_why(step, groups, params, None)
+    why = _hyper_why(bad, step) if bad else beyond_dtype_text(step, groups, params) \
+        or _eps_why(step, groups, params, None)
     if not why:  # (a moment that came in NaN: the rows are the state's, none said)
         why = nan_moment_why(step, params)
     elif not bad and (w := step.tensors.get(f"weights/{params[0]}")) is not None:

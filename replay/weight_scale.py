@@ -30,6 +30,7 @@ from .precursors import history
 from .rising_lr import rising_lr_text, warming_lr_text
 from .source import user_source
 from .unscaled_update import unscaled_update_advice
+from .update_bound import bound_advice
 
 aten = torch.ops.aten
 _MUL = {aten.mul_.Tensor, aten.mul_.Scalar, FOREACH_MUL_}
@@ -146,7 +147,8 @@ def diverging_advice(step, windowed: bool) -> str:
         return lead + coupled_text(coupled, windowed)
     if rising:
         return rising
-    plain = DO["diverging_window" if windowed else "diverging"]
+    # (an update of the gradient's sign: its own bounds, not the rate's or clipping's)
+    plain = bound_advice(step, windowed) or DO["diverging_window" if windowed else "diverging"]
     warming = warming_lr_text(history(step.meta, step.tensors))
     # (one batch's update out of a calm run: clipping, not the rate; see replay.grad_spike)
     return grown_state_advice(step) or no_line_search_advice(step) \

@@ -10,8 +10,10 @@ one, the recorded step, with one change (see :class:`replay.window.Change`), and
 a non-finite value still appears and where. ``lr``, ``eps``, ``wd`` and ``clip`` apply to every
 update of the run, ``dtype`` to every step's compute (weights, optimizer state and inputs cast,
 autocast off), ``drop`` to the batch of the event step (the step whose samples the report
-names). ``auto`` tries the remedies that fit the cause found (:func:`auto_tries`). A try is
-``inconclusive`` when the re-run without any change is finite too.
+names), ``step_sizes`` and ``etas`` (pairs: Rprop's bounds on its growing step size,
+``replay.update_bound``) to every update. ``auto`` tries the remedies that fit the cause found
+(:func:`auto_tries`). A try is ``inconclusive`` when the re-run without any change is finite
+too.
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ from .optim import default_eps1, eps_lost, safe_eps, squared_eps_lost
 from .other_makers import drop_with_others
 from .outliers import out_of_scale
 from .recorded import batch_size
+from .update_bound import GROWING, bound_tries, lr_beyond_dtype, parse_pair, usable_lr
 from .weight_scale import scaled_update
 from .window import Change, Window, run_window, step_as_window, window_of
 from .zero_rows import empty_micro_batch
 
-KEYS = ("lr", "eps", "clip", "dtype", "drop", "wd")
+KEYS = ("lr", "eps", "clip", "dtype", "drop", "wd", *GROWING)
 EXAMPLES = {"lr": "1e-4 (or lr=0.1x)", "eps": "1e-8", "clip": "1.0", "dtype": "float32",
-            "drop": "3,7", "wd": "0.01"}
+            "drop": "3,7", "wd": "0.01", "step_sizes": "1e-6,50", "etas": "0.5,1.2"}
 # the note of every try on an optimizer event's bundle that holds the weights after the update
 # and no window: nothing before the update to re-run it from
 AFTER_UPDATE = ("the bundle holds the weights after the update, not those before it: record "
@@ -89,6 +92,11 @@ def parse_try(text: str) -> tuple[str, Change | None]:
     if key == "clip":
         return text, Change(clip=_number(text, value, "a maximum gradient norm such as 1.0",
                                          positive=True))
+    if key in GROWING:  # (Rprop's: replay.update_bound)
+        try:
+            return text, Change(hyper=((key, parse_pair(text, key, value)),))
+        except ValueError as e:
+            raise TryError(str(e)) from None
     if key == "dtype":
         if value not in DTYPES:
             raise TryError(f"--try {text!r}: dtype must be one of {', '.join(DTYPES)}")
@@ -120,14 +128,15 @@ def check_applicable(step: Step, label: str, change: Change) -> None:
     opt = step.optimizer
     needs = [k for k, v in (("lr", change.lr if change.lr is not None else change.lr_factor),
                             ("eps", change.eps), ("weight_decay", change.weight_decay),
-                            ("clip", change.clip)) if v is not None]
+                            ("clip", change.clip)) if v is not None] + [k for k, _ in change.hyper]
     if needs and opt is None:
         raise ReplayError(f"--try {label}: the bundle's optimizer was not rebuilt, so there is "
                           "no update to change")
     for k in needs:
         if k != "clip" and not all(k in g for g in opt.param_groups):
             # (the keys this optimizer does take: SGD has a weight decay, Adafactor no lr)
-            has = [key for key, name in (("lr", "lr"), ("eps", "eps"), ("wd", "weight_decay"))
+            has = [key for key, name in (("lr", "lr"), ("eps", "eps"), ("wd", "weight_decay"),
+                                         *((k, k) for k in GROWING))
                    if all(name in g for g in opt.param_groups)]
             raise ReplayError(f"--try {label}: {type(opt).__name__} has no '{k}' setting; "
                               f"try another key ({', '.join(has + ['clip'])})")
@@ -201,8 +210,13 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
         return out
     if step.optimizer is not None and fits_update:
         bad_lr, relative = _lr_kinds(step.optimizer.param_groups)
-        if not bad_lr:
-            out += ["clip=1.0"] if relative else ["lr=0.1x", "clip=1.0"]
+        # (a rate the weights' dtype cannot hold, ASGD's lr=1e39: no fraction of it is usable)
+        huge = lr_beyond_dtype(step, step.optimizer.param_groups, o.get("params") or [])
+        if huge and (use := usable_lr(step)) is not None:
+            out.append(f"lr={use:g}")
+        elif not bad_lr:
+            # (an update of the gradient's sign: the knobs bounding its size, no clipping)
+            out += bound_tries(step) or (["clip=1.0"] if relative else ["lr=0.1x", "clip=1.0"])
             if (before := _lr_before_jump(report)) is not None:
                 out.append(f"lr={before:.3g}")  # the rate the run trained at before the jump
             # (weights times |c| >= 1: a decoupled decay's factor, SGD's coupled one's growth)
@@ -395,9 +409,9 @@ def _parsed(step: Step, report: dict[str, Any], tries: list[str]) -> list[tuple[
 
 def _update_only(change: Change) -> bool:
     """The change acts on the updates alone (learning rate, eps, weight decay, clipping)."""
-    return change.dtype is None and not change.drop and any(
+    return change.dtype is None and not change.drop and (bool(change.hyper) or any(
         v is not None for v in (change.lr, change.lr_factor, change.eps, change.weight_decay,
-                                change.clip))
+                                change.clip)))
 
 
 def _update_before_event(step: Step, win: Window) -> bool:

@@ -88,6 +88,7 @@ class Change:
     drop: list[int] | None = None  # rows removed from the event step's batch
     drop_step: int | None = None
     drop_micro_batch: tuple[int, ...] | None = None  # (None: every micro-batch of that step)
+    hyper: tuple[tuple[str, tuple[float, ...]], ...] = ()  # (Rprop's step_sizes, etas)
 
 
 # a window whose steps ran forwards on weights the loop moved (recorder: ``weights_moved``)

@@ -18,6 +18,7 @@ from .findings import UPDATE_NOT_RERUN, finish, origin_fields
 from .load import Step
 from .optimizer_origin import optimizer_hint
 from .rewind_text import where
+from .update_bound import bound_advice
 from .update_domain import owner_type, updated_rows
 from .weight_readers import bad_row_fields, rows_text
 from .weight_scale import scale_text, scaled_update
@@ -176,7 +177,7 @@ def _hint_growth(step: Step, report: dict[str, Any], factor: float = 10.0) -> bo
                       + (scale_text(scaled) if scaled else
                          coupled_text(coupled, windowed=True) if coupled else
                          "fix what happened there (a bad batch, a learning-rate jump) or "
-                         + DO["diverging_window"]))
+                         + (bound_advice(step, True) or DO["diverging_window"])))
     return True
 
 

@@ -35,3 +35,17 @@ def loader(n: int = 128, batch_size: int = 16) -> DataLoader:
     y = (ids.float().mean(1) * N_CLASSES / SEEN).long().clamp_max(N_CLASSES - 1)
     return DataLoader(TensorDataset(ids, y), batch_size=batch_size, shuffle=True,
                       generator=torch.Generator().manual_seed(2))
+
+
+# A line regressed by L1 onto a target far above every output it reaches: the gradient's sign
+# is the same at every step (an Rprop step size that only grows), its magnitude 1 at most.
+LINE_IN, LINE_TARGET = 4, 1e30
+
+
+def make_line() -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(LINE_IN, 1)
+
+
+def line_batch(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ones(n, LINE_IN), torch.full((n, 1), LINE_TARGET)

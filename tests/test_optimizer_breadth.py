@@ -9,13 +9,15 @@ takes the scheduler's rates and momenta step by step."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
+import re
 
 import optimizer_breadth_models as OB
 import pytest
 import torch
 import zf_models as ZF
-from bundles import nanreplay_json
+from bundles import invoke_cli, nanreplay_json, one_error_line
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
@@ -286,3 +288,131 @@ def test_a_rewind_window_re_runs_the_scheduler_s_rates_and_momenta(out_dir, name
     assert [s["step"] for s in w["per_step"]] == list(range(first, CORRUPT + 1))
     assert [s["lr"] for s in w["per_step"]] == lrs[first:CORRUPT + 1]
     assert [s["loss"] for s in w["per_step"][:-1]] == plain[first:CORRUPT]
+
+
+F32_MAX = torch.finfo(torch.float32).max
+
+
+def _line_loop(make_opt, steps: int, record: dict):
+    """optimizer_breadth_models' line under L1 onto its far target, recorded; the error."""
+    model = OB.make_line()
+    opt = make_opt(model)
+    crit = nn.L1Loss()
+    x, y = OB.line_batch()
+    try:
+        with FlightRecorder(model, opt, loss_fn=crit, factory="optimizer_breadth_models:make_line",
+                            **record):
+            for _ in range(steps):
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    except NonFiniteError as e:
+        return e
+    return None
+
+
+def _no_rate_or_clip_advice(hint: str) -> None:
+    """Rprop's remedy names its own bounds (step_sizes, etas), not the rate nor clipping."""
+    assert "step_sizes[1]" in hint and "etas[1]" in hint, hint
+    assert "neither a lower lr nor clipping bounds the update" in hint, hint
+    assert "lower the learning rate" not in hint and "clip gradients" not in hint, hint
+    assert "lr=0.1x" not in hint and "clip=1.0" not in hint, hint
+
+
+def test_rprop_s_growing_step_size_overflows_the_weights_in_its_update(out_dir):
+    """Rprop's step size starts at lr and grows etas[1]-fold per update while the gradient
+    keeps its sign (always, here), with no upper bound: the first update whose step size
+    lr * etas[1] ** k is beyond float32 makes every weight +inf. The hint names step_sizes and
+    etas (Rprop's lr is only the first step size; it takes the gradient's sign alone, so
+    clipping changes nothing); --try auto proposes Rprop's default bounds, which make the
+    update finite, and neither a rate nor clipping."""
+    lr, eta = 1.0, 1e20
+    at = next(k for k in range(10) if lr * eta ** k > F32_MAX)
+    err = _line_loop(lambda m: OPT.Rprop(m.parameters(), lr=lr, etas=(0.5, eta),
+                                         step_sizes=(1e-6, math.inf)),
+                     at + 2, {"out_dir": out_dir, "guard_optimizer": True})
+    names = [n for n, _ in OB.make_line().named_parameters()]
+    assert (err.event["step"], err.event["phase"], err.event["params"]) == \
+        (at, "optimizer", names), err.event
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
+    assert rep["reproduced"] and rep["cause"] == "optimizer"
+    assert rep["origin"]["param"] == names[0]
+    assert f"Rprop's update at step {at}" in rep["hint"], rep["hint"]
+    _no_rate_or_clip_advice(rep["hint"])
+    assert f"grows each element's step size {eta:g}x per update" in rep["hint"], rep["hint"]
+    assert not re.search(r"\beps\b", rep["hint"]), rep["hint"]  # (Rprop has none)
+    default = inspect.signature(OPT.Rprop).parameters
+    lo_hi, etas = default["step_sizes"].default, default["etas"].default
+    tries = {t["try"]: t for t in rep["what_if"]}
+    bound = f"step_sizes={1e-6:g},{lo_hi[1]:g}"
+    assert list(tries) == [bound, f"etas={0.5:g},{etas[1]:g}"], list(tries)
+    assert f"--try {bound} and --try etas={0.5:g},{etas[1]:g} re-run the update" in rep["hint"]
+    assert (tries[bound]["finite"], tries[bound]["inconclusive"]) == (True, False)
+
+
+def test_rprop_s_growth_in_a_rewind_window_names_its_bounds(out_dir):
+    """The forward overflow of Rprop's unbounded step size (etas=(0.5, 1e20),
+    step_sizes=(1e-6, inf)), recorded with rewind=4: the growth hint's remedy is Rprop's
+    maximum step size and growth factor, and auto's step_sizes try re-runs the window finite;
+    no lr or clip try is proposed."""
+    *_, err = _loop(lambda m: OPT.Rprop(m.parameters(), lr=1e-2, etas=(0.5, 1e20),
+                                        step_sizes=(1e-6, math.inf)),
+                    record={"out_dir": out_dir, "rewind": 4})
+    assert err.event["phase"] == "forward"
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
+    assert rep["cause"] == "overflow"
+    _no_rate_or_clip_advice(rep["hint"])
+    tries = {t["try"]: t for t in rep["what_if"]}
+    bound = f"step_sizes={1e-6:g},{inspect.signature(OPT.Rprop).parameters['step_sizes'].default[1]:g}"
+    assert bound in tries and not any(t.startswith(("lr=", "clip=")) for t in tries), list(tries)
+    assert (tries[bound]["finite"], tries[bound]["inconclusive"]) == (True, False)
+
+
+def test_a_step_sizes_try_is_refused_for_an_optimizer_without_it(out_dir):
+    """step_sizes is Rprop's: ASGD's bundle refuses it, naming the keys ASGD takes."""
+    *_, err = _loop(lambda m: OPT.ASGD(m.parameters(), lr=1e39),
+                    record={"out_dir": out_dir, "guard_optimizer": True})
+    line = one_error_line(invoke_cli(err.bundle_path, "--json", "--try", "step_sizes=1e-6,5"))
+    assert "ASGD has no 'step_sizes' setting; try another key (lr, wd, clip)" in line, line
+
+
+def test_asgd_s_rate_beyond_float32_is_said_and_auto_proposes_a_finite_one(out_dir):
+    """ASGD(lr=1e39): the rate is above float32's largest value, an inf once cast to the
+    weights' dtype. The hint says so (and no eps: ASGD has none); --try auto proposes ASGD's
+    own default rate, which makes the update finite, not a fraction of 1e39 nor clipping."""
+    lr = 1e39
+    assert lr > F32_MAX
+    *_, err = _loop(lambda m: OPT.ASGD(m.parameters(), lr=lr),
+                    record={"out_dir": out_dir, "guard_optimizer": True})
+    names = [n for n, _ in OB.make_model().named_parameters()]
+    assert (err.event["step"], err.event["phase"], err.event["params"]) == \
+        (0, "optimizer", names)
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
+    assert rep["cause"] == "optimizer"
+    assert f"its lr={lr:g} is beyond float32's largest finite value {F32_MAX:.3g}" \
+        in rep["hint"], rep["hint"]
+    assert not re.search(r"\beps\b", rep["hint"]), rep["hint"]
+    assert "clip gradients" not in rep["hint"], rep["hint"]
+    default = inspect.signature(OPT.ASGD).parameters["lr"].default
+    assert [t["try"] for t in rep["what_if"]] == [f"lr={default:g}"], rep["what_if"]
+    assert (rep["what_if"][0]["finite"], rep["what_if"][0]["inconclusive"]) == (True, False)
+
+
+def test_lion_s_sign_update_is_not_told_to_clip(out_dir):
+    """pytorch_optimizer's Lion updates by lr * sign(...): at lr=1e37 its second update's
+    weights overflow the loss. The gradients' magnitude never reaches the weights, so the
+    remedy is the rate alone: no clipping advice, and auto's lr=0.1x re-runs the window finite
+    (no clip=1.0 proposed)."""
+    lion = pytest.importorskip("pytorch_optimizer").Lion
+    plain, *_ = _loop(lambda m: lion(m.parameters(), lr=1e37))
+    step = next(i for i, v in enumerate(plain) if not math.isfinite(v))
+    *_, err = _loop(lambda m: lion(m.parameters(), lr=1e37),
+                    record={"out_dir": out_dir, "rewind": 4})
+    assert err.event["step"] == step and err.event["phase"] in ("forward", "loss"), err.event
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
+    assert rep["cause"] == "overflow"
+    assert "clipping them changes nothing: lower the learning rate" in rep["hint"], rep["hint"]
+    assert "clip the gradients" not in rep["hint"], rep["hint"]
+    tries = {t["try"]: t for t in rep["what_if"]}
+    assert "lr=0.1x" in tries and not any(t.startswith("clip=") for t in tries), list(tries)
+    assert (tries["lr=0.1x"]["finite"], tries["lr=0.1x"]["inconclusive"]) == (True, False)
