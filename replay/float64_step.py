@@ -20,6 +20,7 @@ from recorder.numeric_check import check_reason
 
 from .dispatch import Float64, OpAt
 from .errors import StopRun
+from .float64_loss_args import consistent_loss_args
 from .rerun import Runner
 from .transforms import outside_transforms
 
@@ -28,9 +29,12 @@ from .transforms import outside_transforms
 def in_float64(runner: Runner, default: torch.dtype | None = None):
     """The runner's re-runs in float64 inside the block, every op upcast, with the step's
     random draws made in its own type, that of the model's first floating parameter (or
-    ``default``): the same numbers as recorded (see draw_as_recorded)."""
+    ``default``): the same numbers as recorded (see draw_as_recorded); a loss that took
+    arguments the loop derived from the outputs takes the outputs as the step had them, so
+    that its arguments agree (see :mod:`replay.float64_loss_args`)."""
     draw = next((p.dtype for p in runner.model.parameters() if p.is_floating_point()), default)
-    with runner.float64(), Float64(draw if draw != torch.float64 else None):
+    with consistent_loss_args(runner), runner.float64(), \
+            Float64(draw if draw != torch.float64 else None):
         yield
 
 

@@ -136,6 +136,9 @@ class Runner:
         # backward with create_graph=True, as the loop ran it (the bundle's ``grads_graph``):
         # an update that differentiates the gradients (SophiaH's Hessian-vector products)
         self.create_graph = False
+        # (micro-batch, outputs) -> the outputs its loss takes (the float64 re-run's: the step's
+        # own values where the loop derived loss arguments from them, replay.float64_loss_args)
+        self.loss_outputs = None
 
     # -- state reset -------------------------------------------------------------------------
 
@@ -254,6 +257,8 @@ class Runner:
         if self.step.loss_fn is None:
             return None
         outputs, self.cut = cut_outputs(self.step, i, result.outputs)  # (a loss given the model)
+        if self.loss_outputs is not None:
+            outputs = self.loss_outputs(i, outputs)
         li = loss_inputs(self.step, i, outputs, result.inputs[i], result.objects)
         if li is None:
             return None
