@@ -57,6 +57,7 @@ from .origins import (
     report_loss_not_in_bundle,
     report_weights,
 )
+from .outside import unrebuilt_loss
 from .param_writes import number_note
 from .pre_update import written_before_update
 from .raised_note import raised_note
@@ -398,7 +399,7 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
         return own  # (only when the loss_fn re-ran: a loss node made the entering gradient)
     if outside_loss and not run1.bad_grads and (entered := report_fed_back(  # (a rollout's)
             report, step, runner, run1) or report_entering(report, step, runner)) is not None:
-        return entered
+        return unrebuilt_loss(entered, step)  # (a loss it could not re-run)
     if phase == "loss" and (given := report_given_loss(report, step, runner, run1)) is not None:
         return given  # (a term the loop added to loss_fn's loss, given to record_loss)
     if phase == "loss" and step.loss_fn is None:  # (or a term the forward kept aside made it)

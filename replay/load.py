@@ -62,6 +62,8 @@ class Step:
     # trained parameters the step's own code writes (the recorder's written_in_step): each
     # re-run starts from them as kept (replay.frozen), their lost entries the factory's
     written: list[str] = field(default_factory=list)
+    # why the recorded loss was not rebuilt (replay.losses.Unrebuildable), or None
+    loss_unrebuilt: str | None = None
 
     @property
     def event(self) -> dict[str, Any]:

@@ -277,7 +277,7 @@ def report_loss_not_in_bundle(report, step: Step) -> dict[str, Any]:
                                           micro_batch=ev.get("micro_batch"), made=ev.get("kind")),
                     None, reproduced=False)
     # the model re-ran, its loss could not: "NOT reproduced" would read as nondeterminism
-    report["not_rerun"] = "its loss cannot be rebuilt from the bundle; see the note"
+    report["not_rerun"] = outside.NOT_REBUILT
     if (step.meta.get("loss") or {}).get("kind") == "recorded":
         report["problems"].append(
             "the loss was given to record_loss (computed outside the recorded model), so the "

@@ -24,6 +24,8 @@ from .rerun import Runner
 
 ENTERED = ("the gradient entering the model's output was non-finite; the model's backward made "
            "none of its own")
+# why an event of a loss the replay has nothing to re-run with was not re-run
+NOT_REBUILT = "its loss cannot be rebuilt from the bundle; see the note"
 
 
 def recorded_output_grads(step: Step) -> dict[int, dict[int, torch.Tensor]]:
@@ -106,6 +108,20 @@ def entering_origin(step: Step, runner: Runner) -> tuple[dict[str, Any], bool] |
         "positions": {"non_finite": int((~torch.isfinite(g)).sum()), "of": g.numel()},
     }
     return fields, reproduced
+
+
+def unrebuilt_loss(report: dict[str, Any], step: Step) -> dict[str, Any]:
+    """``report`` of a gradient entering the model's output from the loss, when the recorded
+    loss could not be rebuilt (a lambda ``distance_function``: its note says why): the loss
+    was not re-run, so the event is not reproduced whatever the model's backward of the
+    recorded gradient gave; what the bundle holds (the samples of that gradient) stays."""
+    origin = report.get("origin") or {}
+    if step.loss_unrebuilt is None or step.loss_fn is not None or (
+            origin.get("phase"), origin.get("module")) != ("loss", "<loss>"):
+        return report  # (an origin the model's own backward made was re-run)
+    report["reproduced"] = False
+    report["not_rerun"] = NOT_REBUILT
+    return report
 
 
 def scrubbed(step: Step, runner: Runner, got: list[str]) -> bool:

@@ -142,6 +142,7 @@ def _build_with(step: Step, fn, spec: str, factory_kwargs: dict[str, Any] | None
             if step.loss_fn is not None and (kept := kept_defaults(meta.get("loss"))):
                 step.problems.append(kept)
         except Unrebuildable as e:
+            step.loss_unrebuilt = str(e)
             step.problems.append(str(e))
     attach_loss_params(step)  # (those the optimizer trained, before it is rebuilt over them)
     opt_factory = made.get("optimizer")

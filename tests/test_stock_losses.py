@@ -300,11 +300,19 @@ def mined_case(distance):
 
 def test_triplet_with_a_lambda_distance_is_said_not_rebuilt(out_dir):
     """A lambda distance_function cannot be imported: the replay says so, where the lambda
-    is, and how to make it replayable, instead of re-running a default distance."""
+    is, and how to make it replayable, instead of re-running a default distance. The loss
+    was never re-run, so the event is reported not re-run (exit 1), not reproduced: what the
+    bundle holds stays (the step, the recorded gradient entering the model's output, non-finite
+    in sample 7's row: the sample alone in its label class, its own positive)."""
     case = mined_case(lambda a, b: ((a - b) ** 2).sum(-1).sqrt())
     err = planted(out_dir, *case)
     assert err.event["phase"] == "backward"
-    rep, _ = replay_report(err.bundle_path)
+    rep, code = replay_report(err.bundle_path)
+    assert code == 1
+    assert rep["reproduced"] is False
+    assert "loss cannot be rebuilt" in rep["not_rerun"]
+    assert (rep["event"]["step"], rep["event"]["phase"]) == (K, "backward")
+    assert origin(rep, "phase", "module", "samples") == ("loss", "<loss>", [7])
     assert rep["cause"] is None and rep["origin"]["op"] is None
     note, = [p for p in rep["problems"] if "distance_function" in p]
     line = source_line("test_stock_losses.py", "case = mined_case(lambda a, b:")
