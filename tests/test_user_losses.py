@@ -177,7 +177,8 @@ def test_a_lambda_loss_gets_one_true_note(tmp_path):
     """A lambda cannot be imported: one note says so, where it is defined and how to make it
     replayable; the replay still says where the values entered (the recorded gradient of the
     model output: a masked mean over an all-padding batch) and no note claims the loss was not
-    given."""
+    given. The loss itself was never re-run, so the event is said not re-run (exit 1), not
+    reproduced."""
 
     def spoil(step, x, y):
         if step == K:
@@ -203,7 +204,8 @@ def test_a_lambda_loss_gets_one_true_note(tmp_path):
     assert "loss_fn=" not in (rep["hint"] or "") and "as the note says" in rep["hint"]
     assert origin(rep, "phase", "module", "samples") == ("loss", "<loss>", list(range(UL.B)))
     assert rep["origin"]["detail"].startswith("the gradient entering the model's output")
-    assert (rep["reproduced"], rep["cause"], code) == (True, None, 0)
+    assert (rep["reproduced"], rep["cause"], code) == (False, None, 1)
+    assert "loss cannot be rebuilt" in rep["not_rerun"]
 
 
 def make_loss(ignore_index: int):
