@@ -111,14 +111,16 @@ def entering_origin(step: Step, runner: Runner) -> tuple[dict[str, Any], bool] |
 
 
 def unrebuilt_loss(report: dict[str, Any], step: Step) -> dict[str, Any]:
-    """``report`` of a gradient entering the model's output from the loss, when the recorded
-    loss could not be rebuilt (a lambda ``distance_function``: its note says why): the loss
-    was not re-run, so the event is not reproduced whatever the model's backward of the
+    """``report`` of a gradient entering the model's output from the loss, when the step called
+    a loss that could not be rebuilt (a lambda ``distance_function``: its note says why): the
+    loss was not re-run, so the event is not reproduced whatever the model's backward of the
     recorded gradient gave; what the bundle holds (the samples of that gradient) stays."""
     origin = report.get("origin") or {}
     if step.loss_unrebuilt is None or step.loss_fn is not None or (
             origin.get("phase"), origin.get("module")) != ("loss", "<loss>"):
         return report  # (an origin the model's own backward made was re-run)
+    if not any(isinstance(mb, dict) and mb.get("loss_inputs") for mb in step.micro_batches):
+        return report  # (no loss ran in the step to re-run: GradCache's, replay.cached_grads)
     report["reproduced"] = False
     report["not_rerun"] = NOT_REBUILT
     return report
