@@ -34,21 +34,28 @@ _IN_TORCH = ("torch's code, which takes no clamp: keep the parameter in range by
              "(a lower learning rate, gradient clipping, weight decay)")
 
 
-def parametrization_hint(step: Step, module: str | None, op: str | None) -> str | None:
-    """The hint for an ``invalid`` op of torch's parametrization module ``module`` whose own
-    parameter holds rows of zeros (or of a layer under the hook-based weight_norm), else
-    None."""
+def _torch_site(step: Step, module: str | None):
+    """(the name's match, the class) of ``module`` when it is one of torch's own
+    parametrization modules (``owner.parametrizations.tensor.k``) in the rebuilt model."""
     site = _SITE.match(module or "")
-    if site is None and step.model is not None:
-        return _legacy_weight_norm(step, module or "", op)
     if site is None or step.model is None:
         return None
     try:
         kind = type(step.model.get_submodule(module))
     except AttributeError:
         return None
-    if not kind.__module__.startswith("torch."):
-        return None  # a parametrization of the user's own: its code can take an eps
+    return (site, kind) if kind.__module__.startswith("torch.") else None
+
+
+def parametrization_hint(step: Step, module: str | None, op: str | None) -> str | None:
+    """The hint for an ``invalid`` op of torch's parametrization module ``module`` whose own
+    parameter holds rows of zeros (or of a layer under the hook-based weight_norm), else
+    None."""
+    if _SITE.match(module or "") is None and step.model is not None:
+        return _legacy_weight_norm(step, module or "", op)
+    if (found := _torch_site(step, module)) is None:
+        return None  # (none, or a parametrization of the user's own: its code takes an eps)
+    site, kind = found
     owner, tensor = site["owner"], site["tensor"]
     prefix = f"{owner + '.' if owner else ''}parametrizations.{tensor}."
     names = sorted(k.removeprefix("weights/") for k in step.tensors
@@ -75,16 +82,10 @@ def parametrization_range_hint(step: Step, module: str | None, op: str | None, h
     ``matrix_exp``) that overflowed or lost precision on a parameter grown huge: ``hint``'s
     diagnosis, with the advice that fits torch's code (which takes no rescaling, no row max,
     no eps): keep the parameter in range by its updates; else None."""
-    site = _SITE.match(module or "")
-    if site is None or step.model is None or hint is None or cause not in ("overflow",
-                                                                           "precision"):
-        return None
-    try:
-        kind = type(step.model.get_submodule(module))
-    except AttributeError:
-        return None
-    if not kind.__module__.startswith("torch."):
-        return None  # (the user's own: its code can be rescaled, as the hint says)
+    if hint is None or cause not in ("overflow", "precision") \
+            or (found := _torch_site(step, module)) is None:
+        return None  # (or the user's own: its code can be rescaled, as the hint says)
+    site, kind = found
     owner = f"{site['owner']}." if site["owner"] else ""
     prefix = f"{owner}parametrizations.{site['tensor']}."
     held = {k.removeprefix("weights/"): t for k, t in step.tensors.items()
