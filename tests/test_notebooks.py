@@ -145,6 +145,12 @@ def test_a_class_defined_in_a_cell_is_replayed_from_the_notebook(shell, tmp_path
     shell.user_ns["bundle"] = str(bundle)
     run(shell, "rep = replay.replay(bundle, factory=Net)")
     assert_planted(shell.user_ns["rep"], net_cell, NET_LINE, NET)
+    from replay.report import to_text
+
+    [source] = [line for line in to_text(shell.user_ns["rep"]).splitlines()
+                if line.startswith("  source ")]  # the cell's own line, as the user typed it
+    assert source.split() == ["source", f"{net_cell}:{NET_LINE}",
+                              *NET.splitlines()[NET_LINE - 1].split()], source
 
     # the command line, from the notebook's directory, cannot import the notebook's class
     cli = subprocess.run([sys.executable, "-m", "replay", "--json", str(bundle)],
