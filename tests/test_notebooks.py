@@ -92,8 +92,15 @@ def shell(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     config = Config()
     config.HistoryManager.hist_file = ":memory:"
+    for name in ("displayhook", "excepthook"):  # (the shell sets its own; put back after)
+        monkeypatch.setattr(sys, name, getattr(sys, name))
+    main = sys.modules["__main__"]
     sh = InteractiveShell.instance(config=config)
     sh.reset(new_session=False)
+    # a notebook's __main__ is the shell's namespace, with no file (the shell's first start
+    # put it there; other tests in this process get pytest's back)
+    sys.modules["__main__"] = main
+    monkeypatch.setitem(sys.modules, "__main__", sh.user_module)
     sh.user_ns["OUT"] = str(tmp_path / "bundles")
     yield sh
     sh.reset(new_session=False)
