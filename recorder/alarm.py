@@ -29,6 +29,7 @@ from .holders import holders_of
 from .hooks import Health
 from .kept_targets import settle_targets
 from .late_writes import moved_in_step
+from .notebook import replay_advice
 from .pre_update import written_before_update_event
 from .replaced import swapped_in_event
 from .rewind import rename_window
@@ -217,6 +218,8 @@ class Alarm:
             return
         self.bundle_path = path
         msg = _message(as_dict, path, raising)
+        if (model := self.target.model()) is not None:  # (a class a notebook cell defined)
+            msg = replay_advice(msg, path, meta, type(model))
         if tape is not None and not tape.evaluation and not tape.cut_short:
             msg += _loss_not_called(meta)  # (else the loss may simply not have run yet)
         if meta.get("scaler_not_given"):

@@ -59,14 +59,29 @@ NO_FACTORY = "the bundle names no model factory"
 NO_FACTORY_NEEDED = f"{NO_FACTORY}, and none is needed here: the values are in the bundle's batch"
 
 
+def _how(meta: dict[str, Any]) -> str:
+    """What re-runs the step of a model recorded without a factory: ``--factory``, or the
+    Python API given the function; a class defined in ``__main__`` (a notebook cell), which no
+    import reaches, passed itself by its name there."""
+    model = meta.get("model") or {}
+    cls = model.get("class") or ""
+    name = cls.removeprefix("__main__.")
+    how = ("pass --factory MOD:FN (a function returning the model) to re-run the step, or, "
+           "where it is defined (a notebook), replay.replay(path, factory=")
+    if cls.startswith("__main__.") and "<locals>" not in name \
+            and not isinstance(model.get("default_factory"), str):
+        return (f"the model's class {name} was defined in __main__ (a notebook cell or the "
+                f"script run), which no import reaches by that name: {how}{name})")
+    return f"{how}that_function)"
+
+
 def _build_without_factory(step: Step, factory_kwargs: dict[str, Any] | None) -> None:
     """A run recorded without ``factory``: the model's class called with no arguments, when
     the recorder found that it can be (``default_factory``), under the trust rule of a
     recorded factory; else (or when that builds another model) nothing is re-run and the
     report says what the recorder saw."""
     guess = (step.meta.get("model") or {}).get("default_factory")
-    how = ("pass --factory MOD:FN (a function returning the model) to re-run the step, or, "
-           "where it is defined (a notebook), replay.replay(path, factory=that_function)")
+    how = _how(step.meta)
     if not isinstance(guess, str) and not factory_kwargs \
             and (stock := stock_factory(step.meta)) is not None:
         _build_stock(step, stock, how)
