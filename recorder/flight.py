@@ -252,12 +252,14 @@ class FlightRecorder:
         self._attached = self.health.active = True
         return self
 
-    def _attach_initialized(self, steps: int, module, args, kwargs):
-        """The lazy parameters have shapes now: attach, and record the forward beginning."""
+    def _attach_initialized(self, steps: int, inside: bool, module, args, kwargs):
+        """The lazy parameters have shapes now: attach, and record the forward beginning,
+        unless it runs inside an optimizer step that began unhooked (a closure's): that step
+        is counted, and recording starts at the next."""
         self._deferred, self._attached = None, False
-        self.cycle.step += steps  # (the loop's updates before: its steps)
+        self.cycle.step += steps + inside  # (the loop's updates before: its steps)
         self.attach()
-        return self.calls.root_pre_hook(module, args, kwargs)
+        return None if inside else self.calls.root_pre_hook(module, args, kwargs)
 
     def detach(self) -> None:
         """Remove every hook and drop every reference to the model, optimizer and batches."""
@@ -322,7 +324,8 @@ class FlightRecorder:
     @property
     def step(self) -> int:
         """Index of the step being recorded (or the next one, between steps)."""
-        return self.cycle.current_step()
+        deferred = self._deferred  # (lazy modules: the updates before the attach count)
+        return self.cycle.current_step() + (deferred.steps if deferred is not None else 0)
 
     @property
     def memory_bytes(self) -> dict[str, int]:

@@ -32,16 +32,20 @@ def uninitialized(model: nn.Module, optimizer) -> list[str]:
 
 class AttachWhenInitialized:
     """Holds a recorder's attach until a forward of ``model`` begins with no lazy parameter
-    left; then calls ``attach(steps, module, args, kwargs)`` with the optimizer steps taken
-    since, from that forward's start (its pre-hook, the first of the model's to run)."""
+    left; then calls ``attach(steps, inside, module, args, kwargs)`` from that forward's start
+    (its pre-hook, the first of the model's to run), with the optimizer steps taken since and
+    whether the forward runs inside ``optimizer.step(closure)`` (Lightning's automatic
+    optimization, LBFGS): that step began before the recorder's hooks, so it is not
+    recorded but counted."""
 
     def __init__(self, model: nn.Module, optimizer, attach: Callable, names: list[str]):
         self.model_optimizer = (model, optimizer)
-        self.attach, self.steps = attach, 0
+        self.attach, self.steps, self.inside = attach, 0, False
         self.handles = [model.register_forward_pre_hook(Hook(self._pre), with_kwargs=True,
                                                         prepend=True)]
         if optimizer is not None:
-            self.handles.append(optimizer.register_step_post_hook(Hook(self._stepped)))
+            self.handles += [optimizer.register_step_pre_hook(Hook(self._stepping)),
+                             optimizer.register_step_post_hook(Hook(self._stepped))]
         log.info("nanreplay: %s not initialized yet (lazy modules): recording starts at the "
                  "first forward after one has initialized them", _listed(names))
 
@@ -50,14 +54,17 @@ class AttachWhenInitialized:
             h.remove()
         self.handles = []
 
+    def _stepping(self, optimizer, args, kwargs) -> None:
+        self.inside = True
+
     def _stepped(self, optimizer, args, kwargs) -> None:
-        self.steps += 1
+        self.steps, self.inside = self.steps + 1, False
 
     def _pre(self, module, args, kwargs):
         if uninitialized(*self.model_optimizer):
             return None  # (this forward initializes them, or fails to: the next one is checked)
-        self.remove()
-        return self.attach(self.steps, module, args, kwargs)
+        self.remove()  # (inside a step: before its post-hooks run, so none is missed)
+        return self.attach(self.steps, self.inside, module, args, kwargs)
 
 
 def _listed(names: list[str]) -> str:

@@ -138,3 +138,29 @@ def test_a_recorder_detached_before_any_forward_leaves_no_hook(out_dir):
     with FlightRecorder(model, opt, loss_fn=nn.CrossEntropyLoss(), out_dir=out_dir):
         assert model._forward_pre_hooks  # (waiting for the first forward)
     assert _hooks(model, opt) == bare
+
+
+def test_a_closure_loop_counts_the_step_whose_closure_initialized_them(out_dir):
+    """``optimizer.step(closure)`` (Lightning's automatic optimization): the forward runs
+    inside the step, after its pre-hooks. Step 1's forward, the first with shapes, began after
+    step 1's pre-hooks ran without the recorder's, so step 1 is counted, not recorded, and
+    recording starts at step 2: the plant at step 3 is step 3's event (it was step 2's, the
+    closure's step merged into the next)."""
+    model = L.make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    losses = []
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="lazy_models:make_cnn") as rec:
+            for step, (x, y) in enumerate(L.batches(6, bad_step=3)):
+                def closure(x=x, y=y):
+                    opt.zero_grad()
+                    loss = crit(model(x), y)
+                    loss.backward()
+                    return loss
+
+                losses.append(opt.step(closure).item())
+                assert rec.step == step + 1
+    assert (info.value.event["step"], info.value.event["phase"]) == (3, "forward")
+    assert len(losses) == 3
