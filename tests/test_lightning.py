@@ -18,6 +18,7 @@ import lightning_losses as LL  # noqa: E402
 import lightning_models as LM  # noqa: E402
 import torch  # noqa: E402
 from bundles import invoke_cli  # noqa: E402
+from torch import nn  # noqa: E402
 
 from recorder import NonFiniteError  # noqa: E402
 from recorder.bundle import read_bundle  # noqa: E402
@@ -288,3 +289,33 @@ def test_an_lr_try_is_re_run_only_when_an_update_before_the_event_is(tmp_path, r
         "note": "lr changes the optimizer's updates, and the re-run has none before the event "
                 "(it happens before step 1's update): record with FlightRecorder(..., "
                 "rewind=N) to re-run the updates that led to it"}
+
+
+def test_lazy_modules_under_automatic_optimization_keep_the_trainer_s_step_numbers(tmp_path):
+    """A LightningModule of lazy modules: Lightning's automatic optimization runs each forward
+    inside ``optimizer.step(closure)``, so the recorder, waiting for their shapes
+    (``recorder.lazy_init``), attaches inside step 1 and records from step 2; the NaN of
+    batch 4, row 5, is step 4's input event (it was step 3's: step 1 merged into step 2)."""
+    class LazyRegressor(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.LazyLinear(16), nn.ReLU(), nn.LazyLinear(1))
+
+        def forward(self, x):
+            return self.net(x).squeeze(1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.mse_loss(self(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6 * BATCH, 5, generator=g), torch.randn(6 * BATCH, generator=g)
+    x[4 * BATCH + 5, 2] = float("nan")
+    with pytest.raises(NonFiniteError) as info:
+        _fit(LazyRegressor(), FlightRecorderCallback(out_dir=tmp_path),
+             torch.utils.data.TensorDataset(x, y))
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["samples"]) == (4, "input", [5]), ev
