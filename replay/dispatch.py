@@ -9,6 +9,7 @@ import torch
 from recorder.finite import real_view
 
 from .compat import TorchDispatchMode, tree_leaves, tree_map, writes_arguments
+from .float32_kernels import float32_only, run_in_float32
 from .float64 import DRAWS, as_float64, draw_as_recorded, upcast
 from .source import OP_ERROR
 
@@ -102,6 +103,8 @@ class Float64(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.draw is not None and func.overloadpacket.__name__ in DRAWS:
             return draw_as_recorded(func, args, kwargs, self.draw, writes_arguments(func))
+        if float32_only(func):  # fake quantization: float32 kernels only
+            return run_in_float32(func, args, kwargs, run_op)
         args, kwargs = as_float64(func, args, kwargs)
         if not writes_arguments(func):
             args, kwargs = upcast(args), upcast(kwargs)

@@ -30,6 +30,7 @@ from .findings import finish, origin_fields
 from .forward_grad import derivative_words, with_node
 from .group_counts import class_counts_hint
 from .held_divisor import held_divisor_hint
+from .infinite_statistic import infinite_statistic_hint
 from .input_container import written_into_input
 from .iteration import line_run
 from .kept_divisor import kept_divisor_hint
@@ -203,6 +204,9 @@ def _with_param(step: Step, runner: Runner, finder: OpFinder, o, found, hit) -> 
     if cause == "invalid" and (
             table := looked_up_hint(hint, runner.model.named_buffers(), finder, hit)):
         return table
+    if cause == "invalid" and (
+            stat := infinite_statistic_hint(step, runner.model, o.module, hit and hit.op)):
+        return stat  # (a running_var an earlier step's outlier overflowed: a fused QAT conv-bn)
     if cause == "invalid" and (knots := buffer_divisor_hint(hint, runner.model, finder, hit)):
         return knots
     if held := held_divisor_hint(hint, cause, finder, hit, runner.model.named_buffers()):

@@ -38,6 +38,7 @@ from .findings import origin_fields
 from .group_nan import group_nan
 from .grouped_rows import grouped, grouped_hint
 from .infinite_entries import infinite_entries_hint
+from .laundered_nan import laundered_hint
 from .load import Step, micro_batch_inputs
 from .loss_arg_name import forward_param_name, with_param_name
 from .masked_gaps import masked_gaps
@@ -245,8 +246,8 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
     sample rows (an attention mask of shape (T, T) passed to forward); None for one that
     names samples (the data pipeline's hint)."""
     tensor = origin.get("tensor") or ""
-    if handled := step.event.get("nan_handled"):
-        return allow_nan_advice(handled)
+    if handled := step.event.get("nan_handled"):  # (or fake quantization rounded it)
+        return laundered_hint(step.model, handled) or allow_nan_advice(handled)
     key, raw = origin_key(step, origin)
     if nan_allowed(step, root_input_name(raw)):
         return ALLOWED_NAN_LEAKED.format(tensor=tensor)
