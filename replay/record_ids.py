@@ -6,8 +6,9 @@ the dataset to open. Many batches carry the answer beside the features: a collat
 ids (``batch["id"]``, a dataclass's ``row_id``, a namedtuple's ``index``) or the files the
 records were read from (``batch["path"]``, default_collate's list of strings). When the model
 or the loss was given such a per-sample identifier (one value per sample of the origin's
-micro-batch, no two equal: no label, no length), the report gives its values at the samples
-(``origin.records``) and a note says which records to look at.
+micro-batch, most of them distinct, so a record a sampler drew twice still counts: no label,
+no length), the report gives its values at the samples (``origin.records``) and a note says
+which records to look at.
 """
 
 from __future__ import annotations
@@ -106,8 +107,10 @@ def _leaves(node: Any, path: str):
 
 
 def _values(step: Step, leaf: Any, n: int) -> list | None:
-    """The leaf's ``n`` values, one per sample, when they are integers or strings with no
-    two equal."""
+    """The leaf's ``n`` values, one per sample, when they are integers or strings, most of
+    them distinct: a sampler drawing with replacement (``WeightedRandomSampler``'s default)
+    repeats a record in a batch, while a group's value (a ``dataset_id`` of 2 sources) repeats
+    in most rows."""
     if isinstance(leaf, list):
         values = leaf
     else:
@@ -116,7 +119,7 @@ def _values(step: Step, leaf: Any, n: int) -> list | None:
                 or t.is_complex() or t.dtype == torch.bool:
             return None
         values = t.tolist()
-    return values if len(values) == n and len(set(values)) == n else None
+    return values if len(values) == n and 2 * len(set(values)) > n else None
 
 
 def _id_name(raw: str) -> bool:

@@ -1,0 +1,104 @@
+"""End to end on loaders as users build them (``sampled_records_models``). A
+``WeightedRandomSampler`` draws with replacement, so a batch may hold one record twice: the
+report's record ids needed every id of the batch distinct and named no record there. A padding
+collate_fn's per-record lengths, 0 for an empty record in the last short batch, were not named:
+the hint stayed an eps on the divisor. The healthy loop, over ``random_split``, ``Subset`` and
+``ConcatDataset`` shuffled by a seeded generator across two persistent workers, trains
+bit-identically with and without the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import sampled_records_models as M
+import torch
+from torch.utils.data import ConcatDataset, DataLoader, Subset, random_split
+
+from recorder import FlightRecorder, NonFiniteError
+from replay import replay
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+
+def train(out_dir, make, loader, call, record=True) -> list[float]:
+    """SGD over ``loader`` for two epochs; ``call(model, batch)``: (output, target)."""
+    torch.manual_seed(0)
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    criterion = torch.nn.CrossEntropyLoss()
+    rec = FlightRecorder(model, opt, loss_fn=criterion, out_dir=out_dir) if record else None
+    losses = []
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else criterion
+        for _ in range(2):
+            for batch in loader:
+                opt.zero_grad()
+                loss = loss_fn(*call(model, batch))
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+    return losses
+
+
+def fire(tmp_path, make, loader, call):
+    with pytest.raises(NonFiniteError) as info:
+        train(tmp_path, make, loader, call)
+    return info.value.event, replay(info.value.bundle_path, factory=make)
+
+
+def test_a_record_the_sampler_drew_twice_in_its_batch_still_names_the_record(tmp_path):
+    """Record 23 (of the rare class the sampler oversamples) holds a NaN feature. Its batch
+    holds some record twice, so ``batch["idx"]`` is not all distinct; the report named no
+    record. It now gives record 23 at the row the loader put it."""
+    bad = 23
+    seen = M.oversampling_loader(M.Table(nan=bad))  # (its own generator: the same draws)
+    step, ids = next((s, b["idx"]) for s, b in enumerate(seen) if bad in b["idx"].tolist())
+    rows = (ids == bad).nonzero().flatten().tolist()
+    assert len(set(ids.tolist())) < len(ids)  # (the plant: a record drawn twice)
+    ev, rep = fire(tmp_path, M.BatchNet, M.oversampling_loader(M.Table(nan=bad)),
+                   lambda m, b: (m(b), b["y"]))
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == (
+        step, "input", 'batch["x"]', rows), ev
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["samples"], rep["cause"]) == (
+        True, "input", rows, "input"), o
+    assert o["records"] == {'batch["idx"]': [bad] * len(rows)}, o
+    assert any(f'are batch["idx"] = {[bad] * len(rows)}' in p for p in rep["problems"])
+
+
+def test_an_empty_record_in_the_last_short_batch_is_named_by_the_lengths_given(tmp_path):
+    """27 clips in batches of 8 (``drop_last=False``): the last batch holds records 24 to 26.
+    Record 25 has no frame; the model's mean divides by its length, 0. The replay names
+    ``aten.div`` in ``pool`` at its row, and the hint the lengths argument as 0 there."""
+    bad, size = 25, 8
+    step, row = divmod(bad, size)
+    loader = DataLoader(M.Clips(empty=bad), batch_size=size, collate_fn=M.pad_collate)
+    ev, rep = fire(tmp_path, M.ClipNet, loader, lambda m, b: (m(b[0], b[1]), b[2]))
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (
+        step, "forward", "pool", [row]), ev
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["samples"], o["batch_size"],
+            rep["cause"]) == (True, "pool", "aten.div", [row], 27 - step * size, "invalid"), o
+    assert f"Sample(s) {row} are empty records: args[1] (one count per sample: a length) " \
+        "is 0" in rep["hint"], rep["hint"]
+
+
+def test_split_and_joined_datasets_shuffled_over_workers_train_bit_identically(tmp_path):
+    """``random_split`` and ``Subset`` of two ``ConcatDataset`` parts, shuffled by a seeded
+    generator across two persistent workers (seeded from it), and the oversampling sampler:
+    the recorder draws from no RNG, so the losses equal those without it; no bundle."""
+    def loaders():
+        parts = ConcatDataset([M.Table(n=13), M.Table(n=14)])
+        train_part, _ = random_split(Subset(parts, range(1, 27)), [20, 6],
+                                     generator=torch.Generator().manual_seed(3))
+        yield DataLoader(train_part, batch_size=8, shuffle=True, num_workers=2,
+                         persistent_workers=True, generator=torch.Generator().manual_seed(4))
+        yield M.oversampling_loader(M.Table())
+
+    def call(m, b):
+        return m(b), b["y"]
+    for recorded, plain in zip(loaders(), loaders()):
+        assert train(tmp_path, M.BatchNet, recorded, call) == \
+            train(None, M.BatchNet, plain, call, record=False)
+    assert not list(tmp_path.rglob("*.nan"))
