@@ -15,11 +15,15 @@ FEATURES, CLASSES, RARE = 6, 3, 2
 
 
 class Table(Dataset):
-    """``n`` records ``{"x", "y", "idx"}``; ``nan``: a record whose feature 2 was read as NaN."""
+    """``n`` records ``{"x", "y", "idx"}``; ``nan``: a record whose feature 2 was read as NaN;
+    ``zero``: one whose feature 3, a positive amount, is 0."""
 
-    def __init__(self, n: int = 40, nan: int | None = None):
+    def __init__(self, n: int = 40, nan: int | None = None, zero: int | None = None):
         g = torch.Generator().manual_seed(1)
         self.x = torch.randn(n, FEATURES, generator=g)
+        self.x[:, 3] = self.x[:, 3].abs() + 0.5
+        if zero is not None:
+            self.x[zero, 3] = 0.0
         self.y = torch.randint(0, CLASSES - 1, (n,), generator=g)
         self.y[n // 2:n // 2 + 8] = RARE  # a rare class of 8 records
         if nan is not None:
@@ -50,6 +54,29 @@ class BatchNet(nn.Module):
 
     def forward(self, batch: dict) -> torch.Tensor:
         return self.fc2(self.drop(torch.relu(self.fc1(batch["x"]))))
+
+
+def list_collate(items):
+    """The records' feature vectors left as a list (the model stacks them), labels stacked."""
+    return [i["x"] for i in items], torch.stack([i["y"] for i in items])
+
+
+class Ratio(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, 2:3] / x[:, 3:4]  # the bug: feature 3 may be 0
+
+
+class ListNet(nn.Module):
+    """Given the list of records; a ratio of two features beside them."""
+
+    def __init__(self):
+        super().__init__()
+        self.ratio = Ratio()
+        self.fc = nn.Linear(FEATURES + 1, CLASSES)
+
+    def forward(self, records: list[torch.Tensor]) -> torch.Tensor:
+        x = torch.stack(records)
+        return self.fc(torch.cat([x, self.ratio(x)], 1))
 
 
 class Clips(Dataset):

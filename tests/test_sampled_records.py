@@ -2,7 +2,8 @@
 ``WeightedRandomSampler`` draws with replacement, so a batch may hold one record twice: the
 report's record ids needed every id of the batch distinct and named no record there. A padding
 collate_fn's per-record lengths, 0 for an empty record in the last short batch, were not named:
-the hint stayed an eps on the divisor. The healthy loop, over ``random_split``, ``Subset`` and
+the hint stayed an eps on the divisor. A batch left as a list of records' vectors had its
+samples read along each vector. The healthy loop, over ``random_split``, ``Subset`` and
 ``ConcatDataset`` shuffled by a seeded generator across two persistent workers, trains
 bit-identically with and without the recorder."""
 
@@ -82,6 +83,33 @@ def test_an_empty_record_in_the_last_short_batch_is_named_by_the_lengths_given(t
             rep["cause"]) == (True, "pool", "aten.div", [row], 27 - step * size, "invalid"), o
     assert f"Sample(s) {row} are empty records: args[1] (one count per sample: a length) " \
         "is 0" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.parametrize("plant", ["nan", "zero"])
+def test_a_batch_left_as_a_list_of_records_names_the_record_s_place_in_it(tmp_path, plant):
+    """27 records in batches of 8, the collate_fn leaving the feature vectors as a list: the
+    last batch is records 24 to 26 and record 25 is element 1 of its list. The samples were
+    read along each vector's features (a NaN input named no sample: [] of 6, or of a batch
+    of 8) and the 3 x 3 logits of the last batch gave no batch size; now a NaN feature is an
+    input event at sample 1 of 3, and a feature of 0 the model divides by a forward event of
+    ``aten.div`` in ``ratio`` there."""
+    bad, size = 25, 8
+    step, row = divmod(bad, size)
+    loader = DataLoader(M.Table(n=27, **{plant: bad}), batch_size=size,
+                        collate_fn=M.list_collate)
+    ev, rep = fire(tmp_path, M.ListNet, loader, lambda m, b: (m(b[0]), b[1]))
+    o = rep["origin"]
+    if plant == "nan":
+        assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == (
+            step, "input", f"batch[{row}]", [row]), ev
+        assert (o["phase"], o["samples"], o["batch_size"], rep["cause"]) == (
+            "input", [row], 27 - step * size, "input"), o
+    else:
+        assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (
+            step, "forward", "ratio", [row]), ev
+        assert (o["module"], o["op"], o["samples"], o["batch_size"], rep["cause"]) == (
+            "ratio", "aten.div", [row], 27 - step * size, "invalid"), o
+    assert rep["reproduced"], rep
 
 
 def test_split_and_joined_datasets_shuffled_over_workers_train_bit_identically(tmp_path):
