@@ -79,6 +79,13 @@ class ListNet(nn.Module):
         return self.fc(torch.cat([x, self.ratio(x)], 1))
 
 
+class RecordsNet(BatchNet):
+    """Given the loader's list of record dicts (``collate_fn=list``) whole."""
+
+    def forward(self, records: list[dict]) -> torch.Tensor:
+        return super().forward({"x": torch.stack([r["x"] for r in records])})
+
+
 class Clips(Dataset):
     """``n`` sequences of 2 to 6 frames of 2 features; ``empty``: a record cut to no frame."""
 

@@ -3,7 +3,8 @@
 report's record ids needed every id of the batch distinct and named no record there. A padding
 collate_fn's per-record lengths, 0 for an empty record in the last short batch, were not named:
 the hint stayed an eps on the divisor. A batch left as a list of records' vectors had its
-samples read along each vector. The healthy loop, over ``random_split``, ``Subset`` and
+samples read along each vector; a list of record dicts named no record by their ids. The
+healthy loop, over ``random_split``, ``Subset`` and
 ``ConcatDataset`` shuffled by a seeded generator across two persistent workers, trains
 bit-identically with and without the recorder."""
 
@@ -110,6 +111,28 @@ def test_a_batch_left_as_a_list_of_records_names_the_record_s_place_in_it(tmp_pa
         assert (o["module"], o["op"], o["samples"], o["batch_size"], rep["cause"]) == (
             "ratio", "aten.div", [row], 27 - step * size, "invalid"), o
     assert rep["reproduced"], rep
+
+
+def test_a_list_of_record_dicts_names_the_record_by_each_dict_s_id(tmp_path):
+    """A shuffled loader (seeded generator) handing the model its list of record dicts
+    (``collate_fn=list``, a detection loader's targets' shape), each with its ``idx`` and a
+    0-d ``image_id``: the ids are one value per dict, no collated column, and no record was
+    named. The report now gives record 11 from ``batch[*]["idx"]`` and ``["image_id"]``."""
+    bad = 11
+
+    def loader():
+        return DataLoader(M.Table(n=27, nan=bad), batch_size=8, shuffle=True,
+                          generator=torch.Generator().manual_seed(7), collate_fn=lambda items: [
+                              dict(r, image_id=torch.tensor(r["idx"])) for r in items])
+    step, row = next((s, [r["idx"] for r in b].index(bad)) for s, b in enumerate(loader())
+                     if bad in [r["idx"] for r in b])
+    ev, rep = fire(tmp_path, M.RecordsNet, loader(),
+                   lambda m, b: (m(b), torch.stack([r["y"] for r in b])))
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == (
+        step, "input", f'batch[{row}]["x"]', [row]), ev
+    o = rep["origin"]
+    assert (o["samples"], rep["cause"]) == ([row], "input"), o
+    assert o["records"] == {'batch[*]["idx"]': [bad], 'batch[*]["image_id"]': [bad]}, o
 
 
 def test_split_and_joined_datasets_shuffled_over_workers_train_bit_identically(tmp_path):
