@@ -48,6 +48,7 @@ from .edge_rows import edge_graphs, edge_samples
 from .finite import bad_rows
 from .objects import described
 from .padded_ids import padded_ids
+from .record_lists import listed_records, tensor_records
 from .time_major import carried_batch
 
 # the modules whose ``batch_first=False`` puts the batch in dim 1
@@ -247,15 +248,10 @@ class Record:
 
 
 def _records(o: list | tuple) -> bool:
-    """``o`` reads as one entry per sample: dicts of data tensors, or floating tensors of 3 or
-    more dims (images, clips: not a forward's own arguments, an ``(x, adj)`` pair, nor
-    batches, which each lead with the batch's size: a registration net's ``(moving, fixed)``
-    volumes of a batch of 2, its ``(moved, flow)`` outputs)."""
-    if len(o) < 2:
-        return False
+    """``o`` reads as one entry per sample: dicts of data tensors, or floating tensors
+    (:func:`~recorder.record_lists.tensor_records`)."""
     if all(isinstance(e, torch.Tensor) for e in o):
-        return all(e.is_floating_point() and e.dim() >= 3 for e in o) \
-            and len({e.dim() for e in o}) == 1 and any(e.shape[0] != len(o) for e in o)
+        return tensor_records(o)
     return _dict_records(o, set())
 
 
@@ -418,7 +414,8 @@ def per_sample_records(obj: Any, made: set[int] = frozenset(), lead: set[int] = 
     if not isinstance(obj, (list, tuple)) or not obj:
         return 0
     if _dict_records(obj, made) and not all(t.dim() and shape_of(t)[0] in lead
-                                            for t in tensor_leaves(obj)):
+                                            for t in tensor_leaves(obj)) \
+            or listed_records(obj, made, lead):
         return len(obj)
     return next((n for v in obj if (n := per_sample_records(v, made, lead))), 0)
 

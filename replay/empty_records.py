@@ -28,6 +28,7 @@ from recorder.finite import zero_one
 from .ignored_rows import ignored_rows_hint
 from .load import Step
 from .recorded import n_args, samples
+from .zero_lengths import zero_length_hint
 
 _DIVIDING = {"aten.div", "aten.div_", "aten.reciprocal"}
 
@@ -57,7 +58,8 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
         report["hint"] = _empty_text(report["hint"], which, names, fix, [
             name for name, t, d in data if not zero_one(t) and zero_rows(t, d, rows)])
         return
-    if _length_zero(report, data, rows):
+    if _length_zero(report, data, rows) or zero_length_hint(
+            report, sample_tensors(step, mb, loss), rows):
         return
     names = [name for name, t, d in data if _empty_in(t, d, rows, least=2)]
     if names:  # (a sequence of one step: its next-step targets, mask[:, 1:], are none)

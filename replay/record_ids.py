@@ -4,10 +4,12 @@ A loader shuffles (a ``WeightedRandomSampler``, length buckets, workers interlea
 ``IterableDataset``'s shards), so "samples [4] of step 6" does not tell the user which record of
 the dataset to open. Many batches carry the answer beside the features: a collate_fn's record
 ids (``batch["id"]``, a dataclass's ``row_id``, a namedtuple's ``index``) or the files the
-records were read from (``batch["path"]``, default_collate's list of strings). When the model
+records were read from (``batch["path"]``, default_collate's list of strings), or each record
+dict of a list of them holds its own (``collate_fn=list``: ``batch[*]["image_id"]``). When the model
 or the loss was given such a per-sample identifier (one value per sample of the origin's
-micro-batch, no two equal: no label, no length), the report gives its values at the samples
-(``origin.records``) and a note says which records to look at.
+micro-batch, most of them distinct, so a record a sampler drew twice still counts: no label,
+no length), the report gives its values at the samples (``origin.records``) and a note says
+which records to look at.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ def _leaves(node: Any, path: str):
         if items and all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in items):
             yield path, items
             return
+        yield from _per_record(items, path)
         fields = node.get("$fields")
         for k, v in enumerate(items):
             yield from _leaves(v, f"{path}.{fields[k]}" if fields and k < len(fields)
@@ -105,18 +108,36 @@ def _leaves(node: Any, path: str):
             yield from _leaves(v, f"{path}.{k}")
 
 
+def _per_record(items: list, path: str):
+    """(raw path, values) of each key a list of record dicts (a collate_fn's ``list``, a
+    detection loader's targets) holds a number, a string or a 0-d tensor at in every one:
+    ``batch[*]["image_id"]``, one value per sample."""
+    dicts = [dict(v["$dict"]) for v in items if isinstance(v, dict) and "$dict" in v]
+    if len(dicts) < 2 or len(dicts) != len(items) or len({tuple(d) for d in dicts}) != 1:
+        return
+    for k in dicts[0]:
+        values = [d[k] for d in dicts]
+        if all(isinstance(v, (str, int)) and not isinstance(v, bool)
+               or isinstance(v, dict) and "$t" in v for v in values):
+            yield f"{path}[*][{json.dumps(k)}]", values
+
+
 def _values(step: Step, leaf: Any, n: int) -> list | None:
-    """The leaf's ``n`` values, one per sample, when they are integers or strings with no
-    two equal."""
+    """The leaf's ``n`` values, one per sample, when they are integers or strings, most of
+    them distinct: a sampler drawing with replacement (``WeightedRandomSampler``'s default)
+    repeats a record in a batch, while a group's value (a ``dataset_id`` of 2 sources) repeats
+    in most rows."""
     if isinstance(leaf, list):
-        values = leaf
+        values = [_scalar(step, v) for v in leaf]
+        if any(v is None for v in values):
+            return None
     else:
         t = step.tensors.get(leaf["$t"])
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point() \
                 or t.is_complex() or t.dtype == torch.bool:
             return None
         values = t.tolist()
-    return values if len(values) == n and len(set(values)) == n else None
+    return values if len(values) == n and 2 * len(set(values)) > n else None
 
 
 def _id_name(raw: str) -> bool:
@@ -128,3 +149,13 @@ def _id_name(raw: str) -> bool:
     if len(words) == 1:
         return words[0] not in ("name", "names", "key", "keys")  # (a key of attention)
     return len(words) == 2 and words[0] in _RECORD_WORDS
+
+
+def _scalar(step: Step, v: Any) -> int | str | None:
+    """A record's identifier: a JSON number or string, or a 0-d integer tensor's value."""
+    if not isinstance(v, dict):
+        return v
+    t = step.tensors.get(v.get("$t"))
+    ok = isinstance(t, torch.Tensor) and t.dim() == 0 and not t.is_floating_point() \
+        and not t.is_complex() and t.dtype != torch.bool
+    return int(t) if ok else None
