@@ -56,8 +56,9 @@ def update_grad_norm(step) -> float | None:
 
 def unseen_grads_text(step) -> str:
     """Said of weights non-finite as the event's step began when the recorder saw no gradient
-    of the step before, which it recorded: the loop took them with ``torch.autograd.grad``
-    (which writes no ``.grad``), so a backward's NaN reached the update unchecked; "" else."""
+    of the step before, which it recorded: the loop took none (a federated server's load) or
+    took them with ``torch.autograd.grad`` (which writes no ``.grad``), so a backward's NaN
+    reached the update unchecked; "" else."""
     at = step.event.get("step")
     steps, norms = step.tensors.get("ring/steps"), step.tensors.get("ring/grad_norm")
     if not own_update(step.meta) or at is None or steps is None or norms is None:
@@ -65,12 +66,13 @@ def unseen_grads_text(step) -> str:
     before = [n for s, n in zip(steps.tolist(), norms.tolist()) if s == at - 1]
     if not before or not math.isnan(before[0]):
         return ""
-    return (f". The recorder saw no gradient of step {at - 1}: the loop took them with "
-            "torch.autograd.grad (which writes no .grad), so none was checked before its "
-            "update, and a non-finite one (a backward trap: sqrt or a norm at 0, a division "
-            "by 0) reaches the weights this way unseen; while you debug, take them with "
-            "loss.backward() (the step then ends with the backward, its gradients checked "
-            "before the update) and the replay names the op that made them")
+    return (f". The recorder saw no gradient of step {at - 1} (no backward wrote .grad: the "
+            "loop took none, or took them with torch.autograd.grad, which writes none); an "
+            "update of such gradients is checked by no one, and a non-finite one (a backward "
+            "trap: sqrt or a norm at 0, a division by 0) reaches the weights this way unseen: "
+            "while you debug, take them with loss.backward() (the step then ends with the "
+            "backward, its gradients checked before the update) and the replay names the op "
+            "that made them")
 
 
 def unmeasured(meta: dict[str, Any], hist: dict[str, Any]) -> bool:

@@ -147,5 +147,5 @@ def test_a_backward_trap_under_autograd_grad_says_its_gradients_went_unseen(out_
     assert (err.event["step"], err.event["phase"]) == (k + 1, "weights")
     report = nanreplay_json(err.bundle_path)
     assert report["cause"] == "weights"
-    assert f"The recorder saw no gradient of step {k}: the loop took them with " \
-        "torch.autograd.grad" in report["hint"]
+    assert f"The recorder saw no gradient of step {k} (no backward wrote .grad" in report["hint"]
+    assert "torch.autograd.grad" in report["hint"] and "loss.backward()" in report["hint"]
