@@ -439,7 +439,8 @@ def own_update_fix(step: Step) -> str:
                 "optimizers after backward instead of in the hooks (for opt in "
                 "optimizers.values(): opt.step()), or skip an update whose gradient is "
                 "non-finite in the hook (if torch.isfinite(p.grad).all(): ...),")
-    return ("call rec.end_step() after backward, before the loop's own update (or give "
+    return ("call rec.end_step() after backward (or after torch.autograd.grad, which writes "
+            "no .grad and so ends no step), before the loop's own update (or give "
             "FlightRecorder the optimizer)")
 
 

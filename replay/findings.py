@@ -7,6 +7,7 @@ precursors); each localisation fills the origin and the cause through :func:`fin
 
 from __future__ import annotations
 
+from functools import cache, partial
 from typing import Any
 
 from .cause_text import HINTS
@@ -15,6 +16,7 @@ from .load import Step
 from .precursors import find_precursors, history, module_dtypes
 from .rebuild import NO_FACTORY, NO_FACTORY_NEEDED
 from .source import statement
+from .unmeasured_weights import built_norm, unmeasured
 
 FORMAT = "nanreplay-report/1"
 # the note of an optimizer event whose bundle holds the weights after the update (a rewind
@@ -38,6 +40,8 @@ def base_report(step: Step) -> dict[str, Any]:
     env = meta.get("env", {})
     hist = history(meta, step.tensors)
     dtypes = module_dtypes(meta)
+    # (weights a loop's own update wrote, never measured: the factory's model is the baseline)
+    built = cache(partial(built_norm, step)) if unmeasured(meta, hist) else None
     return {
         "format": FORMAT,
         "bundle": {"path": str(step.path), "rank": env.get("rank", 0), "torch": env.get("torch"),
@@ -61,7 +65,7 @@ def base_report(step: Step) -> dict[str, Any]:
         "origin": origin_fields(),
         "cause": None,
         "hint": None,
-        "precursors": find_precursors(hist, dtypes=dtypes),
+        "precursors": find_precursors(hist, dtypes=dtypes, built=built),
         "bisection": None,
         "fidelity": None,
         "problems": list(step.problems) + forward_steps_note(meta, hist),

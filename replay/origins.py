@@ -59,6 +59,7 @@ from .other_rows import note_grad_rows
 from .padded_rows import unpadded_rows
 from .param_writes import (
     built_non_finite_hint,
+    by_update,
     forward_made,
     forward_made_hint,
     loop_written_hint,
@@ -77,7 +78,6 @@ from .self_pairs import self_pair_hint
 from .swapped_in import swapped_in_hint
 from .term_args import report_term_arg
 from .twice_differentiated import twice_hint
-from .user_grad_hooks import in_backward
 from .weight_readers import bad_row_fields, first_reader, rows_text
 from .written_forward import report_forward_wrote
 from .zero_start_distance import zero_start_hint
@@ -111,7 +111,7 @@ def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
                     hint=built_non_finite_hint(step, bad) or swapped_in_hint(step, bad)
                     or loop_written_hint(step, bad)
                     or (None if step.meta.get("optimizer") else own_update_hint(step)))
-    report["cause"] = "optimizer" if in_backward(report["hint"]) else report["cause"]
+    report["cause"] = "optimizer" if by_update(step, report["hint"]) else report["cause"]
     if (where := rows_text(bad[0], rows)) is not None and report.get("hint"):
         report["hint"] = f"{report['hint']}; {where}"
     if last is not None:

@@ -31,7 +31,8 @@ from .ops import OpFinder
 from .partial_params import partial_hint
 from .rerun import Runner
 from .unit_rows import unit_rows_text
-from .user_grad_hooks import updated_in_backward
+from .unmeasured_weights import unseen_grads_text, update_grad_norm
+from .user_grad_hooks import in_backward, updated_in_backward
 
 
 def forward_made(step: Step, bad: list[str]) -> dict[str, Any] | None:
@@ -419,26 +420,34 @@ def own_update_hint(step: Step) -> str:
     """Weights non-finite at a step of a loop that gave the recorder no optimizer: the loop's
     own update (``p -= lr * p.grad``) or load (a federated server's ``load_state_dict`` of the
     clients' average) between the steps is what writes them, and the ring says whether there
-    were gradients, and finite ones, for an update to use."""
+    were gradients, and finite ones, for an update to use (then it is that update's doing:
+    :func:`replay.unmeasured_weights.update_grad_norm`)."""
     at = step.event.get("step")
-    steps, norms = step.tensors.get("ring/steps"), step.tensors.get("ring/grad_norm")
-    before = [n for s, n in zip(steps.tolist(), norms.tolist()) if s == at - 1] \
-        if at is not None and steps is not None and norms is not None else []
-    grads = (f" from finite gradients (their norm was {before[0]:.3g})"
-             if before and math.isfinite(before[0]) else "")
+    norm = update_grad_norm(step)
+    grads = f" from finite gradients (their norm was {norm:.3g})" if norm is not None else ""
+    after = f"step {at - 1}" if norm is not None else "the step before"
     late = step.event.get("written_after_forward") or []
     if text := updated_in_backward(step, step.event.get("params") or []):
         return text  # (an optimizer per parameter, stepped by the script's hooks in backward)
     return (f"the weights were already non-finite when step {at} began, and the recorder was "
-            "given no optimizer: the loop's own update after the step before (p -= lr * "
-            f"p.grad) wrote them{grads}, or weights it computed and loaded (load_state_dict "
+            f"given no optimizer: the loop's own update after {after} (p -= lr * p.grad) "
+            f"wrote them{grads}, or weights it computed and loaded (load_state_dict "
             "of a federated average of the clients' weights, a merge), unless other code "
             "edited them; check its arithmetic (a learning rate, an average's weights), and "
             "give the recorder the optimizer (or call your update through one) so each update "
-            "is checked"
+            "is checked" + unseen_grads_text(step)
             + (f". The step stayed open until the next forward, and the loop wrote "
                f"{len(late)} more parameter(s) after this step's forward read them finite: "
                "call rec.end_step() right after each step's forward and loss (an evaluation "
                "of the global model, before the next round writes it), so that each step is "
                "checked, and its bundle taken, before the loop writes the weights"
                if late else ""))
+
+
+def by_update(step: Step, hint: str | None) -> bool:
+    """An update wrote the weights: an optimizer stepped in backward's hooks, or the loop's own
+    update of finite gradients (as :func:`own_update_hint` says), which is its optimizer."""
+    if in_backward(hint):
+        return True
+    return not step.meta.get("optimizer") and update_grad_norm(step) is not None \
+        and hint == own_update_hint(step)

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .unmeasured_weights import weight_jump
+
 # a value at least this many times the median of the earlier ones is a jump (the precursors',
 # where a rewind window's trouble began, a what-if still diverging)
 JUMP = 10.0
@@ -166,7 +168,7 @@ def module_dtypes(meta: dict[str, Any]) -> dict[str, str | None]:
 
 
 def find_precursors(hist: dict[str, Any], *, factor: float = JUMP,
-                    dtypes: dict[str, str] | None = None) -> list[dict[str, Any]]:
+                    dtypes: dict[str, str] | None = None, built=None) -> list[dict[str, Any]]:
     steps, event = hist["steps"], hist.get("event_step")
     out: list[dict[str, Any]] = []
 
@@ -222,7 +224,7 @@ def find_precursors(hist: dict[str, Any], *, factor: float = JUMP,
     out = _innermost_fp16(out + _absorbed_fp16_overflow(hist, dtypes or {}))
     for p in out:
         p["detail"] += _held(p)
-    out = _one_line_per_jump(out + overflowed_norms(hist), hist, watched)
+    out = _one_line_per_jump(out + overflowed_norms(hist), hist, watched, built)
     out.sort(key=lambda p: (p["step"], p["kind"]))
     return [{k: p[k] for k in ("step", "kind", "detail")} for p in out]
 
@@ -353,12 +355,14 @@ def _innermost_fp16(found: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _one_line_per_jump(out: list[dict[str, Any]], hist: dict[str, Any],
-                       watched: dict[int, set[int]]) -> list[dict[str, Any]]:
+                       watched: dict[int, set[int]], built=None) -> list[dict[str, Any]]:
     """Absmax jumps of several layers at one step are one jump seen through the layers after
     the first one called: one line for them, naming that first layer (the input batch when it
     is the first layer of the forward and the update before that forward, which wrote its
     weights, came with no learning-rate or gradient-norm jump and left no weight-norm jump: an
-    embedding's absmax is its weights')."""
+    embedding's absmax is its weights'). ``built``: where no weight norm was measured (a
+    loop's own update), a function giving the factory's model's, which says whether the
+    weights grew instead (``replay.unmeasured_weights``)."""
     order = hist.get("call_order") or list(range(len(hist["layers"])))
     rank = {li: i for i, li in enumerate(order)}
     by_step: dict[int, list[dict[str, Any]]] = {}
@@ -385,7 +389,9 @@ def _one_line_per_jump(out: list[dict[str, Any]], hist: dict[str, Any],
         near = [q for q in out if q["kind"] in ("lr_jump", "grad_norm_jump")
                 and before is not None and q["step"] <= before <= q.get("through", q["step"])
                 or q["kind"] == "weight_jump" and q["step"] <= s <= q["through"]]
-        if every and first["layer"] == batch_first and not near:
+        grew = every and first["layer"] == batch_first and not near and built is not None \
+            and _grown(hist, built, keep, s)
+        if every and first["layer"] == batch_first and not near and not grew:
             detail = (f"{INPUT_JUMP} {first['ratio']:.3g}x (seen at {name}, "
                       f"the first layer called); every layer followed ({len(group)} layers)")
         elif every:
@@ -398,6 +404,20 @@ def _one_line_per_jump(out: list[dict[str, Any]], hist: dict[str, Any],
                       + (", ..." if len(group) > 4 else "") + ")")
         keep.append({"step": s, "kind": "absmax_jump", "detail": detail + _held(first)})
     return keep
+
+
+def _grown(hist: dict[str, Any], built, keep: list[dict[str, Any]], s: int) -> bool:
+    """Whether weights no update measured may have made a jump at step ``s`` from the batch's
+    first layer: a step before the event's (its weights are in no bundle), no factory's model
+    to compare with, or the event's weights far past it (then added to ``keep`` as a weight
+    jump, once)."""
+    if any(p["kind"] == "weight_jump" for p in keep):
+        return True
+    norm = built()
+    jump = weight_jump(hist, norm)
+    if jump is not None:
+        keep.append({k: jump[k] for k in ("step", "kind", "detail")})
+    return s != hist.get("event_step") or norm is None or jump is not None
 
 
 def _held(p: dict[str, Any]) -> str:

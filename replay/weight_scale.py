@@ -29,6 +29,7 @@ from .noised_grads import noised_grads_advice
 from .precursors import history
 from .rising_lr import rising_lr_text, warming_lr_text
 from .source import user_source
+from .unmeasured_weights import OWN_UPDATE_ADVICE, own_update
 from .unscaled_update import unscaled_update_advice
 from .update_bound import bound_advice
 
@@ -148,7 +149,9 @@ def diverging_advice(step, windowed: bool) -> str:
     if rising:
         return rising
     # (an update of the gradient's sign: its own bounds, not the rate's or clipping's)
-    plain = bound_advice(step, windowed) or DO["diverging_window" if windowed else "diverging"]
+    plain = bound_advice(step, windowed) or (
+        DO["diverging_window"] if windowed else OWN_UPDATE_ADVICE if own_update(step.meta)
+        else DO["diverging"])
     warming = warming_lr_text(history(step.meta, step.tensors))
     # (one batch's update out of a calm run: clipping, not the rate; see replay.grad_spike)
     return grown_state_advice(step) or no_line_search_advice(step) \

@@ -253,7 +253,7 @@ def test_hand_written_update_without_optimizer_is_named_as_the_writer(out_dir):
     offset makes rsqrt(0) = inf at step 5: the next step's weights are NaN. The hint said to
     find what writes weights outside optimizer.step() and resume from a checkpoint; with no
     optimizer recorded it now names the loop's own update and that its gradients were
-    finite."""
+    finite: cause ``optimizer``, as torch.optim.SGD's update of the same rate is."""
     torch.manual_seed(0)
     model = LM.make_backboned()
     crit = nn.CrossEntropyLoss()
@@ -271,8 +271,8 @@ def test_hand_written_update_without_optimizer_is_named_as_the_writer(out_dir):
                         p -= lr * p.grad
     assert (info.value.event["step"], info.value.event["phase"]) == (6, "weights")
     report = nanreplay_json(info.value.bundle_path)
-    assert report["cause"] == "weights"
-    assert "given no optimizer: the loop's own update after the step before (p -= lr * " \
+    assert report["cause"] == "optimizer"  # (the loop's update is its optimizer)
+    assert "given no optimizer: the loop's own update after step 5 (p -= lr * " \
         "p.grad) wrote them from finite gradients" in report["hint"]
 
 
