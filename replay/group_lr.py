@@ -1,0 +1,106 @@
+"""``--try lr[G]=VALUE``: one parameter group's learning rate changed, the others as recorded.
+
+Fine-tuning runs give each group its own rate (a backbone at 1e-5, a head at 1e-3, a no-decay
+group of norms and biases); ``lr=VALUE`` sets every group's to VALUE, which changes the groups
+that were not at fault too (a head's 1e6 set back to 1e-3 along with a backbone raised 100x),
+so a try of it is told so, and auto restores the rate of the one group whose rate jumped.
+
+>>> split_group("lr[2]")
+('lr', 2)
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from typing import Any
+
+from .errors import ReplayError
+
+_INDEXED = re.compile(r"^(\w+)\[\s*(\d+)\s*\]$")
+
+
+def split_group(key: str) -> tuple[str, int | None]:
+    """``("lr", 2)`` of ``lr[2]``, ``(key, None)`` of a key without an index; ValueError
+    (the one-line message) for an index on another key than lr."""
+    m = _INDEXED.match(key)
+    if m is None:
+        return key, None
+    if m.group(1) != "lr":
+        raise ValueError(f"only lr takes a parameter group index ({key}): --try "
+                         f"{m.group(1)}=VALUE applies to every group")
+    return "lr", int(m.group(2))
+
+
+def new_lr(v: Any, i: int, change) -> Any:
+    """Group ``i``'s learning rate under the change (``replay.window.Change``): ``v`` as
+    recorded when the change sets no rate, or another group's."""
+    if change.lr_group is not None and i != change.lr_group:
+        return v
+    if change.lr is not None:
+        return change.lr
+    return v * change.lr_factor if change.lr_factor is not None and v is not None else v
+
+
+def check_group(opt, label: str, change) -> None:
+    """Refuse (one line) a group index past the optimizer's groups."""
+    n = len(opt.param_groups)
+    if change.lr_group is not None and change.lr_group >= n:
+        raise ReplayError(f"--try {label}: the optimizer has {n} parameter group"
+                          f"{'s' if n != 1 else ''} (0-{n - 1}); pass a group index within "
+                          "them, or lr=VALUE for every group")
+
+
+def every_group_note(groups: list[dict[str, Any]] | None, label: str, change) -> str | None:
+    """What an absolute ``lr=VALUE`` did to ``groups`` (a window record's ``hyper``)
+    recorded at different rates: it set them all, not only the group at fault; None when
+    the groups shared one rate."""
+    if not groups or change.lr is None or change.lr_group is not None:
+        return None
+    rates = [g.get("lr") for g in groups]
+    shown = [f"{r:.3g}" if _number(r) else r if isinstance(r, str) else "?" for r in rates]
+    if len(rates) < 2 or len(set(shown)) < 2:
+        return None
+    value = label.partition("=")[2]
+    return (f"{label} set all {len(rates)} parameter groups' learning rates, recorded at "
+            f"{', '.join(shown)}, to {value}; lr[G]={value} sets group G's alone "
+            f"(G in 0-{len(rates) - 1})")
+
+
+def lr_before_jump(report: dict[str, Any]) -> str | None:
+    """The try of the rate the run trained at before the learning-rate jump the rewind window
+    began with (a rate set 1e5x higher: a tenth of it is still far too high): the median of
+    the jumped group's rates over the window's steps before it, for that group alone
+    (``lr[G]=``) when the other groups kept theirs at that step, else for every group; None
+    when the window began with no such jump."""
+    w = report.get("window") or {}
+    began = w.get("precursors_began") or {}
+    if began.get("kind") != "lr_jump":
+        return None
+    g, at = began.get("group"), began["step"]
+    rows = [s for s in w.get("per_step") or [] if s.get("step") is not None]
+    rates = [v for s in rows if s["step"] < at and _number(v := _rate(s, g)) and v > 0]
+    if not rates:
+        return None
+    value = f"{statistics.median(rates):.3g}"
+    return f"lr[{g}]={value}" if g is not None and _alone(rows, at, g) else f"lr={value}"
+
+
+def _rate(row: dict[str, Any], g: int | None) -> Any:
+    lrs = row.get("group_lrs") or []
+    return row.get("lr") if g is None else lrs[g] if g < len(lrs) else None
+
+
+def _alone(rows: list[dict[str, Any]], at: int, g: int) -> bool:
+    """Whether only group ``g``'s rate changed at step ``at`` (the others as the step
+    before)."""
+    i = next((k for k, s in enumerate(rows) if s["step"] == at), 0)
+    if i == 0:
+        return False
+    before, now = rows[i - 1].get("group_lrs") or [], rows[i].get("group_lrs") or []
+    return all(a == b for j, (a, b) in enumerate(zip(before, now)) if j != g)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
