@@ -230,12 +230,12 @@ def _drop_untrained(model, opt, record: dict[str, Any]) -> None:
     later, as the rebuilt model trains every one: those frozen then (``requires_grad_(False)``)
     and those of the groups the optimizer gained after it (``add_param_group``). Their
     re-run gradients are dropped before the loop's clipping and the update: training had
-    none."""
-    frozen = set(record.get("frozen") or ())
-    if frozen:
-        for n, p in model.named_parameters():
-            if n in frozen:
-                p.grad = None
+    none; or the zeros ``zero_grad(set_to_none=False)`` left (``frozen_grads``), which the
+    update still steps (momentum, decay)."""
+    frozen, zeros = set(record.get("frozen") or ()), set(record.get("frozen_grads") or ())
+    for n, p in model.named_parameters():
+        if n in frozen:
+            p.grad = torch.zeros_like(p) if n in zeros else None
     n = len(record.get("hyper") or [])
     if opt is None or not n:
         return

@@ -154,3 +154,35 @@ def test_checkpoint_holding_a_nan_loaded_mid_run_is_a_weights_event(out_dir):
     assert rep["cause"] == "weights"
     o = rep["origin"]
     assert (o["param"], o["module"], o["op"]) == ("backbone.3.weight", "backbone.3", "aten.addmm")
+
+
+def test_layer_frozen_with_zeroed_grads_is_still_stepped_in_the_window(out_dir):
+    """The first layer frozen at step 3 (``requires_grad_(False)``) in a loop that zeroes with
+    ``set_to_none=False``: its gradient stays a zero tensor, so AdamW still moves it (momentum,
+    decay). The window's re-run dropped that gradient and left the layer still, so its losses
+    departed from the run's after the freeze, without a word. Now the recorder logs which
+    frozen parameters held a gradient and the re-run steps them on zeros, as training did."""
+    model = PG.make()
+    opt = torch.optim.AdamW(PG.hf_groups(model))
+    crit, losses, blank = nn.CrossEntropyLoss(), [], 5
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=4,
+                            factory="param_groups_models:make"):
+            for step in range(8):
+                if step == 3:
+                    model.backbone[0].requires_grad_(False)
+                x, y = PG.batch(step)
+                if step == K:
+                    x[blank] = float("nan")
+                opt.zero_grad(set_to_none=False)
+                loss = crit(model(x), y)
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (K, "input")
+    rep = nanreplay_json(info.value.bundle_path)
+    w = rep["window"]
+    assert w["steps"][0] <= 3 < K == w["steps"][1] and w["reproduced"]
+    assert [s["loss"] for s in w["per_step"][:-1]] == losses[w["steps"][0]:K]
+    assert (rep["cause"], rep["origin"]["samples"]) == ("input", [blank])
