@@ -87,6 +87,35 @@ def lr_before_jump(report: dict[str, Any]) -> str | None:
     return f"lr[{g}]={value}" if g is not None and _alone(rows, at, g) else f"lr={value}"
 
 
+def last_finite_lr(step) -> str | None:
+    """The try of a rate for an update whose rate was NaN, Inf or below 0 (a schedule run
+    past its end): when one group's alone was (a head's decay over 0 steps, 0/0), that
+    group's last finite rate before the event step, for it alone; else the largest rate of
+    the last step before it whose rates were all finite, none below 0 and not all 0, or the
+    largest rate the scheduler started from; None when there is none."""
+    lrs, steps = step.tensors.get("ring/lr"), step.tensors.get("ring/steps")
+    rows = lrs.tolist() if lrs is not None else []
+    at = step.event.get("step")
+    kept = steps.tolist() if steps is not None and len(steps) == len(rows) else []
+    now = next((r for r, s in zip(rows, kept) if s == at), None)
+    if kept and at is not None:  # (rows after the event: rates the loop set after it)
+        rows = [r for r, s in zip(rows, kept) if s < at]
+    bad = [g for g, v in enumerate(now or []) if not 0 <= v < math.inf]
+    if now and len(now) > 1 and len(bad) == 1:
+        g = bad[0]
+        last = next((r[g] for r in reversed(rows) if 0 < r[g] < math.inf), None)
+        if last is not None:
+            return f"lr[{g}]={last:.3g}"
+    for row in reversed(rows):
+        if row and all(0 <= v < math.inf for v in row) and max(row) > 0:
+            return f"lr={max(row):.3g}"
+    # none yet (a warm-up's (w / s) ** 0.5 is Inf at step 0, the ring's first row): the rate
+    # the loop set, which a scheduler keeps in each group as ``initial_lr``
+    first = [float(g["initial_lr"]) for g in step.optimizer.param_groups if "initial_lr" in g]
+    return f"lr={max(first):.3g}" \
+        if first and all(math.isfinite(v) for v in first) and max(first) > 0 else None
+
+
 def _rate(row: dict[str, Any], g: int | None) -> Any:
     lrs = row.get("group_lrs") or []
     return row.get("lr") if g is None else lrs[g] if g < len(lrs) else None

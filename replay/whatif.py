@@ -29,7 +29,7 @@ from .departure import tries_note
 from .diverging import beyond_run_type, still_diverging
 from .drop import compared_with, left_by, undroppable
 from .errors import ReplayError, one_line
-from .group_lr import check_group, every_group_note, lr_before_jump, split_group
+from .group_lr import check_group, every_group_note, last_finite_lr, lr_before_jump, split_group
 from .half_update import TRY as HALF_UPDATE
 from .late_window import late_window_note
 from .load import Step, autocast_dtype
@@ -228,8 +228,8 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
                 out.append(before)  # the rate the run trained at before the jump
             # (weights times |c| >= 1: a decoupled decay's factor, SGD's coupled one's growth)
             out += ["wd=0"] if scaled_update(report) or coupled_decay(step) else []
-        elif (last := _last_finite_lr(step)) is not None:
-            out.append(f"lr={last:.3g}")
+        elif (last := last_finite_lr(step)) is not None:
+            out.append(last)
         if cause == "optimizer":
             out += _eps_tries(step, o.get("params") or [])
     return out
@@ -278,21 +278,6 @@ def _weights_dtype(step: Step) -> torch.dtype | None:
     """The dtype of the run's first floating weight, None when the bundle holds none."""
     return next((t.dtype for k, t in step.tensors.items()
                  if k.startswith("weights/") and t.is_floating_point()), None)
-
-
-def _last_finite_lr(step: Step) -> float | None:
-    """The largest learning rate of the last recorded step whose rates were all finite, none
-    below 0 and not all 0 (the schedule's before it went NaN, Inf or negative), else the
-    largest rate the scheduler started from; None when there is none."""
-    lrs = step.tensors.get("ring/lr")
-    for row in reversed(lrs.tolist() if lrs is not None else []):
-        if row and all(0 <= v < math.inf for v in row) and max(row) > 0:
-            return max(row)
-    # none yet (a warm-up's (w / s) ** 0.5 is Inf at step 0, the ring's first row): the rate
-    # the loop set, which a scheduler keeps in each group as ``initial_lr``
-    first = [float(g["initial_lr"]) for g in step.optimizer.param_groups if "initial_lr" in g]
-    return max(first) if first and all(math.isfinite(v) for v in first) and max(first) > 0 \
-        else None
 
 
 def _from_the_copy(win: Window, report: dict[str, Any]) -> None:
@@ -364,8 +349,7 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
             entry["loss"] = res.per_step[-1]["loss"] if res.per_step else None
             entry["diverging"] = still_diverging(entry["loss"], report.get("window"))
             entry["beyond"] = beyond_run_type(entry["loss"], _weights_dtype(step))
-        if notes := _notes(res, report, win) + [n for n in [every_group_note(
-                win.records[-1].get("hyper"), label, change)] if n]:
+        if notes := _notes(res, report, win) + _every_group(step, win, label, change):
             entry["note"] = "; ".join(notes)
         out.append(entry)
     return out
@@ -378,6 +362,14 @@ def _notes(res, report: dict[str, Any], win: Window) -> list[str]:
     if win.from_rewind and (gone := tries_note(report)) is not None:
         notes.append(gone)
     return notes
+
+
+def _every_group(step: Step, win: Window, label: str, change: Change) -> list[str]:
+    """The note of an ``lr=VALUE`` that set groups recorded at different rates (at the event
+    step: a later record's rates are what the loop set after it)."""
+    at = next((r for r in win.records if r["step"] == step.event.get("step")), win.records[-1])
+    note = every_group_note(at.get("hyper"), label, change)
+    return [note] if note else []
 
 
 def _parsed(step: Step, report: dict[str, Any], tries: list[str]) -> list[tuple[str, Change]]:

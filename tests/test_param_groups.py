@@ -186,3 +186,46 @@ def test_layer_frozen_with_zeroed_grads_is_still_stepped_in_the_window(out_dir):
     assert w["steps"][0] <= 3 < K == w["steps"][1] and w["reproduced"]
     assert [s["loss"] for s in w["per_step"][:-1]] == losses[w["steps"][0]:K]
     assert (rep["cause"], rep["origin"]["samples"]) == ("input", [blank])
+
+
+def _cosine_run(out_dir=None, head_span: int = 0, steps: int = 12):
+    """AdamW over the three groups, each decayed by a hand-written cosine; the head's from
+    step K over ``head_span`` steps (0: its progress (s - K) / 0 is NaN at step K, then
+    inf, clamped to the end)."""
+    model = PG.make()
+    opt = torch.optim.AdamW(PG.hf_groups(model))
+    base = [g["lr"] for g in opt.param_groups]
+    crit, losses = nn.CrossEntropyLoss(), []
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=4,
+                        factory="param_groups_models:make") if out_dir else _nothing():
+        for step in range(steps):
+            g = opt.param_groups[-1]  # the head's group
+            if step >= K:
+                t = torch.tensor(float(step - K)) / head_span
+                g["lr"] = base[-1] * float(0.5 * (1 + torch.cos(torch.pi * t.clamp(max=1))))
+            x, y = PG.batch(step)
+            opt.zero_grad()
+            loss = crit(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return losses
+
+
+def test_nan_rate_of_one_group_tries_that_group_s_last_rate_alone(out_dir):
+    """The head group's decay spans 0 steps: its rate is NaN at step K, the update makes the
+    head NaN. Auto proposed lr=1e-05 for every group: the largest rate of the ring's last
+    finite row, a row after the event (the head's rate 0 there). It now tries the head's own
+    last finite rate for the head alone, which re-runs what the run trains without the
+    plant."""
+    with pytest.raises(NonFiniteError) as info:
+        _cosine_run(out_dir)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["params"]) == (K, "optimizer",
+                                                       ["head.weight", "head.bias"])
+    rep = nanreplay_json(info.value.bundle_path, "--try", "auto")
+    assert "its lr was nan in that update" in rep["hint"]
+    (t,) = rep["what_if"]
+    assert t["try"] == f"lr[2]={PG.HEAD_LR:.3g}" and t["finite"] is True
+    healthy = _cosine_run(head_span=10 ** 9, steps=t["steps"][1] + 1)  # the head keeps 1e-3
+    assert t["loss"] == healthy[t["steps"][1]]
