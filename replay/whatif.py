@@ -83,7 +83,8 @@ def parse_try(text: str) -> tuple[str, Change | None]:
         raise TryError(f"--try {text!r}: {key} needs a value: --try {key}={EXAMPLES[key]}")
     if not eq or key not in KEYS:
         raise TryError(f"--try {text!r}: expected KEY=VALUE with KEY one of "
-                       f"{', '.join(KEYS)} (e.g. --try lr=0.1x, --try eps=1e-8), or auto")
+                       f"{', '.join(KEYS)} (e.g. --try lr=0.1x, --try lr[1]=1e-4 for group "
+                       "1's alone, --try eps=1e-8), or auto")
     if key == "lr":
         if value.endswith("x"):
             return text, Change(lr_factor=_number(text, value[:-1], "a factor such as 0.1x",
