@@ -17,6 +17,7 @@ import statistics
 from typing import Any
 
 from .errors import ReplayError
+from .precursors import JUMP
 
 _INDEXED = re.compile(r"^(\w+)\[\s*(\d+)\s*\]$")
 
@@ -114,6 +115,58 @@ def last_finite_lr(step) -> str | None:
     first = [float(g["initial_lr"]) for g in step.optimizer.param_groups if "initial_lr" in g]
     return f"lr={max(first):.3g}" \
         if first and all(math.isfinite(v) for v in first) and max(first) > 0 else None
+
+
+def jumped_group(step) -> dict[str, Any] | None:
+    """The one parameter group whose learning rate jumped ``JUMP``-fold or more over its
+    median before, up to the event step, and was still that high there, while the other
+    groups kept theirs at that step (a hand-written schedule that set the head's rate to 1e6):
+    ``{"group", "step", "before", "now"}``; None with one group, or several jumped."""
+    lrs, steps = step.tensors.get("ring/lr"), step.tensors.get("ring/steps")
+    if lrs is None or steps is None or lrs.dim() != 2 or lrs.shape[1] < 2 \
+            or len(steps) != len(lrs):
+        return None
+    at = step.event.get("step")
+    rows = [(s, r) for s, r in zip(steps.tolist(), lrs.tolist()) if at is None or s <= at]
+    found = [j for g in range(lrs.shape[1]) if (j := _jump(rows, g)) is not None]
+    if len(found) != 1:
+        return None
+    i = next(k for k, (s, _) in enumerate(rows) if s == found[0]["step"])
+    g, (before, now) = found[0]["group"], (rows[i - 1][1], rows[i][1])
+    return found[0] if all(a == b for j, (a, b) in enumerate(zip(before, now)) if j != g) \
+        else None
+
+
+def jumped_group_text(step) -> str:
+    """The sentence on that group for an optimizer event's remedy, or ''."""
+    if (j := jumped_group(step)) is None:
+        return ""
+    g, before, at = j["group"], j["before"], j["step"]
+    records = (step.meta.get("rewind") or {}).get("records") or []
+    first = min((r["step"] for r in records), default=None)
+    # (the update re-run is the jump step's own, or a window holds it)
+    direct = at >= (step.event.get("step") or 0) or (first is not None and first <= at)
+    test = f"--try lr[{g}]={before:.3g} tests it" if direct else (
+        f"a bundle recorded with FlightRecorder(..., rewind=N) from before step {at} tests it "
+        f"with --try lr[{g}]={before:.3g}: this one's update already starts from the weights "
+        "the rate grew")
+    return (f"; parameter group {g}'s learning rate jumped to {j['now']:.3g} at step "
+            f"{at}, {j['now'] / before:.3g}x its median {before:.3g} before, while the "
+            f"other groups kept theirs: set that group's rate back ({test})")
+
+
+def _jump(rows: list[tuple[int, list[float]]], g: int) -> dict[str, Any] | None:
+    seen: list[float] = []
+    for s, r in rows:
+        v = r[g]
+        if not 0 < v < math.inf:  # (a group added later: NaN before it)
+            continue
+        if seen and v >= JUMP * (base := statistics.median(seen)):
+            now = rows[-1][1][g]
+            return {"group": g, "step": s, "before": base, "now": now} \
+                if now >= JUMP * base else None
+        seen.append(v)
+    return None
 
 
 def _rate(row: dict[str, Any], g: int | None) -> Any:

@@ -29,7 +29,14 @@ from .departure import tries_note
 from .diverging import beyond_run_type, still_diverging
 from .drop import compared_with, left_by, undroppable
 from .errors import ReplayError, one_line
-from .group_lr import check_group, every_group_note, last_finite_lr, lr_before_jump, split_group
+from .group_lr import (
+    check_group,
+    every_group_note,
+    jumped_group,
+    last_finite_lr,
+    lr_before_jump,
+    split_group,
+)
 from .half_update import TRY as HALF_UPDATE
 from .late_window import late_window_note
 from .load import Step, autocast_dtype
@@ -225,8 +232,9 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
         elif not bad_lr:
             # (an update of the gradient's sign: the knobs bounding its size, no clipping)
             out += bound_tries(step) or (["clip=1.0"] if relative else ["lr=0.1x", "clip=1.0"])
-            if (before := lr_before_jump(report)) is not None:
-                out.append(before)  # the rate the run trained at before the jump
+            # (the rate the run trained at before the jump: the window's, else the ring's)
+            if (before := lr_before_jump(report) or _group_before_jump(step)) is not None:
+                out.append(before)
             # (weights times |c| >= 1: a decoupled decay's factor, SGD's coupled one's growth)
             out += ["wd=0"] if scaled_update(report) or coupled_decay(step) else []
         elif (last := last_finite_lr(step)) is not None:
@@ -363,6 +371,11 @@ def _notes(res, report: dict[str, Any], win: Window) -> list[str]:
     if win.from_rewind and (gone := tries_note(report)) is not None:
         notes.append(gone)
     return notes
+
+
+def _group_before_jump(step: Step) -> str | None:
+    j = jumped_group(step)
+    return None if j is None else f"lr[{j['group']}]={j['before']:.3g}"
 
 
 def _every_group(step: Step, win: Window, label: str, change: Change) -> list[str]:

@@ -229,3 +229,32 @@ def test_nan_rate_of_one_group_tries_that_group_s_last_rate_alone(out_dir):
     assert t["try"] == f"lr[2]={PG.HEAD_LR:.3g}" and t["finite"] is True
     healthy = _cosine_run(head_span=10 ** 9, steps=t["steps"][1] + 1)  # the head keeps 1e-3
     assert t["loss"] == healthy[t["steps"][1]]
+
+
+def test_head_lr_jump_before_an_optimizer_event_names_that_group_in_the_hint(tmp_path):
+    """Recorded with guard_optimizer (no window): the head group's rate set to 1e30 at step K
+    blows the head up in a later update. The hint said only 'check the learning rate and
+    schedule' and auto tried lr=0.1x (still 1e29) and clip; it now names the group, its jump
+    and the rate to set back, and auto tries that group's rate alone."""
+    model = PG.make()
+    opt = torch.optim.SGD(PG.hf_groups(model), momentum=0.9)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, guard_optimizer=True,
+                            factory="param_groups_models:make"):
+            for step in range(12):
+                if step == K:
+                    opt.param_groups[2]["lr"] = 1e30
+                x, y = PG.batch(step)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    ev = info.value.event
+    assert ev["step"] > K and (ev["phase"], ev["params"]) == ("optimizer",
+                                                            ["head.weight", "head.bias"])
+    rep = nanreplay_json(info.value.bundle_path, "--try", "auto")
+    assert rep["cause"] == "optimizer"
+    assert f"parameter group 2's learning rate jumped to 1e+30 at step {K}, 1e+33x its " \
+           f"median {PG.HEAD_LR:.3g} before" in rep["hint"]
+    assert f"--try lr[2]={PG.HEAD_LR:.3g}" in rep["hint"]
+    assert f"lr[2]={PG.HEAD_LR:.3g}" in [t["try"] for t in rep["what_if"]]
