@@ -76,6 +76,7 @@ class _Record:
     scale: float | None
     skipped: bool
     frozen: list[str] = field(default_factory=list)  # parameters with requires_grad False
+    frozen_grads: list[str] = field(default_factory=list)  # of those, holding a .grad tensor
     attrs: list | None = None  # the modules' plain attributes as it began (AttributeWatch)
 
 
@@ -119,12 +120,16 @@ class Rewind:
         # the frozen parameters (requires_grad_(False), unfrozen later in the window): the
         # re-run, whose rebuilt model trains every one, leaves them as training did
         frozen = [n for n, p in params if not p.requires_grad]
+        # of those, the ones still holding a gradient tensor (the zeros that
+        # zero_grad(set_to_none=False) leaves): the optimizer still updates them (Adam's
+        # momentum, a decoupled decay), so the re-run must not drop them
+        frozen_grads = [n for n, p in params if not p.requires_grad and p.grad is not None]
         # the loop's schedule of module attributes (a dropout p raised, a temperature
         # annealed): each step re-runs with its own, not the event step's (a reference to
         # the values the step's open took; compared with attach only at export)
         attrs = self.watch().started if self.watch is not None else None
         self._log.append(_Record(tape.step, tape.rng, mbs, tensors, hyper, scale, skipped,
-                                 frozen, attrs))
+                                 frozen, frozen_grads, attrs))
 
     def clear(self) -> None:
         self._copies, self._log, self._first = [], [], None
@@ -205,6 +210,7 @@ class Rewind:
                 "hyper": [hyper_entry(h, f"{prefix}optim_group/{g}", tensors)
                           for g, h in enumerate(r.hyper)],
                 "scale": r.scale, "skipped": r.skipped, "frozen": r.frozen,
+                **({"frozen_grads": r.frozen_grads} if r.frozen_grads else {}),
                 "attrs": self.watch().differences(r.attrs) if self.watch is not None else {}})
         meta["memory_bytes"] = self.nbytes()
         return meta
@@ -311,4 +317,5 @@ def rename_window(meta: dict[str, Any], tensors: dict[str, torch.Tensor],
     window.get("optimizer", {})["state_scalars"] = {renamed.get(n, n): v
                                                     for n, v in scalars.items()}
     for record in window.get("records", []):
-        record["frozen"] = [renamed.get(n, n) for n in record.get("frozen", [])]
+        for key in ("frozen", "frozen_grads"):
+            record[key] = [renamed.get(n, n) for n in record.get(key, [])]

@@ -21,7 +21,7 @@ def precursors_began(per_step: list[dict[str, Any]], factor: float = JUMP
     after, is that jump's doing (a learning-rate spike or one bad batch makes the weights
     that follow it grow), so the jump is named."""
     jumps, rises = [], []
-    for key, name, pairs in _series(per_step):
+    for key, name, pairs, group in _series(per_step):
         # a measured series (a norm, the loss) needs two earlier values, as the recorded
         # precursors do: against one, a run already diverging "jumps" at the window's second
         # step by its own pace and hides that it began before the window. A learning rate is
@@ -32,7 +32,8 @@ def precursors_began(per_step: list[dict[str, Any]], factor: float = JUMP
             if base > 0 and b >= factor * base:
                 jumps.append({"step": s1, "kind": f"{key}_jump",
                               "detail": f"the {name} {b:.3g} is {b / base:.3g}x the median "
-                                        f"{base:.3g} of the window's steps before"})
+                                        f"{base:.3g} of the window's steps before",
+                              **({} if group is None else {"group": group})})
                 break
         start = _steady_rise(pairs, factor)
         if start is not None:
@@ -43,8 +44,9 @@ def precursors_began(per_step: list[dict[str, Any]], factor: float = JUMP
     return min(found, key=lambda f: f["step"]) if found else None
 
 
-def _series(per_step: list[dict[str, Any]]) -> list[tuple[str, str, list[tuple[int, float]]]]:
-    """``(key, name, [(step, |value|)])`` of each series, in the order one step makes them (of
+def _series(per_step: list[dict[str, Any]]
+            ) -> list[tuple[str, str, list[tuple[int, float]], int | None]]:
+    """``(key, name, [(step, |value|)], parameter group or None)`` of each series, in the order one step makes them (of
     two jumps at one step the first is named: a loss one bad batch blew up, not the gradient
     norm that follows from it); each parameter group's learning rate its own series (a rate
     set wrong for one group, at unfreezing, leaves the first group's as it was)."""
@@ -54,10 +56,10 @@ def _series(per_step: list[dict[str, Any]]) -> list[tuple[str, str, list[tuple[i
 
     groups = max((len(s.get("group_lrs") or ()) for s in per_step), default=0)
     lrs = [("lr", f"learning rate (parameter group {j})",
-            finite_of(lambda s, j=j: (s.get("group_lrs") or [None] * groups)[j]))
+            finite_of(lambda s, j=j: ((s.get("group_lrs") or [])[j:] or [None])[0]), j)
            for j in range(groups)] if groups > 1 else \
-        [("lr", "learning rate", finite_of(lambda s: s.get("lr")))]
-    return lrs + [(key, name, finite_of(lambda s, key=key: s.get(key)))
+        [("lr", "learning rate", finite_of(lambda s: s.get("lr")), None)]
+    return lrs + [(key, name, finite_of(lambda s, key=key: s.get(key)), None)
                   for key, name in (("loss", "loss"), ("grad_norm", "gradient norm"),
                                     ("param_norm", "weight norm"))]
 

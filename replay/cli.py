@@ -66,7 +66,8 @@ class _OneLineUsage(click.Command):
               help="Where --strip writes the copy.")
 @click.option("--try", "tries", multiple=True, metavar="KEY=VALUE",
               help="Re-run with one change and say if it stays finite (repeatable, each tried "
-                   "separately): lr=1e-4, lr=0.1x, eps=1e-8, clip=1.0, wd=0.01, "
+                   "separately): lr=1e-4, lr=0.1x (every parameter group's rate; lr[2]=1e-4: group "
+                   "2's alone), eps=1e-8, clip=1.0, wd=0.01, "
                    "dtype=float32|float64|bfloat16, drop=3,7, Rprop's "
                    "step_sizes=1e-6,50 and etas=0.5,1.2, or auto.")
 @click.option("--debug", is_flag=True, hidden=True, help="Show tracebacks of internal errors.")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .group_lr import new_lr
 from .load import Step
 from .optim import SPELT, number_pair, pair_eps
 
@@ -75,7 +76,7 @@ def set_hyper(opt, record: dict[str, Any], sub: Step, change) -> None:
     the change (``replay.window.Change``) sets them; ``wd`` leaves the groups with
     no weight decay beside decayed ones (norms and biases, by the usual recipe) at 0."""
     decayed = any(_decays(h) for h in record.get("hyper") or [])
-    for group, rec in zip(opt.param_groups, record.get("hyper") or []):
+    for i, (group, rec) in enumerate(zip(opt.param_groups, record.get("hyper") or [])):
         for k, v in rec.items():
             if k == "params" or (isinstance(v, dict) and "$repr" in v):
                 continue
@@ -84,10 +85,8 @@ def set_hyper(opt, record: dict[str, Any], sub: Step, change) -> None:
             elif isinstance(v, str) and v in SPELT:
                 v = float(v)
             group[k] = number_pair(v)
-        if change.lr is not None:
-            group["lr"] = change.lr
-        if change.lr_factor is not None:
-            group["lr"] = group["lr"] * change.lr_factor
+        if change.lr is not None or change.lr_factor is not None:
+            group["lr"] = new_lr(group.get("lr"), i, change)
         if change.eps is not None:
             group["eps"] = pair_eps(group.get("eps"), change.eps)
         if change.weight_decay is not None and (_decays(rec) or not decayed):

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .group_lr import jumped_group_text
 from .load import Step
 
 # classes (their names, any library's) whose update is lr times the sign of a gradient or of a
@@ -162,4 +163,4 @@ def optimizer_advice(step: Step, groups: list[dict]) -> str:
         return f"finite gradients became non-finite weights in optimizer.step(): {bound}"
     eps = ", eps," if any("eps" in g for g in groups) else ","
     return ("finite gradients became non-finite weights in optimizer.step(): check the "
-            f"learning rate and schedule{eps} and clip gradients")
+            f"learning rate and schedule{eps} and clip gradients" + jumped_group_text(step))

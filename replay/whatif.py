@@ -19,7 +19,6 @@ too.
 from __future__ import annotations
 
 import math
-import statistics
 from typing import Any
 
 import torch
@@ -30,6 +29,14 @@ from .departure import tries_note
 from .diverging import beyond_run_type, still_diverging
 from .drop import compared_with, left_by, undroppable
 from .errors import ReplayError, one_line
+from .group_lr import (
+    check_group,
+    every_group_note,
+    jumped_group,
+    last_finite_lr,
+    lr_before_jump,
+    split_group,
+)
 from .half_update import TRY as HALF_UPDATE
 from .late_window import late_window_note
 from .load import Step, autocast_dtype
@@ -74,17 +81,23 @@ def parse_try(text: str) -> tuple[str, Change | None]:
     if text == "auto":
         return text, None
     key, eq, value = text.partition("=")
-    key, value = key.strip(), value.strip()
+    try:  # (lr[G]=VALUE: parameter group G's rate alone)
+        key, group = split_group(key.strip())
+    except ValueError as e:
+        raise TryError(f"--try {text!r}: {e}") from None
+    value = value.strip()
     if key in KEYS and not value:  # (not "KEY one of lr, ...": the key is one of them)
         raise TryError(f"--try {text!r}: {key} needs a value: --try {key}={EXAMPLES[key]}")
     if not eq or key not in KEYS:
         raise TryError(f"--try {text!r}: expected KEY=VALUE with KEY one of "
-                       f"{', '.join(KEYS)} (e.g. --try lr=0.1x, --try eps=1e-8), or auto")
+                       f"{', '.join(KEYS)} (e.g. --try lr=0.1x, --try lr[1]=1e-4 for group "
+                       "1's alone, --try eps=1e-8), or auto")
     if key == "lr":
         if value.endswith("x"):
             return text, Change(lr_factor=_number(text, value[:-1], "a factor such as 0.1x",
-                                                  positive=True))
-        return text, Change(lr=_number(text, value, "a learning rate such as 1e-4"))
+                                                  positive=True), lr_group=group)
+        return text, Change(lr=_number(text, value, "a learning rate such as 1e-4"),
+                            lr_group=group)
     if key == "eps":
         return text, Change(eps=_number(text, value, "an epsilon such as 1e-8"))
     if key == "wd":
@@ -132,6 +145,8 @@ def check_applicable(step: Step, label: str, change: Change) -> None:
     if needs and opt is None:
         raise ReplayError(f"--try {label}: the bundle's optimizer was not rebuilt, so there is "
                           "no update to change")
+    if opt is not None:
+        check_group(opt, label, change)
     for k in needs:
         if k != "clip" and not all(k in g for g in opt.param_groups):
             # (the keys this optimizer does take: SGD has a weight decay, Adafactor no lr)
@@ -217,12 +232,13 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
         elif not bad_lr:
             # (an update of the gradient's sign: the knobs bounding its size, no clipping)
             out += bound_tries(step) or (["clip=1.0"] if relative else ["lr=0.1x", "clip=1.0"])
-            if (before := _lr_before_jump(report)) is not None:
-                out.append(f"lr={before:.3g}")  # the rate the run trained at before the jump
+            # (the rate the run trained at before the jump: the window's, else the ring's)
+            if (before := lr_before_jump(report) or _group_before_jump(step)) is not None:
+                out.append(before)
             # (weights times |c| >= 1: a decoupled decay's factor, SGD's coupled one's growth)
             out += ["wd=0"] if scaled_update(report) or coupled_decay(step) else []
-        elif (last := _last_finite_lr(step)) is not None:
-            out.append(f"lr={last:.3g}")
+        elif (last := last_finite_lr(step)) is not None:
+            out.append(last)
         if cause == "optimizer":
             out += _eps_tries(step, o.get("params") or [])
     return out
@@ -271,35 +287,6 @@ def _weights_dtype(step: Step) -> torch.dtype | None:
     """The dtype of the run's first floating weight, None when the bundle holds none."""
     return next((t.dtype for k, t in step.tensors.items()
                  if k.startswith("weights/") and t.is_floating_point()), None)
-
-
-def _lr_before_jump(report: dict[str, Any]) -> float | None:
-    """The median learning rate of the window's steps before a learning-rate jump that began
-    the trouble (a rate set 1e5x higher at unfreezing: a tenth of it is still far too high),
-    None when the window began with no such jump."""
-    w = report.get("window") or {}
-    began = w.get("precursors_began") or {}
-    if began.get("kind") != "lr_jump":
-        return None
-    lrs = [s["lr"] for s in w.get("per_step") or []
-           if s.get("step") is not None and s["step"] < began["step"]
-           and isinstance(s.get("lr"), (int, float)) and math.isfinite(s["lr"]) and s["lr"] > 0]
-    return statistics.median(lrs) if lrs else None
-
-
-def _last_finite_lr(step: Step) -> float | None:
-    """The largest learning rate of the last recorded step whose rates were all finite, none
-    below 0 and not all 0 (the schedule's before it went NaN, Inf or negative), else the
-    largest rate the scheduler started from; None when there is none."""
-    lrs = step.tensors.get("ring/lr")
-    for row in reversed(lrs.tolist() if lrs is not None else []):
-        if row and all(0 <= v < math.inf for v in row) and max(row) > 0:
-            return max(row)
-    # none yet (a warm-up's (w / s) ** 0.5 is Inf at step 0, the ring's first row): the rate
-    # the loop set, which a scheduler keeps in each group as ``initial_lr``
-    first = [float(g["initial_lr"]) for g in step.optimizer.param_groups if "initial_lr" in g]
-    return max(first) if first and all(math.isfinite(v) for v in first) and max(first) > 0 \
-        else None
 
 
 def _from_the_copy(win: Window, report: dict[str, Any]) -> None:
@@ -371,7 +358,7 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
             entry["loss"] = res.per_step[-1]["loss"] if res.per_step else None
             entry["diverging"] = still_diverging(entry["loss"], report.get("window"))
             entry["beyond"] = beyond_run_type(entry["loss"], _weights_dtype(step))
-        if notes := _notes(res, report, win):
+        if notes := _notes(res, report, win) + _every_group(step, win, label, change):
             entry["note"] = "; ".join(notes)
         out.append(entry)
     return out
@@ -384,6 +371,19 @@ def _notes(res, report: dict[str, Any], win: Window) -> list[str]:
     if win.from_rewind and (gone := tries_note(report)) is not None:
         notes.append(gone)
     return notes
+
+
+def _group_before_jump(step: Step) -> str | None:
+    j = jumped_group(step)
+    return None if j is None else f"lr[{j['group']}]={j['before']:.3g}"
+
+
+def _every_group(step: Step, win: Window, label: str, change: Change) -> list[str]:
+    """The note of an ``lr=VALUE`` that set groups recorded at different rates (at the event
+    step: a later record's rates are what the loop set after it)."""
+    at = next((r for r in win.records if r["step"] == step.event.get("step")), win.records[-1])
+    note = every_group_note(at.get("hyper"), label, change)
+    return [note] if note else []
 
 
 def _parsed(step: Step, report: dict[str, Any], tries: list[str]) -> list[tuple[str, Change]]:

@@ -40,6 +40,7 @@ from .began import precursors_began  # noqa: F401  (the window report's, re-expo
 from .clip import loop_clip, ring_loss, total_norm
 from .departure import param_norms
 from .drop import drop_rows
+from .group_lr import new_lr
 from .hyper import set_hyper
 from .load import Step
 from .loop_grads import no_backward_reached_the_output
@@ -81,6 +82,7 @@ class Change:
 
     lr: float | None = None
     lr_factor: float | None = None
+    lr_group: int | None = None  # (lr[G]=: that group's rate alone)
     eps: float | None = None
     weight_decay: float | None = None
     clip: float | None = None
@@ -228,12 +230,12 @@ def _drop_untrained(model, opt, record: dict[str, Any]) -> None:
     later, as the rebuilt model trains every one: those frozen then (``requires_grad_(False)``)
     and those of the groups the optimizer gained after it (``add_param_group``). Their
     re-run gradients are dropped before the loop's clipping and the update: training had
-    none."""
-    frozen = set(record.get("frozen") or ())
-    if frozen:
-        for n, p in model.named_parameters():
-            if n in frozen:
-                p.grad = None
+    none; or the zeros ``zero_grad(set_to_none=False)`` left (``frozen_grads``), which the
+    update still steps (momentum, decay)."""
+    frozen, zeros = set(record.get("frozen") or ()), set(record.get("frozen_grads") or ())
+    for n, p in model.named_parameters():
+        if n in frozen:
+            p.grad = torch.zeros_like(p) if n in zeros else None
     n = len(record.get("hyper") or [])
     if opt is None or not n:
         return
@@ -485,9 +487,8 @@ def _stats(record: dict[str, Any], run, change: Change) -> dict[str, Any]:
 def _lrs(record: dict[str, Any], change: Change) -> list[float | None]:
     """Each parameter group's learning rate in the record's update, as the change sets it."""
     out: list[float | None] = []
-    for g in record.get("hyper") or []:
+    for i, g in enumerate(record.get("hyper") or []):
         v = g.get("lr")
         v = float(v) if isinstance(v, (int, float, str)) and not isinstance(v, bool) else None
-        out.append(None if v is None else change.lr if change.lr is not None else
-                   v * change.lr_factor if change.lr_factor is not None else v)
+        out.append(None if v is None else new_lr(v, i, change))
     return out
