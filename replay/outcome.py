@@ -43,8 +43,14 @@ def run_outcome(k: int, run) -> Outcome | None:
     o = run.forward_origin()
     if o is not None and not run.loss_first(o):
         came_in = not run.strict_inf and run.chain()[2]
+        kind = o.kind or ("nan" if o.nan else None)
+        if came_in and o.micro_batch is not None and o.micro_batch < len(run.inputs):
+            # the batch's own kind (its +inf, where the root's layers then made NaN of it), as
+            # the report's origin says
+            kind = kinds_of(t for t in run.inputs[o.micro_batch].values()
+                            if isinstance(t, torch.Tensor) and t.is_floating_point()) or kind
         return Outcome(k, "input" if came_in else "forward", module=o.module, call=o.call,
-                       micro_batch=o.micro_batch, kind=o.kind or ("nan" if o.nan else None))
+                       micro_batch=o.micro_batch, kind=kind)
     if run.loss_finite and not all(run.loss_finite):
         j = run.loss_finite.index(False)
         mb = run.loss_micro_batches[j]

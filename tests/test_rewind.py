@@ -1088,3 +1088,31 @@ def test_auto_drops_the_rows_whose_target_is_an_outlier_of_an_overflow(out_dir, 
     assert tries["drop=7"]["finite"] is True, tries
     assert set(tries) == ({"drop=7", "dtype=float64", "lr=0.1x", "clip=1.0"} if rewind
                           else {"drop=7", "dtype=float64"}), tries
+
+
+def test_window_first_line_gives_the_kind_the_batch_brought(out_dir):
+    """A +inf feature in one record: the first layer passes +-inf on, the head sums them to
+    NaN. The window's first non-finite step is the input's, and it is the batch's +inf (the
+    report's origin) that the window's line and JSON name, not the NaN the layers made of it."""
+    at, row = 4, 3
+    torch.manual_seed(0)
+    model = R.make_classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=2,
+                            factory="rewind_models:make_classifier"):
+            for step in range(at + 2):
+                x, y = R.batch(step)
+                if step == at:
+                    x[row, 1] = math.inf
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (at, "input")
+    report = nanreplay(info.value.bundle_path)
+    assert (report["origin"]["made"], report["origin"]["samples"]) == ("+inf", [row])
+    first = report["window"]["first_non_finite"]
+    assert (first["step"], first["phase"], first["kind"]) == (at, "input", "+inf")
+    text = invoke_cli(info.value.bundle_path).stdout
+    assert f"first      step {at}: +inf in the input" in text
