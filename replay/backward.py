@@ -273,7 +273,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
     if watch.hit is not None:
         _from_hook(found, watch.hit, labels.names)
     if custom and custom[0]:
-        _inside_custom(runner, found)
+        _inside_custom(runner, found, where or Samples())
     # Second opinion from anomaly mode (NaN only).
     try:
         runner.run(instrument=False, forward_ctx=_anomaly, backward_ctx=_anomaly)
@@ -398,11 +398,13 @@ def _from_hook(found: BackwardOrigin, hit: HookHit, names: dict) -> None:
     found.micro_batch, found.in_loss = hit.when
 
 
-def _inside_custom(runner: Runner, found: BackwardOrigin) -> None:
+def _inside_custom(runner: Runner, found: BackwardOrigin, where: Samples) -> None:
     """Re-run with an op finder active while nodes named ``found.node`` (a custom
     autograd.Function's) run their Python backward: the user's backward code made the value,
-    so name its op and line, not only the forward line that made the node."""
-    finder = OpFinder()
+    so name its op and line, not only the forward line that made the node; and the samples
+    of that op's output where the node's gradients held none (a parameter's, which the
+    backward summed over the batch itself)."""
+    finder = OpFinder(where)
     handles: list = []
 
     def enter(grad_outputs):
@@ -435,3 +437,5 @@ def _inside_custom(runner: Runner, found: BackwardOrigin) -> None:
         found.source, found.called_from = hit.source or found.source, None
     elif hit is not None and hit.source:
         found.inner_op, found.inner_source = hit.op, hit.source
+        if not found.samples and hit.rows:
+            found.samples, found.lead_rows = hit.rows, None

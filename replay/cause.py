@@ -201,7 +201,9 @@ def _rounded_hint(name: str, what: str, ev: Evidence, capture: OpAt | None) -> s
 
 
 def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
-    ev, op, name = hit.evidence, hit.op, _name(hit.op)
+    ev = hit.evidence  # (a custom op's: that of the op in its kernel that made it, own_ops)
+    op = hit.inner.op if hit.inner is not None and hit.inner.evidence is ev else hit.op
+    name = _name(op)
     dt = _type(ev.dtype)
     if ev.local64 is not None and bool(torch.isfinite(ev.local64).all()):
         own = domains.own_factor_sign(op, ev)  # (its own rounding, not an overflow)
@@ -418,6 +420,8 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
         return _at_tie(op, gap, still, dtype)
     if at_pole == "1" and name and domains.derivative_pole(name):
         return _unit_pole(op, name, fn, dtype, still, None if still else edge_gap())
+    if inner and not (name and domains.derivative_pole(name)):
+        fn = f"its backward's {inner}"
     if still:  # (sqrt at 0: mostly a distance written out, TransE's sqrt(((h + r - t)**2)...))
         return Cause("invalid", f"{op} made a non-finite gradient from finite incoming "
                      f"gradients, in float64 too: {fn} has a pole at the op's input (sqrt or "
@@ -426,8 +430,6 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
     # a custom Function's name says nothing of its derivative: its backward's own op does
     pole = bool(name and domains.derivative_pole(name)) or bool(
         inner and domains.derivative_pole(_name(inner).rstrip("_")))
-    if inner and not (name and domains.derivative_pole(name)):
-        fn = f"its backward's {inner}"
     if at_pole and pole and underflowed:
         # finite in float64, and the 0 on the pole came from exp/softmax/sigmoid: a positive
         # value rounded to 0 (sqrt(exp(-120)): exp(-120) is 8e-53 in float64), or into the

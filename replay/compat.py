@@ -16,6 +16,10 @@
   directly to assign the bundle's tensors without a copy and to clear what a default
   construction put there; :func:`parameter_like`: a parameter of a subclass of
   ``nn.Parameter`` made around a tensor (``Tensor._make_subclass``);
+- :func:`written_places`, :func:`returns_values`: which arguments an op writes, by position
+  and name, and whether it returns anything (``func._schema``);
+- :func:`custom_op_kernel`: the Python function a ``torch.library.custom_op`` runs for a
+  device (``torch._library.custom_ops.OPDEFS``), re-run under an op finder (replay.own_ops);
 - ``FOREACH_MUL_``: ``aten._foreach_mul_.Scalar``, the foreach kernels' in-place product of
   many tensors with one number (a foreach optimizer's weight decay, :mod:`replay.weight_scale`).
 """
@@ -36,7 +40,8 @@ from recorder.compat import func_transform, version_of
 __all__ = ["TorchDispatchMode", "tree_leaves", "tree_map", "version", "version_of", "sequence_nr",
            "func_transform",
            "running_node", "saved_value", "writes_arguments",
-           "set_parameter", "set_buffer", "remove_member", "FOREACH_MUL_"]
+           "set_parameter", "set_buffer", "remove_member", "FOREACH_MUL_", "custom_op_kernel",
+           "written_places", "returns_values"]
 
 FOREACH_MUL_ = torch.ops.aten._foreach_mul_.Scalar
 
@@ -142,3 +147,28 @@ def no_process_group(e: BaseException) -> bool:
     group where none was initialised (its message, as torch 2.x words it)."""
     return isinstance(e, (ValueError, RuntimeError)) and \
         "process group has not been initialized" in str(e)
+
+
+def custom_op_kernel(func, device: str):
+    """The Python kernel ``torch.library.custom_op`` registered for aten-level op ``func`` on
+    ``device`` (or for every device), else its own function; None for any other op."""
+    try:
+        from torch._library.custom_ops import OPDEFS
+        opdef = OPDEFS.get(func._schema.name)
+    except (ImportError, AttributeError):
+        return None
+    if opdef is None:
+        return None
+    fns = getattr(opdef, "_backend_fns", {})
+    return fns.get(device) or fns.get(None) or getattr(opdef, "_init_fn", None)
+
+
+def written_places(func) -> list[tuple[int, str]]:
+    """(position, name) of each argument op ``func`` writes, by its schema."""
+    return [(i, a.name) for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write]
+
+
+def returns_values(func) -> bool:
+    """Whether op ``func`` returns anything (a custom op writing into ``out`` returns none)."""
+    return bool(func._schema.returns)

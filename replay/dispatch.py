@@ -57,7 +57,7 @@ class OpAt(TorchDispatchMode):
 
     def __init__(self, op: str, occurrence: int):
         super().__init__()
-        self.name = op.removeprefix("aten.")
+        self.name = op.partition(".")[2] or op  # (a custom op's own namespace too)
         self.occurrence = occurrence
         self.seen = 0
         self.inputs: list[torch.Tensor] | None = None

@@ -48,6 +48,7 @@ from .never_updated import initial_value_hint
 from .offset_divisor import offset_divisor_hint
 from .ops import OpFinder
 from .other_rows import note_other_rows
+from .own_ops import note_inner
 from .param_divisor import divisor_hint
 from .parametrized import parametrization_hint, parametrization_range_hint, parametrized_advice
 from .picked_fill import picked_hint, picked_origin
@@ -122,6 +123,7 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     note_called_at(report, runner.model, run, origin, hit)  # (one of several callers)
     note_taken_fill(report, run, origin)  # (a loss that read a masked -inf score as meant)
     backward_call_note(report, finder, o.module, o.call)  # (an adjoint's reverse solve)
+    note_inner(report, hit)  # (the line inside a custom op that made it: replay.own_ops)
     counted = _counted_in(finder, hit, o)
     # (which run of its line, a loop over time steps running it once a step; its values there)
     origin["line_run"], vals, counted = _line_run(runner, o, counted)
@@ -427,7 +429,7 @@ def _counted_in(finder: OpFinder, hit, o):
     before = finder.entered.get((o.module, o.call))
     if hit is None or before is None:
         return hit
-    name = hit.op.removeprefix("aten.")
+    name = hit.op.partition(".")[2] or hit.op  # (mylib.fused_norm's own namespace too)
     return dataclasses.replace(hit, occurrence=hit.occurrence - before.get(name, 0))
 
 

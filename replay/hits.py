@@ -48,6 +48,9 @@ class OpHit:
     # where ``source`` is an installed package's line (Pyro's ``kl.py``, GPyTorch's kernel), the
     # line of the model's or loss's own code that called into that package (with_caller)
     called_from: str | None = None
+    # a custom op's (torch.library.custom_op): the op inside its Python kernel that made the
+    # value (replay.own_ops)
+    inner: OpHit | None = None
 
     def as_json(self) -> dict[str, Any]:
         # (its dtype: the type an overflow of its output beat, which can be another than the

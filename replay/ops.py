@@ -30,7 +30,7 @@ from .cancellation import Cancellation
 from .compared_after import after_origin
 from .compat import TorchDispatchMode, running_node, tree_leaves, writes_arguments
 from .composite import Composites, composite_hit
-from .dispatch import clone_args, float_leaves, overwritten_out, run_op
+from .dispatch import clone_args, float_leaves, run_op
 from .earlier_nan import earlier_nan
 from .exp_param import ExpOfParam
 from .folds import folded_inputs, folds
@@ -48,6 +48,7 @@ from .nan_rows import nan_rows
 from .op_evidence import made_beside, op_evidence
 from .op_inputs import input_ends as _input_ends
 from .other_rows import bad_grid, lead_rows
+from .own_ops import adopt, inner_hit, inputs_of, made_by, op_name
 from .param_names import ParamNames
 from .picked_fill import note_pick
 from .pooled import Pooled
@@ -82,7 +83,7 @@ class _Watch(TorchDispatchMode):
         if f.first is not None and f.first_nan is not None:  # (the rows its call made next)
             return after_origin(f, func, args, kwargs)
         occurrence, seq = f.count(name := func.overloadpacket.__name__)
-        leaves, ins = tree_leaves((args, kwargs)), overwritten_out(args, kwargs)  # (not out=)
+        leaves, ins = tree_leaves((args, kwargs)), inputs_of(func, args, kwargs)  # (not out=)
         literal_inf, filled, ins = literals(name, leaves, ins)
         pairs, lo, hi, in_finite, in_nan_free = _input_ends(ins)
         # an op writing into its arguments: keep what it was given, for the evidence
@@ -90,7 +91,7 @@ class _Watch(TorchDispatchMode):
             and (in_finite or POINTWISE in func.tags) else None
         out = run_op(func, args, kwargs)
         f.follow(name, args, leaves, out)
-        outs = float_leaves(out)[:_RESULTS.get(name)]
+        outs = made_by(func, args, kwargs, out, float_leaves(out)[:_RESULTS.get(name)])
         if not outs or name in _UNINITIALISED:
             return out
         f.track(name, ins, outs, in_finite, leaves, (args, kwargs), func, out)
@@ -100,7 +101,7 @@ class _Watch(TorchDispatchMode):
             return out
         # the first output's kind, NaN before +Inf before -Inf within it
         made = next((k for k in (pair_kind(a, b) for a, b in out_ends) if k), None)
-        op = f"aten.{name}"
+        op = op_name(func)  # (a custom op's own namespace: mylib.fused_norm)
         buffer = None if in_finite or made == "nan" else f.mask_buffer(ins, pairs)
         if buffer is not None:  # it passed on a mask buffer's +-inf: the intended start
             if f.first is None and f.intentional is None and not f.views_mask(out):
@@ -124,7 +125,7 @@ class _Watch(TorchDispatchMode):
                                                 pole_inputs(op, ins), hit.rows, leaves, op)
                 except Exception:  # evidence helps the cause; the op is named without it
                     hit.evidence = None
-                f.first = with_caller(hit)  # (the op's stack is live here)
+                f.first = with_caller(adopt(hit, inner_hit(func, args, kwargs, f)))  # (own_ops)
         elif f.first is None and not intentional and made not in f.passed_kinds:
             f.first = made_beside(func, op, before or (args, kwargs), outs, occurrence, f)
         if not in_finite and in_nan_free and made != "nan" and f.first_reduced is None \
