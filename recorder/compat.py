@@ -38,6 +38,12 @@ except AttributeError:  # a torch without functorch
     def func_transform() -> None:
         return None
 
+try:  # dynamo's compiled code kept per code object (see forget_compiled_code)
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list as _cache_entries
+    from torch._C._dynamo.eval_frame import reset_code as _reset_code
+except ImportError:
+    _cache_entries = _reset_code = None
+
 try:
     from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
     from torch._dynamo.eval_frame import skip_code as _skip_code
@@ -321,3 +327,22 @@ def fsdp_mp_policy(module):
     (FSDP2's private state: no public getter), or None."""
     get_state = getattr(module, "_get_fsdp_state", None)
     return getattr(get_state(), "_mp_policy", None) if get_state is not None else None
+
+
+def forget_compiled_code(wrapper: nn.Module) -> bool:
+    """Drop the code dynamo compiled for the frames compile wrapper ``wrapper`` runs (its
+    ``forward``'s ``__wrapped__`` chain), so that its next call compiles again. Dynamo does not
+    guard on module hooks (``skip_nnmodule_hook_guards``), and that code, shared by every
+    ``torch.compile(module)`` wrapper, ran the module without the hooks it had not yet: hooks
+    added after a compiled call (the recorder attached after a warm-up forward, or around a
+    second model of the same class) never ran. Whether any was dropped."""
+    if _cache_entries is None or _reset_code is None:
+        return False
+    dropped, fn, seen = False, wrapper.__dict__.get("forward"), 0
+    while fn is not None and seen < 8:  # (a chain of a few wrappers; never a cycle)
+        code, seen = getattr(fn, "__code__", None), seen + 1
+        if code is not None and _cache_entries(code):
+            _reset_code(code)
+            dropped = True
+        fn = getattr(fn, "__wrapped__", None)
+    return dropped

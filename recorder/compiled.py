@@ -26,6 +26,7 @@ from .compat import (
     compiled_in_place,
     compiled_module,
     dynamo_disabled,
+    forget_compiled_code,
     is_compile_wrapper,
     uncompiled,
     undo_in_place_compile,
@@ -82,6 +83,15 @@ def hook_sites(root: nn.Module, wrapper: nn.Module | None = None,
         if sites[-1].region:
             regions.append(name)
     return sites
+
+
+def compile_with_hooks(root: nn.Module, wrapper: nn.Module | None) -> None:
+    """After the recorder's hooks are registered: every compile wrapper around or inside
+    ``root`` compiles again at its next call, with them (see
+    :func:`~recorder.compat.forget_compiled_code`); one that never ran has nothing to drop."""
+    for m in [wrapper, *root.modules()]:
+        if m is not None and is_compile_wrapper(m):
+            forget_compiled_code(m)
 
 
 # Module wrappers whose forward only sets a context (autocast, input and output casts) around

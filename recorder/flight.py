@@ -24,6 +24,7 @@ from .alarm import Alarm
 from .calls import CallHooks
 from .capture import git_commit
 from .compat import disabled_scaler
+from .compiled import compile_with_hooks
 from .cycle import StepCycle
 from .grads import reread_changed_grads
 from .guard import OptimizerGuard
@@ -243,6 +244,7 @@ class FlightRecorder:
         self.cycle.buffers.bind(target.buffer_homes + target.loss_buffer_homes,
                                 target.norm_buffers)
         self._handles += self.calls.register()
+        compile_with_hooks(target.model(), target.given())  # (a warm-up ran without them)
         self._handles += join_along(self._ddp and self._ddp(), self)  # (uneven inputs: Join)
         opt = target.optimizer()
         if opt is not None:

@@ -271,3 +271,32 @@ def test_compiled_model_called_from_a_compiled_training_step_is_recorded(tmp_pat
     rep = replay(info.value.bundle_path)
     assert rep["reproduced"] is True and rep["cause"] == "invalid"
     assert (rep["origin"]["module"], rep["origin"]["op"]) == ("act", "aten.log")
+
+
+def test_compiled_model_run_before_the_recorder_attached(tmp_path, caplog):
+    """A compiled ``nn.Sequential`` whose wrapper ran before the recorder attached (a warm-up
+    forward that triggers the compilation, or a second model after a first one trained
+    without the recorder): dynamo keeps the code it compiled then, and does not guard on the
+    hooks of torch's own modules, so the recorder's hooks never ran ("optimizer.step() ran
+    with no forward of the recorded model ...") and step K's NaN record was caught late, as a
+    backward event. Attaching drops that code: it is step K's input event, sample 5."""
+    warm = torch.compile(R.make_mlp(), backend="eager")  # an earlier model, trained bare
+    warm(R.batch(0)[0]).sum().backward()
+    model = torch.compile(R.make_mlp(), backend="eager")
+    model(R.batch(0)[0])  # its warm-up forward
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    with caplog.at_level("WARNING", logger="nanreplay"), pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path):
+            for step in range(K + 2):
+                x, y = R.batch(step)
+                if step == K:
+                    x[5, 0] = float("nan")
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    said = [r.getMessage() for r in caplog.records if r.name == "nanreplay"]
+    assert not said, said
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["samples"]) == (K, "input", [5])
+    assert _hooks(model) == 0  # detached
