@@ -37,6 +37,7 @@ from .shards import class_name, localize, mixed_precision
 from .stock_model import describe_stock
 from .tape import Tape
 from .target import Target
+from .tied import tied_params
 from .user_hooks import module_hooks_meta, user_grad_hooks
 
 
@@ -127,6 +128,8 @@ def _model(src: Sources, tape: Tape | None, guard, meta, tensors) -> None:
     (their pre-step values)."""
     params = src.target.params
     meta["params"] = [n for n, _ in params]
+    if (model := src.target.model()) is not None and (tied := tied_params(model)):
+        meta["tied_params"] = tied  # (bundled once, under the first name)
     if frozen := [n for n, p in params if not p.requires_grad]:  # (as the step ran: a teacher
         meta["frozen"] = frozen  # the loop froze after the factory built it trainable)
     if constants := [params[i][0] for i in src.target.constants

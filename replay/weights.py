@@ -17,6 +17,7 @@ from .compat import grad_hooks, non_persistent, parameter_like, set_buffer, set_
 from .errors import ReplayError
 from .held_params import rebind_holders
 from .param_store import forget_replaced
+from .retie import held_apart, tie_as_recorded
 
 
 def other_model(step) -> str:
@@ -106,9 +107,8 @@ def load_weights(step, model: nn.Module) -> None:
     What updates parameters in place copies them first (``replay.optimizer_origin``)."""
     t, meta, dev = step.tensors, step.meta, step.device
     _shaped_as_recorded(step, model)
-    names_by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names_by_id.setdefault(id(p), []).append(name)
+    tie_as_recorded(step, model)
+    names_by_id = _names_by_id(model)
     expected = {n for n in meta.get("params", []) if not n.startswith(LOSS_PREFIX)}
     have = {n for names in names_by_id.values() for n in names}
     missing = sorted(n for n in expected if n not in have)
@@ -129,10 +129,11 @@ def load_weights(step, model: nn.Module) -> None:
     placeholders = {m["name"] for m in meta.get("modules", []) if m.get("device") == "meta"}
     # (listed first: a shared module yields its parameters twice, the 2nd time replaced)
     for name, p in list(model.named_parameters(remove_duplicate=False)):
-        if id(p) in done:
+        if id(p) in done and not held_apart(step, name):
             assign(model, name, done[id(p)], param=True)
             continue
-        src = next((n for n in names_by_id[id(p)] if f"weights/{n}" in t), None)
+        src = name if f"weights/{name}" in t else next(
+            (n for n in names_by_id[id(p)] if f"weights/{n}" in t), None)
         if src is None and name.rpartition(".")[0] in placeholders:
             continue  # (holding no value, it is not bundled; it stays on the meta device)
         if src is None:
@@ -233,6 +234,14 @@ def _load_buffers(step, model: nn.Module) -> None:
         if b.is_meta:
             raise ReplayError(f"buffer {name!r} of the model is not in the bundle; "
                               + other_model(step))
+
+
+def _names_by_id(model: nn.Module) -> dict[int, list[str]]:
+    """Every name of each parameter (a tied one has two), by its id."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
 
 
 def assign(model: nn.Module, name: str, value, *, param: bool) -> None:
