@@ -30,7 +30,7 @@ from torch import nn
 
 from .compat import compiled_original, own_slots, uncompiled
 from .compiled import compiled_loss
-from .validate import import_object, script_module
+from .validate import SCRIPT_MODULES, import_object, script_module
 
 
 def describe_loss(loss_fn: nn.Module, tensors: dict[str, torch.Tensor],
@@ -200,7 +200,7 @@ def _not_importable(fn, module: str | None, qual: str) -> str | None:
         return "closure"  # defined inside a function: no import path leads to it
     if not isinstance(module, str):
         return "no module"
-    if module == "__main__":
+    if module in SCRIPT_MODULES:
         return "script"  # the training script itself: importing it would run the training
     try:
         found = import_object(module, qual)

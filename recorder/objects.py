@@ -21,7 +21,7 @@ import json
 import sys
 from typing import Any
 
-from .validate import script_module
+from .validate import SCRIPT_MODULES, script_module
 
 
 def is_instance(o: Any) -> bool:
@@ -40,7 +40,7 @@ def type_name(o: Any) -> str:
     loss defined there is."""
     cls = type(o)
     module = cls.__module__
-    if module == "__main__":
+    if module in SCRIPT_MODULES:
         module = script_module() or module
     return f"{module}:{cls.__qualname__}"
 

@@ -43,6 +43,7 @@ log = logging.getLogger("nanreplay")
 
 TIMEOUT_ENV = "NANREPLAY_ATTACH_TIMEOUT"  # seconds a rank's attach waits for the others
 _TIMEOUT_S = 60.0
+_last_work: list[Any] = [None]  # (see Agreement._all_reduce)
 _joins = itertools.count()  # every rank attaches its recorders in the same order
 
 
@@ -95,8 +96,19 @@ class Agreement:
         else:  # the strict check is 0 or NaN, the NaN-only check is NaN when a NaN counts:
             # their sum is NaN exactly when the step fails (as _read_probe decides on the host)
             self._mine.copy_(torch.isnan(probe[0] + probe[1]))
-        torch.distributed.all_reduce(flags, group=self.group)
+        self._all_reduce(flags)
         return torch.cat((probe, flags))
+
+    def _all_reduce(self, tensor: torch.Tensor) -> None:
+        """``all_reduce(tensor)``, its work kept (process-wide, past this recorder) until the
+        next one. Gloo's worker thread otherwise may drop the last reference to the work after
+        ``wait`` returned, and freeing a Python-made tensor there takes the GIL: when the main
+        thread, holding it, destroys the process group meanwhile (``destroy_process_group``,
+        DDP's teardown at the end of an ``mp.spawn``ed function), it joins that thread forever
+        (a hang at exit, seen after every rank had trained to its end)."""
+        work = torch.distributed.all_reduce(tensor, group=self.group, async_op=True)
+        work.wait()
+        _last_work[0] = work
 
     def read(self, values: list[float]) -> bool:
         """Keep the flags read with the probe (``values[4:]``); True when any rank failed."""
@@ -167,7 +179,7 @@ class Agreement:
         row = torch.zeros(self.world, 5, dtype=torch.int64, device=self.device)
         key = _order_key(event, own_backward) if event is not None else (step, _LATE, 0, 0, 0)
         row[self.rank] = torch.tensor(key, dtype=torch.int64)
-        torch.distributed.all_reduce(row, group=self.group)
+        self._all_reduce(row)
         keys = [tuple(k) for k in row.tolist()]
         with_event = [r for r, k in enumerate(keys) if k[1] < _LATE] or list(range(self.world))
         best = min(keys[r] for r in with_event)
@@ -188,7 +200,7 @@ class Agreement:
         if self.left:
             return [], [], None
         flags = torch.zeros(self.world, dtype=torch.float32, device=self.device)
-        torch.distributed.all_reduce(flags, group=self.group)
+        self._all_reduce(flags)
         self._keep(flags.tolist())
         seen, self.seen = self.seen or [], None
         if self.stopped:  # (a peer's recorder stopped: no rank exchanges again)
@@ -197,7 +209,7 @@ class Agreement:
             return [], [], None
         row = torch.zeros(self.world, 5, dtype=torch.int64, device=self.device)
         row[self.rank, 1] = _LATE
-        torch.distributed.all_reduce(row, group=self.group)
+        self._all_reduce(row)
         keys = [tuple(k) for k in row.tolist()]
         with_event = [r for r, k in enumerate(keys) if k[1] < _LATE]
         first = [r for r in with_event if keys[r] == min(keys[q] for q in with_event)]

@@ -264,6 +264,12 @@ def _running_script(module: str):
         return None
 
 
+# the training script's module names: multiprocessing's spawn (``torch.multiprocessing.spawn``)
+# runs the parent's script again in each child as ``__mp_main__``, whose classes and functions
+# carry that name, which no replay can import
+SCRIPT_MODULES = ("__main__", "__mp_main__")
+
+
 def script_module() -> str | None:
     """The name that imports the script running as ``__main__`` (its ``python -m`` name, else
     its file's stem: ``python train.py`` puts its directory first on the path), when its code
