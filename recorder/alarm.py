@@ -184,6 +184,15 @@ class Alarm:
     def summary(self) -> str:
         return _message(self.event, self.bundle_path, self.settings.on_event == "raise")
 
+    def _wrote(self, as_dict: dict[str, Any]) -> None:
+        """Before raising: the ranks' bundles of the step are on disk (:meth:`Agreement.wrote`)."""
+        if (agreement := self.target.ranks) is not None:
+            try:
+                agreement.wrote(as_dict.get("ranks"), as_dict["step"])
+            except Exception as e:  # (the store gone: raise all the same)
+                log.warning("nanreplay: could not tell the other ranks this rank's bundle is "
+                            "written (%s)", first_line(e, 200))
+
     def _write_and_report(self, tape: Tape | None, event: Event, guard=None) -> None:
         if event.after_update and event.step < self.settings.start_step:
             # an update whose optimizer.step() closed no step (no forward of the recorded model
@@ -212,6 +221,7 @@ class Alarm:
             msg = _message(as_dict, None, raising) + f" Writing the bundle failed: {why}"
             if raising:
                 self.health.active = False
+                self._wrote(as_dict)
                 self._stop()
                 raise NonFiniteError(msg, event=as_dict, write_error=e) from e
             log.warning(msg)
@@ -230,6 +240,7 @@ class Alarm:
                     "and give the recorder an out_dir it can write.")
         if raising:
             self.health.active = False
+            self._wrote(as_dict)
             self._stop()
             raise NonFiniteError(msg, bundle_path=path, event=as_dict, write_error=moved)
         log.warning(msg)

@@ -102,6 +102,7 @@ class _Shadowed(JoinHook):
             event = {"phase": "peer", "step": step, "joined": True,
                      "ranks": {"rank": ranks.rank, "world_size": ranks.world,
                                "run_id": ranks.run_id, "seen_by": seen, "first": first}}
+            ranks.wrote(event["ranks"], step)  # (none of its own: the others' are written)
             raise NonFiniteError(text + "; every rank stopped at this step.", event=event)
         # warn mode: this rank's report of the event, as the others' alarm fired with theirs
         # (else, at detach, the weights the last joiner's update left would be its own event)

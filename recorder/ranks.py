@@ -43,6 +43,8 @@ log = logging.getLogger("nanreplay")
 
 TIMEOUT_ENV = "NANREPLAY_ATTACH_TIMEOUT"  # seconds a rank's attach waits for the others
 _TIMEOUT_S = 60.0
+# how long a rank waits for the first ranks' bundles, then for the others' (see wrote)
+_FIRST_WAIT_S, _PEERS_WAIT_S = 1800.0, 60.0
 _last_work: list[Any] = [None]  # (see Agreement._all_reduce)
 _joins = itertools.count()  # every rank attaches its recorders in the same order
 
@@ -214,6 +216,26 @@ class Agreement:
         with_event = [r for r, k in enumerate(keys) if k[1] < _LATE]
         first = [r for r in with_event if keys[r] == min(keys[q] for q in with_event)]
         return seen, first, keys[first[0]][0] if first else None
+
+    def wrote(self, ranks: dict[str, Any] | None, step: int) -> None:
+        """In raise mode, once this rank's bundle of ``step`` is written (or failed, or it has
+        none: a rank joined under ``Join``): say so in the store, then wait for the first
+        rank(s) to say it too, and for the others a little. The launcher (torchrun's agent,
+        ``mp.spawn``) ends every rank as soon as one raises: a peer raising first ended the
+        first rank while it still wrote the bundle the replay needs (a large model's takes
+        seconds). No device collective."""
+        if not ranks or ranks.get("alone"):
+            return
+        store, first = process_group_store(self.group), ranks.get("first") or []
+        key = f"nanreplay/wrote/{self.run_id}/{step}/"
+        store.set(f"{key}{self.rank}", "1")
+        for waited, limit in ((first, _FIRST_WAIT_S), (range(self.world), _PEERS_WAIT_S)):
+            try:
+                store.wait([f"{key}{r}" for r in waited], timedelta(seconds=limit))
+            except RuntimeError:  # (a rank that never said: raise all the same)
+                missing = [r for r in waited if not store.check([f"{key}{r}"])]
+                log.warning("nanreplay: rank(s) %s did not say their bundle of step %d was "
+                            "written within %gs; raising", missing, step, limit)
 
     def alone(self) -> dict[str, Any]:
         """``event.ranks`` of a step checked on this rank alone (cut short by an exception,

@@ -4,7 +4,8 @@ RANK/WORLD_SIZE variables), gloo, a DistributedSampler with ``set_epoch``, and
 
 Each rank trains twice from the same seed, without and with the recorder (its losses saved
 for comparison), then once more with the recorder on data whose row BAD_ROW holds a NaN: the
-rank the sampler gives that row raises NonFiniteError, which ``mp.spawn`` re-raises.
+rank the sampler gives that row raises NonFiniteError, which ``mp.spawn`` re-raises; that
+rank writes its bundle slowly (``_slow_first_write``), so the other rank's is written first.
 """
 
 import contextlib
@@ -67,6 +68,25 @@ def _train(rank, world_size, out_dir, record, bad_row=None) -> list[float]:
     return losses
 
 
+def _slow_first_write(seconds: float = 3.0) -> None:
+    """The rank that saw the event first writes its bundle slowly, as a large model's takes
+    seconds: the other rank's bundle is written first, and its raise makes ``mp.spawn`` end
+    the first rank, unless the ranks wait for each other's bundles before raising."""
+    import time
+
+    from recorder import bundle
+
+    write = bundle.write_bundle
+
+    def slow(out_dir, stem, meta, tensors):
+        ranks = meta["event"].get("ranks") or {}
+        if ranks.get("rank") in ranks.get("first", []):
+            time.sleep(seconds)
+        return write(out_dir, stem, meta, tensors)
+
+    bundle.write_bundle = slow
+
+
 def train(rank, world_size, port, out_dir, bad_row):
     os.environ["MASTER_ADDR"] = "localhost"
     os.environ["MASTER_PORT"] = str(port)
@@ -76,10 +96,11 @@ def train(rank, world_size, port, out_dir, bad_row):
     with open(os.path.join(out_dir, f"losses-rank{rank}.txt"), "w") as f:
         f.write(f"{plain!r}\n{recorded!r}\n")
     os.makedirs(os.path.join(out_dir, "bad"), exist_ok=True)
-    try:
-        _train(rank, world_size, os.path.join(out_dir, "bad"), True, bad_row)
-    finally:
-        dist.destroy_process_group()
+    _slow_first_write()
+    # as the tutorial's demo functions end: cleanup() after training, not in a finally (an
+    # error leaves the process group to the process's exit)
+    _train(rank, world_size, os.path.join(out_dir, "bad"), True, bad_row)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
