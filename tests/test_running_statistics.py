@@ -1,0 +1,144 @@
+"""Norm layers' running statistics: "training is fine, validation is wrong".
+
+One outlier batch (a record of 1e20) makes a BatchNorm's batch variance overflow float32, and the
+layer writes +inf into ``running_var``. Training mode reads each batch's own statistics, so the
+loss stays finite and the recorder, which checks buffers only where they are module inputs,
+raises nothing at that step. A later event's replay notes the statistic and the recorded step
+whose activations overflowed it (``replay.overflowed_statistics``). Healthy runs with
+evaluation forwards between steps are unchanged by the recorder, running statistics included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+import replay
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+BATCH = 16
+
+
+class RateNet(nn.Module):
+    """Per-unit rates (features over the record's count, column 0) through a BatchNorm MLP."""
+
+    def __init__(self, momentum: float | None = 0.1):
+        super().__init__()
+        self.fc1 = nn.Linear(3, 8)
+        self.bn = nn.BatchNorm1d(8, momentum=momentum)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x):
+        rates = x[:, 1:] / x[:, :1]
+        return self.fc2(torch.relu(self.bn(self.fc1(rates))))
+
+
+def _batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    counts = torch.rand(BATCH, 1, generator=g) * 5 + 1
+    return (torch.cat([counts, torch.randn(BATCH, 3, generator=g)], 1),
+            torch.randint(0, 3, (BATCH,), generator=g))
+
+
+def _train(out_dir, momentum, outlier: tuple[int, int] | None, zero: tuple[int, int]):
+    """Train until the record ``zero`` (step, row) of count 0 raises; ``outlier`` (step, row)
+    holds features of 1e20. Returns (the error, bn.running_var as that step began)."""
+    torch.manual_seed(0)
+    model = RateNet(momentum)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(1)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir):
+            for step in range(zero[0] + 1):
+                x, y = _batch(g)
+                if outlier is not None and step == outlier[0]:
+                    x[outlier[1], 1:] = 1e20
+                if step == zero[0]:
+                    x[zero[1], 0] = 0
+                began = model.bn.running_var.clone()
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    return info.value, began
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_overflowed_running_var_is_noted_at_a_later_event(tmp_path, momentum):
+    outlier, zero = (2, 5), (5, 9)
+    err, began = _train(tmp_path, momentum, outlier, zero)
+    r = replay.replay(err.bundle_path, factory=lambda: RateNet(momentum))
+    o = r["origin"]
+    # the event is the zero count's own: the statistic does not take its place
+    assert (r["event"]["step"], o["phase"], o["op"], o["module"], o["samples"], r["cause"]) \
+        == (zero[0], "forward", "aten.div", "", [zero[1]], "invalid")
+    bad = int((~torch.isfinite(began)).sum())
+    assert bad > 0  # (the plant works: the outlier step overflowed the statistic)
+    notes = [p for p in r["problems"] if "bn.running_var" in p]
+    assert len(notes) == 1
+    assert f"bn.running_var ({bad} of 8 entries) held +Inf as step {zero[0]} began" in notes[0]
+    assert f"first such values came at step {outlier[0]}: absmax" in notes[0]
+    assert "in fc1 " in notes[0] and "reset_running_stats()" in notes[0]
+
+
+def test_finite_running_statistics_get_no_note(tmp_path):
+    err, began = _train(tmp_path, 0.1, None, (3, 4))
+    r = replay.replay(err.bundle_path, factory=RateNet)
+    assert bool(torch.isfinite(began).all())
+    assert r["origin"]["samples"] == [4] and r["cause"] == "invalid"
+    assert not [p for p in r["problems"] if "running_" in p]
+
+
+class ConvBN(nn.Module):
+    """BatchNorm2d, GroupNorm and BatchNorm1d in one small classifier."""
+
+    def __init__(self, momentum: float | None):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(4, momentum=momentum)
+        self.gn = nn.GroupNorm(2, 4)
+        self.bn1 = nn.BatchNorm1d(4, momentum=momentum)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.gn(torch.relu(self.bn2(self.conv(x)))).mean((2, 3))
+        return self.head(self.bn1(h))
+
+
+def _healthy(out_dir, record: bool, momentum, forget_eval: bool):
+    torch.manual_seed(0)
+    model = ConvBN(momentum)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    crit = nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(3)
+    losses = []
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir) if record \
+            else contextlib.nullcontext():
+        for _ in range(4):
+            model.train()
+            x, y = torch.randn(8, 2, 5, 5, generator=g), torch.randint(0, 3, (8,), generator=g)
+            opt.zero_grad()
+            loss = crit(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            if not forget_eval:
+                model.eval()
+            with torch.no_grad():  # (validation; in train mode it updates the statistics)
+                xv = torch.randn(4, 2, 5, 5, generator=g)
+                losses.append(crit(model(xv), torch.randint(0, 3, (4,), generator=g)).item())
+    return losses, model.state_dict()
+
+
+@pytest.mark.parametrize(("momentum", "forget_eval"), [(0.1, False), (None, True)])
+def test_healthy_running_statistics_unchanged(tmp_path, momentum, forget_eval):
+    plain, plain_state = _healthy(tmp_path / "plain", False, momentum, forget_eval)
+    seen, seen_state = _healthy(tmp_path / "rec", True, momentum, forget_eval)
+    assert seen == plain
+    assert plain_state.keys() == seen_state.keys()
+    assert all(torch.equal(plain_state[k], seen_state[k]) for k in plain_state)
+    assert not list(tmp_path.glob("rec/*.nan"))
