@@ -19,7 +19,7 @@ from .load import Step, autocast_as_recorded, micro_batch_inputs
 from .missing_entries import entries_where
 from .recorded import origin_key
 
-# the hint, after which the samples' entries follow
+# the hint; {where}: the samples holding the NaN, and their entries of a (B, L) tensor
 TARGET_INPUT = (
     "the batch itself holds NaN in {tensor}, which the model takes only as the target of its "
     "own loss ({loss}): missing labels, not bad features ({where}); the loss cannot skip a "
@@ -27,7 +27,8 @@ TARGET_INPUT = (
     "out of the loss (compute it yourself from the logits with reduction='none', multiplied "
     "by a mask ~{name}.isnan() and averaged over the entries it keeps, with the NaN filled "
     "by 0 first: {name}.nan_to_num(0.0)), or fill them where the data is made by a stated "
-    "policy (an unknown finding as negative or positive), or drop the records that lack them")
+    "policy (an unknown binary label as negative, or as positive), or drop the records that "
+    "lack them")
 
 # calls that pass the tensor on unchanged in value (a layout, a type, a copy)
 PASSED_ON = {"view", "reshape", "flatten", "squeeze", "unsqueeze", "float", "double", "half",
