@@ -79,6 +79,7 @@ from .shards import shard_set
 from .source import distributed_call
 from .state import forward_written, state_notes
 from .state_overflow import state_report
+from .target_input import target_input_hint
 from .trained_input import trained_input_hint
 from .unrecorded_steps import report_unrecorded
 from .unset_state import unset_state_or_raise
@@ -266,7 +267,7 @@ def _input_event(report, step: Step) -> dict[str, Any] | None:
         return None if made is RERUN else made
     return finish(report, o, "input", reproduced=True, hint=infinity_the_loss_took(
         step, o) or masked_loss_hint(step, o) or derived_input_hint(step, o)
-        or trained_input_hint(step, o) or data_hint(o, step))
+        or trained_input_hint(step, o) or target_input_hint(step, o) or data_hint(o, step))
 
 
 def _late(step: Step) -> set[str]:

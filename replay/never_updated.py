@@ -21,6 +21,7 @@ import torch
 _LAZY = {"Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adadelta", "Rprop", "ASGD",
          "SparseAdam", "Adafactor"}
 _LR_ADVICE = " or lower its learning rate"
+_EXP_OPS = ("aten.exp", "aten.exp2", "aten.expm1")  # ops exponentiating their input
 _GENERIC_LR = ", or lower the learning rate"  # (the op's own advice, for every weight)
 
 
@@ -57,10 +58,13 @@ def initial_value_hint(step, hint: str | None, cause: str, hit) -> str | None:
     if not any(k.startswith("optim/") for k in step.tensors) \
             and not (step.meta.get("optimizer") or {}).get("state_scalars"):
         hint = hint.replace(_GENERIC_LR, "", 1)  # (no update has run at all)
+    # (a log-scale parameter set to its value, CLIP's logit_scale of 100 for log 100; not
+    # a weight matrix a float16 cast or product overflowed: an MoE router's)
+    why = " (a value copied where its log belongs, for a parameter the model exponentiates)" \
+        if hit.op in _EXP_OPS else ""
     return (hint.removesuffix(_LR_ADVICE)
             + f"; the optimizer has not updated {hit.param} yet, so that is its initial value, "
-              "as the model was built or loaded: fix that initialisation (a value copied where "
-              "its log belongs, for a parameter the model exponentiates)")
+              f"as the model was built or loaded: fix that initialisation{why}")
 
 
 def untouched_rows(step, name: str, value: float | None) -> list[int]:
