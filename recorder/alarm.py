@@ -34,6 +34,7 @@ from .pre_update import written_before_update_event
 from .replaced import swapped_in_event
 from .rewind import rename_window
 from .ring import StepLayout
+from .running_stats import statistic_event
 from .scalers import not_given as scaler_not_given
 from .scalers import scaler_left_open
 from .settings import Settings
@@ -99,6 +100,8 @@ class Alarm:
                 weights_moved=not target.has_optimizer and not tape.close_queued
                 or moved_in_step(tape, target.watched))
             event = events.find_event(evidence, reason)
+            if event is None or event.detail == events.UNIDENTIFIED:  # (only a statistic)
+                event = statistic_event(evidence, target.running_stats) or event
             settle_targets(tape.micro_batches)  # (each micro-batch's kept loss call chosen)
             if event is not None and event.phase == "optimizer":  # (or the loop's swap-in)
                 event = swapped_in_event(event.step, event.params, target.replaced_bad) or event

@@ -46,7 +46,7 @@ def summary(event: dict[str, Any], path: Path | None) -> str:
         params = event["params"]
         more = f" (+{len(params) - 4} more)" if len(params) > 4 else ""
         where += f" Parameters: {', '.join(params[:4])}{more}."
-    if event.get("state"):  # (recorder.state_check: the weights stayed finite)
+    if event.get("state") or event.get("statistic"):  # (state_check; running_stats)
         where += f" {event['detail'][0].upper()}{event['detail'][1:]}."
     when = (f"in an evaluation forward (gradients off) before step {event['step']}"
             if event.get("evaluation") else f"at step {event['step']}")

@@ -43,9 +43,10 @@ from .tape import Tape, fed_to
 __all__ = ["Event", "StepEvidence", "find_event", "optimizer_event", "output_grad_bad"]
 
 # keys a bundle's event holds only when they are set
+UNIDENTIFIED = "non-finite statistic with no identifiable source"
 _OPTIONAL = ("after_update", "first_seen_step", "last_update_step", "evaluation", "compiled",
              "ranks", "written_after_forward", "before_update", "nan_handled", "loss_given",
-             "batch_size", "no_step_closed", "state")
+             "batch_size", "no_step_closed", "state", "statistic")
 
 
 @dataclass
@@ -83,6 +84,7 @@ class Event:
     batch_size: int | None = None  # the micro-batch's samples, when ``samples`` names some
     no_step_closed: bool | None = None  # an update whose step() closed none (recorder.alarm)
     state: dict[str, list[str]] | None = None  # its non-finite state keys (state_check)
+    statistic: str | None = None  # the running statistic it wrote (recorder.running_stats)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items()
@@ -198,7 +200,7 @@ def find_event(ev: StepEvidence, reason: str) -> Event | None:
     if ev.overflowed or ev.returned_inf:
         return None  # only norms of huge but finite weights or gradients overflowed
     return _written_event(ev) or _raised_root_input(ev) or Event(
-        ev.tape.step, phase="forward", detail="non-finite statistic with no identifiable source")
+        ev.tape.step, phase="forward", detail=UNIDENTIFIED)
 
 
 def _written_event(ev: StepEvidence) -> Event | None:

@@ -243,6 +243,7 @@ class FlightRecorder:
         self.cycle.capture_rng.generators = target.generators
         self.cycle.buffers.bind(target.buffer_homes + target.loss_buffer_homes,
                                 target.norm_buffers)
+        target.running_stats.began = lambda name: self.cycle.buffers.copies.get(name)
         self._handles += self.calls.register()
         compile_with_hooks(target.model(), target.given())  # (a warm-up ran without them)
         self._handles += join_along(self._ddp and self._ddp(), self)  # (uneven inputs: Join)

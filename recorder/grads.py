@@ -170,9 +170,11 @@ def unowned_weight_norms(tape: Tape, target: Target) -> None:
 
 def weight_step_norms(tape: Tape, target: Target, param_norms: bool) -> None:
     """The norms taken as a training step's row is built: the small parameters', then the
-    weights' before the first update, and those of the weights another optimizer updates."""
+    weights' before the first update, and those of the weights another optimizer updates;
+    and the running statistics' extremes (recorder.running_stats)."""
     if target.small:
         small_param_norms(tape, target, param_norms)
     first_weight_norms(tape, target)
     if target.unowned:
         unowned_weight_norms(tape, target)
+    target.running_stats.measure(tape.slots)  # (BatchNorm's; none without such layers)

@@ -32,6 +32,7 @@ from .finite import matches
 from .ranks import Agreement
 from .replaced import bad_kinds, group_heads, heads_moved, swapped
 from .rng import module_generators
+from .running_stats import RunningStats
 from .samples import recurrent, seq_first
 from .settings import Settings
 from .shards import class_name, local, sharded
@@ -110,6 +111,8 @@ class Target:
         self.seq_first = False
         self.recurrent = False
         self.grad_hooks = True
+        # normalization layers' running statistics, checked as each training step closes
+        self.running_stats = RunningStats()
         self.release()
 
     def loss_module(self) -> nn.Module | None:
@@ -192,6 +195,7 @@ class Target:
         self.norm_buffers = {f"{s.name}.{b}" if s.name else b for s in sites
                              if is_norm_layer(s.module)
                              for b, _ in s.module.named_buffers(recurse=False)}
+        self.running_stats.bind(self.buffer_homes, self.norm_buffers)
         # a buffer is no call's output: its +-Inf (a registered causal mask) was not made in
         # the step, so by default it leaves a call's inputs finite, as allow_inf ones do
         self.allowed_buffers = {id(b): weakref.ref(b) for n, b in self.buffers

@@ -58,7 +58,7 @@ from .origins import (
     report_weights,
 )
 from .outside import unrebuilt_loss
-from .overflowed_statistics import statistics_note
+from .overflowed_statistics import statistic_came_in, statistics_note, written_statistic_note
 from .param_writes import number_note
 from .pre_update import written_before_update
 from .raised_note import raised_note
@@ -105,8 +105,8 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
         report["problems"].append(fidelity.late_note(late, step))
     report = state_report(report, step) or _from_bundle(report, step) or _from_rerun(report, step)
     report["problems"] += module_hooks.notes(step, report)  # (the script's forward hooks)
-    if note := statistics_note(step, report):  # (a BatchNorm statistic an outlier overflowed)
-        report["problems"].append(note)
+    if note := statistics_note(step, report) or written_statistic_note(step, report):
+        report["problems"].append(note)  # (a BatchNorm statistic an outlier overflowed)
     if note := number_note(step, report):  # (a NaN number the forward took: no input)
         report["problems"].append(note)
     if not add_window(step, report) and below_zero(step) is None:  # (else the precursors;
@@ -254,7 +254,7 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
         report["not_rerun"] = (f"{' and '.join(parts)} stripped" if parts
                                else "factory not imported")
         return report
-    return None
+    return statistic_came_in(report, step)  # (a BatchNorm statistic bad as the step began)
 
 
 def _input_event(report, step: Step) -> dict[str, Any] | None:

@@ -17,6 +17,7 @@ import torch
 from recorder.capture import output_leaves, tensor_leaves
 from recorder.finite import ends, pair_flag, real_view
 from recorder.refs import mask_inputs, mask_positions
+from recorder.running_stats import running_statistics
 from recorder.scripted import hookable_modules
 
 from .compat import in_buffers
@@ -68,6 +69,9 @@ def probe(runner, k: int, allowed: set[str]) -> bool:
                     if (t.is_floating_point() or t.is_complex()) and t.numel():
                         bad = ~pair_flag(ends_of(t), allow_inf=name in allowed or id(t) in inf_ok)
                         state["flag"] = bad if state["flag"] is None else state["flag"] | bad
+                for b in running_statistics(module):  # (state it wrote: recorder.running_stats)
+                    bad = ~pair_flag(ends(b))
+                    state["flag"] = bad if state["flag"] is None else state["flag"] | bad
                 if i == k:
                     flag = state["flag"]
                     state["answer"] = bool(flag) if flag is not None else False

@@ -48,6 +48,8 @@ def data_scale_hint(report: dict[str, Any], step: Step) -> None:
     found = out_of_scale(step, o)
     if found is not None and not _drop_would_clear(step, report, found[0]):
         found = None  # (rows that stand out in data the op never read: the rest overflow too)
+    if found is not None and not o.get("samples") and step.event.get("statistic"):
+        o["samples"] = found[0]  # (a running statistic has no rows: the batch's that made it)
     if found is not None and (grown := grown_input_note(report, *found)):
         report["hint"] = f"{report['hint']}. But {grown}"
     elif found is not None and (zeros := zero_filled_column(

@@ -16,6 +16,7 @@ import torch
 from recorder.capture import output_leaves, tensor_leaves  # not pytree: see replay.rerun
 from recorder.finite import ends, finite, has_nan, pair_kind, pair_ok, real_view
 from recorder.refs import mask_inputs, mask_positions
+from recorder.running_stats import statistics_finite, statistics_kind
 from recorder.samples import Samples, packed_in
 from recorder.scripted import hookable_modules
 
@@ -42,6 +43,8 @@ class CallRecorder:
         self.produced_allowed = TensorSet()  # outputs of modules allowed to hold +-Inf
         self.checked = TensorMemo()  # tensor -> its (min, max) on the host
         self.weights: set[int] = set()  # ids of the model's parameters and buffers
+        # call id -> a normalization layer's running statistics were finite as it began
+        self.stats_before: dict[int, bool] = {}
 
     def install(self, model) -> list:
         self.weights = {id(t) for t in [*model.parameters(), *model.buffers()]}
@@ -87,13 +90,20 @@ class CallRecorder:
             self.called_at[call_id] = caller_source(inspect.currentframe())
             # until it returns: a call the model raises in (a validate_args check) never does
             self.result.open[call_id] = (name, self.runner.micro_batch, self.pending[call_id])
+            if (ok := statistics_finite(module)) is not None:
+                self.stats_before[call_id] = ok
             self.stack.append(call_id)
         return hook
 
     def _post(self, name: str):
         def hook(module, args, kwargs, output):
             if self.stack:
-                self._record(name, self.stack.pop(), output, self._of_weights(args, kwargs))
+                call_id = self.stack.pop()
+                # (the running statistics it wrote non-finite, its outputs finite: an outlier
+                # record's overflowed variance, recorder.running_stats)
+                wrote = statistics_kind(module) if self.stats_before.pop(call_id, False) \
+                    else None
+                self._record(name, call_id, output, self._of_weights(args, kwargs), wrote)
                 self.result.calls[-1].returned_input = returned_input(output, args, kwargs)
         return hook
 
@@ -114,7 +124,8 @@ class CallRecorder:
         given = tensor_leaves([list(args), kwargs])
         return bool(given) and all(id(t) in self.weights for t in given)
 
-    def _record(self, name: str, call_id: int, output, of_weights: bool = False) -> None:
+    def _record(self, name: str, call_id: int, output, of_weights: bool = False,
+                wrote: str | None = None) -> None:
         (ok_in, every_in, nan_free_in), parents = self.pending.pop(call_id)
         self.result.open.pop(call_id, None)
         inf_ok: set[int] = set()  # (a distribution's logits, as the recorder checks them)
@@ -125,6 +136,8 @@ class CallRecorder:
         ok_out = all(pair_ok(lo, hi, allow_inf=allowed or id(t) in inf_ok)
                      for t, (lo, hi) in zip(outs, pairs))
         kind = next((pair_kind(lo, hi) for lo, hi in pairs if not pair_ok(lo, hi)), None)
+        if wrote is not None:
+            ok_out, kind = False, kind or wrote
         for t, pair in zip(outs, pairs):
             self.checked.put(t, pair)
             if allowed:
@@ -135,11 +148,12 @@ class CallRecorder:
         self.counts[(name, mb)] = k + 1
         rows = (_output_rows(outs, samples(self.runner.step, mb), packed_in(output))
                 if not ok_out and not of_weights else [])
-        nan = any(math.isnan(lo) or math.isnan(hi) for lo, hi in pairs)
+        nan = any(math.isnan(lo) or math.isnan(hi) for lo, hi in pairs) or kind == "nan"
         self.result.calls.append(Call(len(self.result.calls), name, k, mb, ok_in, ok_out, kind,
                                       mm, parents, call_id, rows, nan, every_in, nan_free_in,
                                       running_node() is not None,
-                                      self.called_at.pop(call_id, None)))
+                                      self.called_at.pop(call_id, None),
+                                      statistic=wrote is not None))
 
 
 def returned_input(output, args, kwargs) -> str | None:

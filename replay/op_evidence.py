@@ -17,6 +17,7 @@ from .fresh import fresh_positions, inputs_there, made_there
 from .hits import Evidence, OpHit
 from .op_inputs import values_at
 from .operator_power import radii
+from .own_ops import made_by as made_by_op
 from .shifted_positive import shifted_maker
 from .source import user_source
 from .underflow_advice import made_by_exp
@@ -65,7 +66,9 @@ def op_evidence(func, given, outs: list[torch.Tensor], f,
         a64, k64 = as_float64(func, upcast(args), upcast(kwargs))
         try:
             with torch.no_grad():
-                r = float_leaves(func(*a64, **k64))
+                out64 = func(*a64, **k64)
+            # (and the statistics it wrote in float64, after its results: replay.own_ops)
+            r = made_by_op(func, a64, k64, out64, float_leaves(out64))
             if k < len(r) and r[k].shape == bad.shape:
                 local = r[k].detach()[bad]
         except Exception:  # an op that refuses float64 (a fused kernel): no local answer

@@ -28,7 +28,7 @@ from recorder.samples import Samples
 from . import batch_overflow, clamped_divisor, data_counts, data_factor, empty_rows, positive_counts
 from .cancellation import Cancellation
 from .compared_after import after_origin
-from .compat import TorchDispatchMode, running_node, tree_leaves, writes_arguments
+from .compat import TorchDispatchMode, running_node, tree_leaves
 from .composite import Composites, composite_hit
 from .dispatch import clone_args, float_leaves, run_op
 from .earlier_nan import earlier_nan
@@ -48,7 +48,7 @@ from .nan_rows import nan_rows
 from .op_evidence import made_beside, op_evidence
 from .op_inputs import input_ends as _input_ends
 from .other_rows import bad_grid, lead_rows
-from .own_ops import adopt, inner_hit, inputs_of, made_by, op_name
+from .own_ops import adopt, inner_hit, inputs_of, made_by, op_name, writes_into
 from .param_names import ParamNames
 from .picked_fill import note_pick
 from .pooled import Pooled
@@ -87,7 +87,7 @@ class _Watch(TorchDispatchMode):
         literal_inf, filled, ins = literals(name, leaves, ins)
         pairs, lo, hi, in_finite, in_nan_free = _input_ends(ins)
         # an op writing into its arguments: keep what it was given, for the evidence
-        before = clone_args(args, kwargs) if f.first is None and writes_arguments(func) \
+        before = clone_args(args, kwargs) if f.first is None and writes_into(func) \
             and (in_finite or POINTWISE in func.tags) else None
         out = run_op(func, args, kwargs)
         f.follow(name, args, leaves, out)

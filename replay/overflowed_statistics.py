@@ -2,8 +2,9 @@
 
 One outlier batch (a corrupt record of 1e20) makes BatchNorm's batch variance overflow float32
 (its square is above the type's max), and the layer writes +inf into ``running_var``. Training
-mode normalises by each batch's own statistics, so the loss stays finite and no check fires:
-the recorder checks a buffer only where it is passed to a module as an input. Eval mode
+mode normalises by each batch's own statistics, so the loss stays finite; the recorder checks
+the statistics as each recorded training step closes (recorder.running_stats), so a bundle
+holds one non-finite as its step began only where that batch ran unrecorded. Eval mode
 normalises by the running statistics, so validation and the saved checkpoint are wrong from
 then on (the layer outputs its bias alone in those channels, NaN where ``running_mean`` is not
 finite). When a later event's bundle holds such a statistic, and the report does not already
@@ -21,9 +22,10 @@ import torch
 from recorder.compat import is_norm_layer
 from recorder.finite import finite, kind_of, label
 
+from .findings import finish, origin_fields
 from .load import Step
 
-__all__ = ["statistics_note"]
+__all__ = ["statistics_note", "statistic_came_in", "written_statistic_note"]
 
 
 def statistics_note(step: Step, report: dict[str, Any]) -> str | None:
@@ -43,9 +45,10 @@ def statistics_note(step: Step, report: dict[str, Any]) -> str | None:
     dtype = next(iter(bad.values())).dtype
     return (f"{where} held {kinds} as step {began} began: a running statistic an earlier "
             "training step's batch overflowed (a variance of values above "
-            f"{_root_max(dtype):.3g} is +inf in {str(dtype).removeprefix('torch.')}), which no "
-            "check sees, the recorder checking a buffer only where a module takes it as an "
-            "input; training mode normalises by each batch's own statistics, so the loss "
+            f"{_root_max(dtype):.3g} is +inf in {str(dtype).removeprefix('torch.')}) before "
+            "the recorder checked it (it checks them as each training step it records "
+            "closes: a step before the recorder attached, or one of a copy of the model, a "
+            "checkpoint); training mode normalises by each batch's own statistics, so the loss "
             "stayed finite, but eval mode normalises by these: model.eval() outputs of "
             f"{_owners(names)} are wrong in those channels (its bias alone; NaN where the "
             f"running mean is not finite){_overflow_step(report, dtype, began)}; filter or clip "
@@ -98,3 +101,31 @@ def _overflow_step(report: dict[str, Any], dtype: torch.dtype, began) -> str:
                     f"{row[hit]:.3g} in {layers[hit] or '<root>'} (the first layer called to "
                     "show one), that step's batch is the likely one")
     return ""
+
+
+def written_statistic_note(step: Step, report: dict[str, Any]) -> str | None:
+    """The note of an event the recorder found in a running statistic the step's forward
+    wrote (``event.statistic``, recorder.running_stats), when the re-run made it again."""
+    name = step.event.get("statistic")
+    if not name or not report.get("reproduced") or step.event.get("inputs_finite") is False:
+        return None
+    return (f"{name} is what went non-finite: the layer's output, the loss and the gradients "
+            "stayed finite (train mode normalises with the batch's own statistics), but "
+            "model.eval(), every validation and every checkpoint from this step on use it; "
+            "once the data is fixed, reset the layer's statistics (reset_running_stats()) or "
+            "resume from a checkpoint saved before this step")
+
+
+def statistic_came_in(report: dict[str, Any], step: Step) -> dict[str, Any] | None:
+    """The report of an event the recorder found in a running statistic that was already
+    non-finite as the step began (the recorder attached after the batch that overflowed it,
+    or a checkpoint held it): decided by the bundle, as non-finite weights are; else None."""
+    name, ev = step.event.get("statistic"), step.event
+    t = step.tensors.get(f"buffers/{name}") if name else None
+    if t is None or ev.get("inputs_finite") is not False or finite(t):
+        return None
+    o = origin_fields(phase="forward", module=name.rpartition(".")[0], call=ev.get("call"),
+                      micro_batch=ev.get("micro_batch"), params=[name], param=name,
+                      made=kind_of(t), inputs_finite=False)
+    return finish(report, o, "weights", reproduced=True,
+                  hint=statistics_note(step, {"origin": {}, "problems": [], "event": ev}))

@@ -11,7 +11,13 @@ from typing import Any
 
 import torch
 
-from .compat import custom_op_kernel, returns_values, tree_leaves, written_places
+from .compat import (
+    custom_op_kernel,
+    returns_values,
+    tree_leaves,
+    writes_arguments,
+    written_places,
+)
 from .dispatch import clone_args, float_leaves, overwritten_out
 from .hits import OpHit
 
@@ -47,8 +53,29 @@ def inputs_of(func, args, kwargs) -> list[torch.Tensor]:
 
 
 def made_by(func, args, kwargs, out, outs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The op's results: ``outs``, or where a custom op returns nothing, what it wrote."""
-    return outs if outs or out is not None else written(func, args, kwargs)
+    """The op's results: ``outs``, then the arguments it wrote beside them (batch norm's
+    running statistics: a record of 1e20 overflows ``running_var`` while the output stays
+    finite); or where a custom op returns nothing, what it wrote."""
+    if not outs and out is None:
+        return written(func, args, kwargs)
+    places = _UNDECLARED.get(func.overloadpacket.__name__) or (
+        written_places(func) if outs and writes_arguments(func) else None)
+    if outs and places:
+        got = {id(t) for t in outs}
+        return outs + [t for t in float_leaves([args[i] if i < len(args) else kwargs.get(name)
+                                                for i, name in places]) if id(t) not in got]
+    return outs
+
+
+def writes_into(func) -> bool:
+    """``func`` writes into an argument: in place, ``out=``, or running statistics its schema
+    does not declare (native_batch_norm's)."""
+    return writes_arguments(func) or func.overloadpacket.__name__ in _UNDECLARED
+
+
+# ops writing their running statistics that their schemas do not declare as written
+_UNDECLARED = {name: ((3, "running_mean"), (4, "running_var")) for name in (
+    "native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm")}
 
 
 def inner_hit(func, args, kwargs, finder) -> OpHit | None:

@@ -41,6 +41,9 @@ class Call:
     # the type's name of a container it was given and returned (a dict it wrote its output
     # into: a sentence-transformers module's features, SchNetPack's), replay.input_container
     returned_input: str | None = None
+    # it wrote a non-finite value into its running statistics (its outputs finite or not):
+    # state, an event by the default policy as a NaN is (recorder.running_stats)
+    statistic: bool = False
 
 
 @dataclass
@@ -120,7 +123,7 @@ class Run:
         enclosing it with finite inputs, whose own code made it (``log(0)`` in the root's
         forward, passed to a submodule). Nones: no event."""
         calls, allowed = self.calls, self.allowed
-        nan = [c for c in calls if c.nan]
+        nan = [c for c in calls if c.nan or c.statistic]
         made = [c for c in nan if c.inputs_nan_free]
         trigger = made[0] if made else (nan[0] if nan else None)
         if trigger is None:

@@ -2,9 +2,10 @@
 
 One outlier batch (a record of 1e20) makes a BatchNorm's batch variance overflow float32, and the
 layer writes +inf into ``running_var``. Training mode reads each batch's own statistics, so the
-loss stays finite and the recorder, which checks buffers only where they are module inputs,
-raises nothing at that step. A later event's replay notes the statistic and the recorded step
-whose activations overflowed it (``replay.overflowed_statistics``). Healthy runs with
+output, the loss and the gradients stay finite; the recorder checks the statistics as each
+training step closes (``recorder.running_stats``): the event is that step's, and the replay
+names the op and the outlier's row. A statistic already non-finite as a step began (the
+recorder attached later) is said so (``replay.overflowed_statistics``). Healthy runs with
 evaluation forwards between steps are unchanged by the recorder, running statistics included.
 """
 
@@ -68,21 +69,61 @@ def _train(out_dir, momentum, outlier: tuple[int, int] | None, zero: tuple[int, 
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])
-def test_overflowed_running_var_is_noted_at_a_later_event(tmp_path, momentum):
-    outlier, zero = (2, 5), (5, 9)
-    err, began = _train(tmp_path, momentum, outlier, zero)
-    r = replay.replay(err.bundle_path, factory=lambda: RateNet(momentum))
+def test_an_outlier_that_overflows_running_var_is_that_steps_event(tmp_path, momentum):
+    """The statistic is state the step wrote: the event is the outlier's step, at the layer,
+    though its output, the loss and the gradients are finite; the replay names the batch
+    norm's op, the outlier's row, an overflow, and what the statistic does to evaluation."""
+    outlier = (2, 5)
+    err, began = _train(tmp_path, momentum, outlier, (outlier[0] + 3, 9))
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["statistic"], ev["kind"]) == \
+        (outlier[0], "forward", "bn", "bn.running_var", "+inf")
+    assert bool(torch.isfinite(began).all())  # (finite as the step began: the step wrote it)
+    assert "Running statistic bn.running_var holds +inf after the step's forward" in str(err)
+    r = replay.replay(err.bundle_path, factory=lambda: RateNet(momentum), tries=["drop=5"])
     o = r["origin"]
-    # the event is the zero count's own: the statistic does not take its place
-    assert (r["event"]["step"], o["phase"], o["op"], o["module"], o["samples"], r["cause"]) \
-        == (zero[0], "forward", "aten.div", "", [zero[1]], "invalid")
-    bad = int((~torch.isfinite(began)).sum())
-    assert bad > 0  # (the plant works: the outlier step overflowed the statistic)
-    notes = [p for p in r["problems"] if "bn.running_var" in p]
-    assert len(notes) == 1
-    assert f"bn.running_var ({bad} of 8 entries) held +Inf as step {zero[0]} began" in notes[0]
-    assert f"first such values came at step {outlier[0]}: absmax" in notes[0]
-    assert "in fc1 " in notes[0] and "reset_running_stats()" in notes[0]
+    assert r["reproduced"] is True and r["bisection"]["agrees"] is True
+    assert (o["phase"], o["module"], o["op"], o["made"], o["samples"], r["cause"]) == \
+        ("forward", "bn", "aten.native_batch_norm", "+inf", [outlier[1]], "overflow")
+    assert [p for p in r["problems"] if p.startswith("bn.running_var is what went non-finite")]
+    assert r["what_if"][0]["finite"] is True  # (without the outlier's row)
+
+
+def test_a_statistic_already_overflowed_before_the_attach_is_said_so(tmp_path):
+    """Trained without the recorder through the outlier's step, then recorded: the first
+    recorded step's check sees the statistic, which it did not write; the replay's note names
+    it as non-finite when the step began."""
+    torch.manual_seed(0)
+    model = RateNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(1)
+
+    def step(x, y):
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+
+    for k in range(3):  # (bare: the outlier at step 2)
+        x, y = _batch(g)
+        if k == 2:
+            x[5, 1:] = 1e20
+        step(x, y)
+    bad = int((~torch.isfinite(model.bn.running_var)).sum())
+    assert bad > 0
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path):
+            step(*_batch(g))
+    ev = info.value.event
+    assert (ev["step"], ev["module"], ev["statistic"], ev["inputs_finite"]) == \
+        (0, "bn", "bn.running_var", False)
+    assert "already held +inf as the step began" in str(info.value)
+    r = replay.replay(info.value.bundle_path, factory=RateNet)
+    assert (r["origin"]["module"], r["origin"]["params"], r["cause"]) == \
+        ("bn", ["bn.running_var"], "weights")
+    assert f"bn.running_var ({bad} of 8 entries) held +Inf as step 0 began" in r["hint"]
+    assert "reset_running_stats()" in r["hint"]
+    assert not [p for p in r["problems"] if "bn.running_var" in p]  # (said once)
 
 
 def test_finite_running_statistics_get_no_note(tmp_path):
