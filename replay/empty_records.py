@@ -58,8 +58,9 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
         report["hint"] = _empty_text(report["hint"], which, names, fix, [
             name for name, t, d in data if not zero_one(t) and zero_rows(t, d, rows)])
         return
-    if _length_zero(report, data, rows) or zero_length_hint(
-            report, sample_tensors(step, mb, loss), rows):
+    # (a graph batch's count of nodes per graph: replay.empty_graphs names its empty graphs)
+    if _length_zero(report, data, rows) or samples(step, mb).segments is None \
+            and zero_length_hint(report, sample_tensors(step, mb, loss), rows):
         return
     names = [name for name, t, d in data if _empty_in(t, d, rows, least=2)]
     if names:  # (a sequence of one step: its next-step targets, mask[:, 1:], are none)

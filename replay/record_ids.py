@@ -112,7 +112,9 @@ def _per_record(items: list, path: str):
     """(raw path, values) of each key a list of record dicts (a collate_fn's ``list``, a
     detection loader's targets) holds a number, a string or a 0-d tensor at in every one:
     ``batch[*]["image_id"]``, one value per sample."""
-    dicts = [dict(v["$dict"]) for v in items if isinstance(v, dict) and "$dict" in v]
+    # (keys named by a string or a number only: monodepth2's ("color", 0, -1) keys are no ids)
+    dicts = [dict(v["$dict"]) for v in items if isinstance(v, dict) and "$dict" in v
+             and all(isinstance(k, (str, int)) for k, _ in v["$dict"])]
     if len(dicts) < 2 or len(dicts) != len(items) or len({tuple(d) for d in dicts}) != 1:
         return
     for k in dicts[0]:

@@ -65,12 +65,13 @@ def test_recording_a_fused_qat_run_changes_nothing_it_computes(out_dir):
     assert not list(out_dir.glob("*.nan"))
 
 
-def test_an_outlier_that_overflowed_the_fused_bn_statistic_is_named_at_the_next_step(out_dir):
-    """A record of 3e38 at step 2 overflows the fused conv-bn's ``bn.running_var`` to +inf
-    (no event: buffers are not checked, the batch statistics stay finite); the next step's
-    forward scales the conv weight by ``bn.weight / sqrt(running_var)``, 0, and divides by it:
-    0/0. The float64 re-run refused the fake-quant kernels (cause 'unknown'), and the hint
-    asked for an eps at the division."""
+def test_an_outlier_that_overflows_the_fused_bn_statistic_is_that_steps_event(out_dir):
+    """A record of 3e38 at step 2 overflows the fused conv-bn's ``bn.running_var`` to +inf while
+    the batch statistics, the loss and the gradients stay finite. It was no event at that step
+    (the next step's forward divided by the weight the statistic scaled to 0: 0/0 at step 3,
+    where the float64 re-run refused the fake-quant kernels, cause 'unknown', and the hint asked
+    for an eps); the running statistics are checked as each step closes now
+    (recorder.running_stats): step 2, the batch norm's op, the record, an overflow."""
     at = 2
 
     def plant(step, x):
@@ -80,7 +81,40 @@ def test_an_outlier_that_overflowed_the_fused_bn_statistic_is_named_at_the_next_
     with pytest.raises(NonFiniteError) as info:
         _run(out_dir, plant)
     err = info.value
-    assert (err.event["step"], err.event["phase"], err.event["module"]) == (at + 1, "forward", "conv")
+    assert (err.event["step"], err.event["phase"], err.event["module"],
+            err.event["statistic"]) == (at, "forward", "conv.bn", "conv.bn.running_var")
+    rep = json.loads(invoke_cli(err.bundle_path, "--json").stdout)
+    o = rep["origin"]
+    assert rep["reproduced"] and (o["module"], o["op"], o["samples"]) == \
+        ("conv.bn", "aten.native_batch_norm", [ROW]), o
+    assert rep["cause"] == "overflow", rep["cause"]  # (the float64 re-run ran the fake quants)
+    assert f"--try drop={ROW}" in rep["hint"]
+
+
+def test_a_statistic_overflowed_before_the_attach_is_named_at_the_fused_division(out_dir):
+    """The same record at step 2 with the recorder attached at step 3: the statistic comes in
+    +inf, and that step's forward scales the conv weight by ``bn.weight / sqrt(running_var)``,
+    0, and divides by it: 0/0 in ``conv``, whose hint names the statistic, not an eps."""
+    at = 2
+    torch.manual_seed(0)
+    model = Q.make_fused()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    crit = torch.nn.CrossEntropyLoss()
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory="qat_models:make_fused")
+    with pytest.raises(NonFiniteError) as info:
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 1, 6, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+            if step == at:
+                x[ROW, 0, 2, 2] = 3e38
+            if step == at + 1:
+                rec.attach()
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (0, "forward", "conv")
     rep = json.loads(invoke_cli(err.bundle_path, "--json").stdout)
     o = rep["origin"]
     assert rep["reproduced"] and (o["module"], o["op"]) == ("conv", "aten.div"), o
