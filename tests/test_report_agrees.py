@@ -41,24 +41,57 @@ def agree(text: str, rep: dict, verdict: str) -> None:
     lines = {ln[2:13].strip(): ln[13:] for ln in text.splitlines()[1:]}
     state = ("reproduced" if rep["reproduced"] else f"not re-run ({rep['not_rerun']})"
              if rep["not_rerun"] else "NOT reproduced")
-    assert text.splitlines()[0] == f"nanreplay: step {ev['step']}, {ev['phase']} event — {state}"
+    when = (f"evaluation forward before step {ev['step']}" if ev.get("evaluation")
+            else f"step {ev['step']}")
+    assert text.splitlines()[0] == f"nanreplay: {when}, {ev['phase']} event — {state}"
     assert rep["reproduced"] is False or rep["not_rerun"] is None, rep["not_rerun"]
-    origin = f"{o['phase']}: {o['made']} made by "
-    assert lines["origin"].startswith(origin), (lines["origin"], origin)
+    line = lines["origin"]
+    assert line.startswith(f"{o['phase']}: {o['made']} made by "), (line, o)
     several = (ev.get("micro_batches") or 0) > 1
     mb = f", micro-batch {o['micro_batch']}" if o["micro_batch"] or several else ""
+    assert (mb in line) and (mb or ", micro-batch" not in line), (line, mb)
     if o["phase"] not in ("weights", "optimizer"):
-        assert f"{o['op']} in {o['module']}, call {o['call']}{mb}" in lines["origin"]
+        assert f"{o['op']} in " in line if o["op"] else " in " not in line.split(" made by ")[1]
+        assert o["module"] is None or f" {o['module']}" in line, line
+        assert o["call"] is None or f", call {o['call']}" in line, line
     s = o["samples"]
-    assert lines.get("samples") == (f"all {len(s)} rows" if o["all_samples"] else
-                                    str(s) if s else None)
-    assert lines["cause"].startswith(f"{rep['cause']} — ")
+    more = f" (+{len(s) - 16})" if len(s) > 16 else ""
+    assert lines.get("samples") == (f"all {len(s)} rows" if o["all_samples"] and len(s) > 1
+                                    else f"{s[:16]}{more}" if s else None)
+    _window_agrees(text, rep)
+    assert lines["cause"].startswith(f"{rep['cause'] or 'unknown'} — ")
+    if not rep["reproduced"]:
+        assert (f"not re-run ({rep['not_rerun']})" if rep["not_rerun"] else
+                "not reproduced") in verdict, verdict
+        return
     assert verdict.startswith(LABELS[o["made"]]) and f"cause: {rep['cause']}." in verdict
-    assert (mb in verdict) and f"step {ev['step']}" in verdict, verdict
+    assert (mb in verdict) and re.search(rf"\bstep {ev['step']}\b", verdict), verdict
     if o["phase"] == "weights":  # (its op read the bad values; the parameter held them)
         assert f"in parameter {o['params'][0]}, first read by {o['op']}" in verdict, verdict
     elif o["op"]:
         assert f"first made by {o['op']}" in verdict, verdict
+
+
+def _window_agrees(text: str, rep: dict) -> None:
+    """The window's and the what-ifs' lines say the JSON's steps, kinds and verdicts."""
+    lines = text.splitlines()
+    w, tries = rep.get("window"), rep.get("what_if") or []
+    said = [ln for ln in lines if ln.startswith("  window ")]
+    assert len(said) == (1 if w else 0), said
+    if w:
+        first, last = w["steps"]
+        assert said[0].startswith(f"  window     steps {first}-{last} re-run from the copy at "
+                                  f"step {w['copy_step']}: "), said
+        assert ("the event came back" in said[0]) == w["reproduced"], (said, w["reproduced"])
+        f = w["first_non_finite"]
+        firsts = [ln for ln in lines if ln.startswith("  first ")]
+        assert firsts == ([f"  first      step {f['step']}: {f['kind']} in the "
+                           f"{firsts[0].split(' in the ', 1)[1]}"] if f else []), firsts
+    whats = [ln[13:] for ln in lines if ln.startswith("  what-if ")]
+    assert [ln.split()[0] for ln in whats] == [t["try"] for t in tries], whats
+    for ln, t in zip(whats, tries):
+        o = t.get("origin")
+        assert (f"{o['kind']} at step {o['step']} (" in ln) if o else "nan at" not in ln, (ln, t)
 
 
 def _train(model, opt, out_dir, factory, steps, plant, micro=1, **kw):
