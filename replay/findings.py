@@ -21,6 +21,8 @@ from .unmeasured_weights import built_norm, unmeasured
 FORMAT = "nanreplay-report/1"
 # the note of an optimizer event whose bundle holds the weights after the update (a rewind
 # window re-runs the update and takes the note back: replay.window_report)
+#: ``not_rerun`` of an update whose bundle holds the weights after it (a window re-runs it)
+AFTER_UPDATE = "the bundle holds the weights after the update"
 UPDATE_NOT_RERUN = ("the bundle holds the weights after the update that made them non-finite, "
                     "so the update cannot be re-run; record with FlightRecorder(..., "
                     "guard_optimizer=True) to replay it")
@@ -105,6 +107,12 @@ def finish(report, origin, cause, *, reproduced: bool, hint: str | None = None
         # read from the bundle's batch: a model would not change it, so offer none
         report["problems"] = [NO_FACTORY_NEEDED if p.startswith(NO_FACTORY) else p
                               for p in report["problems"]]
+    if origin.get("phase") and origin.get("made") is None:
+        # what the blamed op made, else what was recorded: the text report's origin line,
+        # the HTML verdict and --json then say the same
+        chain = [c for c in origin.get("chain") or () if isinstance(c, dict) and c.get("made")]
+        blamed = [c for c in chain if c.get("op") == origin.get("op")] or chain
+        origin["made"] = blamed[0]["made"] if blamed else report["event"].get("kind")
     report["origin"] = origin
     report["cause"] = cause
     report["reproduced"] = reproduced

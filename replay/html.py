@@ -126,17 +126,7 @@ def _verdict(report: dict) -> str:
         text = (f"The non-finite value recorded at step {_e(step)}{f' ({where})' if where else ''}"
                 f" {state}.")
     else:
-        op, module, call = _get(origin, "op"), _get(origin, "module"), _get(origin, "call")
-        param, phase = _get(origin, "param"), _get(origin, "phase")
-        text = f"{_e(what)} first made by <code>{_e(op)}</code>" if op else f"{_e(what)} first seen"
-        if isinstance(module, str):
-            text += f" in <code>{_e(module_label(module))}</code>"
-        if call is not None:
-            text += f" (call {_e(call)})"
-        if param:
-            text += f" in parameter <code>{_e(param)}</code>"
-        if phase and not op:
-            text += f" during {_e(phase)}"
+        text = _origin_words(origin, event, what)
         text += (f" in an evaluation forward before step {_e(step)}."
                  if _get(event, "evaluation") is True and _get(event, "phase") != "optimizer"
                  else f" at step {_e(step)}.")
@@ -147,6 +137,28 @@ def _verdict(report: dict) -> str:
     body = f"<p>{text}</p>" + (f'<p class="hint">Hint: {_e(hint)}</p>' if hint else "")
     cls = "" if _get(report, "reproduced") else ' class="ok"'
     return f'<section id="verdict"{cls}>{body}</section>'
+
+
+def _origin_words(origin: dict, event: dict, what: str) -> str:
+    """The verdict's what, by which op, where, as the text report's origin line says it: the
+    op of a weights origin read the bad values (it did not make them); a backward origin's
+    parameters are those whose gradient went bad, not where its node ran; the micro-batch
+    (of several) whose rows the samples are."""
+    op, module, call = _get(origin, "op"), _get(origin, "module"), _get(origin, "call")
+    param, phase = _get(origin, "param"), _get(origin, "phase")
+    at = f" in <code>{_e(module_label(module))}</code>" if isinstance(module, str) else ""
+    at += f" (call {_e(call)})" if call is not None else ""
+    mb, several = _get(origin, "micro_batch"), (_num(_get(event, "micro_batches")) or 0) > 1
+    at += f", micro-batch {_e(mb)}" if isinstance(mb, int) and (mb or several) else ""
+    if phase == "weights" and param:
+        return (f"{_e(what)} in parameter <code>{_e(param)}</code>"
+                + (f", first read by <code>{_e(op)}</code>{at}" if op else ""))
+    text = (f"{_e(what)} first made by <code>{_e(op)}</code>" if op
+            else f"{_e(what)} first seen" + (f" during {_e(phase)}" if phase else "")) + at
+    if param:
+        text += (f" (the gradient of parameter <code>{_e(param)}</code>)"
+                 if phase == "backward" else f" in parameter <code>{_e(param)}</code>")
+    return text
 
 
 def _heatmap(history: dict) -> str:
@@ -362,8 +374,9 @@ def _bisection(report: dict) -> str:
     if not isinstance(b, dict):
         return '<section id="bisection"><p class="none">No bisection was run.</p></section>'
     agrees = {True: "yes", False: "<b>no</b>"}.get(b.get("agrees"), _e(b.get("agrees")))
+    # (the text report's words: the bisection's module call against the instrumented pass's)
     return (f'<section id="bisection"><p>{_e(b.get("probes"))} probe(s); agrees with the '
-            f"recorded event: {agrees}.</p></section>")
+            f"instrumented pass: {agrees}.</p></section>")
 
 
 def _ranks(report: dict) -> str:

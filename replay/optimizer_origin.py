@@ -15,7 +15,7 @@ from recorder.inner_optim import put_state, state_items
 from recorder.seq_state import cloned
 
 from .eps_text import eps0_text
-from .findings import UPDATE_NOT_RERUN, finish, origin_fields
+from .findings import AFTER_UPDATE, UPDATE_NOT_RERUN, finish, origin_fields
 from .half_update import half_overflow_why
 from .hyper import decode_non_finite_hyper, non_finite_hyper
 from .load import Step
@@ -113,7 +113,7 @@ def mark_update_not_rerun(report: dict[str, Any], step: Step) -> None:
     line ("not re-run", not "NOT reproduced", which reads as nondeterminism) and its note (an
     update no recorded step held kept nothing a copy could be taken of,
     replay.unrecorded_update)."""
-    report["not_rerun"] = "the bundle holds the weights after the update"
+    report["not_rerun"] = AFTER_UPDATE
     report["problems"].append(UNRECORDED_NOT_RERUN if step.event.get("no_step_closed")
                               else UPDATE_NOT_RERUN)
 

@@ -14,7 +14,7 @@ from recorder.finite import finite
 from .cause_text import DO
 from .coupled_decay import coupled_decay, coupled_text
 from .departure import departure
-from .findings import UPDATE_NOT_RERUN, finish, origin_fields
+from .findings import AFTER_UPDATE, UPDATE_NOT_RERUN, finish, origin_fields
 from .load import Step
 from .optimizer_origin import optimizer_hint
 from .rewind_text import where
@@ -133,7 +133,7 @@ def _weights_origin(step: Step, report: dict[str, Any], o, ok: bool, bad: list[s
     """An optimizer event whose weights the window's copy shows non-finite before any update
     it re-runs (an embedding row no forward had read yet, so no check saw it, which the
     update then wrote back): a ``weights`` cause."""
-    report["problems"] = [p for p in report["problems"] if p != UPDATE_NOT_RERUN]
+    _update_rerun(report)
     rows = bad_row_fields(step, bad[0], prefix="rewind/")
     origin = origin_fields(phase="weights", params=bad, param=bad[0], made=o.kind, **rows)
     where = rows_text(bad[0], rows)
@@ -143,6 +143,14 @@ def _weights_origin(step: Step, report: dict[str, Any], o, ok: bool, bad: list[s
         "No forward had read those values (the recorder sees a weight through what reads "
         "it, and an update's result), so they were written outside optimizer.step() before "
         "then: at initialisation, resizing or loading" + (f"; {where}" if where else "")))
+
+
+def _update_rerun(report: dict[str, Any]) -> None:
+    """The window re-ran the update the bundle holds the weights after: neither the note nor
+    ``not_rerun`` (the text's first line, the JSON) may still say it was not re-run."""
+    report["problems"] = [p for p in report["problems"] if p != UPDATE_NOT_RERUN]
+    if report.get("not_rerun") == AFTER_UPDATE:
+        report["not_rerun"] = None
 
 
 def _hint_growth(step: Step, report: dict[str, Any], factor: float = 10.0) -> bool:
@@ -182,7 +190,7 @@ def _hint_growth(step: Step, report: dict[str, Any], factor: float = 10.0) -> bo
 
 
 def _optimizer_origin(step: Step, report: dict[str, Any], o, ok: bool) -> None:
-    report["problems"] = [p for p in report["problems"] if p != UPDATE_NOT_RERUN]
+    _update_rerun(report)
     origin = {**report["origin"], "phase": "optimizer", "params": o.params,
               "param": o.params[0], "op": o.op, "source": o.source, "chain": o.chain,
               "made": o.kind, "step": o.step, "domain": o.domain}
