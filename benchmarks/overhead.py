@@ -354,7 +354,8 @@ class Floor(Trainer):
     leaf module output, the root input and the loss (``aminmax``, or ``amin`` + ``amax`` where the
     recorder splits it: ``recorder.slots.split_extrema``); one squared norm per gradient before the
     update, of the gradient entering the model's output and per weight right after the update
-    (its step post-hook; kept for the next step's check); the two checks, each one dot: the loss
+    (its step post-hook; kept for the next step's check); the min and max of the BatchNorm
+    layers' running statistics, copied into one vector; the two checks, each one dot: the loss
     and the norms must be finite, the outputs and the input must hold no NaN (a +-Inf that stays
     inside is no event); one read of both flags per step. No call records, RNG states or batch
     references: the recorder's distance to it is what its bookkeeping costs."""
@@ -371,6 +372,11 @@ class Floor(Trainer):
         self.flag_views = self.flags.unbind(0)
         self.k = self.base = self.j = 0
         leaves = [m for m in self.model.modules() if next(m.children(), None) is None]
+        self.stats = [b.view(-1) for m in self.model.modules()
+                      if isinstance(m, nn.modules.batchnorm._NormBase)
+                      for b in m.buffers(recurse=False) if b.dtype is torch.float32]
+        self.stats_flat = torch.empty(sum(b.numel() for b in self.stats),
+                                      device=self.slots.device)
         self.handles = [m.register_forward_hook(self._post) for m in leaves]
         self.handles.append(self.crit.register_forward_hook(self._loss))
         self.handles.append(self.model.register_forward_pre_hook(self._pre))
@@ -422,6 +428,9 @@ class Floor(Trainer):
             if p.grad is not None:
                 self._sq_norm(p.grad, self.k)
                 self.k += 1
+        if self.stats:  # BatchNorm's running statistics: one vector, its min and max
+            torch.cat(self.stats, out=self.stats_flat)
+            self._minmax(self.stats_flat, strict=True)
         n, m = self.k, self.j
         finite, nan_only = self.flag_views
         torch.dot(self.slots[:n], self.zeros[:n], out=finite)  # 0, or NaN for NaN and +-Inf
