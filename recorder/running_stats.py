@@ -31,6 +31,7 @@ class RunningStats:
         # name -> the buffer's copy as the step began, if any (recorder.buffers's)
         self.began: Callable[[str], torch.Tensor | None] = lambda name: None
         self._flat: torch.Tensor | None = None
+        self._parts: list[torch.Tensor] = []  # flat views of the float32 ones (see _make)
         self._made_for: list[torch.Tensor] = []
 
     def bind(self, homes: list[tuple[str, dict, str]], norm_buffers: set[str]) -> None:

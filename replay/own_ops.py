@@ -2,7 +2,11 @@
 that made a non-finite value of finite inputs. The dispatch mode sees it as one op, its
 insides running below the mode; its Python kernel is re-run here on copies of the op's inputs
 under a fresh op finder, which names the aten op and the line inside it that made the value
-and that op's evidence (``x / x.norm()`` of a zero row: 0/0), for the cause and a note."""
+and that op's evidence (``x / x.norm()`` of a zero row: 0/0), for the cause and a note.
+
+What an op made includes what it wrote beside its results (:func:`made_by`): a custom op's
+``out``, and a built-in one's running statistics (``native_batch_norm`` writes ``running_var``
+without its schema saying so: the overflow an outlier record makes there is the origin)."""
 
 from __future__ import annotations
 
