@@ -100,11 +100,18 @@ def statistic_kind(b: torch.Tensor) -> str:
     return kind_of(b.detach()) or "nan"
 
 
-def running_statistics(module) -> list[torch.Tensor]:
-    """A normalization layer's own floating buffers (its running statistics)."""
+def named_running_statistics(module) -> list[tuple[str, torch.Tensor]]:
+    """(name, buffer) of a normalization layer's own floating buffers (its running
+    statistics); none for any other module."""
     if not is_norm_layer(module):
         return []
-    return [b for b in module.buffers(recurse=False) if b.is_floating_point() and b.numel()]
+    return [(n, b) for n, b in module.named_buffers(recurse=False)
+            if b.is_floating_point() and b.numel()]
+
+
+def running_statistics(module) -> list[torch.Tensor]:
+    """A normalization layer's own running statistics (:func:`named_running_statistics`)."""
+    return [b for _, b in named_running_statistics(module)]
 
 
 def statistics_finite(module) -> bool | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from recorder.compat import is_norm_layer
+from recorder.running_stats import named_running_statistics
 
 from .load import Step
 
@@ -52,14 +52,9 @@ def infinite_statistic_hint(step: Step, model: torch.nn.Module | None,
 def _statistics(root: torch.nn.Module) -> list[str]:
     """The floating buffers of ``root`` if a norm layer, and of its children that are (a
     fused module's ``bn``: not those deeper, which other code of the module may not read)."""
-    out = []
-    for mname, mod in [("", root), *root.named_children()]:
-        if not is_norm_layer(mod):
-            continue
-        for bname, b in mod.named_buffers(recurse=False):
-            if b is not None and b.is_floating_point():
-                out.append(f"{mname}.{bname}" if mname else bname)
-    return out
+    return [f"{mname}.{bname}" if mname else bname
+            for mname, mod in [("", root), *root.named_children()]
+            for bname, _ in named_running_statistics(mod)]
 
 
 def _infinite(t: torch.Tensor | None) -> bool:

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from recorder.compat import is_norm_layer
 from recorder.finite import finite, kind_of, label
+from recorder.running_stats import named_running_statistics
 
 from .findings import finish, origin_fields
 from .load import Step
@@ -31,12 +31,16 @@ __all__ = ["statistics_note", "statistic_came_in", "written_statistic_note"]
 def statistics_note(step: Step, report: dict[str, Any]) -> str | None:
     """The note on the norm layers' running statistics non-finite in the bundle's buffers
     (as the step began), unless the report names them already; else None."""
-    bad = _bad_statistics(step)
     said = " ".join([*(report["origin"].get("params") or ()), report.get("hint") or "",
                      *report.get("problems", ())])
-    bad = {n: t for n, t in bad.items() if n not in said}
-    if not bad:
-        return None
+    bad = {n: t for n, t in _bad_statistics(step).items() if n not in said}
+    return _held_text(bad, report) if bad else None
+
+
+def _held_text(bad: dict[str, torch.Tensor], report: dict[str, Any]) -> str:
+    """What the statistics ``bad`` (name -> the bundle's pre-step copy) held as the step began,
+    why no check saw them, what eval mode does with them, and the recorded step whose
+    activations could overflow them (``report``'s history)."""
     names = list(bad)
     kinds = "/".join(sorted({label(kind_of(t)) for t in bad.values()}))
     where = ", ".join(f"{n} ({int((~torch.isfinite(t)).sum())} of {t.numel()} entries)"
@@ -63,12 +67,10 @@ def _bad_statistics(step: Step) -> dict[str, torch.Tensor]:
         return {}
     out = {}
     for mname, mod in step.model.named_modules():
-        if not is_norm_layer(mod):
-            continue
-        for bname, b in mod.named_buffers(recurse=False):
+        for bname, _ in named_running_statistics(mod):
             name = f"{mname}.{bname}" if mname else bname
             t = step.tensors.get(f"buffers/{name}")
-            if b is not None and t is not None and t.is_floating_point() and not finite(t):
+            if t is not None and not finite(t):
                 out[name] = t
     return out
 
@@ -127,5 +129,6 @@ def statistic_came_in(report: dict[str, Any], step: Step) -> dict[str, Any] | No
     o = origin_fields(phase="forward", module=name.rpartition(".")[0], call=ev.get("call"),
                       micro_batch=ev.get("micro_batch"), params=[name], param=name,
                       made=kind_of(t), inputs_finite=False)
+    # (the report's own history: the step whose activations could overflow it)
     return finish(report, o, "weights", reproduced=True,
-                  hint=statistics_note(step, {"origin": {}, "problems": [], "event": ev}))
+                  hint=_held_text(_bad_statistics(step), report))
