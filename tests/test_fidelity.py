@@ -24,7 +24,7 @@ import fidelity_models as FM
 import pytest
 import replay_models as R
 import torch
-from bundles import invoke_cli, nanreplay_json, one_error_line
+from bundles import invoke_cli, nanreplay_json, one_error_line, source_line
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
@@ -260,3 +260,38 @@ def test_a_parametrization_the_factory_lacks_is_named(tmp_path, factory_spectral
                 opt.step()
     line = one_error_line(invoke_cli(info.value.bundle_path))
     assert line.endswith(message), line
+
+
+def test_a_sum_rounded_by_the_training_thread_count_is_replayed_with_it(tmp_path):
+    """Training ran with one intra-op thread (torchrun's default, ``OMP_NUM_THREADS=1``); the
+    replay runs in a shell with four. A CPU sum of 262,144 values is split by threads, so its
+    last bit is the thread count's: the count the loss compares it with matches one thread's sum
+    exactly (1/0 = inf) and four threads' not. The replay ran with the shell's threads and said
+    the event did not come back; it now re-runs with the recorded count and names the
+    reciprocal, and puts the shell's count back after."""
+    d = torch.rand(1, 512, 512, generator=torch.Generator().manual_seed(0))
+    model = FM.make_density_map()
+    count = (d * model.gain).sum().detach()  # (conftest: one thread, as the run had)
+    torch.set_num_threads(4)
+    try:
+        assert (d * model.gain).sum() != count  # (the premise: four threads round otherwise)
+    finally:
+        torch.set_num_threads(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=FM.inverse_count_error, out_dir=tmp_path,
+                            factory="fidelity_models:make_density_map") as rec:
+            opt.zero_grad()
+            rec.loss_fn(model(d), count).backward()
+            opt.step()
+    torch.set_num_threads(4)
+    try:
+        rep = nanreplay_json(info.value.bundle_path)
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(1)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["op"], rep["cause"]) == (
+        True, "loss", "aten.reciprocal", "precision"), (o, rep["cause"])
+    assert o["source"] == source_line("fidelity_models.py",
+                                      "return (pred.sum() - count).reciprocal()"), o
