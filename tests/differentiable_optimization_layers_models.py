@@ -171,18 +171,19 @@ def make_kkt() -> KKTQP:
     return KKTQP()
 
 
-def kkt_batch(g: torch.Generator, n: int = 8, duplicate: int | None = None):
+def kkt_batch(g: torch.Generator, n: int = 8, empty: int | None = None):
     """Features, constraints ``A z = b`` (full investment and a sector target) and the expert's
-    allocations. ``duplicate``: a record whose sector has every asset, so its target row repeats
-    the full-investment row (a constraint list built per record without deduplication)."""
+    allocations. ``empty``: a record whose sector lost all its assets to a filter, so its target
+    row of ``A`` is all zeros (a constraint list built per record without dropping empty rows).
+    (Not a duplicated row: whether LU rounds two equal rows to an exactly zero pivot is the
+    LAPACK kernel's business, and one CI machine's did not do it the same in every run.)"""
     feats = torch.randn(n, N_FEAT, generator=g)
     sector = (torch.rand(n, N_VAR, generator=g) < 0.5).float()
     sector[:, 0], sector[:, 1] = 1.0, 0.0
     A = torch.stack([torch.ones(n, N_VAR), sector], 1)
     b = torch.stack([torch.ones(n), 0.3 + 0.4 * torch.rand(n, generator=g)], 1)
-    if duplicate is not None:
-        A[duplicate, 1] = 1.0
-        b[duplicate, 1] = 1.0
+    if empty is not None:
+        A[empty, 1] = 0.0
     target = torch.softmax(torch.randn(n, N_VAR, generator=g), 1)
     return feats, A, b, target
 

@@ -33,7 +33,7 @@ def batch(kind: str, g: torch.Generator, bad: int | None):
         feats, lo, hi, budget, target = M.roomy_batch(g)
         return (feats, lo, hi, budget), (target,)
     if kind == "kkt":
-        feats, A, b, target = M.kkt_batch(g, duplicate=bad)
+        feats, A, b, target = M.kkt_batch(g, empty=bad)
         return (feats, A, b), (target,)
     if kind == "dfl":
         feats, cost, best = M.decision_batch(g, out_of_stock=bad)
@@ -84,15 +84,15 @@ def fire(kind: str, make: str, tmp_path, bad: int | None):
     return info.value.event, info.value.bundle_path
 
 
-def test_kkt_backward_of_a_duplicated_constraint_names_the_solve_and_the_record(tmp_path):
-    """A record whose sector target repeats the full-investment row (a constraint list built
-    per record without deduplication): the forward's null-space solution is fine (lstsq), but
-    OptNet's implicit backward solves the KKT matrix ``[[Q, A^T], [A, 0]]``, singular for that
+def test_kkt_backward_of_an_empty_constraint_names_the_solve_and_the_record(tmp_path):
+    """A record whose sector lost all its assets to a filter, its sector row of ``A`` all zeros
+    (a constraint list built per record without dropping empty rows): the forward's null-space
+    solution is fine (lstsq), but OptNet's implicit backward solves the KKT matrix ``[[Q, A^T], [A, 0]]``, singular for that
     record, and ``torch.linalg.solve`` raises in the custom Function's backward, which the
     engine runs outside any module call. The recorder writes the bundle and lets the user's
     LinAlgError through; the replay re-runs the backward, names the solve on its line in the
     backward of the root's Function, record 3 only, singular in exact arithmetic (invalid),
-    with the duplicated rows in the hint; dropping the record makes the step finite."""
+    with the zero row in the hint; dropping the record makes the step finite."""
     with pytest.raises(torch.linalg.LinAlgError) as info:
         train("kkt", "make_kkt", tmp_path, bad=3)
     bundles = sorted(tmp_path.glob("*.nan"))
@@ -107,7 +107,7 @@ def test_kkt_backward_of_a_duplicated_constraint_names_the_solve_and_the_record(
     assert (rep["reproduced"], o["phase"], o["module"], o["op"], o["samples"]) == (
         True, "backward", "", "aten._linalg_solve_ex", [3]), o
     assert o["source"] == line_of("d = torch.linalg.solve(K, rhs)"), o
-    assert rep["cause"] == "invalid" and "duplicated row" in rep["hint"], rep["hint"]
+    assert rep["cause"] == "invalid" and "a zero or duplicated row" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
@@ -224,7 +224,7 @@ def test_barrier_parameter_past_float32_names_the_product_with_t_not_the_clamped
                                        ("stock", "make_pgd"), ("lowrank", "make_lowrank")])
 def test_healthy_layers_raise_nothing_and_train_the_same(tmp_path, kind, make):
     """The barrier QP (autograd through 28 unrolled Newton steps, a +inf ratio filled where a
-    step moves away from a constraint), the implicit KKT backward on deduplicated constraints,
+    step moves away from a constraint), the implicit KKT backward on non-empty constraints,
     sparsemax over -inf padding (the sort and cumsum carry -inf inside, the clamp takes the
     padding to 0), and decision-focused learning through 20 unrolled projected-gradient steps
     onto the simplex (its regret, plain and with an availability mask that masks nothing),
