@@ -22,6 +22,8 @@ from .events import Event, StepEvidence
 from .finite import finite, kind_of
 from .slots import STRICT, Slots
 
+_CHECKED = (torch.float32, torch.bfloat16, torch.float16)
+
 
 class RunningStats:
     """The model's normalization layers' floating running statistics, by buffer name."""
@@ -31,7 +33,7 @@ class RunningStats:
         # name -> the buffer's copy as the step began, if any (recorder.buffers's)
         self.began: Callable[[str], torch.Tensor | None] = lambda name: None
         self._flat: torch.Tensor | None = None
-        self._parts: list[torch.Tensor] = []  # flat views of the float32 ones (see _make)
+        self._parts: list[torch.Tensor] = []  # flat views of the checked ones (see _make)
         self._made_for: list[torch.Tensor] = []
 
     def bind(self, homes: list[tuple[str, dict, str]], norm_buffers: set[str]) -> None:
@@ -56,9 +58,11 @@ class RunningStats:
 
     def _make(self, bufs: list, device: torch.device) -> None:
         """The vector for these buffers (the model's own, or new ones a ``.to()`` put there):
-        float32 ones on the slots' device, flattened views (no copy until ``cat``)."""
+        float32 ones and half ones (a model trained in bfloat16 or float16 throughout keeps
+        them so; ``cat`` widens them exactly) on the slots' device, flattened views (no copy
+        until ``cat``). Not float64: a finite value beyond float32 would read as infinite."""
         self._made_for = bufs
-        self._parts = [b.view(-1) for b in bufs if b is not None and b.dtype is torch.float32
+        self._parts = [b.view(-1) for b in bufs if b is not None and b.dtype in _CHECKED
                        and b.numel() and b.device == device and b.is_contiguous()]
         n = sum(p.numel() for p in self._parts)
         self._flat = torch.empty(n, device=device) if n else None

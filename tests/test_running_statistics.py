@@ -89,6 +89,38 @@ def test_an_outlier_that_overflows_running_var_is_that_steps_event(tmp_path, mom
     assert r["what_if"][0]["finite"] is True  # (without the outlier's row)
 
 
+def test_a_bfloat16_models_statistic_is_checked_too(tmp_path):
+    """A model trained in bfloat16 throughout (``model.to(torch.bfloat16)``) keeps its running
+    statistics in bfloat16: the check read float32 ones only, so the outlier's +inf went
+    unseen and the run stopped three steps later at the zero count, in ``rates``. It is the
+    outlier's step now, and the replay names the batch norm's op and the outlier's row."""
+    outlier, zero = (2, 5), (5, 9)
+    torch.manual_seed(0)
+    model = RateNet().to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(1)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path):
+            for step in range(zero[0] + 1):
+                x, y = _batch(g)
+                x = x.to(torch.bfloat16)
+                if step == outlier[0]:
+                    x[outlier[1], 1:] = 1e20
+                if step == zero[0]:
+                    x[zero[1], 0] = 0
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["module"], ev["statistic"], ev["kind"]) == \
+        (outlier[0], "bn", "bn.running_var", "+inf")
+    r = replay.replay(info.value.bundle_path, factory=lambda: RateNet().to(torch.bfloat16))
+    o = r["origin"]
+    assert (r["reproduced"], o["module"], o["op"], o["samples"], r["cause"]) == \
+        (True, "bn", "aten.native_batch_norm", [outlier[1]], "overflow")
+
+
 def test_a_statistic_already_overflowed_before_the_attach_is_said_so(tmp_path):
     """Trained without the recorder through the outlier's step, then recorded: the first
     recorded step's check sees the statistic, which it did not write; the replay's note names
