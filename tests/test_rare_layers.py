@@ -164,6 +164,7 @@ class SeqCE(nn.Module):
 CASES = {
     "patch_autoencoder": ("make_patch_autoencoder", images, nn.MSELoss()),
     "bag_of_words": ("make_bag_of_words", documents, nn.CrossEntropyLoss()),
+    "bag_by_length": ("make_bag_by_length", documents, nn.CrossEntropyLoss()),
     "irnn": ("make_irnn", sequences, nn.CrossEntropyLoss()),
     "char_lstm": ("make_char_lstm", characters, SeqCE()),
     "pair_scorer": ("make_pair_scorer", pairs, nn.HuberLoss()),
@@ -225,6 +226,14 @@ def test_weighted_mean_of_an_empty_bag_names_the_empty_document(out_dir):
     assert "empty bag" in rep["hint"], rep["hint"]
     for graph_text in ("isolated nodes", "neighbour", "periodic"):
         assert graph_text not in rep["hint"], rep["hint"]
+
+
+def test_mean_by_bag_length_of_an_empty_bag_names_its_document(out_dir):
+    """EmbeddingBag(mode="sum") divided by the lengths the offsets give: an empty bag (two
+    equal offsets) is 0/0 on its document alone."""
+    _, rep = replayed("make_bag_by_length", documents(True), nn.CrossEntropyLoss(), out_dir)
+    assert origin(rep) == ("forward", "", "aten.div", [BAD], "invalid"), rep["origin"]
+    assert rep["origin"]["source"] == source_line(MODELS, "# BUG empty_len")
 
 
 class FirstInf(TorchDispatchMode):
