@@ -73,6 +73,7 @@ from .recorded import (
 )
 from .recurrence import add_iterates_note
 from .refused import report_raised
+from .relu_recurrence import relu_recurrence_hint
 from .rerun import Runner
 from .second_order import adapted_from_gradient, report_made_weights, report_second_order
 from .shards import shard_set
@@ -119,6 +120,7 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     o["batch_size"] = batch_size(step, o.get("micro_batch") or 0) or None
     o["all_samples"] = bool(o["batch_size"]) and o["samples"] == list(range(o["batch_size"]))
     data_hints(report, step)  # (a chunk's rows, an outlier, a mask's 0 after a 0/0, ...)
+    relu_recurrence_hint(report, step)  # (an IRNN's weight_hh of radius 1.5, a long sequence)
     if tries:
         report["what_if"] = run_tries(step, report, list(tries))
     return report

@@ -17,6 +17,19 @@ _GROWTH = {"loss_jump": "loss", "grad_norm_jump": "gradient norm", "weight_jump"
            "lr_jump": "learning rate"}
 
 
+def growth_jump(report) -> dict | None:
+    """The first precursor saying the training itself grew before the event step (a loss,
+    gradient norm, rate or weight jump that did not settle back), or None."""
+    at = report["event"].get("step")
+    if at is None:
+        return None
+    # (a weight jump at the event step is the update before it: the weights the step began with)
+    return next((p for p in report.get("precursors") or [] if p.get("kind") in _GROWTH
+                 and p.get("step") is not None and (p["step"] < at or p["step"] == at
+                                                    and p["kind"] == "weight_jump")
+                 and not transient(report.get("history") or {}, p)), None)
+
+
 def diverging_hint(report, step: Step) -> None:
     """An overflow (or an underflow: a sigmoid driven to 0) after the loss, gradient norm, rate
     or weights jumped: the run was diverging (a rate too high for unscaled features), and a
@@ -27,11 +40,7 @@ def diverging_hint(report, step: Step) -> None:
     at, cause = report["event"].get("step"), report.get("cause")
     if cause not in ("overflow", "underflow") or at is None or said_of_data(report):
         return
-    # (a weight jump at the event step is the update before it: the weights the step began with)
-    jump = next((p for p in report.get("precursors") or [] if p.get("kind") in _GROWTH
-                 and p.get("step") is not None and (p["step"] < at or p["step"] == at
-                                                    and p["kind"] == "weight_jump")
-                 and not transient(report.get("history") or {}, p)), None)
+    jump = growth_jump(report)
     if jump is None:
         # (no jump in the window's loss or weights, yet a buffer the model carries across
         # steps had grown far past its built value: FORCE's P under a forgetting factor

@@ -14,6 +14,9 @@ Code counts over the batch and divides by the count in two ways, told apart by w
   0). A group the batch holds no element of has a count of 0 and a mean of 0/0; an eps would
   make that group's term 0 in silence (a region's integral of 0 lets its intensity grow
   without bound): leave the empty groups out, or give every group members.
+  Where the groups are the batch's own samples (one entry per record, no graph's nodes: a
+  document's total tf-idf weight over its bag of words), a 0 is an empty record (an
+  EmbeddingBag's empty bag), said as such rather than as a graph's isolated node.
 - a mean per group or class written with a one-hot membership matrix, whatever it encodes
   (the labels or a sensitive attribute): ``(p[:, None] * onehot).sum(0) / onehot.sum(0)``, a
   group's positive rate under a demographic-parity penalty. The numerator is a total over the
@@ -38,6 +41,7 @@ from typing import NamedTuple
 import torch
 
 from recorder.finite import zero_one
+from recorder.samples import Samples
 
 from .memo import TensorMarks
 from .positive_counts import ADVICE as POSITIVES  # (a scene's objects: not a graph's rows)
@@ -75,11 +79,15 @@ class Found(NamedTuple):
     groups: list[int]  # the entries along the count's first dim that are 0
     mean: bool = False  # its numerator a total over a 0/1 membership matrix: a mean per group
     every: bool = False  # 0 at every entry: a mask a comparison made that selects nothing
+    # one entry per sample of the batch, no graph's nodes: the groups are the records
+    # themselves (a document's total weight over its bag of words)
+    per_sample: bool = False
 
 
 class GroupCounts:
-    def __init__(self, learned=lambda t: t.requires_grad):
+    def __init__(self, learned=lambda t: t.requires_grad, where: Samples | None = None):
         self._made = TensorMarks()  # a Count per value the step counted
+        self._where = where  # the batch's size and graph segments, where known
         self.found: Found | None = None
         self._learned = learned  # whether a tensor is on the model's graph (no label)
         # 0/1 membership matrices a count summed; values masked by one ("masked"), their
@@ -118,7 +126,13 @@ class GroupCounts:
                 if x.dim() else []
             mean = at == 1 and self._members.get(args[0]) == "total"
             every = x.dim() > 0 and len(groups) == x.shape[0] > 1 and not bool(x.any())
-            self.found = Found(f"aten.{name}", count, groups, mean, every)
+            self.found = Found(f"aten.{name}", count, groups, mean, every, self._per_sample(x))
+
+    def _per_sample(self, x: torch.Tensor) -> bool:
+        """``x``'s entries along dim 0 are the batch's samples, not a graph batch's nodes."""
+        w = self._where
+        return w is not None and w.size > 1 and x.dim() > 0 and x.shape[0] == w.size \
+            and not w.per_node(x)
 
     def _masked(self, name: str, args, out) -> None:
         """Mark ``out`` when it multiplies by a membership matrix (``p[:, None] * onehot``) or
@@ -269,6 +283,8 @@ def with_empty_groups(hint: str | None, cause: str | None, hit,
                 "island). No record is to blame, and an eps would drop those rows' terms in "
                 "silence: give them a neighbour or leave them out (deg > 0), or divide by "
                 "deg.clamp(min=1) where 0 is the right mean of no neighbours")
+    if found.per_sample and hit.rows and hit.rows == groups:
+        return f"{hint}; but here " + EMPTY_RECORDS.format(op=op, rows=groups[:8])
     if hit.rows and found.count.op != "bincount":
         # (the groups are rows of the batch: a graph batch's nodes, named by their graphs)
         return f"{hint}; but here " + EMPTY_ROWS.format(op=op, groups=groups[:8], rows=hit.rows[:8])
@@ -278,6 +294,17 @@ def with_empty_groups(hint: str | None, cause: str | None, hit,
             "absent from the batch). No record is to blame, and an eps would make those "
             "groups' terms 0 in silence: leave the empty groups out (count > 0), or make "
             "the sampler put members of every group in each batch")
+
+
+# a per-group accumulation with one group per sample: a record that received nothing is empty
+EMPTY_RECORDS = (
+    "the divisor was accumulated per sample by {op} (each record's total over its elements: "
+    "a document's weights over its bag of words, a set's or segment's size), and it is 0 in "
+    "sample(s) {rows}: nothing was accumulated into them, so those records are empty (a "
+    "document none of whose words is in the vocabulary, an EmbeddingBag's empty bag: two "
+    "equal offsets, a set with no element). Filter such records where the data is made (the "
+    "dataset, the collate_fn), or divide by total.clamp_min(eps) where 0 is the right value "
+    "of an empty record, as EmbeddingBag's own mode='mean' gives an empty bag 0")
 
 
 # every sample's count of a comparison's mask is 0: no record is empty, the mask selects nothing

@@ -30,6 +30,7 @@ from recorder.capture import tensor_leaves
 from recorder.samples import Samples
 
 from .crossed_cut_points import CrossedCutPoints
+from .fold_coverage import FoldCoverage
 from .group_counts import GroupCounts
 from .log_sum_exp import LogSumExp
 from .memo import TensorSet
@@ -70,7 +71,7 @@ class Lineage:
         self.raw: RawPole | None = None  # a pole op on the batch's own values (forward only)
         self.log_sum_exp = LogSumExp()  # a log of a sum of exps, written out
         # a pole op on a count per class or group (1 / bincount(target), total / count)
-        self.counts = GroupCounts(self._learned)
+        self.counts = GroupCounts(self._learned, where)
         self.positives = PositiveCounts(self._learned)  # a count of a data mask's 1s per sample
         self.product = ProductUnderflow()  # a log of a product that underflowed
         self.power = PowerAtZero()  # (y ** 0 - 1) / 0: Box-Cox at lam = 0
@@ -78,6 +79,7 @@ class Lineage:
         self.wrapped = WrappedIndex()  # an index op given a negative index (a label of -1)
         self.signed = SignedTotals(self._learned)  # a division by a signed total of 0
         self.quadratic = QuadraticForms()  # sqrt(x^T M x) of an indefinite buffer M
+        self.fold = FoldCoverage()  # a division by nn.Fold's overlap count at uncovered pixels
         # the outputs of _TRANSFORMS, with the op's name and whether it took a learned value
         self._made: dict[int, tuple[weakref.ref, str, bool]] = {}
         self.compared: set[str] = set()  # the _TRANSFORMS whose two such outputs one op took
@@ -144,6 +146,7 @@ class Lineage:
         self.crossed.track(name, args, out)
         self.signed.track(name, args, out)
         self.quadratic.track(name, args, out)
+        self.fold.track(name, args, out)
         ins = [t for t in leaves if isinstance(t, torch.Tensor)]
         outs = [t for t in tensor_leaves(out)] if not isinstance(out, torch.Tensor) else [out]
         self.wrapped.track(name, args, ins, outs)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from .crossed_cut_points import with_crossed
+from .fold_coverage import with_fold_coverage
 from .group_counts import class_counts_hint, with_empty_groups
 from .log_sum_exp import with_log_sum_exp
 from .memo import TensorMemo, TensorSet
@@ -124,6 +125,7 @@ def lineage_hints(hint: str | None, cause: str | None, hit, lineage) -> str | No
     increasing function that is negative (crossed thresholds)."""
     hint = with_log_sum_exp(hint, cause, hit, lineage.log_sum_exp)
     hint = with_empty_groups(hint, cause, hit, lineage.counts)
+    hint = with_fold_coverage(hint, cause, hit, lineage.fold)
     hint = with_product_underflow(hint, cause, hit, lineage.product)
     hint = with_power_limit(hint, cause, hit, lineage.power)
     hint = with_signed_total(hint, cause, hit, lineage.signed)
