@@ -44,6 +44,17 @@ def scripted_in(model: nn.Module, name: str) -> list[str]:
     return out
 
 
+def script_function_home(fn: object) -> tuple[str, str] | None:
+    """``(module, name)`` where a ``torch.jit.script``ed function was defined, whose
+    ``__module__`` and ``__qualname__`` are its class's (``torch.jit.ScriptFunction``): its
+    qualified name is ``__torch__.<module>.<name>``, with no module for ``__main__``'s."""
+    if not isinstance(fn, torch.jit.ScriptFunction):
+        return None
+    name = fn.name
+    module = fn.qualified_name.removeprefix("__torch__.").removesuffix(name).rstrip(".")
+    return module or "__main__", name
+
+
 def check_not_scripted(model: nn.Module) -> None:
     if is_scripted(model):
         raise TypeError(

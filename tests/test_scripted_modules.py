@@ -108,3 +108,35 @@ def test_scripted_loss_module_is_checked_through_rec_loss_fn(tmp_path):
             opt.step()
     ev = info.value.event
     assert (ev["step"], ev["phase"], ev["module"]) == (0, "input", "<loss>"), ev
+    # the replay cannot rebuild a scripted module: it says so, by the class it scripted
+    rep = nanreplay_json(info.value.bundle_path, code=None)
+    assert any("torch.jit.script(MSELoss()) is a TorchScript module" in p
+               and "return it from the factory" in p for p in rep["problems"]), rep["problems"]
+
+
+def test_scripted_loss_function_is_replayed_and_its_op_named(tmp_path):
+    """A ``@torch.jit.script`` loss function, whose ``__module__`` and ``__qualname__`` are
+    ``torch.jit.ScriptFunction``'s: the bundle names it by where it was defined, so the replay
+    imports it, re-runs the loss and names the op on the planted target's row (before, the
+    note said it could not be imported and the loss was not re-run)."""
+    bad_step, bad_row = 2, 3
+    model = M.make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.log_target_mse, out_dir=tmp_path,
+                            factory="scripted_models:make_model") as rec:
+            for step in range(4):
+                x, y = M.batch(step)
+                y = y.abs() + 0.5
+                if step == bad_step:
+                    y[bad_row] = -1.0  # the plant: a negative target, log of it NaN
+                opt.zero_grad()
+                rec.loss_fn(model(x, torch.tensor(2.0)), y).backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (bad_step, "loss")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert rep["reproduced"] is True, rep
+    assert (o["module"], o["op"], o["samples"]) == ("<loss>", "aten.log", [bad_row]), o
+    assert rep["cause"] == "invalid", (rep["cause"], rep["hint"])
+    assert not any("cannot be imported" in p for p in rep["problems"]), rep["problems"]
