@@ -8,10 +8,11 @@ when the recorder is built."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 
 def is_scripted(m: object) -> bool:
@@ -28,6 +29,27 @@ def hookable_modules(model: nn.Module, prefix: str = "") -> Iterator[tuple[str, 
             inside.append(name)
             continue
         yield name, m
+
+
+def hook_scripted(top: nn.Module, prefix: str, enter: Callable[[str], None],
+                  leave: Callable[[str], None]) -> list:
+    """``enter(name)`` and ``leave(name)`` around each call of ``top``'s outermost scripted
+    modules (named under ``prefix``), which take no hooks of their own: PyTorch's global module
+    hooks run for a ScriptModule called from Python. Nothing is registered when none is."""
+    names = {id(m): n for n, m in top.named_modules(prefix=prefix) if is_scripted(m)}
+    names = {i: n for i, n in names.items()
+             if not any(n.startswith(o + ".") for o in names.values())}
+    if not names:
+        return []
+
+    def pre(module, args):
+        if (name := names.get(id(module))) is not None:
+            enter(name)
+
+    def post(module, args, output):
+        if (name := names.get(id(module))) is not None:
+            leave(name)
+    return [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
 
 
 def scripted_in(model: nn.Module, name: str) -> list[str]:

@@ -57,8 +57,8 @@ def test_healthy_run_records_around_scripted_modules_and_trains_identically(tmp_
 def test_overflow_inside_a_scripted_block_is_found_and_named_at_its_caller(tmp_path):
     """Row 5 in the hundreds makes the scripted block's written-out log-softmax overflow in
     exp (the NaN comes later, in gelu of -inf): the op finder sees the scripted module's ops,
-    blames aten.exp, names the root's call (the hooked caller) and the line that called the
-    block, and says the block ran unhooked."""
+    blames aten.exp, names the root's call (the hooked caller), the line that called the
+    block, and the block as the scripted module that ran the op."""
     with pytest.raises(NonFiniteError) as info:
         _train(M.make_overflow_model(), tmp_path, big_at=2, make="make_overflow_model")
     rep = nanreplay_json(info.value.bundle_path)
@@ -67,7 +67,9 @@ def test_overflow_inside_a_scripted_block_is_found_and_named_at_its_caller(tmp_p
     assert o["samples"] == [5], o
     assert o["source"] == source_line("scripted_models.py", "h = self.block(h)"), o
     assert rep["cause"] == "overflow", (rep["cause"], rep["hint"])
-    assert any("holds TorchScript module(s) 'stem', 'block', which run unhooked" in p
+    # the scripted module that ran the op, found by the global module hooks
+    assert (o["scripted"], o["scripted_call"]) == ("block", 0), o
+    assert any("aten.exp ran inside 'block' (call 0), a TorchScript module" in p
                for p in rep["problems"]), rep["problems"]
 
 
@@ -140,3 +142,50 @@ def test_scripted_loss_function_is_replayed_and_its_op_named(tmp_path):
     assert (o["module"], o["op"], o["samples"]) == ("<loss>", "aten.log", [bad_row]), o
     assert rep["cause"] == "invalid", (rep["cause"], rep["hint"])
     assert not any("cannot be imported" in p for p in rep["problems"]), rep["problems"]
+
+
+def _train_pool(model, steps: int, empty, out_dir=None) -> list[float]:
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    crit, losses = torch.nn.MSELoss(), []
+
+    def loop():
+        for step in range(steps):
+            x, mask, y = M.token_batch(step, empty=empty)
+            opt.zero_grad()
+            loss = crit(model(x, mask), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+
+    if out_dir is None:
+        loop()
+        return losses
+    try:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="scripted_models:make_pool_model"):
+            loop()
+    except NonFiniteError as e:
+        e.losses = losses
+        raise
+    return losses
+
+
+def test_empty_mask_in_a_scripted_pooling_is_named_at_that_module(tmp_path):
+    """A scripted masked mean inside an eager encoder divides by a count of 0 for the sample
+    whose mask the plant empties: the event's step, the encoder's call (the hooked caller),
+    the scripted module by its name in the model ('enc.pool'), aten.div on that sample; the
+    steps before it trained bit for bit as without the recorder."""
+    bad_step, bad_row = 3, 2
+    bare = _train_pool(M.make_pool_model(), bad_step, (bad_step, bad_row))
+    with pytest.raises(NonFiniteError) as info:
+        _train_pool(M.make_pool_model(), bad_step + 2, (bad_step, bad_row), tmp_path)
+    assert info.value.losses == bare  # (the event's step raised before its loss was read)
+    assert (info.value.event["step"], info.value.event["phase"]) == (bad_step, "forward")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert rep["reproduced"] is True, rep
+    assert (o["module"], o["scripted"], o["scripted_call"]) == ("enc", "enc.pool", 0), o
+    assert (o["op"], o["samples"]) == ("aten.div", [bad_row]), o
+    assert o["source"] == source_line("scripted_models.py",
+                                      "return self.pool(torch.relu(self.proj(x)), mask)"), o
+    assert rep["cause"] == "invalid", (rep["cause"], rep["hint"])
