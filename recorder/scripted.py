@@ -31,11 +31,12 @@ def hookable_modules(model: nn.Module, prefix: str = "") -> Iterator[tuple[str, 
         yield name, m
 
 
-def hook_scripted(top: nn.Module, prefix: str, enter: Callable[[str], None],
-                  leave: Callable[[str], None]) -> list:
-    """``enter(name)`` and ``leave(name)`` around each call of ``top``'s outermost scripted
-    modules (named under ``prefix``), which take no hooks of their own: PyTorch's global module
-    hooks run for a ScriptModule called from Python. Nothing is registered when none is."""
+def hook_scripted(top: nn.Module, prefix: str, enter: Callable[..., None],
+                  leave: Callable[..., None]) -> list:
+    """``enter(name, module, args)`` and ``leave(name, module, args, output)`` around each
+    call of ``top``'s outermost scripted modules (named under ``prefix``), which take no hooks
+    of their own: PyTorch's global module hooks run for a ScriptModule called from Python.
+    Nothing is registered when ``top`` holds none."""
     names = {id(m): n for n, m in top.named_modules(prefix=prefix) if is_scripted(m)}
     names = {i: n for i, n in names.items()
              if not any(n.startswith(o + ".") for o in names.values())}
@@ -44,11 +45,11 @@ def hook_scripted(top: nn.Module, prefix: str, enter: Callable[[str], None],
 
     def pre(module, args):
         if (name := names.get(id(module))) is not None:
-            enter(name)
+            enter(name, module, args)
 
     def post(module, args, output):
         if (name := names.get(id(module))) is not None:
-            leave(name)
+            leave(name, module, args, output)
     return [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
 
 

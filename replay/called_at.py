@@ -45,12 +45,12 @@ def track_scripted(finder, target, prefix: str, watching: Callable[[], bool]) ->
     open_at: list[tuple[str, int, int]] = []
     seen: dict[str, int] = {}
 
-    def enter(name: str) -> None:
+    def enter(name: str, *_) -> None:
         if watching():
             seen[name] = seen.get(name, 0) + 1
             open_at.append((name, seen[name] - 1, finder.seen))
 
-    def leave(name: str) -> None:
+    def leave(name: str, *_) -> None:
         if watching() and open_at:
             finder.scripted.append((*open_at.pop(), finder.seen))
     return hook_scripted(target, prefix, enter, leave)

@@ -121,3 +121,28 @@ def token_batch(step: int, n: int = 6, empty: tuple[int, int] | None = None):
     if empty is not None and step == empty[0]:
         mask[empty[1]] = 0.0
     return x, mask, y
+
+
+class RowNorm(nn.Module):
+    """The length of each row, a sqrt of a sum of squares: its gradient at a zero row is
+    1/(2*0) times 0, NaN."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt((x * x).sum(-1, keepdim=True))
+
+
+class NormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.norm = torch.jit.script(RowNorm())
+        self.head = nn.Linear(1, 1)
+
+    def forward(self, x):
+        present = (x != 0).any(-1, keepdim=True)  # a record of zeros: its features 0 too
+        return self.head(self.norm(self.fc(x) * present))
+
+
+def make_norm_model():
+    torch.manual_seed(0)
+    return NormNet()

@@ -189,3 +189,31 @@ def test_empty_mask_in_a_scripted_pooling_is_named_at_that_module(tmp_path):
     assert o["source"] == source_line("scripted_models.py",
                                       "return self.pool(torch.relu(self.proj(x)), mask)"), o
     assert rep["cause"] == "invalid", (rep["cause"], rep["hint"])
+
+
+def test_backward_pole_inside_a_scripted_module_is_replayed_and_named(tmp_path):
+    """sqrt's gradient at a zero row, inside a scripted module: the backward replay labels
+    autograd nodes by the module whose call made them, and hooked every module, a scripted
+    one too, which PyTorch refuses (before: 'replay failed (RuntimeError:
+    register_forward_pre_hook is not supported on ScriptModules)'); now it labels the scripted
+    call's nodes through the global module hooks and names it, on the planted row."""
+    bad_step, bad_row = 2, 1
+    model = M.make_norm_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.log_target_mse, out_dir=tmp_path,
+                            factory="scripted_models:make_norm_model") as rec:
+            for step in range(4):
+                x, y = M.batch(step, n=6)
+                x = x[:, :4].clone()
+                if step == bad_step:
+                    x[bad_row] = 0.0  # the plant: an all-zero record
+                opt.zero_grad()
+                rec.loss_fn(model(x), y.abs() + 0.5).backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (bad_step, "backward")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert rep["reproduced"] is True, rep
+    assert (o["module"], o["op"], o["samples"]) == ("norm", "SqrtBackward0", [bad_row]), o
+    assert rep["cause"] == "invalid", (rep["cause"], rep["hint"])
