@@ -30,6 +30,7 @@ from torch import nn
 
 from .compat import compiled_original, own_slots, uncompiled
 from .compiled import compiled_loss
+from .scripted import is_scripted, script_function_home
 from .validate import SCRIPT_MODULES, import_object, script_module
 
 
@@ -79,8 +80,13 @@ def describe_callable(fn) -> dict[str, Any]:
             return inner
         return {"name": f"functools.partial({inner['name']})", "why": "partial",
                 **{k: v for k, v in inner.items() if k == "defined"}}
+    if is_scripted(fn):  # (its class is RecursiveScriptModule's; its eager one is lost)
+        return {"name": f"torch.jit.script({getattr(fn, 'original_name', '?')}())",
+                "why": "scripted"}
     module = getattr(fn, "__module__", None)
     qual = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    if (home := script_function_home(fn)) is not None:  # (its class's names, not its own)
+        module, qual = home
     why = _not_importable(fn, module, qual)
     name = getattr(fn, "__name__", None)
     if why == "not importable" and isinstance(name, str) and name != qual \

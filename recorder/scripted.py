@@ -8,10 +8,11 @@ when the recorder is built."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 
 def is_scripted(m: object) -> bool:
@@ -30,6 +31,28 @@ def hookable_modules(model: nn.Module, prefix: str = "") -> Iterator[tuple[str, 
         yield name, m
 
 
+def hook_scripted(top: nn.Module, prefix: str, enter: Callable[..., None],
+                  leave: Callable[..., None]) -> list:
+    """``enter(name, module, args)`` and ``leave(name, module, args, output)`` around each
+    call of ``top``'s outermost scripted modules (named under ``prefix``), which take no hooks
+    of their own: PyTorch's global module hooks run for a ScriptModule called from Python.
+    Nothing is registered when ``top`` holds none."""
+    names = {id(m): n for n, m in top.named_modules(prefix=prefix) if is_scripted(m)}
+    names = {i: n for i, n in names.items()
+             if not any(n.startswith(o + ".") for o in names.values())}
+    if not names:
+        return []
+
+    def pre(module, args):
+        if (name := names.get(id(module))) is not None:
+            enter(name, module, args)
+
+    def post(module, args, output):
+        if (name := names.get(id(module))) is not None:
+            leave(name, module, args, output)
+    return [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
+
+
 def scripted_in(model: nn.Module, name: str) -> list[str]:
     """The outermost scripted modules inside the module ``name`` of ``model``, unhooked calls
     whose ops the replay names at that module's call."""
@@ -42,6 +65,17 @@ def scripted_in(model: nn.Module, name: str) -> list[str]:
         if sub != name and is_scripted(m) and not any(sub.startswith(o + ".") for o in out):
             out.append(sub)
     return out
+
+
+def script_function_home(fn: object) -> tuple[str, str] | None:
+    """``(module, name)`` where a ``torch.jit.script``ed function was defined, whose
+    ``__module__`` and ``__qualname__`` are its class's (``torch.jit.ScriptFunction``): its
+    qualified name is ``__torch__.<module>.<name>``, with no module for ``__main__``'s."""
+    if not isinstance(fn, torch.jit.ScriptFunction):
+        return None
+    name = fn.name
+    module = fn.qualified_name.removeprefix("__torch__.").removesuffix(name).rstrip(".")
+    return module or "__main__", name
 
 
 def check_not_scripted(model: nn.Module) -> None:

@@ -18,7 +18,7 @@ from .absorbed_log import absorbed_hint
 from .attention_logits import attention_logits_hint
 from .backward_calls import backward_call_note, run_to_call, user_backward
 from .buffer_divisor import buffer_divisor_hint
-from .called_at import note_called_at
+from .called_at import note_called_at, track_scripted
 from .caller_picks import CallerPicks
 from .cause import Cause, classify
 from .coincident_points import coincident_hint
@@ -120,7 +120,7 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
         chain=finder.chain(), input_range=[hit.input_min, hit.input_max] if hit else None,
         dtype=str(hit.evidence.dtype).removeprefix("torch.") if hit and hit.evidence else None)
     note_other_rows(report, step, hit, origin)  # (a support set's, beside the query batch)
-    note_called_at(report, runner.model, run, origin, hit)  # (one of several callers)
+    note_called_at(report, runner.model, run, origin, hit, finder.scripted)
     note_taken_fill(report, run, origin)  # (a loss that read a masked -inf score as meant)
     backward_call_note(report, finder, o.module, o.call)  # (an adjoint's reverse solve)
     note_inner(report, hit)  # (the line inside a custom op that made it: replay.own_ops)
@@ -398,7 +398,7 @@ def _track_calls(finder: OpFinder, target, home: tuple[str, int], runner: Runner
         if m is not target:
             hs.append(m.register_forward_pre_hook(outside_transforms(enter(name))))
             hs.append(m.register_forward_hook(outside_transforms(leave)))
-    return hs
+    return hs + track_scripted(finder, target, home[0], lambda: runner.micro_batch == mb)
 
 
 def _innermost(run: Run, o, hit):

@@ -159,7 +159,10 @@ def _why(info: dict[str, Any], what: str, example: str) -> str:
                   "not import it (that would run the training)",
         "partial": f"is a functools.partial{at} of a function that cannot be imported, or "
                    "with arguments that are not JSON values",
+        "scripted": "is a TorchScript module, which nanreplay cannot rebuild from the bundle",
     }.get(why, f"cannot be imported by its name{at}")
+    if why == "scripted":
+        return f"{what} {reason}, so the loss was not re-run; {_FACTORY_WAY[3:]} to replay it"
     guard = "put the training under that guard, or " if why == "script" else ""
     return (f"{what} {reason}, so the loss was not re-run; {guard}define it at module level in "
             f"a module importable from here ({example}) {_FACTORY_WAY} to replay it")

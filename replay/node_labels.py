@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from recorder.capture import tensor_leaves
+from recorder.scripted import hook_scripted, hookable_modules
 
 from .compat import sequence_nr
 from .source import node_tracebacks
@@ -53,8 +54,10 @@ class NodeLabels:
         return stopped
 
     def hooks(self, model) -> list:
-        handles = []
-        for name, m in model.named_modules():
+        # (a TorchScript module takes none: PyTorch's global hooks name the nodes of its call)
+        handles = hook_scripted(model, "", outside_transforms(lambda _, m, a: self._pre(m, a, {})),
+                                outside_transforms(self._post))
+        for name, m in hookable_modules(model):
             handles.append(m.register_forward_pre_hook(outside_transforms(self._pre),
                                                        with_kwargs=True))
             handles.append(m.register_forward_hook(outside_transforms(partial(self._post,

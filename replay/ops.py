@@ -208,12 +208,12 @@ class OpFinder:
         self.lost_eps = LostEps()  # t + eps where t's type rounds eps to 0 (replay.lost_eps)
         self.read = ReadNumbers()  # the numbers .item() read (replay.read_numbers)
         self.zero_operand = ZeroOperand()  # mm's lines an operand's 0 line zeroed
-        # the model's parameters by name, indexed by the caller that runs it
-        self.names = ParamNames()
+        self.names = ParamNames()  # the model's parameters by name (its caller indexes them)
         # the innermost module call running now, (name, call), as its caller tracks it
         self.where: tuple[str, int] | None = None
         # ``counts`` as each such call began: an op's occurrence counted from there
         self.entered: dict[tuple[str, int], dict[str, int]] = {}
+        self.scripted: list[tuple[str, int, int, int]] = []  # TorchScript calls' op spans: called_at
         # (data_ptr, shape) of its parameters and buffers (set by that caller too), and the
         # tensors made from them alone: a learned per-class scale of the batch's length holds
         # classes, not samples, in its rows

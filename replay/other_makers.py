@@ -27,6 +27,7 @@ import torch
 from recorder.capture import tensor_leaves
 from recorder.finite import finite
 from recorder.samples import Samples
+from recorder.scripted import hookable_modules
 
 from .backward import saved_facts
 from .grad_rows import batch_rows
@@ -85,7 +86,8 @@ def other_makers(runner: Runner, where: Samples, node: str | None, source: str |
     def hooks(model):
         return [model.register_forward_hook(
             outside_transforms(lambda m, args, out: walk(grad_fns(tensor_leaves(out))))),
-            *(m.register_forward_pre_hook(outside_transforms(count)) for m in model.modules())]
+            *(m.register_forward_pre_hook(outside_transforms(count))
+              for _, m in hookable_modules(model))]
 
     try:
         runner.run(instrument=False, forward_ctx=node_tracebacks, hooks=hooks)

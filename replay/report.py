@@ -53,6 +53,8 @@ def _where(o: dict[str, Any], several: bool = False) -> str:
         return f"{what} {_first_param(params)}" if params else "the parameters"
     mod = o.get("module")
     name = module_label(mod)
+    if o.get("scripted"):  # (a TorchScript module's op: checked at its hooked caller)
+        name = f"{o['scripted']}, a TorchScript module of {name}"
     call = f", call {o['call']}" if o.get("call") is not None else ""
     call += f" (called at {o['called_at']})" if o.get("called_at") else ""
     return f"{name}{call}{mb}"

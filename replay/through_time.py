@@ -20,6 +20,7 @@ import torch
 
 from recorder.capture import tensor_leaves
 from recorder.finite import finite
+from recorder.scripted import hookable_modules
 
 from .compat import sequence_nr
 from .domains import g
@@ -104,7 +105,7 @@ def _incoming_sizes(runner: Runner, node: str, source: str) -> list[float]:
             todo.extend(f for f, _ in fn.next_functions)
 
     def hooks(model) -> list:
-        return [h for name, m in model.named_modules()
+        return [h for name, m in hookable_modules(model)
                 for h in (m.register_forward_pre_hook(enter, with_kwargs=True),
                           m.register_forward_hook(partial(leave, name)))]
 
