@@ -15,6 +15,7 @@ from recorder import numeric_switches as numeric
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
           "bfloat16": torch.bfloat16}
+STRATEGIES = ("auto", "greedy", "optimal")  # (opt_einsum's; torch takes any string)
 
 
 @contextlib.contextmanager
@@ -108,9 +109,8 @@ def _opt_einsum(recorded: Any):
     was = (einsum.enabled, einsum.strategy if einsum.is_available() else None)
     if isinstance(recorded, dict) and isinstance(recorded.get("enabled"), bool):
         einsum.enabled = recorded["enabled"]
-        if einsum.is_available() and isinstance(recorded.get("strategy"), str):
-            with contextlib.suppress(ValueError):
-                einsum.strategy = recorded["strategy"]
+        if einsum.is_available() and recorded.get("strategy") in STRATEGIES:
+            einsum.strategy = recorded["strategy"]
     try:
         yield
     finally:
