@@ -42,6 +42,15 @@ def fp32_precisions() -> dict[str, str]:
     return out
 
 
+def matmul_precision() -> str | None:
+    """``torch.get_float32_matmul_precision()`` ("highest", "high", "medium"); None where torch
+    refuses to say (the run set some backends' precision by the newer API) or has no getter."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except (RuntimeError, AttributeError):
+        return None
+
+
 def flush_denormal() -> bool:
     """Whether ``torch.set_flush_denormal(True)`` is on in this thread (torch has no getter):
     half of float32's smallest normal number is 0 only when subnormals flush. On the CPU, in
@@ -60,6 +69,7 @@ def numeric_switches() -> dict[str, Any]:
         "fill_uninitialized_memory": bool(getattr(fill, "fill_uninitialized_memory", True)),
         "default_dtype": str(torch.get_default_dtype()).removeprefix("torch."),
         "flush_denormal": flush_denormal(),
+        "float32_matmul_precision": matmul_precision(),
         "fp32_precision": fp32_precisions(),
         "mkldnn_enabled": bool(torch.backends.mkldnn.enabled),
         "opt_einsum": {"enabled": bool(opt_einsum.enabled),

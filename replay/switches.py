@@ -15,6 +15,7 @@ from recorder import numeric_switches as numeric
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
           "bfloat16": torch.bfloat16}
+MATMUL = ("highest", "high", "medium")
 STRATEGIES = ("auto", "greedy", "optimal")  # (opt_einsum's; torch takes any string)
 
 
@@ -25,7 +26,8 @@ def switches_as_recorded(meta: dict[str, Any]):
         stack.enter_context(_default_dtype(env.get("default_dtype")))
         stack.enter_context(_flush_denormal(env.get("flush_denormal")))
         stack.enter_context(_deterministic(env))
-        stack.enter_context(_fp32_precision(env.get("fp32_precision")))
+        stack.enter_context(_fp32_precision(env.get("float32_matmul_precision"),
+                                            env.get("fp32_precision")))
         stack.enter_context(_mkldnn(env.get("mkldnn_enabled")))
         stack.enter_context(_opt_einsum(env.get("opt_einsum")))
         yield
@@ -72,16 +74,21 @@ def _deterministic(env: dict[str, Any]):
 
 
 @contextlib.contextmanager
-def _fp32_precision(recorded: Any):
-    was = numeric.fp32_precisions()
-    _set_fp32(recorded if isinstance(recorded, dict) else {})
+def _fp32_precision(legacy: Any, recorded: Any):
+    was = numeric.matmul_precision(), numeric.fp32_precisions()
+    _set_fp32(legacy, recorded if isinstance(recorded, dict) else {})
     try:
         yield
     finally:
-        _set_fp32(was)
+        _set_fp32(*was)
 
 
-def _set_fp32(values: dict[str, Any]) -> None:
+def _set_fp32(legacy: Any, values: dict[str, Any]) -> None:
+    """The legacy setter first, as the run used it (mixing in the backends' own setters makes
+    ``torch.get_float32_matmul_precision()`` raise, which a model or Lightning may call), then
+    each backend whose precision still differs."""
+    if legacy in MATMUL and legacy != numeric.matmul_precision():
+        torch.set_float32_matmul_precision(legacy)
     for path in numeric.FP32_PRECISION_PATHS:  # (parents first: a child's "none" is its parent's)
         backend, value = numeric.fp32_backend(path), values.get(path)
         if backend is None or not isinstance(value, str) or backend.fp32_precision == value:
