@@ -23,6 +23,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from . import objects
 from .compat import distributions_validate_default
+from .numeric_switches import numeric_switches
 from .objects import member
 from .sparse import SPARSE, nested_node, rebuild_nested, rebuild_sparse, sparse_node
 
@@ -491,4 +492,5 @@ def environment(rank: int, world_size: int, commit: str | None) -> dict[str, Any
         # (a run that turned it off re-runs with it off: else the replay's Distribution
         # raises on the values whose NaN the training went on to make)
         "distributions_validate_args": distributions_validate_default(),
+        **numeric_switches(),  # (default dtype, flush-denormal, matmul precision: re-set too)
     }

@@ -29,6 +29,7 @@ from recorder.rng import rng_from_bundle
 from .errors import ReplayError
 from .sharded_optim import gather_state
 from .shards import resolve
+from .switches import switches_as_recorded
 from .views import same_view
 from .warned_check import warning_as_error
 
@@ -312,9 +313,11 @@ def autocast_as_recorded(mb: dict[str, Any], device: torch.device, loss: bool = 
 @contextlib.contextmanager
 def run_switches(step: Step):
     """The run's switches, as recorded, put back after: ``validate_args`` and the intra-op
-    thread count (below) and a warning the run raised as an error (``replay.warned_check``)."""
+    thread count (below), the numeric switches (``replay.switches``: default dtype,
+    flush-denormal, deterministic mode, matmul precision) and a warning the run raised as an
+    error (``replay.warned_check``)."""
     with validate_args_as_recorded(step.meta), threads_as_recorded(step.meta), \
-            warning_as_error(step.event):
+            switches_as_recorded(step.meta), warning_as_error(step.event):
         yield
 
 
