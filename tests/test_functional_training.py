@@ -106,7 +106,8 @@ def test_contractive_penalty_of_a_zero_feature_is_sqrts_derivative_in_the_loss(t
     """``sign(x) * sqrt(|x|)`` in the encoder is finite at 0, its slope is not: record 5 of
     step 2 has feature 2 at exactly 0, and the Jacobian the loss takes is 0/0 there. The hint
     said the NaN was then multiplied by 'a mask's 0 (... an ignored target)': that product
-    was abs's derivative (``grad * sgn(x)``) run by autograd inside ``jacobian``."""
+    was abs's derivative (``grad * sgn(x)``) run by autograd inside ``jacobian``; and the
+    sqrt's line in the encoder was not named (no ``node_source``), only the loss's."""
     step, row = 2, 5
     with pytest.raises(NonFiniteError) as info:
         run_cae({"out_dir": tmp_path}, zero_at=(step, row))
@@ -117,6 +118,7 @@ def test_contractive_penalty_of_a_zero_feature_is_sqrts_derivative_in_the_loss(t
     assert (rep["cause"], o["module"], o["op"], o["node"], o["made"], o["samples"]) == (
         "invalid", "<loss>", "aten.div", "SqrtBackward0", "nan", [row]), rep
     assert o["source"] == line_of("jac = jacobian(lambda v: self.encoder(v).sum(0), x")
+    assert o["node_source"] == line_of("return torch.sign(x) * torch.sqrt(x.abs())"), o
     assert "a pole of that derivative" in rep["hint"], rep["hint"]
     assert "mask" not in rep["hint"], rep["hint"]
 
