@@ -1,6 +1,7 @@
 """Training written with ``torch.autograd.functional``, ``checkpoint_sequential`` and sparse
 graph products, as users write it: a contractive autoencoder whose loss adds the Frobenius
-norm of ``jacobian(encoder, x, create_graph=True)``; a deep MLP run segment by segment by
+norm of ``jacobian(encoder, x, create_graph=True)``; a classifier whose loss adds a Hutchinson
+estimate of its Hessian's trace in the input by ``hvp``; a deep MLP run segment by segment by
 ``checkpoint_sequential``; a two-layer GCN over a sparse adjacency normalised on the fly by
 ``D^-1/2 A D^-1/2`` with ``torch.sparse.mm``. Each data source can plant one natural bug."""
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.functional import jacobian
+from torch.autograd.functional import hvp, jacobian
 from torch.utils.checkpoint import checkpoint_sequential
 
 
@@ -156,3 +157,41 @@ class CheckpointedMLP(nn.Module):
 
 def make_checkpointed(use_reentrant: bool = False) -> CheckpointedMLP:
     return CheckpointedMLP(use_reentrant=use_reentrant)
+
+
+class PowerFeatures(nn.Module):
+    """``|x| ** 1.5``: its slope at 0 is 0, its second derivative there is not finite."""
+
+    def forward(self, x):
+        return x.abs().pow(1.5)
+
+
+def make_curved() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(PowerFeatures(), nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+class CurvatureReg(nn.Module):
+    """Cross-entropy plus a Hutchinson estimate of its Hessian's trace in the input,
+    ``v . (H v)`` for a Rademacher ``v``, by ``hvp`` (or ``vhp``) with ``create_graph``."""
+
+    def __init__(self, model: nn.Module, lam: float = 0.01, by=hvp):
+        super().__init__()
+        self.model, self.lam, self.by = model, lam, by
+
+    def forward(self, out, y, x):
+        v = torch.randint(0, 2, x.shape).float() * 2 - 1
+        _, hv = self.by(lambda inp: F.cross_entropy(self.model(inp), y, reduction="sum"),
+                        x, v, create_graph=True)
+        return F.cross_entropy(out, y) + self.lam * (v * hv).sum() / len(x)
+
+
+def curved_batches(zero_at: tuple[int, int] | None = None, steps: int = 4, n: int = 8):
+    """Records away from 0 with labels; ``zero_at=(step, row)``: that record's feature 1 is
+    an exact 0."""
+    g = torch.Generator().manual_seed(4)
+    for step in range(steps):
+        x, y = torch.rand(n, 6, generator=g) + 0.5, torch.randint(0, 3, (n,), generator=g)
+        if zero_at is not None and zero_at[0] == step:
+            x[zero_at[1], 1] = 0.0
+        yield x, y

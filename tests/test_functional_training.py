@@ -1,5 +1,6 @@
 """End to end on training written with ``torch.autograd.functional.jacobian`` (a contractive
-autoencoder's penalty in its loss module), ``torch.utils.checkpoint.checkpoint_sequential``
+autoencoder's penalty in its loss module) and ``hvp``/``vhp`` (a Hutchinson Hessian-trace
+penalty), ``torch.utils.checkpoint.checkpoint_sequential``
 (inside the model's forward, reentrant or not; and on the recorded Sequential itself) and a
 GCN's ``torch.sparse.mm`` over a degree-normalised sparse adjacency
 (``functional_training_models``); each planted bug recorded, then replayed with the CLI."""
@@ -10,6 +11,7 @@ import functional_training_models as M
 import pytest
 import torch
 from bundles import nanreplay_json, source_line
+from torch.autograd.functional import hvp, vhp
 
 from recorder import FlightRecorder, NonFiniteError
 
@@ -85,6 +87,29 @@ def run_gcn(rec=None, isolated=None):
     return losses
 
 
+def run_curved(rec=None, zero_at=None, by=hvp):
+    model = M.make_curved()
+    crit, losses = M.CurvatureReg(model, by=by), []
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(5)  # (the Rademacher draws)
+
+    def loop(loss_fn):
+        for x, y in M.curved_batches(zero_at=zero_at):
+            opt.zero_grad()
+            loss = loss_fn(model(x), y, x)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    if rec is None:
+        loop(crit)
+    else:
+        with FlightRecorder(model, opt, loss_fn=crit, factory=FACTORY + "make_curved",
+                            **rec) as r:
+            loop(r.loss_fn)
+        assert r.health.internal_errors == 0
+    return losses
+
+
 def ckpt_rec(out_dir, reentrant: bool) -> dict:
     return {"out_dir": out_dir, "factory": FACTORY + "make_checkpointed",
             "factory_kwargs": {"use_reentrant": reentrant}}
@@ -99,6 +124,7 @@ def test_healthy_runs_train_bit_identically_and_raise_nothing(tmp_path):
         assert run_mlp(M.make_checkpointed, use_reentrant=reentrant) == run_mlp(
             M.make_checkpointed, ckpt_rec(tmp_path, reentrant), use_reentrant=reentrant)
     assert run_gcn() == run_gcn({"out_dir": tmp_path})
+    assert run_curved() == run_curved({"out_dir": tmp_path})
     assert not list(tmp_path.glob("*.nan"))
 
 
@@ -170,3 +196,24 @@ def test_gcn_isolated_node_degree_pow_is_a_pole_on_its_row(tmp_path):
         "invalid", "conv1", "aten.pow", "+inf", [node]), rep
     assert o["source"] == line_of("dinv = deg.pow(-0.5).unsqueeze(1)")
     assert "isolated node" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.parametrize("by", [hvp, vhp])
+def test_hutchinson_hessian_trace_of_a_zero_feature_is_pows_second_derivative(tmp_path, by):
+    """``|x| ** 1.5`` has a slope of 0 at 0 and an infinite second derivative: the Hessian-
+    vector product the loss takes (``hvp``/``vhp``, create_graph) is +inf, then NaN, for
+    record 5 of step 2, whose feature 1 is 0. The replay crashed: the double backward made
+    autograd's efficient zeros (``aten._efficientzerotensor``), which the op finder read
+    (``aminmax`` raised 'data is not allocated yet'; ``isfinite`` in another watcher crashed
+    the process); and the node's line was the ``hvp`` call's, not the forward's ``pow``."""
+    step, row = 2, 5
+    with pytest.raises(NonFiniteError) as info:
+        run_curved({"out_dir": tmp_path}, zero_at=(step, row), by=by)
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (step, "loss")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["module"], o["op"], o["node"], o["made"], o["samples"]) == (
+        "invalid", "<loss>", "aten.pow", "PowBackward0", "+inf", [row]), rep
+    assert o["node_source"] == line_of("return x.abs().pow(1.5)"), o
+    assert "of 0 to a negative power" in rep["hint"], rep["hint"]
