@@ -7,6 +7,10 @@
 - :func:`version`: a tensor's in-place version counter (``_version``), so a value computed
   from a tensor is reused only while the tensor is unmodified;
 - :func:`running_node`: the autograd node running an op (``_current_autograd_node``);
+- ``TorchDispatchMode`` is torch's, made to hand its subclasses autograd's efficient zeros
+  (``_is_zerotensor``, :func:`holds_no_data`) as real zeros: a second derivative's formulas
+  make them (``hvp``'s double backward), and a kernel reading one inside a mode has no storage
+  to read (``aminmax`` raises, ``isfinite`` crashes the process);
 - :func:`saved_value`: a value an autograd node saved (``_saved_*``), unless unpacking it
   would recompute a checkpointed region (``_raw_saved_*.unpack_hook``);
 - :func:`writes_arguments`: whether an aten op writes into an argument (``func._schema``);
@@ -30,7 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 # (an inference-mode tensor, a teacher run under torch.inference_mode(), keeps no version: None;
@@ -44,6 +48,46 @@ __all__ = ["TorchDispatchMode", "tree_leaves", "tree_map", "version", "version_o
            "written_places", "returns_values"]
 
 FOREACH_MUL_ = torch.ops.aten._foreach_mul_.Scalar
+_EFFICIENT_ZERO = torch.ops.aten._efficientzerotensor
+
+
+class TorchDispatchMode(_TorchDispatchMode):
+    """torch's dispatch mode, each subclass's ``__torch_dispatch__`` wrapped so that it never
+    meets an efficient zero (see the module's docstring): the op making one returns real
+    zeros unwatched (nothing non-finite to see), and one given to an op is made real first."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("__torch_dispatch__")
+        if own is None:
+            return
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is _EFFICIENT_ZERO:
+                return tree_map(_real_zeros, func(*args, **(kwargs or {})))
+            if _any_zeros(args, kwargs):
+                args, kwargs = tree_map(_real_zeros, (args, kwargs))
+            return own(self, func, types, args, kwargs)
+        cls.__torch_dispatch__ = __torch_dispatch__
+
+
+def _any_zeros(args, kwargs) -> bool:
+    """An efficient zero among an op's arguments or in a list of them (``cat``'s): checked on
+    every op of every replay watcher, so without ``tree_leaves`` (1 µs an op, not 6)."""
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, torch.Tensor):
+            if a._is_zerotensor():
+                return True
+        elif isinstance(a, (list, tuple)) and any(
+                isinstance(b, torch.Tensor) and b._is_zerotensor() for b in a):
+            return True
+    return False
+
+
+def _real_zeros(t):
+    if isinstance(t, torch.Tensor) and holds_no_data(t):
+        return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+    return t
 
 
 def version(t: torch.Tensor) -> int:
@@ -58,6 +102,12 @@ def running_node():
     """The autograd node whose backward is running the current op (an op of a backward the
     forward ran itself, through ``torch.autograd.grad``), None outside a backward."""
     return torch._C._current_autograd_node()
+
+
+def holds_no_data(t: torch.Tensor) -> bool:
+    """``t`` is autograd's efficient zero (``aten._efficientzerotensor``): all zeros by
+    definition, with no storage a reduction can read (aminmax raises on it)."""
+    return t._is_zerotensor()
 
 
 def saved_value(node, name: str):

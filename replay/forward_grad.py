@@ -13,6 +13,7 @@ from .backward import _UNIT_POLE_NODES
 from .cause_text import DO
 from .ops import OpHit
 from .source import node_source
+from .twice_differentiated import forward_node
 
 
 def derivative_words(hit: OpHit, again: OpHit | None, by: str = "the forward's own"
@@ -21,7 +22,9 @@ def derivative_words(hit: OpHit, again: OpHit | None, by: str = "the forward's o
     re-run under :func:`replay.source.node_tracebacks`), and what to say of it; ``by``: whose autograd.grad
     ran the node."""
     name = hit.node.name()
-    src = node_source(again.node) if again is not None and again.node is not None else None
+    # (a node a first derivative made, hvp's second: the line of the forward op it derives)
+    src = node_source(forward_node(again.node)) or node_source(again.node) \
+        if again is not None and again.node is not None else None
     path, _, line = (src or "").rpartition(":")
     text = linecache.getline(path, int(line)).strip() if line.isdigit() else ""
     at = f" of {src}" + (f" ({text})" if text else "") if src else ""

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .cause_text import DO, MASKED_AFTER_NAN
-from .compat import TorchDispatchMode, tree_leaves
+from .compat import TorchDispatchMode, running_node, tree_leaves
 from .dispatch import run_op
 from .drop import undroppable
 from .empty_records import zero_rows
@@ -44,7 +44,9 @@ class FirstThenMasked(TorchDispatchMode):
     (``width * tanh((x - m) / width)``, every value equal) multiplied back by that same 0;
     nor is one whose every tensor operand was computed from the first op's inputs: the
     formula's own 0 there (Rodrigues' ``sin(angle) * K`` at the angle 0 that ``axis / angle``
-    divided by), not a weight the loss was given."""
+    divided by), not a weight the loss was given; nor is a product autograd's engine ran for a
+    node's derivative (``AbsBackward0``'s ``grad * sgn(x)`` at 0, in a contractive penalty's
+    ``jacobian(encoder, x, create_graph=True)``): the chain rule's 0, not the loss's code."""
 
     def __init__(self, bad, masks):
         super().__init__()
@@ -69,7 +71,7 @@ class FirstThenMasked(TorchDispatchMode):
                 self.zeros = [t for t in tree_leaves((args, kwargs))
                               if isinstance(t, torch.Tensor) and not bool(t.any())]
                 self._derive((args, kwargs, out), every=True)
-            elif self.first is not None and self.masks(name, args) \
+            elif self.first is not None and self.masks(name, args) and running_node() is None \
                     and not any(_same(a, z) for a in args[:2] for z in self.zeros) \
                     and not all(id(a) in self.derived for a in args[:2]):
                 self.masked = (f"aten.{name}", user_source())

@@ -29,7 +29,7 @@ from .exp_forms import exp_form_hint
 from .exp_overflow import exp_overflow_hint
 from .findings import finish, origin_fields
 from .forward import find_op_in_call, with_param_advice
-from .forward_grad import derivative_words, with_node
+from .forward_grad import with_node
 from .fractional_power import fractional_power_hint
 from .grad_hooks import hook_fields, hook_hint
 from .held_divisor import held_divisor_hint, loss_buffers
@@ -47,6 +47,7 @@ from .loss_factor import infinite_factor_hint
 from .loss_grad import node_in_loss, probed_report
 from .loss_infinities import LossCall, infinity_advice, others_text
 from .loss_maker import loss_op_finder, made_in_loss
+from .loss_node import loss_node
 from .losses import held_state_cause, non_finite_loss_state
 from .masked_pole import with_masked_pole
 from .masked_targets import watched_loss_rerun
@@ -231,7 +232,6 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     cause = held_state_cause(classify(runner, "loss", hit=hit, micro_batch=mb), hit, held, step)
     if hit is not None and hit.from_mask:  # (or the loop's log of an output: q.log())
         cause = logged_output_cause(cause, step, mb, run.outputs[mb], hit.op)
-    node = derivative_words(hit, hit, "the loss's") if hit and hit.node is not None else None
     hint = _made_of(runner, finder, cause, hit)  # (a log-sum-exp or a softmax by hand)
     hint = negative_output_hint(runner, mb, hit, cause.name, hint)  # (below 0; a slot left 0)
     bufs = loss_buffers(step.loss_fn)  # (<loss>.p_model; <loss>.counts a 0 of the ids picked)
@@ -240,7 +240,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     hint = self_pair_hint(zero_divisor_hint(runner, mb, hit, cause.name, hint), cause.name, hit)
     return finish(report, origin, cause.name, reproduced=loss_reproduced(step),
                   hint=with_node(origin, with_param_advice(hint, cause.name, hit, step),
-                                 cause.name, node))
+                                 cause.name, loss_node(step, runner, run, mb, moved, hit, made)))
 
 
 def infinity_the_loss_took(step: Step, origin: dict[str, Any]) -> str | None:

@@ -20,6 +20,25 @@ UNRECORDED = (
     "not model.forward(x) (which runs no hooks), or give FlightRecorder the module the loop "
     "calls; then the first non-finite loss, gradient or update is caught at its step")
 
+# a container the loop never calls itself: a helper runs its children one by one
+# (torch.utils.checkpoint.checkpoint_sequential(model, segments, x) calls model[i], never model)
+_CONTAINERS = {"torch.nn.modules.container.Sequential": "nn.Sequential",
+               "torch.nn.modules.container.ModuleList": "nn.ModuleList"}
+CHILDREN_RUN = (
+    "the recorded model is an {kind}, whose children the loop runs itself "
+    "(checkpoint_sequential(model, segments, x) calls each child, never the {kind}), so no "
+    "hook of the model ran and nothing was checked before this, the last update's check as "
+    "the recorder detached; record a module holding it as self.body whose forward runs them "
+    "(return checkpoint_sequential(self.body, segments, x, use_reentrant=False)), with its "
+    "factory; then the first non-finite loss, gradient or "
+    "update is caught at its step")
+
+
+def advice(step: Step) -> str:
+    """What to change in the loop: for a container root, how to record the helper's run."""
+    kind = _CONTAINERS.get((step.meta.get("model") or {}).get("class") or "")
+    return CHILDREN_RUN.format(kind=kind) if kind else UNRECORDED
+
 
 def unrecorded(step: Step) -> bool:
     """The bundle holds no micro-batch and no row of history, and its event is an update that
@@ -48,4 +67,4 @@ def report_unrecorded(report: dict[str, Any], step: Step, params: list[str]
     origin = origin_fields(phase="optimizer", params=params, param=(params or [None])[0])
     return finish(report, origin, "not_reproduced", reproduced=False,
                   hint=f"the weights {', '.join(params)} were non-finite after an update at "
-                  f"an unknown step{grads}; {UNRECORDED}")
+                  f"an unknown step{grads}; {advice(step)}")
