@@ -45,7 +45,7 @@ from .settings import Settings
 from .slots import GRAD, LOOSE, NAN_ONLY, STRICT, Slots
 from .tape import Tape
 from .target import Target
-from .unhooked_call import forward_called_directly
+from .unhooked_call import UNROOTED_WHY, unrooted_reason
 
 log = logging.getLogger("nanreplay")
 
@@ -81,7 +81,7 @@ class StepCycle:
         self.skips = 0  # skipped steps in a row (a GradScaler's, or the loop's own scaler's)
         self.eval_tail: Tape | None = None  # the last evaluation forward, until its loss runs
         self.unrooted_call: int | None = None  # a submodule that ran while no step was open
-        self.forward_direct = False  # ...inside the root's forward the loop called itself
+        self.unrooted_why: str | None = None  # ...and why (unhooked_call.unrooted_reason)
         self.transformed = False  # a root forward ran under a torch.func transform (unrecorded)
         self.traced = False  # a module hook was traced by dynamo (a compiled training step)
         self._unrooted_warned = False
@@ -172,7 +172,7 @@ class StepCycle:
         while no step is open is remembered for :meth:`unrooted`."""
         if tape is None and idx and self.unrooted_call is None:
             self.unrooted_call = idx
-            self.forward_direct = forward_called_directly(self.target.model())
+            self.unrooted_why = unrooted_reason(self.target.model())
 
     def unrooted(self) -> None:
         """An update with no forward of the recorded model since the last one, while one of its
@@ -183,11 +183,9 @@ class StepCycle:
         if self._unrooted_warned:
             return
         self._unrooted_warned = True
-        if self.forward_direct:
+        if self.unrooted_why is not None:
             log.warning("nanreplay: optimizer.step() ran with no forward of the recorded model "
-                        "since the last step: the loop calls its forward itself "
-                        "(model.forward(x)), which runs no hooks, so nothing is recorded or "
-                        "checked. Call the model, model(x), as nn.Module expects")
+                        "since the last step: %s", UNROOTED_WHY[self.unrooted_why])
             return
         log.warning("nanreplay: optimizer.step() ran with no forward of the recorded model since "
                     "the last step, while its submodule '%s' ran on its own: nothing is recorded "

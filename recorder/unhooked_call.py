@@ -10,6 +10,7 @@ import inspect
 import logging
 
 from torch import nn
+from torch.utils import checkpoint
 
 log = logging.getLogger("recorder")
 
@@ -84,19 +85,43 @@ def warn_unhooked(model, loss_fn=None) -> None:
             what, type(module).__name__, cls.__module__, cls.__qualname__, seen)
 
 
-def forward_called_directly(root) -> bool:
-    """The root's ``forward`` is running on the current stack, but not under its
-    ``__call__``: the loop called ``model.forward(x)`` itself (PyTorch's forward-forward
-    example's ``self.forward(x_pos)``), which runs no hook, so no step opens. Read once, when
-    a submodule first runs outside a step (see ``StepCycle.outside_step``)."""
+def unrooted_reason(root) -> str | None:
+    """Why the root's submodules run with no call of the root, where the stack says: the
+    root's ``forward`` running, but not under its ``__call__`` (``"forward"``: the loop called
+    ``model.forward(x)`` itself, PyTorch's forward-forward example's ``self.forward(x_pos)``,
+    which runs no hook), or ``torch.utils.checkpoint.checkpoint_sequential`` given the root
+    (``"checkpoint_sequential"``: it calls the Sequential's children one by one); else None.
+    Read once, when a submodule first runs outside a step (see ``StepCycle.outside_step``)."""
     code = getattr(getattr(type(root), "forward", None), "__code__", None)
+    sequential = getattr(inspect.unwrap(checkpoint.checkpoint_sequential), "__code__", None)
     frame = inspect.currentframe()
-    while frame is not None and code is not None:
-        if frame.f_code is code and frame.f_locals.get("self") is root:
+    while frame is not None:
+        if code is not None and frame.f_code is code and frame.f_locals.get("self") is root:
             caller = frame.f_back
-            return caller is None or caller.f_code.co_name not in _CALL_FRAMES
+            return "forward" if caller is None or caller.f_code.co_name not in _CALL_FRAMES \
+                else None
+        if frame.f_code is sequential and _runs(frame.f_locals.get("functions"), root):
+            return "checkpoint_sequential"
         frame = frame.f_back
-    return False
+    return None
+
+
+def _runs(functions, root) -> bool:
+    """``checkpoint_sequential``'s ``functions`` is the root, or the list of its children it
+    made of it."""
+    return functions is root or (isinstance(functions, list) and len(functions) > 0
+                                 and functions[0] is next(root.children(), None))
+
+
+UNROOTED_WHY = {
+    "forward": "the loop calls its forward itself (model.forward(x)), which runs no hooks, so "
+               "nothing is recorded or checked. Call the model, model(x), as nn.Module expects",
+    "checkpoint_sequential": (
+        "the loop runs it through torch.utils.checkpoint.checkpoint_sequential(model, ...), "
+        "which calls its children one by one and never the model itself, so nothing is "
+        "recorded or checked. Record a module whose forward calls "
+        "checkpoint_sequential(self.body, segments, x) on the Sequential, and call that module"),
+}
 
 
 # the frames of nn.Module.__call__ that run a forward with its hooks

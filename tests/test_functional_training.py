@@ -167,13 +167,20 @@ def test_checkpointed_segments_blank_record_is_sqrts_backward_in_l2norm(tmp_path
     assert o["source"] == line_of("return x / (torch.sqrt((x ** 2).sum(dim=1")
 
 
-def test_checkpoint_sequential_of_the_recorded_sequential_says_how_to_record_it(tmp_path):
+def test_checkpoint_sequential_of_the_recorded_sequential_says_how_to_record_it(tmp_path,
+                                                                                caplog):
     """``checkpoint_sequential(model, 3, x)`` on the recorded Sequential runs its children,
-    never the model: no step opens. The report said to call ``model(x)``, not
-    ``model.forward(x)``, which the loop never did; it now names the helper and the fix."""
-    with pytest.raises(NonFiniteError) as info:
+    never the model: no step opens. The recorder's warning at the first update told the user
+    to give it "the module whose forward your training step calls", which this loop has none
+    of, and the report said to call ``model(x)``, not ``model.forward(x)``, which the loop
+    never did; both now name the helper and the fix."""
+    with caplog.at_level("WARNING", logger="recorder"), pytest.raises(NonFiniteError) as info:
         run_mlp(M.make_deep_mlp, {"out_dir": tmp_path}, blank_at=(2, 3))
     assert info.value.event["phase"] == "optimizer"
+    said = [r.getMessage() for r in caplog.records if "no forward of the recorded" in
+            r.getMessage()]
+    assert len(said) == 1 and "through torch.utils.checkpoint.checkpoint_sequential(model" \
+        in said[0] and "checkpoint_sequential(self.body, segments, x)" in said[0], said
     rep = nanreplay_json(info.value.bundle_path, code=1)
     assert rep["cause"] == "not_reproduced"
     assert "the recorded model is an nn.Sequential" in rep["hint"], rep["hint"]
