@@ -80,6 +80,7 @@ from .shards import shard_set
 from .source import distributed_call
 from .state import forward_written, state_notes
 from .state_overflow import state_report
+from .switches import flushed_note
 from .target_input import target_input_hint
 from .trained_input import trained_input_hint
 from .unrecorded_steps import report_unrecorded
@@ -109,6 +110,8 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     if note := statistics_note(step, report) or written_statistic_note(step, report):
         report["problems"].append(note)  # (a BatchNorm statistic an outlier overflowed)
     if note := number_note(step, report):  # (a NaN number the forward took: no input)
+        report["problems"].append(note)
+    if note := flushed_note(step, report):  # (torch.set_flush_denormal(True), the run's)
         report["problems"].append(note)
     if not add_window(step, report) and below_zero(step) is None:  # (else the precursors;
         diverging_hint(report, step)  # a rate below 0 climbed: a smaller one is no fix)

@@ -124,3 +124,16 @@ def _opt_einsum(recorded: Any):
         einsum.enabled = was[0]
         if was[1] is not None:
             einsum.strategy = was[1]
+
+
+def flushed_note(step, report: dict[str, Any]) -> str | None:
+    """An underflow in a run that flushed subnormals to 0 (``torch.set_flush_denormal(True)``,
+    re-applied here): said, since IEEE arithmetic would have kept the value the flush made 0,
+    and the switch is the run's, set once and far from the op."""
+    if report.get("cause") != "underflow" or (step.meta.get("env") or {}).get(
+            "flush_denormal") is not True:
+        return None
+    return ("the run flushes subnormal numbers to 0 (torch.set_flush_denormal(True)), and so "
+            "did this replay: a value below the type's smallest normal number (1.2e-38 in "
+            "float32) is 0 there where IEEE arithmetic keeps it, so the flush made the 0 the op "
+            "met; the fix is the computation's scale (work in log space), not the switch alone")

@@ -63,6 +63,8 @@ def test_flushed_subnormals_are_flushed_in_the_replay_too(out_dir):
     assert (o["phase"], o["module"], o["op"], o["samples"]) == \
         ("forward", "", "aten.div", [ROW]), o
     assert rep["reproduced"] and rep["cause"] == "underflow", rep["hint"]
+    # (the switch is said: set once, far from the op, it made the 0 IEEE arithmetic keeps)
+    assert [p for p in rep["problems"] if "torch.set_flush_denormal(True)" in p], rep["problems"]
     assert (torch.tensor([1e-38]) * 0.5).item() != 0  # put back after the replay
 
 
