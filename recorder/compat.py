@@ -22,9 +22,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 try:
-    from torch._dynamo.eval_frame import OptimizedModule
+    from torch._dynamo.eval_frame import DisableContext, OptimizedModule
 except ImportError:  # a torch without dynamo
-    OptimizedModule = ()
+    DisableContext = OptimizedModule = ()
 
 # the attribute of an OptimizedModule holding the module it compiled (and the name part it
 # adds to parameter names)
@@ -219,6 +219,12 @@ def is_compile_wrapper(m: Any) -> bool:
     return isinstance(m, OptimizedModule)
 
 
+def compiles(wrapper: nn.Module) -> bool:
+    """Compile wrapper ``wrapper`` compiles what it wraps: not ``torch.compiler.disable(m)``,
+    which wraps ``m`` in the same ``OptimizedModule`` to run it eagerly, hooks and all."""
+    return not isinstance(getattr(wrapper, "dynamo_ctx", None), DisableContext)
+
+
 def compiled_module(wrapper: nn.Module) -> nn.Module:
     """The module a ``torch.compile`` wrapper compiled."""
     return wrapper._orig_mod
@@ -327,6 +333,13 @@ def fsdp_mp_policy(module):
     (FSDP2's private state: no public getter), or None."""
     get_state = getattr(module, "_get_fsdp_state", None)
     return getattr(get_state(), "_mp_policy", None) if get_state is not None else None
+
+
+def frame_compiled(fn: Any) -> bool:
+    """Dynamo holds code it compiled for ``fn``'s own frame (``fn`` was compiled as the
+    function ``torch.compile`` was given, not inlined into a caller's graph)."""
+    code = getattr(fn, "__code__", None)
+    return code is not None and _cache_entries is not None and bool(_cache_entries(code))
 
 
 def forget_compiled_code(wrapper: nn.Module) -> bool:

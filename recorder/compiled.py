@@ -1,7 +1,8 @@
 """``torch.compile``'d models: their names as written, and where the recorder's hooks may go.
 
 A compiled region is a module wrapped by ``torch.compile(m)`` (an ``OptimizedModule`` holding
-``m`` as ``_orig_mod``), compiled in place by ``m.compile()``, or whose ``forward`` was replaced
+``m`` as ``_orig_mod``; ``torch.compiler.disable(m)`` makes one too, to run ``m`` eagerly: its
+module is hooked as an eager one), compiled in place by ``m.compile()``, or whose ``forward`` was replaced
 by a compiled one. Dynamo traces the hooks of the modules inside it into its graphs, where the
 recorder's Python (its records, counters, weak references, locks) would break the graph at every
 layer or be replayed wrongly. So a region is recorded as one call, its hooks run outside the
@@ -25,8 +26,10 @@ from .compat import (
     compiled_function,
     compiled_in_place,
     compiled_module,
+    compiles,
     dynamo_disabled,
     forget_compiled_code,
+    frame_compiled,
     is_compile_wrapper,
     uncompiled,
     undo_in_place_compile,
@@ -64,7 +67,8 @@ def hook_sites(root: nn.Module, wrapper: nn.Module | None = None,
     regions: list[str] = []
     for raw, m in root.named_modules():
         if is_compile_wrapper(m):
-            wrappers[id(compiled_module(m))] = m
+            if compiles(m):  # (torch.compiler.disable's wrapper: its module runs eagerly)
+                wrappers[id(compiled_module(m))] = m
             continue
         name = eager_name(raw)
         scripted = is_scripted(m)  # (no hooks on it, nor on what it holds: recorder.scripted)
@@ -117,7 +121,8 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, nn.Module | None, bool]:
     wrapper, ddp = None, False
     while True:
         if is_compile_wrapper(model):
-            wrapper = wrapper or model  # everything under the outermost one is traced
+            if compiles(model):  # everything under the outermost one is traced
+                wrapper = wrapper or model
             model = compiled_module(model)
         elif isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             ddp = ddp or isinstance(model, nn.parallel.DistributedDataParallel)
@@ -147,9 +152,19 @@ def compiled_loss(loss: nn.Module | None) -> bool:
     ``fn``). An event in it names no region of the model, but the replay runs it eagerly too."""
     if loss is None:
         return False
-    if is_compile_wrapper(loss) or compiled_in_place(loss):
+    if is_compile_wrapper(loss) and compiles(loss) or compiled_in_place(loss):
         return True
     return type(loss).__name__ == "_CallableLoss" and compiled_function(getattr(loss, "fn", None))
+
+
+def forward_compiled_alone(model: nn.Module) -> bool:
+    """The model's class ``forward`` was compiled as a frame of its own while the model holds
+    no compiled forward: the loop calls ``torch.compile(model.forward)`` itself, which skips
+    ``nn.Module.__call__`` and with it the root's hooks, so no step's forward is recorded
+    (dynamo traces the submodules' hooks into its graph, where they record nothing)."""
+    if is_compile_wrapper(model) or compiled_in_place(model):
+        return False
+    return frame_compiled(getattr(type(model), "forward", None))
 
 
 def disabled(hook):

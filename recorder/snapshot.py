@@ -19,7 +19,7 @@ from torch import nn
 from .attributes import AttributeWatch, trained_tensors
 from .bundle import FORMAT, VERSION
 from .capture import environment, flatten_tree
-from .compiled import hook_sites
+from .compiled import forward_compiled_alone, hook_sites
 from .constants import unchanged
 from .entries import hyper_entry, jsonish, micro_batch_entry, named_params
 from .graph_reach import from_model
@@ -130,6 +130,9 @@ def _model(src: Sources, tape: Tape | None, guard, meta, tensors) -> None:
     meta["params"] = [n for n, _ in params]
     if (model := src.target.model()) is not None and (tied := tied_params(model)):
         meta["tied_params"] = tied  # (bundled once, under the first name)
+    if (tape is None or not tape.micro_batches) and model is not None \
+            and forward_compiled_alone(model):  # (no forward recorded: recorder.compiled)
+        meta["forward_compiled_alone"] = True
     if frozen := [n for n, p in params if not p.requires_grad]:  # (as the step ran: a teacher
         meta["frozen"] = frozen  # the loop froze after the factory built it trainable)
     if constants := [params[i][0] for i in src.target.constants

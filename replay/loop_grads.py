@@ -20,6 +20,16 @@ from .zero_grad import normalised_zero_gradient
 from .zero_rows import empty_batch_text, zero_gradient_rows, zero_rows_text
 from .zero_tasks import zero_outputs_text
 
+# NO_FORWARD where the bundle says why: the loop called a compiled forward of its own
+# (recorder.compiled.forward_compiled_alone)
+COMPILED_FORWARD = ("the step ran no recorded forward: the loop calls the model's forward "
+                    "compiled on its own (torch.compile(model.forward)(x)), which skips "
+                    "nn.Module.__call__ and so the recorder's hooks; only the gradients and "
+                    "the update were checked")
+COMPILED_FORWARD_HINT = ("compile the model instead of its forward, torch.compile(model) or "
+                         "model.compile() (the same graph): each step's forward is then "
+                         "recorded and nanreplay re-runs it and names the op")
+
 
 def no_backward_reached_the_output(step: Step) -> bool:
     """No gradient reached the output of any forward of the step that ran with gradients on
@@ -49,7 +59,8 @@ def gradients_from_the_loop(report, step: Step, reached: bool = False,
     zero = zero_gradient_rows(step)
     report["problems"].append(
         "the gradients that reached the model's output were finite, and the re-run's backward "
-        "from there makes every parameter's gradient finite" if reached else NO_FORWARD
+        "from there makes every parameter's gradient finite" if reached else
+        (COMPILED_FORWARD if step.meta.get("forward_compiled_alone") else NO_FORWARD)
         if not step.micro_batches else
         "no backward ran through the recorded forward in this step (no gradient reached the "
         "model's output), and the re-run's backward makes every gradient finite")
@@ -70,7 +81,9 @@ def gradients_from_the_loop(report, step: Step, reached: bool = False,
         + zero_rows_text(zero)
         + empty_batch_text(step) + zero_outputs_text(step, runner)
         + nan_skips_text(step))
-    if reached and hooked_gradient(report, step, runner, params):
+    if step.meta.get("forward_compiled_alone"):
+        report["hint"] = COMPILED_FORWARD_HINT
+    elif reached and hooked_gradient(report, step, runner, params):
         pass  # (a tensor hook the script registered on the parameter: named with its line)
     elif reached and runner is not None and (kept := kept_terms_text(runner)):
         report["hint"] = kept
