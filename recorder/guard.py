@@ -156,7 +156,17 @@ class OptimizerGuard:
         cycle = self.cycle
         with cycle.lock:  # (a training step's tape: as a forward opens one)
             tape = cycle.tape if cycle.tape is not None else cycle.tape_for_forward(False)
-        if not self._update_only_said:
+        if not self._update_only_said and cycle.traced:
+            self._update_only_said = True
+            # (dynamo traced the submodules' hooks into a graph no call of the model ran)
+            log.warning("nanreplay: optimizer.step() ran with no call of the recorded model "
+                        "since the last step while its layers' hooks ran inside a torch.compile "
+                        "graph: the loop calls a compiled forward itself (fwd = "
+                        "torch.compile(model.forward); fwd(x)), which skips model(...) and its "
+                        "hooks, so no forward is recorded and nanreplay cannot re-run one. "
+                        "Compile the model instead (torch.compile(model) or model.compile()) "
+                        "and call it")
+        elif not self._update_only_said:
             self._update_only_said = True
             # (a loop that trains a copy: Reptile's deepcopy, a functional copy without the
             # recorder's hooks; its forwards are not recorded, which the user should know)

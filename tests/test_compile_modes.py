@@ -159,6 +159,10 @@ def test_forward_compiled_alone_says_what_to_compile_instead(tmp_path, caplog):
 
     with caplog.at_level(logging.WARNING, logger="nanreplay"):
         same_training(compile_model, tmp_path / "healthy")
+    # (said while training, once: not the warning of a loop that trains a copy, Reptile's)
+    said = [r.getMessage() for r in caplog.records if "optimizer.step() ran" in r.getMessage()]
+    assert len(said) == 1 and "calls a compiled forward itself" in said[0] \
+        and "Compile the model instead" in said[0], said
     ev = (err := fire(compile_model, tmp_path)).event
     assert (ev["step"], ev["phase"]) == (K, "backward")
     rep = nanreplay_json(err.bundle_path, code=1)

@@ -174,7 +174,7 @@ def test_checkpoint_sequential_of_the_recorded_sequential_says_how_to_record_it(
     to give it "the module whose forward your training step calls", which this loop has none
     of, and the report said to call ``model(x)``, not ``model.forward(x)``, which the loop
     never did; both now name the helper and the fix."""
-    with caplog.at_level("WARNING", logger="recorder"), pytest.raises(NonFiniteError) as info:
+    with caplog.at_level("WARNING", logger="nanreplay"), pytest.raises(NonFiniteError) as info:
         run_mlp(M.make_deep_mlp, {"out_dir": tmp_path}, blank_at=(2, 3))
     assert info.value.event["phase"] == "optimizer"
     said = [r.getMessage() for r in caplog.records if "no forward of the recorded" in
