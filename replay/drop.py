@@ -11,30 +11,43 @@ import re
 import torch
 from torch import nn
 
-from recorder.capture import tree_refs
+from recorder.capture import batch_path, loss_path, tree_refs
 from recorder.finite import zero_one
 from recorder.padded_ids import padded_ids
 from recorder.samples import Bags, Segments, bag_offsets, broadcast_fields, packed_in
 
+from .drop_segments import drop_segments, unmatched_bounds
+from .drop_sparse import drop_sparse
 from .load import micro_batch_inputs
-from .recorded import entry_samples
+from .recorded import entry_samples, n_args
 
 GRAPHS = ("the samples are graphs of a batch concatenated node by node (an input assigns each "
           "node row to its graph, as PyG's batch vector does): removing one would cut its nodes "
           "and edges and renumber the rest, which only the data pipeline can do; leave those "
           "graphs out of the dataset and train again")
 
+UNBOUNDED = ("{name} reads as the boundaries of the {n} samples' rows ({n} + 1 offsets from 0, "
+             "as cu_seqlens), but no input has as many rows as its last: the drop cannot cut "
+             "the rows it bounds, so this try cannot tell; leave those samples out of the data "
+             "and train again")
+
 
 def undroppable(step, i: int) -> str | None:
     """Why the samples of micro-batch ``i`` cannot be dropped from the recorded batch: they
-    are graphs whose nodes the inputs concatenate (:class:`recorder.samples.Segments`); None
-    when they can."""
-    if "inputs" not in step.micro_batches[i]:
+    are graphs whose nodes the inputs concatenate (:class:`recorder.samples.Segments`), or an
+    input bounds each sample's rows of something no input holds; None when they can."""
+    mb = step.micro_batches[i]
+    if "inputs" not in mb:
         return None
     found = packed_in(list(micro_batch_inputs(step, i)))
-    size = entry_samples(step.micro_batches[i], step.tensors, step.model).size
-    return GRAPHS if any(isinstance(v, Segments) and v.groups(size)
-                         for v in found.values()) else None
+    size = entry_samples(mb, step.tensors, step.model).size
+    if any(isinstance(v, Segments) and v.groups(size) for v in found.values()):
+        return GRAPHS
+    count = n_args(mb.get("inputs"))
+    named = {**{batch_path(p, count): step.tensors.get(k) for k, p in mb.get("paths", {}).items()},
+             **{loss_path(p): step.tensors.get(k) for k, p in mb.get("loss_paths", {}).items()}}
+    name = unmatched_bounds(named, size)
+    return None if name is None else UNBOUNDED.format(name=name, n=size)
 
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -100,7 +113,7 @@ def drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model,
         packed = [_repack(tensors, node, keep) for node in _packed_nodes(mb.get("inputs"))]
         cut: list[str] = []  # (a sparse input's own index and value tensors)
         if "inputs" in mb:
-            mb["inputs"] = _drop_sparse(tensors, mb["inputs"], where.size, keep, cut)
+            mb["inputs"] = drop_sparse(tensors, mb["inputs"], where.size, keep, cut)
         for tree in ("inputs", "loss_inputs"):  # (records: their tensors are not cut by row)
             if tree in mb:
                 mb[tree] = _drop_records(tensors, mb[tree], where.size, keep, cut)
@@ -110,6 +123,11 @@ def drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model,
             _drop_edges(tensors, paths, where.size, keep)) | set(
             _drop_index_tuples(tensors, [k for k in mb.get("loss_paths", {}) if k not in cut],
                                where.size, keep))
+        left = [k for k in (*paths, *mb.get("loss_paths", {})) if k not in done]
+        # (rows packed per sample are of tensors that hold no sample along a dim of their own)
+        unrowed = {k for k in left if isinstance(x := tensors.get(k), torch.Tensor)
+                   and where.dim(x) is None}
+        done |= set(drop_segments(tensors, left, unrowed, where.size, keep))
         grads = list(mb.get("output_grads", {}).values()) if out_grads else []
         inputs = [tensors.get(j) for j in mb.get("paths", {})]  # (as recorded, before the cut)
         # (a land-sea mask (H, W) beside (B, C, H, W) states: no sample's, whatever H is)
@@ -145,8 +163,9 @@ def _node_edges(given: list[torch.Tensor], n: int) -> list[torch.Tensor]:
 def _pairwise(x: torch.Tensor, inputs: list, given: list = ()) -> bool:
     """Whether a square ``(B, B)`` tensor over the samples is pairwise (a graph's dense
     adjacency, a distance matrix: its columns are the samples too) rather than ``B`` features
-    per sample that happen to number ``B`` (an MLP's ``(16, 16)`` batch): symmetric, or
-    non-negative beside a per-sample input of another width (the nodes' features); never a
+    per sample that happen to number ``B`` (an MLP's ``(16, 16)`` batch): symmetric, an
+    additive attention mask (a directed graph's 0s and -infs), or non-negative beside a
+    per-sample input of another width (the nodes' features); never a
     length mask, whose every row is valid then padded (a ``(B, T)`` frame mask where the batch
     has as many clips as frames: all True when no clip is padded, so symmetric), nor one beside
     a per-sample ``(B, B, F)`` input, whose dim 1 holds each sample's items (a CVRP batch of as
@@ -154,7 +173,7 @@ def _pairwise(x: torch.Tensor, inputs: list, given: list = ()) -> bool:
     filter's ranges ``(B, T)`` beside its loss's true track ``(B, T, 2)``, in ``given``)."""
     if x.dim() != 2 or x.shape[0] != x.shape[1] or _length_mask(x) or padded_ids(x):
         return False
-    if torch.equal(x, x.T):
+    if torch.equal(x, x.T) or _additive_mask(x):
         return True
     if any(isinstance(t, torch.Tensor) and t.dim() >= 3 and t.shape[:2] == x.shape
            for t in [*inputs, *given]):
@@ -162,6 +181,18 @@ def _pairwise(x: torch.Tensor, inputs: list, given: list = ()) -> bool:
     beside = any(isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == x.shape[0]
                  and t.shape[1] != x.shape[0] for t in inputs)
     return beside and not x.is_complex() and bool((x >= 0).all())
+
+
+def _additive_mask(x: torch.Tensor) -> bool:
+    """An additive attention mask over the samples (a directed graph's, added to the
+    ``(N, N)`` scores): 0 where one node may attend to another, ``-inf`` (or a large
+    negative, ``-1e9``, a dtype's min) where not, both present; not a key-padding mask (whose
+    0s come first in every row)."""
+    if not x.is_floating_point():
+        return False
+    zero, off = x == 0, x <= -1e4
+    return bool((zero | off).all()) and bool(zero.any()) and bool(off.any()) \
+        and not _length_mask(zero)
 
 
 def _length_mask(x: torch.Tensor) -> bool:
@@ -265,35 +296,6 @@ def _drop_index_tuples(tensors: dict[str, torch.Tensor], keys: list[str], n: int
             tensors[k] = tensors[k][rows.to(tensors[k].device)]
         done += group + per_row
     return done
-
-
-def _drop_sparse(tensors: dict[str, torch.Tensor], tree, n: int, keep: torch.Tensor,
-                 cut: list[str]):
-    """``tree`` with each sparse COO input over the samples (a graph's ``(N, N)`` adjacency,
-    the samples its nodes) cut to the rows kept, and to the columns kept when it is square:
-    its entries there, renumbered, in ``tensors`` (their keys added to ``cut``), and its node
-    a copy with the new size."""
-    if isinstance(tree, list):
-        return [_drop_sparse(tensors, v, n, keep, cut) for v in tree]
-    if not isinstance(tree, dict):
-        return tree
-    if tree.get("$sparse") != "coo" or (tree.get("size") or [None])[0] != n:
-        return {k: _drop_sparse(tensors, v, n, keep, cut) for k, v in tree.items()}
-    square = len(tree["size"]) == 2 and tree["size"][1] == n
-    ik, vk = tree["indices"]["$t"], tree["values"]["$t"]
-    idx = tensors[ik].cpu()
-    kept = torch.zeros(n, dtype=torch.bool)
-    kept[keep] = True
-    renumber = torch.cumsum(kept, 0) - 1
-    on = kept[idx[0]] & (kept[idx[1]] if square else True)
-    idx = idx[:, on].clone()
-    for d in (0, 1) if square else (0,):
-        idx[d] = renumber[idx[d]]
-    tensors[ik] = idx.to(tensors[ik].device)
-    tensors[vk] = tensors[vk][on.to(tensors[vk].device)]
-    cut += [ik, vk]
-    size = [len(keep), *tree["size"][1:]]
-    return {**tree, "size": [size[0], len(keep)] if square else size}
 
 
 def _drop_records(tensors: dict[str, torch.Tensor], tree, n: int, keep: torch.Tensor,

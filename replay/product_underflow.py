@@ -87,7 +87,7 @@ class ProductUnderflow:
         ``_CHAIN`` of them."""
         a, b = args[0], args[1] if len(args) > 1 else None
         if not isinstance(b, torch.Tensor) or not a.is_floating_point() \
-                or not b.is_floating_point() \
+                or not b.is_floating_point() or torch.strided != a.layout or torch.strided != b.layout \
                 or (a.dim() < 2 or b.dim() < 2 if matmul else out.shape not in (a.shape, b.shape)):
             return False
         n = sum(1 if (k := self._factors.get(t)) is None else k for t in (a, b))
