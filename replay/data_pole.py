@@ -30,7 +30,7 @@ from .load import Step
 from .log_domain import ADVICE as LOG_DOMAIN
 from .log_domain import CLAMP
 from .loss_arg_name import with_param_name
-from .recorded import n_args
+from .recorded import n_args, samples
 
 # the ops and the largest value outside their domain (or at their pole): log's 0 is a real
 # count of 0 (the log-of-0 advice stands there); a count is never -1 nor below 0
@@ -81,13 +81,13 @@ def _target_what(op: str, bad: torch.Tensor) -> str:
     if _measured(bad):
         what = ("a target the data gives outside what the loss takes (a soft label whose "
                 "probabilities label arithmetic took below 0: a smoothing, a mixup, a stacked "
-                "augmentation's 1 - p - s; a price or count a correction took below 0): fix it "
-                "where the data is made, or use a loss defined there (MSE or Huber of the raw "
-                "values, a signed log sign(y) * log1p(|y|) on both sides)")
+                "augmentation's 1 - p - s; a price or count a correction took below 0): drop or "
+                "repair such records where the data is made, or use a loss defined there (MSE "
+                "or Huber of the raw values, a signed log sign(y) * log1p(|y|) on both sides)")
     else:
-        what = ("a code for a missing target (-1, fillna(-1)) or a corrupt record: drop those "
-                "records where the data is made, or leave them out of the loss with a mask of "
-                "the valid targets")
+        what = ("a code for a missing target (-1, fillna(-1)) or a corrupt record: drop or "
+                "repair such records where the data is made, or leave them out of the loss "
+                "with a mask of the valid targets")
     return (f"{domain} only, so the loss is undefined on this target: {what}; "
             "a clamp or an eps in the loss would train toward a made-up target")
 
@@ -118,17 +118,20 @@ def data_pole_hint(report: dict[str, Any], step: Step) -> None:
         return
     i = o.get("micro_batch") or 0
     mb = step.micro_batches[i] if i < len(step.micro_batches) else {}
+    at = samples(step, i)
     for key, name, target in _data_tensors(step, mb):
         t = step.tensors.get(key)
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() < 1:
             continue
-        bad = (t <= edge).reshape(len(t), -1)
+        # (a time-major target, (T, B): its rows are the samples' dimension's)
+        d = at.dim(t) or 0
+        bad = (t <= edge).movedim(d, 0).reshape(t.shape[d], -1)
         hit = torch.nonzero(bad.any(1)).flatten().tolist()
         if hit != rows or float(t.min()) != low:
             continue
         one = t.dim() == 2 and t.shape[1] == 1 and target  # (a (B, 1) target: no column)
-        cols = sorted(set(torch.nonzero(bad)[:, 1].tolist())) if t.dim() == 2 and not one \
-            else []
+        cols = sorted(set(torch.nonzero(bad)[:, 1].tolist())) \
+            if t.dim() == 2 and d == 0 and not one else []
         where = f" (column {', '.join(map(str, cols))})" if cols else ""
         # (no constraint's slack: the batch's own value, no iterate a step took outside)
         hint = report["hint"].replace(LOG_DOMAIN, CLAMP)
@@ -137,7 +140,7 @@ def data_pole_hint(report: dict[str, Any], step: Step) -> None:
             for advice in _OF_DATA:
                 hint = hint.replace(advice, "")
         report["hint"] = (
-            f"{hint}{': ' if hint != said else '. But '}{name} holds {g(low)} at sample(s) {', '.join(map(str, rows))}"
-            f"{where} {AS_GIVEN}, the value the op took: "
+            f"{hint}{': ' if hint != said else '. But '}{name} holds {g(low)} at sample(s) "
+            f"{', '.join(map(str, rows))}{where} {AS_GIVEN}, the value the op took: "
             + (_target_what(op, t[t <= edge]) if target else _what(t[t <= edge])))
         return

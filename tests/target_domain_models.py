@@ -44,3 +44,20 @@ def make_regressor():
 
 def make_log_classifier():
     return nn.Sequential(nn.Linear(F_IN, 8), nn.ReLU(), nn.Linear(8, C), nn.LogSoftmax(-1))
+
+
+class SeqRegressor(nn.Module):
+    """A positive value per time step of a time-major sequence: ``(T, B, F_IN)`` ->
+    ``(T, B, 1)`` (an ``nn.LSTM`` without ``batch_first``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(F_IN, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return F.softplus(self.head(self.rnn(x)[0]))
+
+
+def make_seq_regressor():
+    return SeqRegressor()

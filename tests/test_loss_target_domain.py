@@ -120,6 +120,30 @@ def test_negative_soft_label_probability_under_kl_div(tmp_path):
     assert "degenerate" not in rep["hint"], rep["hint"]
 
 
+def test_time_major_target_names_the_sample_not_the_time_step(tmp_path):
+    """A (T, B, 1) target of an LSTM without batch_first: the -1 at time step 2 of sample
+    ROW is named at sample ROW (the target's rows are time steps)."""
+    g = torch.Generator().manual_seed(1)
+    xs = torch.randn(STEPS, 6, B, M.F_IN, generator=g)
+    ys = torch.rand(STEPS, 6, B, 1, generator=g) * 5 + 0.5
+    ys[K, 2, ROW] = -1.0
+    torch.manual_seed(0)
+    model = M.make_seq_regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    crit = M.MSLELoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="target_domain_models:make_seq_regressor"):
+            for x, y in zip(xs, ys):
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (K, "loss")
+    rep = nanreplay_json(info.value.bundle_path)
+    assert_names_the_target(rep, "aten.log1p", "-1", "log1p takes values above -1",
+                            "return ((torch.log1p(pred) - torch.log1p(target)) ** 2).mean()")
+
+
 def test_healthy_msle_is_bit_identical_and_raises_nothing(tmp_path):
     data = regression_data()
     plain = train("make_regressor", M.MSLELoss(), data)
