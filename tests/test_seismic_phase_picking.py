@@ -141,8 +141,8 @@ def test_stacked_events_labels_without_clamp_make_kl_div_nan_on_that_window(tmp_
     """Augmentation by stacking a second event whose P arrives on the first's S: the stacked
     labels' noise class 1 - P - S forgot the single-event builder's clamp, -1 at that sample,
     and ``kl_div``'s ``xlogy(y, y)`` of a negative target is NaN. The replay names xlogy in the
-    loss on the stacked window, a negative target made from the data alone, and sends the user
-    to repair the record where the data is made, not to an eps."""
+    loss on the stacked window, the target's -1 there as the batch gave it, outside xlogy's
+    domain, and sends the user to fix the record where the data is made, not to an eps."""
     ev, bundle = fire("make_model", tmp_path, {"stacked": 4}, loss=M.kl_loss)
     assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (2, "loss", "<loss>", "nan"), ev
     rep = nanreplay_json(bundle, "--try", "drop=4")
@@ -151,8 +151,9 @@ def test_stacked_events_labels_without_clamp_make_kl_div_nan_on_that_window(tmp_
     assert o["source"] == line_of('return F.kl_div(F.log_softmax(logits, 1), y, reduction='), o
     h = rep["hint"]
     assert rep["cause"] == "invalid" and "xlogy of a negative number (as low as -1)" in h, h
-    assert "computed from the batch's data alone" in h and "a label out of range" in h, h
-    assert "an eps there would train toward a made-up target" in h, h
+    assert "(y) holds -1 at sample(s) 4 as the batch gave it" in h, h
+    assert "takes values of 0 or more only" in h and "where the data is made" in h, h
+    assert "an eps in the loss would train toward a made-up target" in h, h
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
