@@ -108,3 +108,30 @@ def make_hessian():
     torch.manual_seed(0)
     model = Smooth()
     return {"model": model, "loss_fn": HessianPenaltyLoss(model)}
+
+
+def l2_normalize(d):
+    return d / d.flatten(1).norm(dim=1).view(-1, 1)  # the bug: no eps, 0/0 at a zero gradient
+
+
+class VATLoss(nn.Module):
+    """Virtual adversarial training: the loss calls the model on x + xi d for the adversarial
+    direction, then on x + r_adv for the smoothness term."""
+    def __init__(self, model, xi: float = 10.0, eps: float = 1.0):
+        super().__init__()
+        self.model, self.xi, self.eps = model, xi, eps
+
+    def forward(self, logits, y, x):
+        pred = logits.detach().softmax(1)
+        d = l2_normalize(torch.rand(x.shape) - 0.5).requires_grad_()
+        adv = F.kl_div(self.model(x + self.xi * d).log_softmax(1), pred, reduction="batchmean")
+        g, = torch.autograd.grad(adv, d)
+        lds = F.kl_div(self.model(x + self.eps * l2_normalize(g)).log_softmax(1), pred,
+                       reduction="batchmean")
+        return F.cross_entropy(logits, y) + lds
+
+
+def make_vat():
+    torch.manual_seed(0)
+    model = Smooth()
+    return {"model": model, "loss_fn": VATLoss(model)}

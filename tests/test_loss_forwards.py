@@ -67,7 +67,8 @@ def dragan(out_dir, plant=None):
 def one_forward(factory: str, out_dir, plant=None):
     """A loop with one forward and a loss that runs the model itself: the consistency loss
     (``blank_strong``: a low-contrast row that posterizes to one level; ``blank``: a constant
-    row) or the Hessian penalty (``unlabelled``: a batch with no labelled row)."""
+    row), the Hessian penalty (``unlabelled``: a batch with no labelled row) or VAT
+    (``saturated``: a row whose output no perturbation moves)."""
     parts = getattr(M, factory)()
     model, loss_fn = parts["model"], parts["loss_fn"]
     opt = torch.optim.SGD(model.parameters(), 0.05, momentum=0.9)
@@ -85,6 +86,8 @@ def one_forward(factory: str, out_dir, plant=None):
                     x[BAD_ROW] = 0.25
                 if step == BAD_STEP and plant == "unlabelled":
                     y[:] = -1
+                if step == BAD_STEP and plant == "saturated":
+                    x[BAD_ROW] *= 1e4  # every tanh saturates: the row's logits cannot move
                 opt.zero_grad()
                 loss = loss_fn(model(x), y, x)
                 loss.backward()
@@ -100,8 +103,9 @@ def model_width(model) -> int:
 
 
 @pytest.mark.parametrize("run", [dragan, lambda d: (one_forward("make_consistency", d), None),
-                                 lambda d: (one_forward("make_hessian", d), None)],
-                         ids=["dragan", "consistency", "hessian"])
+                                 lambda d: (one_forward("make_hessian", d), None),
+                                 lambda d: (one_forward("make_vat", d), None)],
+                         ids=["dragan", "consistency", "hessian", "vat"])
 def test_healthy_runs_train_the_same_and_raise_nothing(tmp_path, run, caplog):
     plain, _ = run(None)
     recorded, _ = run(tmp_path)
@@ -176,3 +180,22 @@ def test_unreproduced_event_in_the_losss_critic_call_is_not_blamed_on_the_loop(t
     assert not rep["reproduced"] and rep["cause"] == "not_reproduced", rep
     text = " ".join([rep["hint"] or "", *rep["problems"]])
     assert "outside loss_fn" not in text and "inside the loss" not in text, text
+
+
+def test_vat_direction_of_a_saturated_row_is_the_losss_0_over_0(tmp_path):
+    """VAT's second call of the model (micro-batch 2) takes x + eps * g / |g|, with g exactly 0
+    on a row whose every tanh saturates: the loss made that input's NaN, not the data nor the
+    loop (which the hint said before)."""
+    err = one_forward("make_vat", tmp_path, "saturated")
+    assert isinstance(err, NonFiniteError)
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["micro_batch"], ev["samples"]) == \
+        (BAD_STEP, "input", "", 2, [BAD_ROW])
+    assert f"input of '<root>' (micro-batch 2, {IN_LOSS})" in str(err)
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert rep["reproduced"] and rep["cause"] == "input", rep
+    assert (o["micro_batch"], o["samples"], o["forward_in_loss"]) == (2, [BAD_ROW], True)
+    assert rep["hint"].startswith(
+        "batch of micro-batch 2 is no data: the loss made it between the step's forwards from "
+        "the input of micro-batch 1, which was finite and which the loss differentiated"), rep
