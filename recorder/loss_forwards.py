@@ -1,5 +1,5 @@
-"""Micro-batches whose forward ran inside a loss call: a loss module that holds the model and
-calls it itself (WGAN-GP's critic on the interpolates, a consistency loss's strong view,
+"""Micro-batches whose forward ran inside a loss call: a loss module that holds the model (or a
+loss function that reads it from a global of its module) and calls it itself (WGAN-GP's critic on the interpolates, a consistency loss's strong view,
 ``autograd.functional.hvp`` of the model, sentence-transformers' ``Loss(model)``). The recorder
 numbers every call of the model a micro-batch, so a loop with one forward reads as micro-batches
 0 and 1, and the loss is filed under the last call it made: the event's message and the
@@ -26,12 +26,17 @@ def taken_outputs(tree: Any, filed: int) -> set[int]:
 
 
 def holds_model(loss: dict[str, Any] | None) -> bool:
-    """Whether the bundle's loss description is a module that holds the recorded model itself
-    (a node of its tree shared with the model's root)."""
+    """Whether the bundle's loss description holds the recorded model itself: a module with a
+    node of its tree shared with the model's root, or a function reading it from a global
+    (``model_globals``)."""
     def holds(node: Any) -> bool:
         return isinstance(node, dict) and (node.get("model") == "" or any(
             holds(c) for c in (node.get("children") or {}).values()))
-    return bool(loss) and loss.get("kind") == "module" and holds(loss.get("tree"))
+    if not loss:
+        return False
+    if loss.get("kind") == "function":
+        return bool(loss.get("model_globals"))
+    return loss.get("kind") == "module" and holds(loss.get("tree"))
 
 
 def ran_in_loss(micro_batches: list[dict[str, Any]], loss: dict[str, Any] | None,

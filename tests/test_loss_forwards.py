@@ -18,6 +18,8 @@ import torch
 from bundles import nanreplay_json, source_line
 
 from recorder import FlightRecorder, NonFiniteError
+from replay.load import read_step
+from replay.rebuild import build
 
 pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
@@ -199,3 +201,33 @@ def test_vat_direction_of_a_saturated_row_is_the_losss_0_over_0(tmp_path):
     assert rep["hint"].startswith(
         "batch of micro-batch 2 is no data: the loss made it between the step's forwards from "
         "the input of micro-batch 1, which was finite and which the loss differentiated"), rep
+
+
+def test_loss_function_reading_the_model_from_a_global_calls_the_rebuilt_model(tmp_path):
+    """``rec.loss_fn`` given a module-level function that calls the script's ``critic``: the
+    replay imported the function, whose module global is another model than the rebuilt one
+    (the re-run's penalty ran on weights the replay does not watch)."""
+    M.critic.load_state_dict(M.make_critic().state_dict())
+    opt = torch.optim.Adam(M.critic.parameters(), 1e-3, betas=(0.5, 0.9))
+    torch.manual_seed(1)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(M.critic, opt, loss_fn=M.dragan_loss, out_dir=tmp_path,
+                            factory="loss_forward_models:make_critic") as rec:
+            for step in range(STEPS):
+                g = torch.Generator().manual_seed(step)
+                real = torch.poisson(torch.full((8, M.D), 5.0), generator=g) + 4
+                if step == BAD_STEP:
+                    real[BAD_ROW] = 0
+                opt.zero_grad()
+                loss = rec.loss_fn(M.critic(real), M.critic(real.flip(0)), real)
+                loss.backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["micro_batch"], ev["forward_in_loss"]) == (BAD_STEP, 2, True)
+    step = read_step(info.value.bundle_path, None)
+    build(step, None, None, None)
+    calls = []
+    step.model.register_forward_hook(lambda m, a, o: calls.append(m))
+    real = torch.ones(8, M.D)
+    step.loss_fn(step.model(real), step.model(real), real)
+    assert len(calls) == 3 and M.critic is not step.model  # (the penalty's call: the third)
