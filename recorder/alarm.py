@@ -29,6 +29,7 @@ from .holders import holders_of
 from .hooks import Health
 from .kept_targets import settle_targets
 from .late_writes import moved_in_step
+from .loss_forwards import ran_in_loss
 from .notebook import replay_advice
 from .pre_update import written_before_update_event
 from .replaced import swapped_in_event
@@ -209,6 +210,9 @@ class Alarm:
         try:
             meta, tensors = self._contents(tape, as_dict, _renamed(guard, self.renamed), rank,
                                            world)
+            if ran_in_loss(meta.get("micro_batches") or [], meta.get("loss"),
+                           as_dict.get("micro_batch")):  # (the loss called the model itself)
+                as_dict["forward_in_loss"] = True  # (meta's event: the bundle says so too)
             if not self.target.has_scaler and (said := scaler_left_open(
                     event.phase, event.step, event.micro_batch)):
                 meta["scaler_not_given"] = said

@@ -8,6 +8,7 @@ from typing import Any
 from .constraints import constraint_summary
 from .finite import label
 from .linalg import linalg_summary
+from .loss_forwards import forward_in_loss_phrase
 from .missing import allow_nan_advice
 
 
@@ -18,20 +19,22 @@ def summary(event: dict[str, Any], path: Path | None) -> str:
     if event.get("reason") in ("constraint", "check"):
         return constraint_summary(event, path)
     where = ""
+    mb = forward_in_loss_phrase(event.get("micro_batch"), bool(event.get("forward_in_loss")))
     if event.get("module") == "<loss>":
-        where = f" Made in the loss of micro-batch {event.get('micro_batch')}." + (
+        where = (f" Made in the loss (filed under {mb})." if event.get("forward_in_loss")
+                 else f" Made in the loss of {mb}.") + (
             " The loss is torch.compile'd: the replay runs it eagerly." if event.get("compiled")
             else "")
     elif event.get("phase") == "input" and event.get("module") is not None:
         # (the batch brought it: no module made it, and "whose inputs were finite" is moot)
         name = event["module"] or "<root>"
-        where = f" It came in with the input of '{name}' (micro-batch {event.get('micro_batch')})."
+        where = f" It came in with the input of '{name}' ({mb})."
         if not event.get("tensor") and event.get("detail"):  # (no tensor holds it now: why)
             where += f" {event['detail'][0].upper()}{event['detail'][1:]}."
     elif event.get("module") is not None:
         name = event["module"] or "<root>"
         where = (f" First made by module '{name}' ({event.get('module_type')}, call "
-                 f"{event.get('call')}, micro-batch {event.get('micro_batch')})"
+                 f"{event.get('call')}, {mb})"
                  + (", whose inputs were finite." if event.get("inputs_finite") else ".")
                  + (" It is torch.compile'd: its layers are not recorded one by one."
                     if event.get("compiled") else ""))

@@ -50,8 +50,9 @@ def describe_loss(loss_fn: nn.Module, tensors: dict[str, torch.Tensor],
     fn = getattr(loss_fn, "fn", None)
     if fn is not None and type(loss_fn).__name__ == "_CallableLoss":
         fn = compiled_original(fn)
+        held = _model_globals(fn, modules or {})
         return {"kind": "function", **(_describe_method(fn) or describe_callable(fn)),
-                **compiled}
+                **compiled, **({"model_globals": held} if held else {})}
     shared = dict(modules or {})  # (the root too, as "": a loss given the model itself)
     tree = _describe_module(loss_fn, "", tensors, shared)
     if shared.get(id(loss_fn)):  # the model's own submodule (a LightningModule's self.loss)
@@ -64,6 +65,16 @@ def describe_loss(loss_fn: nn.Module, tensors: dict[str, torch.Tensor],
     return {"kind": "module", "class": tree["class"], "config": tree["config"],
             "init_args": sorted(accepted - {"self", "args", "kwargs"}),
             "buffers": [n for n, _ in loss_fn.named_buffers()], "tree": tree, **compiled}
+
+
+def _model_globals(fn, modules: dict[int, str]) -> list[str]:
+    """The global names a loss function reads that hold the recorded model itself (a script's
+    ``critic``, which its gradient penalty calls): the replay binds them to the rebuilt model
+    while it re-runs the function, which else would call the module's own, other instance."""
+    code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+    if code is None or not isinstance(scope, dict):
+        return []
+    return [n for n in code.co_names if modules.get(id(scope.get(n))) == ""]
 
 
 def describe_callable(fn) -> dict[str, Any]:

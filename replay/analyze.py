@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from recorder.loss_forwards import ran_in_loss
 from recorder.scalers import not_given as scaler_not_given
 
 from . import fidelity, module_hooks
@@ -122,6 +123,9 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     # whether the samples are the whole batch: "all 64 rows" says more than 64 numbers
     o["batch_size"] = batch_size(step, o.get("micro_batch") or 0) or None
     o["all_samples"] = bool(o["batch_size"]) and o["samples"] == list(range(o["batch_size"]))
+    # (a micro-batch the loss opened by calling the model: the report says which call it is)
+    o["forward_in_loss"] = ran_in_loss(step.micro_batches, step.meta.get("loss"),
+                                       o.get("micro_batch"))
     data_hints(report, step)  # (a chunk's rows, an outlier, a mask's 0 after a 0/0, ...)
     relu_recurrence_hint(report, step)  # (an IRNN's weight_hh of radius 1.5, a long sequence)
     if tries:

@@ -14,16 +14,18 @@ from typing import Any
 
 import torch
 
+from recorder.loss_forwards import ran_in_loss
+
 from .load import Step
 from .recorded import origin_key
 from .zero_rows import _spans, zero_mask
 
 DERIVED_INPUT = (
-    "{tensor} of micro-batch {i} is no data: the loop made it between the step's forwards "
-    "from the input of micro-batch {j}, which was finite and which the loop differentiated "
+    "{tensor} of micro-batch {i} is no data: the {maker} made it between the step's forwards "
+    "from the input of micro-batch {j}, which was finite and which the {maker} differentiated "
     "(torch.autograd.grad w.r.t. the input: an adversarial attack's step, x + alpha * "
-    "g.sign() or x + alpha * g / ‖g‖; a Langevin sampler's x - step / 2 * g + noise), so "
-    "that code made the NaN/Inf, not a record{zero}")
+    "g.sign() or x + alpha * g / ‖g‖; VAT's r_adv = eps * g / ‖g‖; a Langevin sampler's "
+    "x - step / 2 * g + noise), so that code made the NaN/Inf, not a record{zero}")
 ZERO_INPUT_GRAD = (
     "; sample(s) {rows} sent back a gradient of exactly 0 into the model's output in "
     "micro-batch {j}, so their input gradient is 0 too and a step normalised by its norm "
@@ -54,7 +56,13 @@ def derived_input_hint(step: Step, origin: dict[str, Any]) -> str | None:
     j, rows, grew = found
     zero = ZERO_INPUT_GRAD.format(rows=_spans(rows), j=j) if rows else grew
     return DERIVED_INPUT.format(tensor=origin.get("tensor"), i=origin["micro_batch"], j=j,
-                                zero=zero)
+                                zero=zero, maker=maker(step, origin["micro_batch"]))
+
+
+def maker(step: Step, i: int) -> str:
+    """Whose code made micro-batch ``i``'s input: the loss's, when the loss called the model
+    on it itself (VAT's x + r_adv), else the loop's."""
+    return "loss" if ran_in_loss(step.micro_batches, step.meta.get("loss"), i) else "loop"
 
 
 def derived_from(step: Step, origin: dict[str, Any]) -> tuple[int, list[int], str] | None:

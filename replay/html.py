@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from recorder.finite import LABELS
+from recorder.loss_forwards import forward_in_loss_phrase
 
 from .cause_text import MEANING, module_label
 from .rewind_text import what_if_html, window_html
@@ -149,7 +150,8 @@ def _origin_words(origin: dict, event: dict, what: str) -> str:
     at = f" in <code>{_e(module_label(module))}</code>" if isinstance(module, str) else ""
     at += f" (call {_e(call)})" if call is not None else ""
     mb, several = _get(origin, "micro_batch"), (_num(_get(event, "micro_batches")) or 0) > 1
-    at += f", micro-batch {_e(mb)}" if isinstance(mb, int) and (mb or several) else ""
+    at += f", {_e(forward_in_loss_phrase(mb, _get(origin, 'forward_in_loss') is True))}" \
+        if isinstance(mb, int) and (mb or several) else ""
     if phase == "weights" and param:
         return (f"{_e(what)} in parameter <code>{_e(param)}</code>"
                 + (f", first read by <code>{_e(op)}</code>{at}" if op else ""))

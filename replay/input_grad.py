@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .derived_input import derived_from
+from .derived_input import derived_from, maker
 from .load import Step
 from .origins import report_backward
 from .rerun import Runner
 
 GRADIENT_NOTE = (
-    "{tensor} of micro-batch {i} is no data: the loop made it between the step's forwards "
+    "{tensor} of micro-batch {i} is no data: the {maker} made it between the step's forwards "
     "from the input of micro-batch {j} and its gradient (torch.autograd.grad w.r.t. the input: "
     "a Langevin sampler's x - step / 2 * g + noise, an attack's step), and the model's "
     "backward made that gradient non-finite: the origin above, which the loop's step only "
@@ -41,5 +41,6 @@ def made_by_input_gradient(report, step: Step, origin: dict[str, Any]) -> dict[s
         return None
     rep["reproduced"] = True
     rep["problems"].append(GRADIENT_NOTE.format(tensor=origin.get("tensor"),
-                                                i=origin.get("micro_batch"), j=j))
+                                                i=origin.get("micro_batch"), j=j,
+                                                maker=maker(step, origin.get("micro_batch"))))
     return rep

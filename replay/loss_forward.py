@@ -16,6 +16,8 @@ from typing import Any
 
 from torch import nn
 
+from recorder.loss_forwards import holds_model
+
 from .load import Step
 
 
@@ -34,11 +36,20 @@ def forward_in_loss(step: Step, i: int) -> bool:
     """Whether micro-batch ``i`` (not the first) has a loss that holds the model and takes
     none of ``i``'s outputs, and an RNG state of its own: its forward ran inside the loss."""
     entry = step.micro_batches[i]
-    loss, model = step.loss_fn, step.model
-    if not i or "loss_inputs" not in entry or not entry.get("rng") \
-            or not isinstance(loss, nn.Module) or model is None:
+    if not i or "loss_inputs" not in entry or not entry.get("rng") or not _holds_model(step):
         return False
-    return any(m is model for m in loss.modules()) and not _own_outputs(entry["loss_inputs"], i)
+    return not _own_outputs(entry["loss_inputs"], i)
+
+
+def _holds_model(step: Step) -> bool:
+    """The re-run's loss holds its model: a module with it inside, or a function reading it
+    from a global (recorder.loss_forwards.holds_model)."""
+    loss, model = step.loss_fn, step.model
+    if model is None or loss is None:
+        return False
+    if isinstance(loss, nn.Module):
+        return any(m is model for m in loss.modules())
+    return holds_model(step.meta.get("loss"))
 
 
 def loss_runs_model(step: Step, i: int) -> bool:
@@ -48,9 +59,7 @@ def loss_runs_model(step: Step, i: int) -> bool:
     model on the anchors and on the positives, two micro-batches, inside one loss call). That
     loss's own backward goes through every such call: their recorded output gradients are no
     second path to add."""
-    loss, model = step.loss_fn, step.model
-    if not isinstance(loss, nn.Module) or model is None \
-            or not any(m is model for m in loss.modules()):
+    if not _holds_model(step):
         return False
     entries = step.micro_batches
     j = next((k for k in range(i, len(entries)) if "loss_inputs" in entries[k]), None)

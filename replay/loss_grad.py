@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from recorder.capture import tensor_leaves
+from recorder.loss_forwards import ran_in_loss
 
 from .backward import BackwardOrigin, find_backward_origin
 from .cause_text import DO
@@ -92,9 +93,12 @@ def loop_differentiation(step: Step) -> str | None:
     """The micro-batches (as words) whose output the loop differentiated itself, outside the
     loss the replay re-runs: a backward with create_graph=True went through the output (a
     gradient penalty, a physics residual computed in the loop), so the step's backward went
-    through a term of the loop's that the replay cannot re-run. None when there is none."""
+    through a term of the loop's that the replay cannot re-run. None when there is none. A
+    forward the loss ran itself (WGAN-GP's critic on the interpolates) was differentiated by
+    the loss, which the replay re-runs: no loop's term."""
     mbs = [i for i, mb in enumerate(step.micro_batches)
-           if mb.get("differentiated") and not differentiates_model(step, i)]
+           if mb.get("differentiated") and not differentiates_model(step, i)
+           and not ran_in_loss(step.micro_batches, step.meta.get("loss"), i)]
     if not mbs:
         return None
     return f"micro-batch{'es' if len(mbs) > 1 else ''} {', '.join(map(str, mbs))}"

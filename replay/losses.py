@@ -26,6 +26,7 @@ from .attributes import SPELT, as_built
 from .compat import remove_member
 from .loss_network import network_hint
 from .memory_bank import held_bank_hint
+from .model_globals import with_model_globals
 from .trust import defined_in, installed_roots, module_origin, trusted_path
 
 _FACTORY_WAY = "or return it from the factory as {'model': ..., 'loss_fn': ...}"
@@ -45,8 +46,8 @@ def rebuild_loss(info: dict[str, Any] | None, tensors: dict[str, torch.Tensor],
     if not info or info.get("kind") == "recorded":
         return None
     kind = info.get("kind")
-    if kind == "function":
-        return _function(info)
+    if kind == "function":  # (one calling the model through a global: the rebuilt one)
+        return with_model_globals(_function(info), info, model)
     if kind == "module" and isinstance(info.get("tree"), dict):
         shared = dict(model.named_modules()) if model is not None else {}
         modes = [(m, m.training) for m in shared.values()]

@@ -16,6 +16,7 @@ import torch
 
 from recorder.capture import batch_path, loss_path
 from recorder.finite import zero_one
+from recorder.loss_forwards import ran_in_loss
 from recorder.missing import root_input_name
 
 from .carried_state import carried_keys
@@ -156,8 +157,12 @@ def row_values(step: Step, mb: int, skip: frozenset[str] = frozenset()):
     count = n_args(entry.get("inputs"))
     # (an allow_nan input's NaN is a missing value, of no magnitude: as +Inf, every row
     # missing one would stand above an out-of-scale record)
+    # (not the inputs of a call of the model the loss made itself, DRAGAN's perturbed reals:
+    # values the loss made, no data; the loss's own arguments are)
+    inputs = {} if ran_in_loss(step.micro_batches, step.meta.get("loss"), mb) \
+        else entry.get("paths") or {}
     named = [(k, batch_path(raw, count), nan_allowed(step, root_input_name(raw)))
-             for k, raw in (entry.get("paths") or {}).items()]
+             for k, raw in inputs.items()]
     # (not a loss argument the loop made of the model output, q.log(): it is no data)
     made = set(entry.get("loss_grad_args") or ())
     named += [(k, loss_path(raw), False) for k, raw in (entry.get("loss_paths") or {}).items()

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from recorder.bundle import BundleReader, jsonable
+from recorder.loss_forwards import forward_in_loss_phrase
 
 from .cause_text import module_label
 from .event_when import event_when
@@ -37,9 +38,11 @@ def _first_param(params: list[str]) -> str:
 
 def _micro_batch(o: dict[str, Any], several: bool) -> str:
     """``, micro-batch N`` of the origin: micro-batch 0 too where the step ran several (an
-    accumulation window), whose samples are that micro-batch's rows, not the step's."""
+    accumulation window), whose samples are that micro-batch's rows, not the step's; and what
+    it is when the loss opened it by calling the model (recorder.loss_forwards)."""
     mb = o.get("micro_batch")
-    return f", micro-batch {mb}" if mb or (mb == 0 and several) else ""
+    return f", {forward_in_loss_phrase(mb, bool(o.get('forward_in_loss')))}" \
+        if mb or (mb == 0 and several) else ""
 
 
 def _where(o: dict[str, Any], several: bool = False) -> str:
@@ -57,6 +60,8 @@ def _where(o: dict[str, Any], several: bool = False) -> str:
         name = f"{o['scripted']}, a TorchScript module of {name}"
     call = f", call {o['call']}" if o.get("call") is not None else ""
     call += f" (called at {o['called_at']})" if o.get("called_at") else ""
+    if mod == "<loss>" and o.get("forward_in_loss"):  # (the loss's op, not its model call's)
+        return f"{name} (filed under {mb[2:]})"
     return f"{name}{call}{mb}"
 
 
