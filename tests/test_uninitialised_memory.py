@@ -144,3 +144,25 @@ def test_garbage_of_a_run_without_deterministic_mode_is_named(deterministic, out
         assert f"aten.empty at {line}" in rep["hint"], rep["hint"]
         assert "torch.use_deterministic_algorithms(True)" in rep["hint"], rep["hint"]
         assert [p for p in rep["problems"] if f"samples [{ROW}]" in p], rep["problems"]
+
+
+def test_a_loss_reading_an_unwritten_weight_names_the_allocation(deterministic, out_dir):
+    """Class weights assigned by label into ``torch.empty``, the label 0 of one record missed:
+    a loss event, whose re-run of the loss names the allocation and that record."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt, crit = torch.optim.SGD(model.parameters(), lr=0.05), M.ClassWeightedLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir):
+            for step in range(K + 2):
+                y = torch.randint(1, 3, (B,))
+                if step == K:
+                    y[ROW] = 0
+                opt.zero_grad()
+                crit(model(torch.randn(B, 4)), y).backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (K, "loss")
+    rep = nanreplay_json(info.value.bundle_path)
+    o, line = rep["origin"], _line(M.ClassWeightedLoss.forward, "torch.empty(")
+    assert (o["phase"], o["op"], o["samples"], o["source"]) == ("loss", "aten.empty", [ROW], line), o
+    assert rep["cause"] == "invalid" and f"1 of {B} entries" in rep["hint"], rep["hint"]
