@@ -5,15 +5,17 @@ Under ``torch.use_deterministic_algorithms(True)`` torch fills such memory with 
 (``torch.utils.deterministic.fill_uninitialized_memory``, which the replay sets as the run had
 it); otherwise it holds what the allocator's memory held, now and then NaN. No op computed that
 NaN, so the op finder passes over allocations, and a buffer written in full afterwards is
-harmless. :class:`Unwritten` remembers the allocations that hold NaN, by storage, with the line
-that made them; the first op that reads one (neither a view of it nor a write into it) while
-its NaN is still there, and makes a non-finite value before any op made one of finite values,
-blames the allocation: those entries were never written.
+harmless. :class:`Unwritten` remembers the allocations the fill made NaN, by storage, with the
+line that made them, and gives their NaN a payload of its own (a NaN written in later, a literal
+fill or a corrupt row, is no unwritten entry); the first op that reads such entries (neither a
+view of the allocation nor a write into it) and makes a non-finite value before any op made one
+of finite values blames the allocation: those entries were never written. The factory's
+parameters and buffers are told so too (``nn.Parameter(torch.empty(d, d))`` never
+initialised: :func:`built_hint`).
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -29,27 +31,39 @@ ALLOCATORS = frozenset({"empty", "empty_like", "empty_strided", "new_empty",
                         "new_empty_strided", "resize_"})
 # the ops the finder passes over: those, and ``set_`` (a tensor's values, which it saw made)
 PASSED_OVER = ALLOCATORS | {"set_"}
+_KEPT = 64  # allocations remembered at most
+# a quiet NaN of a payload of its own per type (as integers of the type's width): what an
+# allocation held when it was made, told apart from a NaN written into it later (a literal
+# fill, a corrupt row), whose payload is another
+_TAGS = {torch.float32: (torch.int32, 0x7FC0DEAD),
+         torch.float64: (torch.int64, 0x7FF80000DEAD0000),
+         torch.float16: (torch.int16, 0x7E5A), torch.bfloat16: (torch.int16, 0x7FDA)}
 
 
 class Unwritten:
     """The allocations holding NaN (or another non-finite value) in the watched code."""
 
     def __init__(self) -> None:
-        # storage -> (the allocated tensor, weakly: its storage may be freed and reused;
-        # the hit that blames it, rows and entries still to fill in)
-        self.held: dict[int, tuple[weakref.ref, OpHit]] = {}
+        # storage -> (the allocated tensor, held: ``nn.Parameter(torch.empty(..))`` drops it
+        # and keeps its storage, which must not be freed and reused under another tensor;
+        # the hit that blames it, rows and entries still to fill in), the latest few
+        self.held: dict[int, tuple[torch.Tensor, OpHit]] = {}
 
     def allocated(self, name: str, out: Any, op: str, occurrence: int, seq: int,
                   within: tuple[str, int] | None) -> Any:
         """Remember ``out``, allocator ``op``'s result, when it holds a non-finite value, with
         the line that ran it; returns ``out``."""
         if name not in ALLOCATORS or not isinstance(out, torch.Tensor) \
-                or not out.is_floating_point() or finite(out):
-            return out
+                or out.dtype not in _TAGS or not out.numel() or not bool(out.isnan().all()):
+            return out  # (garbage, finite in part: the fill's NaN alone is known unwritten)
         if (key := storage_of(out)) is not None:
-            self.held[key] = (weakref.ref(out), OpHit(
+            out.detach().view(_TAGS[out.dtype][0]).fill_(_TAGS[out.dtype][1])  # (NaN still)
+            self.held.pop(key, None)
+            self.held[key] = (out, OpHit(
                 op, kind_of(out) or "nan", user_source(), None, None, occurrence=occurrence,
                 inputs_finite=True, within=within, seq=seq))
+            if len(self.held) > _KEPT:  # (a loop allocating a buffer a step: the oldest go)
+                del self.held[next(iter(self.held))]
         return out
 
     def read(self, ins: list[torch.Tensor], outs: list[torch.Tensor], rows) -> OpHit | None:
@@ -61,22 +75,52 @@ class Unwritten:
         written = {storage_of(t) for t in outs}
         for t in ins:
             key = storage_of(t)
-            if key is None or key in written or key not in self.held or finite(t):
+            if key is None or key in written or key not in self.held or not _tagged(t):
                 continue
-            base, hit = self.held[key]
-            whole = base()
-            if whole is None or storage_of(whole) != key:  # (freed: its memory reused)
-                continue
+            whole, hit = self.held[key]
             hit.rows = rows([t])
             hit.unwritten = _entries(whole)
             return hit
         return None
 
+    def of(self, t: torch.Tensor) -> OpHit | None:
+        """The allocation ``t`` is (a view of), alive and still holding a non-finite value."""
+        whole, hit = self.held.get(storage_of(t), (None, None))
+        # (every non-finite entry unwritten: not a NaN written in later, a corrupt row)
+        if whole is None or not _tagged(t) or int(t.isnan().sum()) != _tagged(t):
+            return None
+        hit.unwritten = _entries(whole)
+        return hit
+
+
+def built_hint(unwritten: Unwritten, tensors: list[torch.Tensor], names: str) -> str | None:
+    """The hint for parameters or buffers ``names`` the factory builds non-finite when each is
+    an allocation it never wrote in full (``nn.Parameter(torch.empty(d, d))`` without an
+    init; a scratch buffer a forward fills only as far as its batch reaches)."""
+    hits = [unwritten.of(t) for t in tensors]
+    if not hits or any(h is None for h in hits) or len({(h.op, h.source) for h in hits}) > 1:
+        return None
+    h = hits[0]
+    return (f"the factory builds {names} non-finite: {h.op} at {h.source} allocated "
+            f"it without initialising it, and {h.unwritten} were never written ("
+            "torch.use_deterministic_algorithms(True) fills such memory with NaN; otherwise it "
+            "holds whatever was there, different in each run): initialise it where it is made "
+            "(torch.zeros / torch.full, or an init such as nn.init.xavier_uniform_ for a "
+            "weight), and write every entry a forward reads (the rows past a smaller batch "
+            "of a buffer it fills per step)")
+
+
+def _tagged(t: torch.Tensor) -> int:
+    """How many entries of ``t`` hold the NaN its allocation was made with (unwritten)."""
+    if t.dtype not in _TAGS or not t.numel() or finite(t):
+        return 0
+    ints, tag = _TAGS[t.dtype]
+    return int((t.detach().view(ints) == tag).sum())
+
 
 def _entries(t: torch.Tensor) -> str:
-    """How many entries of allocation ``t`` are still unwritten (non-finite), of how many."""
-    bad = int((~torch.isfinite(t.detach())).sum())
-    return f"{bad} of {t.numel()} entries of its {tuple(t.shape)} result"
+    """How many entries of allocation ``t`` are still unwritten, of how many."""
+    return f"{_tagged(t)} of {t.numel()} entries of its {tuple(t.shape)} result"
 
 
 def hint(hit: OpHit) -> str | None:

@@ -164,5 +164,34 @@ def test_a_loss_reading_an_unwritten_weight_names_the_allocation(deterministic, 
     assert (info.value.event["step"], info.value.event["phase"]) == (K, "loss")
     rep = nanreplay_json(info.value.bundle_path)
     o, line = rep["origin"], _line(M.ClassWeightedLoss.forward, "torch.empty(")
-    assert (o["phase"], o["op"], o["samples"], o["source"]) == ("loss", "aten.empty", [ROW], line), o
+    assert (o["phase"], o["op"], o["samples"], o["source"]) == \
+        ("loss", "aten.empty", [ROW], line), o
     assert rep["cause"] == "invalid" and f"1 of {B} entries" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.parametrize("factory, name, line_of", [
+    (M.make_bilinear, "w", (M.Bilinear.__init__, "torch.empty(")),
+    (M.make_centred, "scratch", (M.Centred.__init__, "torch.empty(")),
+])
+def test_a_weight_or_buffer_built_with_empty_names_the_allocation(
+        deterministic, out_dir, factory, name, line_of):
+    """``nn.Parameter(torch.empty(..))`` never initialised, and a scratch buffer whose rows past
+    the first (smaller) batch are never written: the factory builds them NaN, the event is at
+    step 0, and the hint names the allocation's line instead of a checkpoint or data."""
+    torch.manual_seed(0)
+    model = factory()
+    opt, crit = torch.optim.SGD(model.parameters(), lr=0.05), nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory=f"uninit_models:{factory.__name__}"):
+            for step in range(2):
+                n = B if step == 0 else 8  # (the first batch smaller than the buffer)
+                opt.zero_grad()
+                crit(model(torch.randn(n, 4)), torch.randint(0, 2, (n,))).backward()
+                opt.step()
+    assert info.value.event["step"] == 0
+    rep = nanreplay_json(info.value.bundle_path)
+    assert rep["cause"] == "weights", rep
+    assert rep["hint"].startswith(f"the factory builds {name} non-finite: aten.empty at "
+                                  f"{_line(*line_of)} allocated it"), rep["hint"]
+    assert "never written" in rep["hint"], rep["hint"]

@@ -90,3 +90,40 @@ class ClassWeightedLoss(nn.Module):
         w[y == 1] = 2.0
         w[y == 2] = 0.5
         return (w * ce).mean()
+
+
+class Bilinear(nn.Module):
+    """A weight made with ``torch.empty`` and never initialised (no ``reset_parameters``)."""
+
+    def __init__(self, d_in: int = 4):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(d_in, d_in))
+        self.head = nn.Linear(d_in, 2)
+
+    def forward(self, x):
+        return self.head(x @ self.w)
+
+
+def make_bilinear() -> Bilinear:
+    return Bilinear()
+
+
+class Centred(nn.Module):
+    """A scratch buffer ``torch.empty(max_batch, h)`` filled per step as far as the batch
+    reaches, its mean over every row taken: a first batch smaller than ``max_batch`` leaves
+    rows never written."""
+
+    def __init__(self, d_in: int = 4, hidden: int = 8, max_batch: int = 8):
+        super().__init__()
+        self.lin = nn.Linear(d_in, hidden)
+        self.head = nn.Linear(hidden, 2)
+        self.register_buffer("scratch", torch.empty(max_batch, hidden), persistent=False)
+
+    def forward(self, x):
+        h = torch.relu(self.lin(x))
+        self.scratch[:len(x)] = h.detach()
+        return self.head(h - self.scratch.mean(0))
+
+
+def make_centred() -> Centred:
+    return Centred()
