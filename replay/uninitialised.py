@@ -48,16 +48,21 @@ class Unwritten:
         # and keeps its storage, which must not be freed and reused under another tensor;
         # the hit that blames it, rows and entries still to fill in), the latest few
         self.held: dict[int, tuple[torch.Tensor, OpHit]] = {}
+        # those whose garbage held non-finite values without the fill (no deterministic mode)
+        self.garbage: set[int] = set()
 
     def allocated(self, name: str, out: Any, op: str, occurrence: int, seq: int,
                   within: tuple[str, int] | None) -> Any:
         """Remember ``out``, allocator ``op``'s result, when it holds a non-finite value, with
         the line that ran it; returns ``out``."""
         if name not in ALLOCATORS or not isinstance(out, torch.Tensor) \
-                or out.dtype not in _TAGS or not out.numel() or not bool(out.isnan().all()):
-            return out  # (garbage, finite in part: the fill's NaN alone is known unwritten)
+                or not out.is_floating_point() or finite(out):
+            return out
         if (key := storage_of(out)) is not None:
-            out.detach().view(_TAGS[out.dtype][0]).fill_(_TAGS[out.dtype][1])  # (NaN still)
+            filled = out.dtype in _TAGS and bool(out.isnan().all())
+            if filled:  # (NaN still, of the payload no later write gives)
+                out.detach().view(_TAGS[out.dtype][0]).fill_(_TAGS[out.dtype][1])
+            (self.garbage.discard if filled else self.garbage.add)(key)
             self.held.pop(key, None)
             self.held[key] = (out, OpHit(
                 op, kind_of(out) or "nan", user_source(), None, None, occurrence=occurrence,
@@ -75,21 +80,23 @@ class Unwritten:
         written = {storage_of(t) for t in outs}
         for t in ins:
             key = storage_of(t)
-            if key is None or key in written or key not in self.held or not _tagged(t):
+            if key is None or key in written or key not in self.held \
+                    or not _unwritten(t, key in self.garbage):
                 continue
             whole, hit = self.held[key]
             hit.rows = rows([t])
-            hit.unwritten = _entries(whole)
+            hit.unwritten = _entries(whole, key in self.garbage)
             return hit
         return None
 
     def of(self, t: torch.Tensor) -> OpHit | None:
         """The allocation ``t`` is (a view of), alive and still holding a non-finite value."""
-        whole, hit = self.held.get(storage_of(t), (None, None))
+        whole, hit = self.held.get(key := storage_of(t), (None, None))
         # (every non-finite entry unwritten: not a NaN written in later, a corrupt row)
-        if whole is None or not _tagged(t) or int(t.isnan().sum()) != _tagged(t):
+        n = _unwritten(t, key in self.garbage)
+        if whole is None or not n or int((~torch.isfinite(t.detach())).sum()) != n:
             return None
-        hit.unwritten = _entries(whole)
+        hit.unwritten = _entries(whole, key in self.garbage)
         return hit
 
 
@@ -102,7 +109,7 @@ def built_hint(unwritten: Unwritten, tensors: list[torch.Tensor], names: str) ->
         return None
     h = hits[0]
     return (f"the factory builds {names} non-finite: {h.op} at {h.source} allocated "
-            f"it without initialising it, and {h.unwritten} were never written ("
+            f"it without initialising it, and {h.unwritten} ("
             "torch.use_deterministic_algorithms(True) fills such memory with NaN; otherwise it "
             "holds whatever was there, different in each run): initialise it where it is made "
             "(torch.zeros / torch.full, or an init such as nn.init.xavier_uniform_ for a "
@@ -110,17 +117,24 @@ def built_hint(unwritten: Unwritten, tensors: list[torch.Tensor], names: str) ->
             "of a buffer it fills per step)")
 
 
-def _tagged(t: torch.Tensor) -> int:
-    """How many entries of ``t`` hold the NaN its allocation was made with (unwritten)."""
-    if t.dtype not in _TAGS or not t.numel() or finite(t):
+def _unwritten(t: torch.Tensor, garbage: bool) -> int:
+    """How many entries of ``t`` hold the NaN its allocation was made with (unwritten); of
+    garbage, how many are non-finite."""
+    if not t.numel() or finite(t):
         return 0
+    if garbage or t.dtype not in _TAGS:
+        return int((~torch.isfinite(t.detach())).sum())
     ints, tag = _TAGS[t.dtype]
     return int((t.detach().view(ints) == tag).sum())
 
 
-def _entries(t: torch.Tensor) -> str:
-    """How many entries of allocation ``t`` are still unwritten, of how many."""
-    return f"{_tagged(t)} of {t.numel()} entries of its {tuple(t.shape)} result"
+def _entries(t: torch.Tensor, garbage: bool) -> str:
+    """How many entries of allocation ``t`` are still unwritten, of how many: said as "N of M
+    entries of its (shape) result were never written"."""
+    n, of = _unwritten(t, garbage), f"of its {tuple(t.shape)} result"
+    if garbage:  # (the finite garbage it held is unwritten too, and not told apart)
+        return f"entries {of} were never written ({n} of {t.numel()} held non-finite garbage)"
+    return f"{n} of {t.numel()} entries {of} were never written"
 
 
 def hint(hit: OpHit) -> str | None:
@@ -130,7 +144,7 @@ def hint(hit: OpHit) -> str | None:
     if not hit.unwritten:
         return None
     return (f"{hit.op} allocated memory without initialising it, and "
-            f"{hit.unwritten} were never written before the step read them ("
+            f"{hit.unwritten} before the step read them ("
             "torch.use_deterministic_algorithms(True) fills such memory with NaN; "
             "otherwise it holds whatever was there): allocate it with torch.zeros / "
             "new_zeros / torch.full (the padding's value), or write every entry before "
