@@ -86,6 +86,7 @@ from .target_input import target_input_hint
 from .trained_input import trained_input_hint
 from .unrecorded_steps import report_unrecorded
 from .unset_state import unset_state_or_raise
+from .unwritten_rerun import disagreeing, note_unwritten
 from .update_params import others_note, update_params
 from .whatif import run_tries
 from .window_report import add_window
@@ -381,8 +382,7 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
         runner.loss_scale = scale_of_the_step(step)
     run1, run2 = runner.run_twice(report)  # (from the same weights: refit_in_forward)
     if run1.signature() != run2.signature():
-        report["problems"].append("two re-runs of the step disagree: nondeterminism")
-        return finish(report, origin_fields(), "not_reproduced", reproduced=False)
+        return disagreeing(report, step, runner)  # (a torch.empty's garbage: unwritten_rerun)
     report["fidelity"] = fid = fidelity.compare(step, run1, runner.frozen_written())
     report["problems"] += fidelity.notes(fid, step)  # (a path or weights the run had not)
     if fid is not None and not fid["matches"]:
@@ -459,7 +459,7 @@ def _not_reproduced(report, step: Step, runner: Runner, phase: str) -> dict[str,
         "same data to tell which")
     # (what the bundle can name: a setting made after build, hooks the script registered)
     report["hint"] = fidelity.rebuilt_otherwise(step) or report["hint"]
-    return report
+    return note_unwritten(report, step, runner)  # (garbage a torch.empty held, NaN in the run)
 
 
 def _failed(report, step: Step, run, runner: Runner) -> dict[str, Any]:

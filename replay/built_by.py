@@ -17,6 +17,7 @@ from recorder.finite import finite, kind_of
 
 from .compat import TorchDispatchMode, tree_leaves
 from .source import library_caller, user_source
+from .uninitialised import Unwritten
 
 # ops whose non-finite value from finite inputs is a pole or a domain's edge, not a result
 # too large for the type
@@ -30,14 +31,18 @@ def _floating(t) -> bool:
 
 class FirstMade(TorchDispatchMode):
     """Around a factory call: the first op that made a NaN/Inf of finite tensors and finite
-    numbers, as ``found``: (op, kind made, smallest input, ``file:line``)."""
+    numbers, as ``found``: (op, kind made, smallest input, ``file:line``); and the
+    allocations holding NaN (``torch.empty``'s under deterministic mode), as ``unwritten``."""
 
     def __init__(self):
         super().__init__()
         self.found: tuple[str, str, float, str | None] | None = None
+        self.unwritten = Unwritten()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        self.unwritten.allocated(name, out, f"aten.{name}", 0, 0, None)
         if self.found is None:
             self._look(func, (args, kwargs or {}), out)
         return out

@@ -53,6 +53,7 @@ from . import (
     root_floor,
     rounded_column,
     saturation,
+    uninitialised,
     upstream,
 )
 from .cause_text import (
@@ -133,6 +134,8 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
     # (a backward ``hit``: an op of a gradient hook, whose occurrence is counted in the hook)
     # (also without evidence: a model raising after the op, on its NaN, is answered by it)
     capture = OpAt(hit.op, hit.occurrence) if hit is not None and phase != "backward" else None
+    if hit is not None and (unwritten := uninitialised.hint(hit)):  # (no arithmetic made it)
+        return Cause("invalid", unwritten)
     try:
         still = float64_still(runner, phase, until, capture, micro_batch)
     except Exception as e:  # the model refuses float64 (a kernel for half types only)
@@ -236,8 +239,8 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
                          "a value rounded to 0: " + DO["log_space"])
         if rounded and (left := residue.hint(name, capture, ev, what, DO[situation])):
             return Cause("invalid", left)  # float64's divisor: its own rounding of a 0
-        seen = (f" (float64 has {domains.g_apart(moved[2], *_given(ev, moved[1]))} there)"
-                if moved else "")  # (enough digits not to read as the value the op was given)
+        seen = (f" (float64 has {domains.g_apart(moved[2], *domains.given(ev, moved[1]))}"
+                " there)" if moved else "")  # (digits enough not to read as the value given)
         how = ("" if situation in _OWN_ADVICE or lost_eps.context(ev) else  # (an eps, lost)
                " (catastrophic cancellation, as in a variance E[x²] − E[x]²)")
         return Cause("precision", _in_type_hint(name, what + seen, dt, ev)
@@ -296,11 +299,6 @@ def _beyond_type(op: str, ev: Evidence) -> Cause:
     return Cause("overflow", f"{op}'s true result (up to {big_s}) is finite but beyond "
                  f"{dt}'s largest value {top_s}; float64 holds it: "
                  + log_advice(op, _wider(ev.dtype, op, ev)))
-
-
-def _given(ev: Evidence, i: int) -> list[float]:
-    """The values input ``i`` had where the op went non-finite (a few)."""
-    return [float(v) for v in ev.inputs[i].flatten()[:8]]
 
 
 def _wider(dtype: torch.dtype, op: str | None = None, ev: Evidence | None = None) -> str:

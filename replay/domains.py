@@ -89,6 +89,11 @@ def g_apart(x: float, *others: float) -> str:
     return repr(x)
 
 
+def given(ev: Evidence, i: int) -> list[float]:
+    """The values input ``i`` had where the op went non-finite (a few)."""
+    return [float(v) for v in ev.inputs[i].flatten()[:8]]
+
+
 def never_a_pole(name: str) -> bool:
     """Op ``name`` (``"exp"``; ``"softmax"`` for ``_softmax``) has no pole or domain edge for
     any input: an infinity it made is an overflow."""

@@ -51,6 +51,8 @@ class OpHit:
     # a custom op's (torch.library.custom_op): the op inside its Python kernel that made the
     # value (replay.own_ops)
     inner: OpHit | None = None
+    # an allocation's (torch.empty): its entries still unwritten when read (replay.uninitialised)
+    unwritten: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         # (its dtype: the type an overflow of its output beat, which can be another than the

@@ -62,11 +62,8 @@ from .shifted_positive import shifted_maker
 from .source import user_source
 from .storages import storage_of
 from .underflow_advice import PICKS, made_by_exp
+from .uninitialised import PASSED_OVER, Unwritten
 from .zero_operand import ZeroOperand
-
-_UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
-                  "resize_", "set_"}
-
 
 # Ops whose later outputs are workspaces for backward, partly uninitialised (CTC's log_alpha
 # beyond a row's input length): only the first outputs are results.
@@ -92,8 +89,8 @@ class _Watch(TorchDispatchMode):
         out = run_op(func, args, kwargs)
         f.follow(name, args, leaves, out)
         outs = made_by(func, args, kwargs, out, float_leaves(out)[:_RESULTS.get(name)])
-        if not outs or name in _UNINITIALISED:
-            return out
+        if not outs or name in PASSED_OVER:
+            return f.unwritten.allocated(name, out, op_name(func), occurrence, seq, f.where)
         f.track(name, ins, outs, in_finite, leaves, (args, kwargs), func, out)
         if (out_ends := f.ends_of(name, outs)) is None:
             # an infinity taken back to finite values (exp(-inf) = 0) before any NaN
@@ -181,9 +178,9 @@ class OpFinder:
         self.picked: OpHit | None = None  # an index op that took a fill's +-inf (picked_fill)
         self.absorbed = False  # an op made finite values of infinities before the first NaN
         self.unsaturated = False  # one not a clamp's, a min's or a where's (replay.saturated)
-        # the first product of a NaN by 0 (a 0/1 mask multiplied into missing values)
-        self.masked_nan: OpHit | None = None
+        self.masked_nan: OpHit | None = None  # the first NaN * 0 (a 0/1 mask times missing values)
         self.intentional: OpHit | None = None
+        self.unwritten = Unwritten()  # allocations holding NaN (torch.empty's, deterministic)
         # the first reduction (sum, mean, nll_loss) that folded an infinity it was given into
         # a non-finite result: where a loss took in a -inf its inputs were allowed to hold
         self.first_reduced: OpHit | None = None
@@ -283,6 +280,9 @@ class OpFinder:
                 self._of_weights.add(t)
         self.saturation.track_softmax(name, ins, outs, leaves)  # (its -inf entries too)
         if not in_finite:
+            if self.first is None and self.first_nan is None and (
+                    hit := self.unwritten.read(ins, outs, self.batch_rows)):
+                self.first = self.first_nan = hit  # (read unwritten: replay.uninitialised)
             note_pick(self, name, ins, outs)  # (a masked action's -inf gathered)
             if self.state and not weights_only and self.first_met is None:
                 self._meet(name, outs)

@@ -30,6 +30,7 @@ from .load import Step, micro_batch_inputs
 from .ops import OpFinder
 from .partial_params import partial_hint
 from .rerun import Runner
+from .uninitialised import built_hint
 from .unit_rows import unit_rows_text
 from .unmeasured_weights import unseen_grads_text, update_grad_norm
 from .user_grad_hooks import in_backward, updated_in_backward
@@ -359,6 +360,9 @@ def built_non_finite_hint(step: Step, bad: list[str]) -> str | None:
     if not all(not finite(built[n].detach()) for n in bad):
         return None
     kinds = {kind_of(built[n]) for n in bad}
+    if made.found is None and (text := built_hint(made.unwritten, [built[n] for n in bad],
+                                                  names)) is not None:
+        return text  # (torch.empty never written in full, no op's NaN: replay.uninitialised)
     if all(n in buffers for n in bad):  # (the op and line that made it, where one did)
         return built_by_text(made.found, f"buffer {names}", kinds) or (
             f"the factory builds buffer {names} non-finite: the model starts so, no update "
