@@ -123,27 +123,36 @@ def test_full_batches_train_identically_with_the_recorder(deterministic, out_dir
     assert not out_dir.exists() or not list(out_dir.iterdir())
 
 
-def test_garbage_of_a_run_without_deterministic_mode_is_named(deterministic, out_dir, tmp_path):
+def test_garbage_of_a_run_without_deterministic_mode_is_named(deterministic, out_dir, tmp_path,
+                                                              monkeypatch):
     """The event of a run whose ``torch.empty`` garbage held NaN (made here with deterministic
-    mode, then recorded as off): the replay's fresh memory holds other garbage, so either a
-    re-run meets NaN there too and names the allocation, or the re-runs do not make the event
-    and the NaN-filled re-run names it in the hint."""
+    mode, then recorded as off): the replay's fresh memory holds other garbage, finite as a
+    fresh page's zeros (made so here by a wrapper of ``torch.empty``, whose line is then the
+    allocation's: what garbage holds is no test's to choose), so the re-runs do not make the
+    event, and the NaN-filled re-run names the allocation in the hint and says how to make the
+    NaN come back."""
     made = _event(M.make_ragged_rnn, out_dir)
     torch.use_deterministic_algorithms(False)
+    empty = torch.empty
+
+    def finite_garbage(*args, **kwargs):  # (deterministic mode's fill stays as it is)
+        t = empty(*args, **kwargs)
+        return t if torch.are_deterministic_algorithms_enabled() or not t.is_floating_point() \
+            else t.zero_()
 
     def off(meta):
         meta["env"]["deterministic_algorithms"] = False
         return meta
 
-    rep = nanreplay_json(rewrite(made, tmp_path / "off.nan", meta=off), code=None)
-    line = _line(M.RaggedRNN.forward, "torch.empty(")
-    if rep["reproduced"]:
-        assert (rep["origin"]["op"], rep["origin"]["source"]) == ("aten.empty", line), rep
-    else:
-        assert rep["cause"] == "not_reproduced", rep
-        assert f"aten.empty at {line}" in rep["hint"], rep["hint"]
-        assert "torch.use_deterministic_algorithms(True)" in rep["hint"], rep["hint"]
-        assert [p for p in rep["problems"] if f"samples [{ROW}]" in p], rep["problems"]
+    monkeypatch.setattr(torch, "empty", finite_garbage)
+    rep = nanreplay_json(rewrite(made, tmp_path / "off.nan", meta=off), code=1)
+    src, first = inspect.getsourcelines(finite_garbage)
+    line = f"test_uninitialised_memory.py:{first + 1}"  # (the wrapper's empty(...) line)
+    assert src[1].strip() == "t = empty(*args, **kwargs)", src
+    assert rep["cause"] == "not_reproduced", rep
+    assert f"aten.empty at {line}" in rep["hint"], rep["hint"]
+    assert "torch.use_deterministic_algorithms(True)" in rep["hint"], rep["hint"]
+    assert [p for p in rep["problems"] if f"samples [{ROW}]" in p], rep["problems"]
 
 
 def test_a_loss_reading_an_unwritten_weight_names_the_allocation(deterministic, out_dir):
