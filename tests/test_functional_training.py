@@ -24,6 +24,18 @@ def line_of(text: str) -> str:
     return source_line("functional_training_models.py", text)
 
 
+def trained(loop, model, opt, crit, rec: dict | None, factory: str | None = None) -> None:
+    """``loop(loss_fn)`` bare (``crit``) or under a recorder (``rec``'s settings; its wrapped
+    loss function), which must have met no internal error."""
+    if rec is None:
+        loop(crit)
+        return
+    made = {"factory": FACTORY + factory} if factory else {}
+    with FlightRecorder(model, opt, loss_fn=crit, **made, **rec) as r:
+        loop(r.loss_fn)
+    assert r.health.internal_errors == 0
+
+
 def run_cae(rec=None, zero_at=None):
     model = M.make_cae()
     crit, losses = M.ContractiveLoss(model.encoder), []
@@ -36,12 +48,7 @@ def run_cae(rec=None, zero_at=None):
             loss.backward()
             opt.step()
             losses.append(loss.item())
-    if rec is None:
-        loop(crit)
-    else:
-        with FlightRecorder(model, opt, loss_fn=crit, factory=FACTORY + "make_cae", **rec) as r:
-            loop(r.loss_fn)
-        assert r.health.internal_errors == 0
+    trained(loop, model, opt, crit, rec, "make_cae")
     return losses
 
 
@@ -49,7 +56,7 @@ def run_mlp(make, rec=None, blank_at=None, **kwargs):
     model, crit, losses = make(**kwargs), torch.nn.CrossEntropyLoss(), []
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def loop():
+    def loop(_):  # (the loss module called as is: the recorder hooks it)
         for x, y in M.mlp_batches(blank_at=blank_at):
             opt.zero_grad()
             out = model(x) if make is not M.make_deep_mlp else M.checkpointed(model, x)
@@ -57,12 +64,7 @@ def run_mlp(make, rec=None, blank_at=None, **kwargs):
             loss.backward()
             opt.step()
             losses.append(loss.item())
-    if rec is None:
-        loop()
-    else:
-        with FlightRecorder(model, opt, loss_fn=crit, **rec) as r:
-            loop()
-        assert r.health.internal_errors == 0
+    trained(loop, model, opt, crit, rec)
     return losses
 
 
@@ -71,19 +73,14 @@ def run_gcn(rec=None, isolated=None):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     x, adj, y = M.graph(isolated=isolated)
 
-    def loop():
+    def loop(_):
         for _ in range(3):
             opt.zero_grad()
             loss = crit(model(x, adj), y)
             loss.backward()
             opt.step()
             losses.append(loss.item())
-    if rec is None:
-        loop()
-    else:
-        with FlightRecorder(model, opt, loss_fn=crit, factory=FACTORY + "make_gcn", **rec) as r:
-            loop()
-        assert r.health.internal_errors == 0
+    trained(loop, model, opt, crit, rec, "make_gcn")
     return losses
 
 
@@ -100,13 +97,7 @@ def run_curved(rec=None, zero_at=None, by=hvp):
             loss.backward()
             opt.step()
             losses.append(loss.item())
-    if rec is None:
-        loop(crit)
-    else:
-        with FlightRecorder(model, opt, loss_fn=crit, factory=FACTORY + "make_curved",
-                            **rec) as r:
-            loop(r.loss_fn)
-        assert r.health.internal_errors == 0
+    trained(loop, model, opt, crit, rec, "make_curved")
     return losses
 
 
