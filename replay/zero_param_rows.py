@@ -6,6 +6,10 @@ advice for weights (keep a parametrisation off its pole) does not say which rows
 they were written; structured pruning's mask is :mod:`replay.pruned`'s. Also a buffer's rows
 the code has not written yet: a retriever's bank of EMA-refreshed document embeddings started
 at zeros, ``bank / bank.norm(dim=-1, keepdim=True)`` before every document was encoded once.
+In the user's own parametrization (``register_parametrization(lin, "weight", UnitRows())``)
+the division runs in ``lin.parametrizations.weight.0`` and divides the parameter torch keeps
+as ``lin.parametrizations.weight.original``, which the first of the chain takes as its
+argument: that parameter is named by the user's name, ``lin.weight``.
 And a parameter 0 everywhere, every entry of the division NaN: a zero initialisation of a
 weight the forward normalises (a tau-normalised or cosine classifier re-initialised to zeros
 for decoupled re-training, ``w / w.norm(dim=1)**tau``); under the hook-based
@@ -14,12 +18,17 @@ for decoupled re-training, ``w / w.norm(dim=1)**tau``); under the hook-based
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 __all__ = ["zero_param_rows_hint"]
 
 _DIVISIONS = {"aten.div", "aten.true_divide"}
 SHOWN = 8  # rows named in the hint
+# the first parametrization of a chain (``owner.parametrizations.tensor.0``): its argument is
+# the chain's ``original`` (a later one takes the output of the one before it)
+_FIRST = re.compile(r"^(?:(?P<owner>.*)\.)?parametrizations\.(?P<tensor>[^.]+)\.0$")
 
 
 def zero_param_rows_hint(model: torch.nn.Module, module: str | None, hit) -> str | None:
@@ -34,20 +43,39 @@ def zero_param_rows_hint(model: torch.nn.Module, module: str | None, hit) -> str
         sub = model.get_submodule(module)
     except AttributeError:
         return None
-    held = [(n, b, _says_buffer) for n, b in sub.named_buffers() if b.is_floating_point()]
-    for name, p, says in [(n, p, _says) for n, p in sub.named_parameters()] + held:
+    at = f"{module}." if module else ""
+    held = [(n, at + n, b, _says_buffer) for n, b in sub.named_buffers()
+            if b.is_floating_point()]
+    for own, name, p, says in [(n, at + n, p, _says) for n, p in sub.named_parameters()] \
+            + _chain_original(model, module) + held:
         if p.dim() < 2 or tuple(p.shape) != tuple(ev.bad.shape):
             continue
         for d in range(p.dim()):
             zero = (p.detach().movedim(d, 0).reshape(p.shape[d], -1) == 0).all(1)
             bad = ev.bad.movedim(d, 0).reshape(p.shape[d], -1).any(1)
             if says is _says and d == 0 and bool(zero.all()) and bool(bad.all()):
-                return _says_whole(hit.op, f"{module}.{name}" if module else name,
-                                   _spectral(sub, name))
+                return _says_whole(hit.op, name, _spectral(sub, own))
             if bool(zero.any()) and not bool(zero.all()) and torch.equal(bad, zero):
-                return says(hit.op, f"{module}.{name}" if module else name, d,
-                            zero.nonzero().flatten().tolist())
+                return says(hit.op, name, d, zero.nonzero().flatten().tolist())
     return None
+
+
+def _chain_original(model: torch.nn.Module, module: str) -> list:
+    """``[(attribute, name, tensor, says)]`` for the ``original`` that the user's
+    parametrization ``module`` takes as its argument (the first of its chain), named as the
+    user knows it: ``lin.weight (kept by torch as lin.parametrizations.weight.original)``;
+    else []."""
+    if (site := _FIRST.match(module)) is None:
+        return []
+    chain = module.rsplit(".", 1)[0]
+    try:
+        original = model.get_submodule(chain).original
+    except AttributeError:
+        return []  # (original0, original1: a parametrization of several tensors)
+    owner = f"{site['owner']}." if site["owner"] else ""
+    says = _says if isinstance(original, torch.nn.Parameter) else _says_buffer
+    return [("original", f"{owner}{site['tensor']} (kept by torch as {chain}.original)",
+             original, says)]
 
 
 def _shown(rows: list[int]) -> str:
