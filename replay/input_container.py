@@ -5,25 +5,29 @@ SchNetPack's inputs dict). The recorder reads a call's inputs after the call ret
 saw that output among the call's inputs, took them as non-finite and went up to the first
 call whose inputs it saw finite (the root, whose batch it copied as it was called). The
 re-run watches each call's inputs before it runs, and names the op inside: the same event,
-seen closer, not another one.
+seen closer, not another one. A call that writes into the tensor it was given, in place (a
+``mark_dirty`` autograd.Function, ``x.log1p_()`` on its argument), is seen the same way.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["written_into_input"]
+__all__ = ["IN_PLACE", "written_into_input"]
 
-NOTE = ("the recorder named {recorded}, a call enclosing '{module}': '{module}' returns the "
-        "{kind} it was given with its output written into it, and the recorder reads a call's "
-        "inputs after it returns, so it saw that output among the inputs of '{module}' and "
+IN_PLACE = "tensor"  # a Call's returned_input: it wrote into an input tensor in place
+RETURNED = "returns the {kind} it was given with its output written into it"
+WRITTEN = "writes its output into the tensor it was given, in place"
+NOTE = ("the recorder named {recorded}, a call enclosing '{module}': '{module}' {how}, and "
+        "the recorder reads a call's inputs after it returns, so it saw that output among the "
+        "inputs of '{module}' and "
         "named the first call whose inputs it saw finite; the re-run reads them before the call")
 
 
 def written_into_input(step, call) -> str | None:
     """The note that explains a forward event's module as the enclosing call of the re-run's
-    origin ``call`` (a :class:`~replay.run_result.Call`) that returned its input container;
-    None when that is not the case."""
+    origin ``call`` (a :class:`~replay.run_result.Call`) that returned its input container or
+    wrote into its input tensor; None when that is not the case."""
     ev: dict[str, Any] = step.event
     recorded = ev.get("module")
     if ev.get("phase") != "forward" or not isinstance(recorded, str) or call is None \
@@ -33,4 +37,6 @@ def written_into_input(step, call) -> str | None:
     if module == recorded or not (recorded == "" or module.startswith(recorded + ".")):
         return None
     name = f"'{recorded}'" if recorded else "the root"
-    return NOTE.format(recorded=name, module=module, kind=call.returned_input)
+    kind = call.returned_input
+    how = WRITTEN if kind == IN_PLACE else RETURNED.format(kind=kind)
+    return NOTE.format(recorded=name, module=module, how=how)

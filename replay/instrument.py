@@ -14,6 +14,7 @@ import math
 import torch
 
 from recorder.capture import output_leaves, tensor_leaves  # not pytree: see replay.rerun
+from recorder.compat import version_of
 from recorder.finite import ends, finite, has_nan, pair_kind, pair_ok, real_view
 from recorder.refs import mask_inputs, mask_positions
 from recorder.running_stats import statistics_finite, statistics_kind
@@ -21,6 +22,7 @@ from recorder.samples import Samples, packed_in
 from recorder.scripted import hookable_modules
 
 from .compat import in_buffers, running_node
+from .input_container import IN_PLACE
 from .memo import TensorMemo, TensorSet
 from .recorded import samples
 from .run_result import Call, Run
@@ -45,6 +47,7 @@ class CallRecorder:
         self.weights: set[int] = set()  # ids of the model's parameters and buffers
         # call id -> a normalization layer's running statistics were finite as it began
         self.stats_before: dict[int, bool] = {}
+        self.versions: dict[int, list] = {}  # call id -> its input tensors' versions as it began
 
     def install(self, model) -> list:
         self.weights = {id(t) for t in [*model.parameters(), *model.buffers()]}
@@ -86,6 +89,7 @@ class CallRecorder:
             self.started += 1
             self.pending[call_id] = (self._inputs_ok(args, kwargs, not name, mask_at),
                                      tuple(self.stack))
+            self.versions[call_id] = input_versions(args, kwargs)
             # (a module called from several lines: its call's own, for the report)
             self.called_at[call_id] = caller_source(inspect.currentframe())
             # until it returns: a call the model raises in (a validate_args check) never does
@@ -104,7 +108,9 @@ class CallRecorder:
                 wrote = statistics_kind(module) if self.stats_before.pop(call_id, False) \
                     else None
                 self._record(name, call_id, output, self._of_weights(args, kwargs), wrote)
-                self.result.calls[-1].returned_input = returned_input(output, args, kwargs)
+                written = wrote_in_place(self.versions.pop(call_id, []))
+                self.result.calls[-1].returned_input = returned_input(output, args, kwargs) \
+                    or written
         return hook
 
     def _output_pairs(self, outs: list[torch.Tensor]) -> list[tuple[float, float]]:
@@ -162,6 +168,19 @@ def returned_input(output, args, kwargs) -> str | None:
     given = not isinstance(output, torch.Tensor) and output is not None and any(
         output is a for a in (*args, *(kwargs or {}).values()))
     return type(output).__name__ if given else None
+
+
+def input_versions(args, kwargs) -> list[tuple[torch.Tensor, int | None]]:
+    """Each input tensor with its version counter, to tell afterwards whether the call wrote
+    into it in place (None: an inference tensor, which keeps none)."""
+    return [(t, version_of(t)) for t in tensor_leaves([list(args), kwargs])]
+
+
+def wrote_in_place(versions: list[tuple[torch.Tensor, int | None]]) -> str | None:
+    """``IN_PLACE`` when the call wrote into one of its input tensors (a ``mark_dirty``
+    autograd.Function, ``x.log_()`` on the argument): the recorder, reading a call's inputs
+    after it returns, saw them as the call left them; else None."""
+    return IN_PLACE if any(version_of(t) != v for t, v in versions) else None
 
 
 def _output_rows(outs: list[torch.Tensor], where: Samples, packed: dict) -> list[int]:

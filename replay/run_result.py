@@ -39,7 +39,8 @@ class Call:
     in_backward: bool = False
     called_at: str | None = None  # the user's line that called the module (its caller's)
     # the type's name of a container it was given and returned (a dict it wrote its output
-    # into: a sentence-transformers module's features, SchNetPack's), replay.input_container
+    # into: a sentence-transformers module's features, SchNetPack's), or IN_PLACE when it wrote
+    # into an input tensor in place, replay.input_container
     returned_input: str | None = None
     # it wrote a non-finite value into its running statistics (its outputs finite or not):
     # state, an event by the default policy as a NaN is (recorder.running_stats)
