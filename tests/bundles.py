@@ -261,6 +261,15 @@ def nanreplay_json(bundle, *args: str, code: int | None = 0) -> dict:
     return rep
 
 
+def check_report(rep: dict, **expected) -> None:
+    """The report's fields named in ``expected``: ``cause`` and ``reproduced`` of the report,
+    ``step`` of its event, any other of its origin."""
+    o = rep["origin"]
+    got = {k: (rep[k] if k in ("cause", "reproduced") else rep["event"]["step"] if k == "step"
+               else o.get(k)) for k in expected}
+    assert got == expected, rep
+
+
 def one_error_line(result) -> str:
     """The single ``nanreplay: ...`` line of a failed run (exit 2, nothing on stdout)."""
     assert result.exit_code == 2, (result.exit_code, result.stdout, result.stderr)

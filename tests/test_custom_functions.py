@@ -12,7 +12,7 @@ from pathlib import Path
 import custom_fn_models as C
 import pytest
 import torch
-from bundles import nanreplay_json
+from bundles import check_report, nanreplay_json
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
@@ -52,13 +52,6 @@ def _train(factory: str, out_dir: Path | None, plant: float | None, steps: int =
     return losses
 
 
-def _check(rep: dict, **expected) -> None:
-    o = rep["origin"]
-    got = {k: (rep[k] if k in ("cause", "reproduced") else rep["event"]["step"] if k == "step"
-               else o.get(k)) for k in expected}
-    assert got == expected, rep
-
-
 @pytest.mark.parametrize("factory, module, op, inner", [
     ("make_compressed", "0", "aten.log", "return torch.log(1 + x)"),
     ("make_inplace", "1", "aten.log1p_", "x.log1p_()"),
@@ -73,7 +66,7 @@ def test_a_functions_forward_log_of_a_negative_names_its_line_and_the_record(tmp
     err = _train(factory, tmp_path, plant=-3.0)
     assert isinstance(err, NonFiniteError) and err.event["phase"] == "forward", err
     rep = nanreplay_json(err.bundle_path)
-    _check(rep, step=K, phase="forward", module=module, op=op, samples=[ROW], cause="invalid",
+    check_report(rep, step=K, phase="forward", module=module, op=op, samples=[ROW], cause="invalid",
            reproduced=True, source=_line(inner))
     in_place = [p for p in rep["problems"] if "writes its output into the tensor it was given"
                 in p]
@@ -85,7 +78,7 @@ def test_a_once_differentiable_backward_dividing_by_a_saved_zero_names_the_recor
     err = _train("make_normed", tmp_path, plant=0.0)
     assert isinstance(err, NonFiniteError) and err.event["phase"] == "backward", err
     rep = nanreplay_json(err.bundle_path)
-    _check(rep, step=K, phase="backward", module="1", op="RowNormBackward", samples=[ROW],
+    check_report(rep, step=K, phase="backward", module="1", op="RowNormBackward", samples=[ROW],
            cause="invalid", reproduced=True, source=_line("RowNorm.apply(x)"))
     assert any(f"aten.div at {_line('grad * x / n')}" in p for p in rep["problems"]), rep
 
@@ -96,7 +89,7 @@ def test_a_straight_through_estimators_backward_dividing_by_zero_names_the_recor
     err = _train("make_coded", tmp_path, plant=0.0)
     assert isinstance(err, NonFiniteError) and err.event["phase"] == "backward", err
     rep = nanreplay_json(err.bundle_path)
-    _check(rep, step=K, phase="backward", module="1", op="ArgmaxSTEBackward", samples=[ROW],
+    check_report(rep, step=K, phase="backward", module="1", op="ArgmaxSTEBackward", samples=[ROW],
            cause="invalid", reproduced=True, source=_line("ArgmaxSTE.apply("))
     assert any(f"aten.div at {_line('return g / scale')}" in p for p in rep["problems"]), rep
 

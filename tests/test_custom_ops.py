@@ -11,7 +11,7 @@ from pathlib import Path
 import custom_ops_models as C
 import pytest
 import torch
-from bundles import nanreplay_json
+from bundles import check_report, nanreplay_json
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
@@ -51,13 +51,6 @@ def _train(factory: str, out_dir: Path | None, steps: int = 5, blank: bool = Tru
     return losses
 
 
-def _check(rep: dict, **expected) -> None:
-    o = rep["origin"]
-    got = {k: (rep[k] if k in ("cause", "reproduced") else rep["event"]["step"] if k == "step"
-               else o.get(k)) for k in expected}
-    assert got == expected, rep
-
-
 @pytest.mark.parametrize("factory, op, call, inner", [
     ("make_normed", "userops.fused_norm", "torch.ops.userops.fused_norm(x)",
      "return x / x.norm(dim=-1, keepdim=True)"),
@@ -72,7 +65,7 @@ def test_a_custom_ops_own_division_names_the_op_its_line_and_the_record(tmp_path
     err = _train(factory, tmp_path)
     assert isinstance(err, NonFiniteError) and err.event["phase"] == "forward", err
     rep = nanreplay_json(err.bundle_path)
-    _check(rep, step=K, phase="forward", module="0", op=op, samples=[ROW], cause="invalid",
+    check_report(rep, step=K, phase="forward", module="0", op=op, samples=[ROW], cause="invalid",
            reproduced=True, source=_line(call))
     assert rep["hint"].startswith("aten.div of 0 by 0 (0/0)"), rep["hint"]
     assert any(p.startswith(f"{op} is a custom op: its own code made the nan, aten.div at "
@@ -86,7 +79,7 @@ def test_a_custom_functions_backward_nan_in_a_parameters_gradient_names_the_reco
     err = _train("make_gained", tmp_path)
     assert isinstance(err, NonFiniteError) and err.event["phase"] == "backward", err
     rep = nanreplay_json(err.bundle_path)
-    _check(rep, step=K, phase="backward", module="0", op="GainBackward", samples=[ROW],
+    check_report(rep, step=K, phase="backward", module="0", op="GainBackward", samples=[ROW],
            cause="invalid", reproduced=True, source=_line("Gain.apply(x, self.g)"))
     assert "its backward's aten.div has a pole" in rep["hint"], rep["hint"]
     assert any(f"aten.div at {_line('grad * y * g / x')}" in p for p in rep["problems"])
