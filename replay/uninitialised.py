@@ -41,28 +41,27 @@ _TAGS = {torch.float32: (torch.int32, 0x7FC0DEAD),
 
 
 class Unwritten:
-    """The allocations holding NaN (or another non-finite value) in the watched code."""
+    """The allocations deterministic mode filled with NaN in the watched code."""
 
     def __init__(self) -> None:
         # storage -> (the allocated tensor, held: ``nn.Parameter(torch.empty(..))`` drops it
         # and keeps its storage, which must not be freed and reused under another tensor;
         # the hit that blames it, rows and entries still to fill in), the latest few
         self.held: dict[int, tuple[torch.Tensor, OpHit]] = {}
-        # those whose garbage held non-finite values without the fill (no deterministic mode)
-        self.garbage: set[int] = set()
 
     def allocated(self, name: str, out: Any, op: str, occurrence: int, seq: int,
                   within: tuple[str, int] | None) -> Any:
-        """Remember ``out``, allocator ``op``'s result, when it holds a non-finite value, with
-        the line that ran it; returns ``out``."""
+        """Remember ``out``, allocator ``op``'s result, when deterministic mode's fill made it
+        all NaN, with the line that ran it; returns ``out``. Not garbage that happened to hold
+        NaN: a NaN written into it later (a checkpoint's corrupt row loaded into an
+        ``nn.Linear`` whose ``torch.empty`` held some) cannot be told from it, and the
+        allocation would take the blame for what the load wrote."""
         if name not in ALLOCATORS or not isinstance(out, torch.Tensor) \
-                or not out.is_floating_point() or finite(out):
+                or out.dtype not in _TAGS or not out.numel() or not bool(out.isnan().all()):
             return out
         if (key := storage_of(out)) is not None:
-            filled = out.dtype in _TAGS and bool(out.isnan().all())
-            if filled:  # (NaN still, of the payload no later write gives)
-                out.detach().view(_TAGS[out.dtype][0]).fill_(_TAGS[out.dtype][1])
-            (self.garbage.discard if filled else self.garbage.add)(key)
+            # (NaN still, of the payload no later write gives)
+            out.detach().view(_TAGS[out.dtype][0]).fill_(_TAGS[out.dtype][1])
             self.held.pop(key, None)
             self.held[key] = (out, OpHit(
                 op, kind_of(out) or "nan", user_source(), None, None, occurrence=occurrence,
@@ -80,23 +79,22 @@ class Unwritten:
         written = {storage_of(t) for t in outs}
         for t in ins:
             key = storage_of(t)
-            if key is None or key in written or key not in self.held \
-                    or not _unwritten(t, key in self.garbage):
+            if key is None or key in written or key not in self.held or not _unwritten(t):
                 continue
             whole, hit = self.held[key]
             hit.rows = rows([t])
-            hit.unwritten = _entries(whole, key in self.garbage)
+            hit.unwritten = _entries(whole)
             return hit
         return None
 
     def of(self, t: torch.Tensor) -> OpHit | None:
         """The allocation ``t`` is (a view of), alive and still holding a non-finite value."""
-        whole, hit = self.held.get(key := storage_of(t), (None, None))
+        whole, hit = self.held.get(storage_of(t), (None, None))
         # (every non-finite entry unwritten: not a NaN written in later, a corrupt row)
-        n = _unwritten(t, key in self.garbage)
+        n = _unwritten(t)
         if whole is None or not n or int((~torch.isfinite(t.detach())).sum()) != n:
             return None
-        hit.unwritten = _entries(whole, key in self.garbage)
+        hit.unwritten = _entries(whole)
         return hit
 
 
@@ -117,24 +115,18 @@ def built_hint(unwritten: Unwritten, tensors: list[torch.Tensor], names: str) ->
             "of a buffer it fills per step)")
 
 
-def _unwritten(t: torch.Tensor, garbage: bool) -> int:
-    """How many entries of ``t`` hold the NaN its allocation was made with (unwritten); of
-    garbage, how many are non-finite."""
-    if not t.numel() or finite(t):
+def _unwritten(t: torch.Tensor) -> int:
+    """How many entries of ``t`` hold the NaN its allocation was made with (unwritten)."""
+    if not t.numel() or t.dtype not in _TAGS or finite(t):
         return 0
-    if garbage or t.dtype not in _TAGS:
-        return int((~torch.isfinite(t.detach())).sum())
     ints, tag = _TAGS[t.dtype]
     return int((t.detach().view(ints) == tag).sum())
 
 
-def _entries(t: torch.Tensor, garbage: bool) -> str:
+def _entries(t: torch.Tensor) -> str:
     """How many entries of allocation ``t`` are still unwritten, of how many: said as "N of M
     entries of its (shape) result were never written"."""
-    n, of = _unwritten(t, garbage), f"of its {tuple(t.shape)} result"
-    if garbage:  # (the finite garbage it held is unwritten too, and not told apart)
-        return f"entries {of} were never written ({n} of {t.numel()} held non-finite garbage)"
-    return f"{n} of {t.numel()} entries {of} were never written"
+    return f"{_unwritten(t)} of {t.numel()} entries of its {tuple(t.shape)} result were never written"
 
 
 def hint(hit: OpHit) -> str | None:
