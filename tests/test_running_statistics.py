@@ -45,11 +45,13 @@ def _batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, 3, (BATCH,), generator=g))
 
 
-def _train(out_dir, momentum, outlier: tuple[int, int] | None, zero: tuple[int, int]):
+def _train(out_dir, momentum, outlier: tuple[int, int] | None, zero: tuple[int, int],
+           dtype: torch.dtype = torch.float32):
     """Train until the record ``zero`` (step, row) of count 0 raises; ``outlier`` (step, row)
-    holds features of 1e20. Returns (the error, bn.running_var as that step began)."""
+    holds features of 1e20; model and batches in ``dtype``. Returns (the error,
+    bn.running_var as that step began)."""
     torch.manual_seed(0)
-    model = RateNet(momentum)
+    model = RateNet(momentum).to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     crit = nn.CrossEntropyLoss()
     g = torch.Generator().manual_seed(1)
@@ -57,6 +59,7 @@ def _train(out_dir, momentum, outlier: tuple[int, int] | None, zero: tuple[int, 
         with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir):
             for step in range(zero[0] + 1):
                 x, y = _batch(g)
+                x = x.to(dtype)
                 if outlier is not None and step == outlier[0]:
                     x[outlier[1], 1:] = 1e20
                 if step == zero[0]:
@@ -94,28 +97,12 @@ def test_a_bfloat16_models_statistic_is_checked_too(tmp_path):
     statistics in bfloat16: the check read float32 ones only, so the outlier's +inf went
     unseen and the run stopped three steps later at the zero count, in ``rates``. It is the
     outlier's step now, and the replay names the batch norm's op and the outlier's row."""
-    outlier, zero = (2, 5), (5, 9)
-    torch.manual_seed(0)
-    model = RateNet().to(torch.bfloat16)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    crit = nn.CrossEntropyLoss()
-    g = torch.Generator().manual_seed(1)
-    with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path):
-            for step in range(zero[0] + 1):
-                x, y = _batch(g)
-                x = x.to(torch.bfloat16)
-                if step == outlier[0]:
-                    x[outlier[1], 1:] = 1e20
-                if step == zero[0]:
-                    x[zero[1], 0] = 0
-                opt.zero_grad()
-                crit(model(x), y).backward()
-                opt.step()
-    ev = info.value.event
+    outlier = (2, 5)
+    err, _ = _train(tmp_path, 0.1, outlier, (5, 9), torch.bfloat16)
+    ev = err.event
     assert (ev["step"], ev["module"], ev["statistic"], ev["kind"]) == \
         (outlier[0], "bn", "bn.running_var", "+inf")
-    r = replay.replay(info.value.bundle_path, factory=lambda: RateNet().to(torch.bfloat16))
+    r = replay.replay(err.bundle_path, factory=lambda: RateNet().to(torch.bfloat16))
     o = r["origin"]
     assert (r["reproduced"], o["module"], o["op"], o["samples"], r["cause"]) == \
         (True, "bn", "aten.native_batch_norm", [outlier[1]], "overflow")
