@@ -312,29 +312,13 @@ def autocast_as_recorded(mb: dict[str, Any], device: torch.device, loss: bool = 
 
 @contextlib.contextmanager
 def run_switches(step: Step):
-    """The run's switches, as recorded, put back after: ``validate_args`` and the intra-op
-    thread count (below), the numeric switches (``replay.switches``: default dtype,
-    flush-denormal, deterministic mode, matmul precision) and a warning the run raised as an
-    error (``replay.warned_check``)."""
-    with validate_args_as_recorded(step.meta), threads_as_recorded(step.meta), \
-            switches_as_recorded(step.meta), warning_as_error(step.event):
+    """The run's switches, as recorded, put back after: ``validate_args`` (below), the numeric
+    switches (``replay.switches``: intra-op threads, default dtype, flush-denormal,
+    deterministic mode, matmul precision) and a warning the run raised as an error
+    (``replay.warned_check``)."""
+    with validate_args_as_recorded(step.meta), switches_as_recorded(step.meta), \
+            warning_as_error(step.event):
         yield
-
-
-@contextlib.contextmanager
-def threads_as_recorded(meta: dict[str, Any]):
-    """The training process's intra-op thread count, put back after: a CPU reduction splits
-    its sum by threads, so its rounding is the thread count's (torchrun's workers run with
-    ``OMP_NUM_THREADS=1``; a shell's replay would use every core and sum differently)."""
-    was = torch.get_num_threads()
-    recorded = (meta.get("env") or {}).get("num_threads")
-    if isinstance(recorded, int) and recorded > 0 and recorded != was:
-        torch.set_num_threads(recorded)
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != was:
-            torch.set_num_threads(was)
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """The training process's numeric switches (:mod:`recorder.numeric_switches`), set again for the
-replay's re-runs and put back after: a fresh replay process has torch's defaults, and a step whose
-NaN came from a flushed subnormal, a NaN-filled ``torch.empty``, a bf16 matmul or a float64
+replay's re-runs and put back after: a fresh replay process has torch's defaults (and the shell's
+thread count), and a step whose NaN came from a sum's rounding, a flushed subnormal, a NaN-filled ``torch.empty``, a bf16 matmul or a float64
 constant would not make it again. A bundle without a field leaves that switch as it is.
 """
 
@@ -23,6 +23,7 @@ STRATEGIES = ("auto", "greedy", "optimal")  # (opt_einsum's; torch takes any str
 def switches_as_recorded(meta: dict[str, Any]):
     env = meta.get("env") or {}
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_threads(env.get("num_threads")))
         stack.enter_context(_default_dtype(env.get("default_dtype")))
         stack.enter_context(_flush_denormal(env.get("flush_denormal")))
         stack.enter_context(_deterministic(env))
@@ -31,6 +32,21 @@ def switches_as_recorded(meta: dict[str, Any]):
         stack.enter_context(_mkldnn(env.get("mkldnn_enabled")))
         stack.enter_context(_opt_einsum(env.get("opt_einsum")))
         yield
+
+
+@contextlib.contextmanager
+def _threads(recorded: Any):
+    """The intra-op thread count: a CPU reduction splits its sum by threads, so its rounding is
+    the thread count's (torchrun's workers run with ``OMP_NUM_THREADS=1``; a shell's replay
+    would use every core and sum differently)."""
+    was = torch.get_num_threads()
+    if isinstance(recorded, int) and recorded > 0 and recorded != was:
+        torch.set_num_threads(recorded)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != was:
+            torch.set_num_threads(was)
 
 
 @contextlib.contextmanager
