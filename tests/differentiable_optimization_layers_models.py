@@ -121,15 +121,10 @@ class KKTSolve(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, Q, p, A, b):
+        # OSQP's quasi-definite system: a -delta corner keeps it solvable when a record's
+        # constraint rows are dependent (z is then the solution on the rows that constrain)
         n = Q.shape[-1]
-        # the null-space method: a particular solution of A z = b, then the reduced problem
-        z0 = torch.linalg.lstsq(A, b[..., None]).solution[..., 0]
-        _, _, Vh = torch.linalg.svd(A)
-        Z = Vh[..., A.shape[-2]:, :].transpose(-1, -2) if A.shape[-2] < n else Vh[..., :0, :]
-        Zt = Z.transpose(-1, -2)
-        red = Zt @ Q @ Z
-        rhs = -(Zt @ (Q @ z0[..., None] + p[..., None]))
-        z = z0 + (Z @ torch.linalg.solve(red, rhs))[..., 0]
+        z = torch.linalg.solve(kkt_matrix(Q, A, KKT_DELTA), torch.cat([-p, b], 1))[:, :n]
         ctx.save_for_backward(Q, A, z)
         return z
 
@@ -137,16 +132,26 @@ class KKTSolve(torch.autograd.Function):
     def backward(ctx, dz):
         Q, A, z = ctx.saved_tensors
         n, k = Q.shape[-1], A.shape[-2]
-        B = dz.shape[0]
-        K = torch.zeros(B, n + k, n + k, dtype=Q.dtype)
-        K[:, :n, :n] = Q
-        K[:, :n, n:] = A.transpose(-1, -2)
-        K[:, n:, :n] = A
-        rhs = torch.cat([-dz, torch.zeros(B, k, dtype=dz.dtype)], 1)
+        K = kkt_matrix(Q, A, 0.0)
+        rhs = torch.cat([-dz, torch.zeros(dz.shape[0], k, dtype=dz.dtype)], 1)
         d = torch.linalg.solve(K, rhs)
         dzs, dnu = d[:, :n], d[:, n:]
         dQ = 0.5 * (dzs[:, :, None] * z[:, None, :] + z[:, :, None] * dzs[:, None, :])
         return dQ, dzs, None, -dnu
+
+
+KKT_DELTA = 1e-6
+
+
+def kkt_matrix(Q: torch.Tensor, A: torch.Tensor, delta: float) -> torch.Tensor:
+    """``[[Q, A^T], [A, -delta I]]`` per record."""
+    B, n, k = Q.shape[0], Q.shape[-1], A.shape[-2]
+    K = torch.zeros(B, n + k, n + k, dtype=Q.dtype)
+    K[:, :n, :n] = Q
+    K[:, :n, n:] = A.transpose(-1, -2)
+    K[:, n:, :n] = A
+    K[:, n:, n:] = -delta * torch.eye(k, dtype=Q.dtype)
+    return K
 
 
 class KKTQP(nn.Module):

@@ -86,8 +86,9 @@ def fire(kind: str, make: str, tmp_path, bad: int | None):
 
 def test_kkt_backward_of_an_empty_constraint_names_the_solve_and_the_record(tmp_path):
     """A record whose sector lost all its assets to a filter, its sector row of ``A`` all zeros
-    (a constraint list built per record without dropping empty rows): the forward's null-space
-    solution is fine (lstsq), but OptNet's implicit backward solves the KKT matrix ``[[Q, A^T], [A, 0]]``, singular for that
+    (a constraint list built per record without dropping empty rows): the forward solves a
+    regularised KKT system (a ``-delta I`` corner, as OSQP does) and is fine, but OptNet's
+    implicit backward solves the exact KKT matrix ``[[Q, A^T], [A, 0]]``, singular for that
     record, and ``torch.linalg.solve`` raises in the custom Function's backward, which the
     engine runs outside any module call. The recorder writes the bundle and lets the user's
     LinAlgError through; the replay re-runs the backward, names the solve on its line in the
