@@ -64,6 +64,7 @@ def base_report(step: Step) -> dict[str, Any]:
                   **({"no_step_closed": True} if ev.get("no_step_closed") else {})},
         "reproduced": False,
         "not_rerun": None,  # why the step, or its loss, was not re-run ("weights stripped")
+        "diverged": None,  # where two re-runs that disagree part ways (replay.diverging_op)
         "origin": origin_fields(),
         "cause": None,
         "hint": None,

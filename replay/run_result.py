@@ -186,7 +186,9 @@ class Run:
 
     def signature(self) -> tuple:
         """What two runs of a deterministic step must agree on, bit for bit."""
-        return (tuple((c.module, c.call, c.micro_batch, c.minmax) for c in self.calls),
+        # (the rows too: two runs NaN in other rows have the same min and max, NaN)
+        return (tuple((c.module, c.call, c.micro_batch, c.minmax, tuple(c.bad_rows))
+                      for c in self.calls),
                 tuple(self.loss_values), tuple(self.bad_grads), self.raised)
 
 

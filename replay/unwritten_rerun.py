@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .diverging_op import divergence_hint, divergence_sentence, first_divergence
 from .findings import finish, origin_fields
 from .forward import find_op_in_call
 from .rerun import Runner
@@ -26,8 +27,14 @@ from .rerun import Runner
 def disagreeing(report: dict[str, Any], step, runner: Runner) -> dict[str, Any]:
     """The not-reproduced report of two re-runs that disagree, with :func:`note_unwritten`."""
     report["problems"].append("two re-runs of the step disagree: nondeterminism")
-    return note_unwritten(finish(report, origin_fields(), "not_reproduced", reproduced=False),
-                          step, runner)
+    report = finish(report, origin_fields(), "not_reproduced", reproduced=False)
+    told = len(report["problems"])
+    report = note_unwritten(report, step, runner)
+    if len(report["problems"]) == told and (found := first_divergence(runner)) is not None:
+        report["diverged"] = found  # (an unwritten read explains it already, when found)
+        report["problems"].append(divergence_sentence(found))
+        report["hint"] = divergence_hint(found)
+    return report
 
 
 def note_unwritten(report: dict[str, Any], step, runner: Runner) -> dict[str, Any]:

@@ -1,0 +1,211 @@
+"""The first op at which two re-runs of one step part ways, when they disagree.
+
+"Two re-runs disagree" alone sends the user hunting. Two more re-runs under a dispatch mode
+that fingerprints every op's tensor inputs, Python arguments and outputs (exact bits: a sum and
+a position-weighted sum of the values read as integers) find the first op whose result
+differs, and say why, which the fingerprints tell apart:
+
+- ``op``: same inputs, same arguments, another result: the op itself is not deterministic
+  (a CUDA kernel accumulating with atomics in thread order; a decomposition whose answer is not
+  unique for the input, an SVD's basis of a repeated or zero singular value);
+- ``arguments``: same tensors, other Python values (``x / t`` with ``t`` from a global the
+  step updates, a draw from ``numpy.random.default_rng()``, which the bundle does not hold);
+- ``outside``: a tensor input that differs and that no op of the step made (``torch.from_numpy``
+  of such a draw, a tensor kept between calls outside the model);
+- ``path``: the second re-run ran another op there (the code branched on such a value).
+
+Each earlier op gave both re-runs the same outputs, so the first difference is where the
+nondeterminism enters, not where it shows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from recorder.scripted import hookable_modules
+
+from .compat import TorchDispatchMode, holds_no_data, running_node, tree_leaves
+from .source import user_source
+from .transforms import outside_transforms
+
+# decompositions whose result is one of many valid ones when the input is degenerate
+_NOT_UNIQUE = frozenset({"svd", "linalg_svd", "_linalg_svd", "linalg_eigh", "_linalg_eigh",
+                         "linalg_eig", "geqrf", "linalg_qr", "linalg_lstsq", "_linalg_eigvals",
+                         "linalg_eigvals", "orgqr", "ormqr"})
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprint(t: torch.Tensor) -> tuple:
+    """Shape, dtype and two exact sums of ``t``'s bits (one weighted by position: a permutation
+    of the same values differs); shape and dtype alone for a tensor without plain storage."""
+    head = (tuple(t.shape), str(t.dtype))
+    if t.layout is not torch.strided or t.is_meta or not t.numel() \
+            or type(t) not in (torch.Tensor, torch.nn.Parameter) or holds_no_data(t):
+        return head
+    x = torch.view_as_real(t.detach()) if t.is_complex() else t.detach()
+    x = x.contiguous().reshape(-1)
+    x = x.view(_INTS[x.element_size()]) if x.dtype != torch.bool else x.to(torch.uint8)
+    x = x.to(torch.int64)
+    at = torch.arange(1, x.numel() + 1, device=x.device, dtype=torch.int64)
+    return head + tuple(torch.stack([x.sum(), (x * at).sum()]).tolist())
+
+
+class _Trace(TorchDispatchMode):
+    """Fingerprints each op of a re-run; given ``first`` (another re-run's trace), stops at
+    the first op that differs from it and keeps where it ran."""
+
+    def __init__(self, first: list | None = None) -> None:
+        super().__init__()
+        self.ops: list[tuple] = []  # (op, input fingerprints, arguments, output fingerprints)
+        self.first = first
+        self.found: dict[str, Any] | None = None
+        self.made = WeakIdKeyDictionary()  # tensors an op of this run returned
+        self.modules: list[str] = []  # the module calls running now, innermost last
+        self.phase = "forward"
+        self.micro_batch = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.found is not None:
+            return func(*args, **kwargs)
+        leaves = tree_leaves((args, kwargs))
+        tensors = [a for a in leaves if isinstance(a, torch.Tensor)]
+        ins = tuple(fingerprint(a) for a in tensors)
+        given = tuple(repr(a) for a in leaves if isinstance(a, (bool, int, float, complex)))
+        # (before the op: lift_fresh returns the very tensor torch.from_numpy made)
+        made = [t in self.made for t in tensors] if self.first is not None else []
+        out = func(*args, **kwargs)
+        outs = tree_leaves(out)
+        for t in outs:
+            if isinstance(t, torch.Tensor):
+                self.made[t] = True
+        here = (str(func.overloadpacket), ins, given,
+                tuple(fingerprint(t) if isinstance(t, torch.Tensor) else repr(t) for t in outs))
+        if self.first is not None:
+            self._compare(here, tensors, made)
+        self.ops.append(here)
+        return out
+
+    def _compare(self, here: tuple, tensors: list[torch.Tensor], made: list[bool]) -> None:
+        i = len(self.ops)
+        if i < len(self.first) and self.first[i] == here:
+            return
+        there = self.first[i] if i < len(self.first) else None
+        if there is None or there[0] != here[0] or len(there[1]) != len(here[1]):
+            why, detail = "path", {"first_ran": there[0] if there else None}
+        elif there[1] != here[1]:
+            k = next(j for j, (a, b) in enumerate(zip(there[1], here[1])) if a != b)
+            why, detail = ("inputs" if made[k] else "outside"), {"input": k}
+        elif there[2] != here[2]:
+            why, detail = "arguments", {"arguments": [[a, b] for a, b in zip(there[2], here[2])
+                                                      if a != b]}
+        else:
+            why, detail = "op", {}
+        node = running_node()
+        self.found = {
+            "op": here[0], "why": why, "phase": "backward" if node is not None else self.phase,
+            "module": self.modules[-1] if self.modules else None,
+            "node": type(node).__name__ if node is not None else None,
+            "micro_batch": self.micro_batch, "source": user_source(),
+            "device": next((t.device.type for t in tensors), None), **detail}
+
+
+def first_divergence(runner) -> dict[str, Any] | None:
+    """Where two more re-runs of ``runner``'s step first part ways (see the module's
+    docstring), or None when they agree throughout (nondeterminism that comes and goes)."""
+    first = _traced(runner, None)
+    if first.ops and (second := _traced(runner, first.ops)).found is not None:
+        return {**second.found, "micro_batches": len(runner.step.micro_batches)}
+    return None
+
+
+def _traced(runner, first: list | None) -> _Trace:
+    trace = _Trace(first)
+
+    @contextlib.contextmanager
+    def phase(name: str):
+        trace.phase, trace.micro_batch = name, runner.micro_batch
+        with trace:
+            yield
+
+    def left(m, args, out) -> None:
+        if trace.modules:
+            trace.modules.pop()
+
+    def hooks(model):
+        hs = []
+        for name, m in hookable_modules(model):
+            hs.append(m.register_forward_pre_hook(outside_transforms(
+                lambda m, a, name=name: trace.modules.append(name))))
+            hs.append(m.register_forward_hook(outside_transforms(left)))
+        return hs
+
+    try:
+        runner.run(instrument=False, hooks=hooks, forward_ctx=lambda: phase("forward"),
+                   backward_ctx=lambda: phase("backward"))
+    except Exception:  # (a re-run the traced ops made fail: the report stands without it)
+        trace.found = None
+    return trace
+
+
+def divergence_sentence(d: dict[str, Any]) -> str:
+    """``d`` (:func:`first_divergence`) as the report's note."""
+    where = d["op"] + (f" at {d['source']}" if d.get("source") else "")
+    if d["phase"] == "backward":
+        where += " in the backward" + (f" ({d['node']})" if d.get("node") else "")
+    elif d.get("module") is not None:
+        where += f" in {d['module'] or '<root>'}"
+    else:
+        where += " in the loss"
+    if d.get("micro_batches", 1) > 1:
+        where += f", micro-batch {d['micro_batch']}"
+    why = d["why"]
+    if why == "path":
+        return (f"the two re-runs took different paths: at the op where the first re-run ran "
+                f"{d.get('first_ran')}, the second ran {where}; every op before agreed")
+    if why == "arguments":
+        vals = "; ".join(f"{a} then {b}" for a, b in d["arguments"][:3])
+        return (f"the first op whose result differed between two re-runs is {where}: its "
+                f"tensors were the same, its Python arguments were not ({vals})")
+    if why == "outside":
+        return (f"the first op whose result differed between two re-runs is {where}: its "
+                f"input {d['input']} differed, a tensor no torch op of the step made")
+    if why == "inputs":
+        return (f"the first op whose result differed between two re-runs is {where}: its "
+                f"input {d['input']} differed, written in place where no op was seen")
+    return (f"the first op whose result differed between two re-runs is {where}: the same "
+            f"inputs gave another result")
+
+
+def divergence_hint(d: dict[str, Any]) -> str:
+    """What to do about ``d``: where the nondeterminism enters, and how to remove it."""
+    op, why = d["op"].removeprefix("aten."), d["why"]
+    if why in ("arguments", "outside", "inputs", "path"):
+        return ("the step computes with a value made outside torch from state that changes "
+                "at each call (a global or closure the step updates, a random generator the "
+                "bundle does not hold, such as random.Random() or numpy.random.default_rng(), "
+                "the clock), so no re-run computes what the run did: keep such state in a "
+                "module attribute or buffer, or draw from torch's generator, which the bundle "
+                "holds")
+    if op in _NOT_UNIQUE:
+        return (f"{d['op']} has no unique answer for this input (repeated or zero singular "
+                "values or eigenvalues: any basis of their subspace is valid), and which one "
+                "LAPACK returns depends on the path its kernel takes: use only what is unique "
+                "(the values, a projector U U^T, the solution of a well-posed system) or keep "
+                "the input well-conditioned (full rank, distinct values)")
+    if not d["op"].startswith(("aten.", "prims.")):
+        return (f"{d['op']}, a custom op, computes with something its inputs do not hold (a "
+                "random generator of its own, uninitialised memory, the order its threads "
+                "run): give it its randomness as an input (a torch.Generator, a seed tensor) "
+                "so that the same inputs give the same result")
+    if d.get("device") == "cuda":
+        return (f"{d['op']} runs a CUDA kernel that accumulates in the order its threads run; "
+                "torch.use_deterministic_algorithms(True) makes torch use a deterministic "
+                "kernel, or raise where it has none")
+    return (f"{d['op']} is not deterministic on {d.get('device') or 'this device'}; "
+            "torch.use_deterministic_algorithms(True) makes torch use a deterministic "
+            "kernel, or raise where it has none")

@@ -1,0 +1,106 @@
+"""Steps a replay cannot make again, because they compute with state the bundle does not hold
+(``nondeterministic_models``): the report names the first op where two re-runs part ways, its
+line and module, and why (a tensor made outside torch, other Python arguments, the op itself);
+state kept where the bundle holds it replays."""
+
+from __future__ import annotations
+
+import nondeterministic_models as M
+import pytest
+import torch
+from bundles import nanreplay_json, source_line
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+
+def line_of(text: str) -> str:
+    return source_line("nondeterministic_models.py", text)
+
+
+def fire(make: str, tmp_path, features: int = 4, steps: int = 300) -> int:
+    """Adam on random regression batches until the recorder stops the run; the event's step."""
+    model = getattr(M, make)()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(model, opt, loss_fn=torch.nn.MSELoss(), out_dir=tmp_path,
+                         factory=f"nondeterministic_models:{make}")
+    with pytest.raises(NonFiniteError) as info, rec:
+        for _ in range(steps):
+            x, y = torch.randn(8, features, generator=g), torch.randn(8, 1, generator=g)
+            loss = rec.loss_fn(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return info.value.event["step"]
+
+
+def replayed(tmp_path) -> dict:
+    (bundle,) = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle, code=1)
+    assert (rep["reproduced"], rep["cause"]) == (False, "not_reproduced"), rep["cause"]
+    assert "two re-runs of the step disagree: nondeterminism" in rep["problems"], rep["problems"]
+    return rep
+
+
+def test_masks_from_a_numpy_generator_are_named_where_torch_takes_them(tmp_path):
+    """Dropout masks drawn from ``np.random.default_rng`` (which the bundle does not hold, as
+    it holds torch's, Python's and ``np.random``'s): a row that kept nothing is 0/0. Each
+    re-run draws other masks, NaN in other rows (not "reproduced", as when two runs NaN
+    anywhere compared equal): the first op that differs takes the NumPy array into torch,
+    on the mask's line, in the dropout module; the hint names the generator."""
+    fire("make_drop", tmp_path)
+    rep = replayed(tmp_path)
+    d = rep["diverged"]
+    assert (d["op"], d["why"], d["phase"], d["module"], d["source"]) == (
+        "aten.lift_fresh", "outside", "forward", "1",
+        line_of("keep = torch.from_numpy(MASKS.random(tuple(x.shape)) > self.p)")), d
+    assert "numpy.random.default_rng()" in rep["hint"], rep["hint"]
+    assert any("a tensor no torch op of the step made" in p for p in rep["problems"])
+
+
+def test_a_temperature_annealed_in_a_global_names_the_division_and_its_two_values(tmp_path):
+    """The softmax temperature halves at every forward, its count in a module-level dict: at
+    step 127 the logits over 2^-128 overflow and the softmax makes NaN. Each re-run of the
+    replay halves it again, so the two re-runs divide by two different numbers: the division
+    is named on its line in the root, with the two temperatures (the second half the first),
+    and the hint says to keep such state where the bundle holds it."""
+    M.ANNEAL["calls"] = 0
+    step = fire("make_annealed", tmp_path, features=6)
+    assert step == 127  # (2^127 still fits float32; the logits times 2^128 do not)
+    M.ANNEAL["calls"] = 0  # (as a fresh replay process imports it)
+    rep = replayed(tmp_path)
+    d = rep["diverged"]
+    assert (d["op"], d["why"], d["module"], d["source"]) == (
+        "aten.div", "arguments", "", line_of("w = torch.softmax(self.q(x) / t, 1)")), d
+    ((first, second),) = d["arguments"]
+    assert float(second) == float(first) / 2, d["arguments"]
+    assert "module attribute or buffer" in rep["hint"], rep["hint"]
+
+
+def test_the_same_schedule_kept_on_the_module_replays(tmp_path):
+    """The fix the hint gives: the count as the module's attribute, which the bundle records
+    and the replay puts back before each re-run: reproduced, the overflowing division named,
+    nothing diverged."""
+    step = fire("make_annealed_own", tmp_path, features=6)
+    (bundle,) = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle)
+    assert (step, rep["reproduced"], rep["diverged"]) == (127, True, None), rep["problems"]
+    assert rep["origin"]["source"] == line_of("w = torch.softmax(self.q(x) / t, 1)"), \
+        rep["origin"]
+
+
+def test_a_custom_op_with_a_generator_of_its_own_is_named_as_the_nondeterministic_op(tmp_path):
+    """Stochastic rounding as a ``torch.library.custom_op`` whose kernel draws from its own
+    NumPy generator: a row rounded to all zeros is 0/0 under the per-row absmax. Its inputs are
+    the same in both re-runs, its result is not: the custom op is named as the op that is not
+    deterministic, with the fix (pass its randomness in), not torch's deterministic mode."""
+    fire("make_rounded", tmp_path)
+    rep = replayed(tmp_path)
+    d = rep["diverged"]
+    assert (d["op"], d["why"], d["module"], d["source"]) == (
+        "nanreplay_tests.stochastic_round", "op", "", line_of("q = stochastic_round(self.inp(x))")
+    ), d
+    assert "a custom op" in rep["hint"] and "torch.Generator" in rep["hint"] \
+        and "use_deterministic_algorithms" not in rep["hint"], rep["hint"]
