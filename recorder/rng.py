@@ -19,27 +19,75 @@ import torch
 GENERATOR = "generator/"
 
 
-def module_generators(modules) -> list[tuple[str, torch.Generator]]:
-    """The ``torch.Generator`` attributes of ``(name, module)`` pairs, by ``module.attr`` (each
+def module_generators(modules) -> list[tuple[str, Any]]:
+    """The generators kept as attributes of ``(name, module)`` pairs, by ``module.attr`` (each
     generator once: one shared by several modules is restored once), then those of the Python
     modules that define their classes, by ``pymodule:attr``: augmentation code seeded apart
     from the model's initialisation (``AUG_GEN = torch.Generator().manual_seed(1234)`` beside
     the transforms that draw from it) draws the step's parameters from no module's attribute,
-    and a replay drawing from that generator as the factory's import left it drew others."""
-    found: dict[int, tuple[str, torch.Generator]] = {}
+    and a replay drawing from that generator as the factory's import left it drew others.
+    Generators are torch's, NumPy's (``np.random.default_rng(0)``, a ``RandomState`` of its
+    own) and Python's (``random.Random(0)``): see :func:`is_generator`."""
+    found: dict[int, tuple[str, Any]] = {}
     homes: dict[str, None] = {}
     for name, m in modules:
         for attr, v in vars(m).items():
-            if isinstance(v, torch.Generator) and id(v) not in found:
+            if is_generator(v) and id(v) not in found:
                 found[id(v)] = (f"{name}.{attr}" if name else attr, v)
         homes[type(m).__module__] = None
     for home in homes:
         py = sys.modules.get(home) if home != "torch" and not home.startswith("torch.") else None
         # (getattr: an entry of sys.modules that is no module, a lazy loader, has no __dict__)
         for attr, v in list(getattr(py, "__dict__", {}).items()):
-            if isinstance(v, torch.Generator) and id(v) not in found:
+            if is_generator(v) and id(v) not in found:
                 found[id(v)] = (f"{home}:{attr}", v)
     return list(found.values())
+
+
+def is_generator(v) -> bool:
+    """``v`` is a random generator of the user's own: a ``torch.Generator``, a NumPy
+    ``Generator`` or ``RandomState``, a ``random.Random``; not the process-wide ones behind
+    ``random``'s and ``np.random``'s functions, which are captured as such."""
+    if isinstance(v, torch.Generator):
+        return True
+    if isinstance(v, random.Random):
+        return v is not random.getstate.__self__
+    np = sys.modules.get("numpy")
+    return np is not None and (isinstance(v, np.random.Generator) or (
+        isinstance(v, np.random.RandomState) and v is not np.random.get_state.__self__))
+
+
+def generator_state(g) -> Any:
+    """``g``'s state: a tensor for a ``torch.Generator``, else plain JSON (lists, ints)."""
+    if isinstance(g, torch.Generator):
+        return g.get_state()
+    if isinstance(g, random.Random):
+        version, words, gauss = g.getstate()
+        return {"random": [version, list(words), gauss]}
+    state = g.get_state(legacy=False) if hasattr(g, "get_state") else g.bit_generator.state
+    return {"numpy": _plain(state)}
+
+
+def set_generator_state(g, state) -> None:
+    """Put back what :func:`generator_state` returned (raises if it is another kind's)."""
+    if isinstance(g, torch.Generator):
+        g.set_state(state)
+    elif isinstance(g, random.Random):
+        version, words, gauss = state["random"]
+        g.setstate((version, tuple(words), gauss))
+    elif hasattr(g, "set_state"):  # (a RandomState)
+        g.set_state(state["numpy"])
+    else:
+        g.bit_generator.state = state["numpy"]
+
+
+def _plain(v):
+    """A NumPy generator's state as JSON: arrays as lists, NumPy scalars as Python's."""
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if hasattr(v, "tolist"):
+        return v.tolist()
+    return v
 
 
 class RngCapture:
@@ -119,7 +167,7 @@ class RngCapture:
         if _cuda_initialized():  # else no CUDA generator has drawn yet
             state["cuda"] = torch.cuda.get_rng_state_all()
         for name, g in self.generators:
-            state[GENERATOR + name] = g.get_state()
+            state[GENERATOR + name] = generator_state(g)
         self._fast = self._fast_parts(np, state)
         self._fast_key, self._fast_state = self._fast and _fast_key(self._fast), state
         return state
@@ -301,9 +349,9 @@ def restore_rng(state: dict[str, Any], generators: dict[str, torch.Generator] | 
             if key.startswith(GENERATOR) else None
         if g is not None:
             try:
-                g.set_state(s)
-            except (RuntimeError, ValueError):  # (a CUDA generator's state on a CPU replay)
-                pass
+                set_generator_state(g, s)
+            except (RuntimeError, ValueError, TypeError, KeyError):
+                pass  # (a CUDA generator's state on a CPU replay; another kind of the name)
     if "python" in state:
         random.setstate(state["python"])
     if "torch_cpu" in state:
@@ -334,9 +382,12 @@ def rng_to_bundle(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torc
     for i, s in enumerate(state.get("cuda", [])):
         tensors[f"rng/cuda/{i}"] = s.cpu().clone()
     meta["cuda_devices"] = len(state.get("cuda", []))
-    if gens := [k.removeprefix(GENERATOR) for k in state if k.startswith(GENERATOR)]:
-        meta["generators"] = gens
-        tensors.update({f"rng/{GENERATOR}{n}": state[GENERATOR + n].cpu().clone() for n in gens})
+    gens = {k.removeprefix(GENERATOR): v for k, v in state.items() if k.startswith(GENERATOR)}
+    if torch_gens := [n for n, v in gens.items() if isinstance(v, torch.Tensor)]:
+        meta["generators"] = torch_gens
+        tensors.update({f"rng/{GENERATOR}{n}": gens[n].cpu().clone() for n in torch_gens})
+    if others := {n: v for n, v in gens.items() if not isinstance(v, torch.Tensor)}:
+        meta["generator_states"] = others  # (NumPy's and Python's: JSON)
     return meta, tensors
 
 
@@ -380,4 +431,8 @@ def rng_from_bundle(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> d
     for n in meta.get("generators") or ():
         if isinstance(n, str) and f"rng/{GENERATOR}{n}" in tensors:
             state[GENERATOR + n] = tensors[f"rng/{GENERATOR}{n}"]
+    others = meta.get("generator_states")
+    for n, v in (others.items() if isinstance(others, dict) else ()):
+        if isinstance(n, str) and isinstance(v, dict):
+            state[GENERATOR + n] = v
     return state

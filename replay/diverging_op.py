@@ -186,11 +186,12 @@ def divergence_hint(d: dict[str, Any]) -> str:
     op, why = d["op"].removeprefix("aten."), d["why"]
     if why in ("arguments", "outside", "inputs", "path"):
         return ("the step computes with a value made outside torch from state that changes "
-                "at each call (a global or closure the step updates, a random generator the "
-                "bundle does not hold, such as random.Random() or numpy.random.default_rng(), "
-                "the clock), so no re-run computes what the run did: keep such state in a "
-                "module attribute or buffer, or draw from torch's generator, which the bundle "
-                "holds")
+                "at each call (a global or closure the step updates; a random generator the "
+                "bundle does not hold: numpy.random.default_rng() or random.Random() made at "
+                "each call, or kept elsewhere than on the model, the loss or the Python module "
+                "defining their classes; the clock), so no re-run computes what the run did: "
+                "keep such state in a module attribute or buffer, and draw from torch's "
+                "generator or one the model keeps, which the bundle holds")
     if op in _NOT_UNIQUE:
         return (f"{d['op']} has no unique answer for this input (repeated or zero singular "
                 "values or eigenvalues: any basis of their subspace is valid), and which one "

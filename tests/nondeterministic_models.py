@@ -1,35 +1,76 @@
-"""Models whose step computes with state the bundle does not hold, as people write them: a
-feature dropout drawing its masks from its own ``numpy.random.default_rng``, an attention
-temperature annealed in a module-level dict, a stochastic-rounding custom op
-(``torch.library.custom_op``) with a generator of its own. Each replay's re-runs differ; the
-report names the op where they part ways (``replay.diverging_op``)."""
+"""Models whose step draws from random generators of their own or computes with state kept
+outside the model, as people write them: a feature dropout drawing its masks from NumPy's or
+Python's generators (kept where the recorder finds them, or made afresh at each call), an
+attention temperature annealed in a module-level dict or on the module, a stochastic-rounding
+custom op (``torch.library.custom_op``) drawing from a fresh generator. Where the bundle cannot
+hold the state, the replay's re-runs differ and the report names the op where they part ways
+(``replay.diverging_op``)."""
 
 from __future__ import annotations
+
+import math
+import random
 
 import numpy as np
 import torch
 from torch import nn
 
-MASKS = np.random.default_rng(0)  # the dropout's own generator, not np.random's
+MASKS = np.random.default_rng(0)  # a dropout's own generator, not np.random's
+LEGACY_MASKS = np.random.RandomState(0)  # the same in NumPy's legacy API
 ANNEAL = {"calls": 0}  # the attention's schedule, kept beside the model
-ROUNDING = np.random.default_rng(1)
 
 
 class FeatureDrop(nn.Module):
-    """Drops features with a NumPy Generator and rescales each row by the share it kept."""
+    """Drops features with a generator of the code's own and rescales each row by the share
+    it kept. ``source``: where the generator lives: ``module`` (``MASKS``), ``legacy``
+    (``LEGACY_MASKS``), ``numpy_attr`` / ``random_attr`` (``self.rng``, NumPy's or Python's
+    ``random.Random``), or ``fresh`` (``np.random.default_rng()`` at each call, seeded from
+    the OS: nothing can draw the same again)."""
 
-    def __init__(self, p: float = 0.8):
+    def __init__(self, p: float, source: str):
         super().__init__()
-        self.p = p
+        self.p, self.source = p, source
+        if source == "numpy_attr":
+            self.rng = np.random.default_rng(7)
+        elif source == "random_attr":
+            self.rng = random.Random(7)
+
+    def draw(self, shape: tuple[int, ...]) -> np.ndarray:
+        if self.source == "random_attr":
+            return np.array([self.rng.random() for _ in range(math.prod(shape))]).reshape(shape)
+        if self.source == "fresh":
+            return np.random.default_rng().random(shape)
+        rng = {"module": MASKS, "legacy": LEGACY_MASKS}.get(self.source, getattr(self, "rng", None))
+        return rng.random(shape) if self.source != "legacy" else rng.random_sample(shape)
 
     def forward(self, x):
-        keep = torch.from_numpy(MASKS.random(tuple(x.shape)) > self.p).to(x.dtype)
+        keep = torch.from_numpy(self.draw(tuple(x.shape)) > self.p).to(x.dtype)
         return x * keep / keep.mean(1, keepdim=True)
 
 
-def make_drop() -> nn.Module:
+def make_drop(source: str, p: float = 0.5, width: int = 8) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 4), FeatureDrop(), nn.Linear(4, 1))
+    return nn.Sequential(nn.Linear(width, width), FeatureDrop(p, source), nn.Linear(width, 1))
+
+
+def make_drop_module() -> nn.Module:
+    return make_drop("module")
+
+
+def make_drop_legacy() -> nn.Module:
+    return make_drop("legacy")
+
+
+def make_drop_numpy_attr() -> nn.Module:
+    return make_drop("numpy_attr")
+
+
+def make_drop_random_attr() -> nn.Module:
+    return make_drop("random_attr")
+
+
+def make_drop_fresh() -> nn.Module:
+    return make_drop("fresh", p=0.8, width=4)
 
 
 class Annealed(nn.Module):
@@ -66,8 +107,9 @@ def make_annealed_own() -> nn.Module:
 
 @torch.library.custom_op("nanreplay_tests::stochastic_round", mutates_args=())
 def stochastic_round(x: torch.Tensor) -> torch.Tensor:
-    """floor(x + u), u ~ U[0, 1): unbiased rounding to integers (low-precision training)."""
-    u = torch.from_numpy(ROUNDING.random(tuple(x.shape))).to(x.dtype)
+    """floor(x + u), u ~ U[0, 1): unbiased rounding to integers (low-precision training), u
+    from a generator seeded from the OS at each call."""
+    u = torch.from_numpy(np.random.default_rng().random(tuple(x.shape))).to(x.dtype)
     return torch.floor(x + u)
 
 

@@ -5,7 +5,10 @@ state kept where the bundle holds it replays."""
 
 from __future__ import annotations
 
+import contextlib
+
 import nondeterministic_models as M
+import numpy as np
 import pytest
 import torch
 from bundles import nanreplay_json, source_line
@@ -26,7 +29,7 @@ def fire(make: str, tmp_path, features: int = 4, steps: int = 300) -> int:
     g = torch.Generator().manual_seed(0)
     rec = FlightRecorder(model, opt, loss_fn=torch.nn.MSELoss(), out_dir=tmp_path,
                          factory=f"nondeterministic_models:{make}")
-    with pytest.raises(NonFiniteError) as info, rec:
+    with pytest.raises(NonFiniteError) as info, rec:  # (the first step it NaN in)
         for _ in range(steps):
             x, y = torch.randn(8, features, generator=g), torch.randn(8, 1, generator=g)
             loss = rec.loss_fn(model(x), y)
@@ -44,20 +47,64 @@ def replayed(tmp_path) -> dict:
     return rep
 
 
-def test_masks_from_a_numpy_generator_are_named_where_torch_takes_them(tmp_path):
-    """Dropout masks drawn from ``np.random.default_rng`` (which the bundle does not hold, as
-    it holds torch's, Python's and ``np.random``'s): a row that kept nothing is 0/0. Each
-    re-run draws other masks, NaN in other rows (not "reproduced", as when two runs NaN
-    anywhere compared equal): the first op that differs takes the NumPy array into torch,
-    on the mask's line, in the dropout module; the hint names the generator."""
-    fire("make_drop", tmp_path)
+def test_masks_from_a_fresh_numpy_generator_are_named_where_torch_takes_them(tmp_path):
+    """Dropout masks drawn from ``np.random.default_rng()`` made at each call (seeded from the
+    OS: no bundle can hold it): a row that kept nothing is 0/0. Each re-run draws other masks,
+    NaN in other rows (not "reproduced", as when two runs NaN anywhere compared equal): the
+    first op that differs takes the NumPy array into torch, on the mask's line, in the
+    dropout module; the hint names such generators."""
+    fire("make_drop_fresh", tmp_path)
     rep = replayed(tmp_path)
     d = rep["diverged"]
     assert (d["op"], d["why"], d["phase"], d["module"], d["source"]) == (
         "aten.lift_fresh", "outside", "forward", "1",
-        line_of("keep = torch.from_numpy(MASKS.random(tuple(x.shape)) > self.p)")), d
+        line_of("keep = torch.from_numpy(self.draw(tuple(x.shape)) > self.p)")), d
     assert "numpy.random.default_rng()" in rep["hint"], rep["hint"]
     assert any("a tensor no torch op of the step made" in p for p in rep["problems"])
+
+
+@pytest.mark.parametrize("make", ["make_drop_module", "make_drop_legacy", "make_drop_numpy_attr",
+                                  "make_drop_random_attr"])
+def test_generators_the_code_keeps_are_recorded_and_replayed(tmp_path, make):
+    """The same dropout drawing from a NumPy ``Generator`` or legacy ``RandomState`` at module
+    level beside the model's class, or from a NumPy or ``random.Random`` generator kept on
+    the module: the recorder captures each as the step begins (drawing nothing: the run is
+    the same with and without it), the replay sets it back before each re-run, so the
+    recorded step (several steps in, the generator far from its seed) comes back: the
+    division on its line, the recorded row, 0/0."""
+    step = fire(make, tmp_path, features=8)
+    (bundle,) = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert step > 0 and (rep["reproduced"], o["op"], o["module"], o["samples"], rep["cause"]) \
+        == (True, "aten.div", "1", rep["event"]["samples"], "invalid"), (step, o, rep["problems"])
+    assert o["source"] == line_of("return x * keep / keep.mean(1, keepdim=True)"), o
+
+
+@pytest.mark.parametrize("make", ["make_drop_module", "make_drop_random_attr"])
+def test_capturing_the_code_s_generators_draws_nothing(tmp_path, make):
+    """Eight steps (before the first all-dropped row) with and without the recorder: the same
+    losses, bit for bit, and the generators left where the run without it left them."""
+    def run(record: bool):
+        model = getattr(M, make)()
+        M.MASKS.bit_generator.state = np.random.default_rng(0).bit_generator.state
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(1)
+        rec = FlightRecorder(model, opt, loss_fn=torch.nn.MSELoss(), out_dir=tmp_path,
+                             factory=f"nondeterministic_models:{make}") if record else None
+        losses = []
+        with rec if rec is not None else contextlib.nullcontext():
+            for _ in range(8):
+                x, y = 0.01 + torch.rand(8, 8, generator=g), torch.randn(8, 1, generator=g)
+                out = model(x)
+                loss = (rec.loss_fn if rec is not None else torch.nn.functional.mse_loss)(out, y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+        return losses, (M.MASKS.random(), model[1].rng.random() if make.endswith("attr") else None)
+
+    assert run(True) == run(False)
 
 
 def test_a_temperature_annealed_in_a_global_names_the_division_and_its_two_values(tmp_path):
