@@ -14,6 +14,7 @@ from recorder.capture import tensor_leaves
 from recorder.finite import finite, kind_of, label
 
 from . import below_one, output_places, outside, summed_grads, through_time
+from .anomaly_stop import UNSEEN_HINT, anomaly_note
 from .backward import find_backward_origin
 from .cached_grads import cached_hint, cached_note, gradient_cached
 from .cause import classify
@@ -403,20 +404,17 @@ def _backward_fields(b) -> dict[str, Any]:
 
 def report_dropped_nan(report, runner: Runner) -> dict[str, Any]:
     """Anomaly mode stopped the recorded backward at a node's NaN, and the re-run, without
-    anomaly mode, gives every parameter a finite gradient: a later node dropped the NaN (a
-    clamp's or a where's backward zeroes it). The node is named; a NaN it made at its
-    derivative's pole (an input exactly 0) is ``invalid``, as exact arithmetic makes it."""
+    anomaly mode, gives every parameter a finite gradient (see :mod:`replay.anomaly_stop`).
+    The node is named; a NaN it made at its derivative's pole (an input exactly 0) is
+    ``invalid``, as exact arithmetic makes it."""
     b = backward_origin(runner)
     origin = _backward_fields(b)
     at_pole = b.node is not None and b.saved_zero == "0"
     report = finish(report, origin, "invalid" if at_pole else None, reproduced=b.node is not None,
                     hint=(f"{b.node} made NaN at its derivative's pole (an input exactly 0); "
-                          + DO["backward_pole"]) if at_pole else None)
-    report["problems"].append(
-        "torch.autograd's anomaly mode (set_detect_anomaly) stopped training at this NaN, but "
-        "re-run without it every parameter's gradient is finite: a later backward node drops "
-        "it (a clamp's or a where's backward zeroes it), so the update would have gone on; fix "
-        "the node above, or train without anomaly mode and let the recorder watch")
+                          + DO["backward_pole"]) if at_pole else
+                    None if b.node is not None else UNSEEN_HINT)
+    report["problems"].append(anomaly_note(b.node is not None))
     return report
 
 

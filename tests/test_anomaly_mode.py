@@ -58,3 +58,34 @@ def test_a_nan_that_reaches_the_parameters_is_the_usual_backward_report(tmp_path
         "backward", "SqrtBackward0", "invalid", True), o
     assert set(o["params"]) == {"lin.weight", "lin.bias"}
     assert not any("anomaly mode" in p for p in rep["problems"])
+
+
+def test_a_nan_of_a_penalty_outside_loss_fn_is_not_said_dropped(tmp_path):
+    """The loop adds a penalty to the loss ``loss_fn`` returned, ``sqrt(|out * x0|)``, whose
+    backward is NaN for a record with ``x0 = 0`` (abs's derivative at 0 times sqrt's infinite
+    one): anomaly mode stops the step in ``AbsBackward0``. The replay re-runs the model and
+    ``loss_fn``, whose backward is finite: the node is not in what it re-runs, which the note
+    says (not that a later node dropped the NaN, which it did not: without anomaly mode every
+    parameter's gradient is NaN), and the hint says to compute the whole loss in loss_fn."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(model, opt, loss_fn=torch.nn.MSELoss(), out_dir=tmp_path)
+    with pytest.raises(RuntimeError, match="Function 'AbsBackward0' returned nan") as info, \
+            pytest.warns(UserWarning), torch.autograd.detect_anomaly(), rec:
+        for step in range(4):
+            x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+            x[3, 0] = 0.0 if step == 2 else x[3, 0]
+            out = model(x)
+            loss = rec.loss_fn(out, y) + 1e-3 * (out * x[:, :1]).abs().sqrt().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    [bundle] = list(tmp_path.glob("*.nan"))
+    rep = json.loads(invoke_cli(bundle, "--json").stdout)
+    assert (rep["event"]["step"], rep["reproduced"], rep["origin"]["op"]) == (2, False, None), rep
+    assert any("makes no NaN: the node that made it is not in what the replay re-runs"
+               in p for p in rep["problems"]), rep["problems"]
+    assert not any("a later backward node drops it" in p for p in rep["problems"])
+    assert rep["hint"].startswith("compute the whole loss inside loss_fn"), rep["hint"]
