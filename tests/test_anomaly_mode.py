@@ -72,7 +72,7 @@ def test_a_nan_of_a_penalty_outside_loss_fn_is_not_said_dropped(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(0)
     rec = FlightRecorder(model, opt, loss_fn=torch.nn.MSELoss(), out_dir=tmp_path)
-    with pytest.raises(RuntimeError, match="Function 'AbsBackward0' returned nan") as info, \
+    with pytest.raises(RuntimeError, match="Function 'AbsBackward0' returned nan"), \
             pytest.warns(UserWarning), torch.autograd.detect_anomaly(), rec:
         for step in range(4):
             x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
