@@ -37,6 +37,7 @@ _NOT_UNIQUE = frozenset({"svd", "linalg_svd", "_linalg_svd", "linalg_eigh", "_li
                          "linalg_eig", "geqrf", "linalg_qr", "linalg_lstsq", "_linalg_eigvals",
                          "linalg_eigvals", "orgqr", "ormqr"})
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK = 1 << 22  # elements fingerprinted at once (two int64 copies: 64 MB)
 
 
 def fingerprint(t: torch.Tensor) -> tuple:
@@ -49,9 +50,12 @@ def fingerprint(t: torch.Tensor) -> tuple:
     x = torch.view_as_real(t.detach()) if t.is_complex() else t.detach()
     x = x.contiguous().reshape(-1)
     x = x.view(_INTS[x.element_size()]) if x.dtype != torch.bool else x.to(torch.uint8)
-    x = x.to(torch.int64)
-    at = torch.arange(1, x.numel() + 1, device=x.device, dtype=torch.int64)
-    return head + tuple(torch.stack([x.sum(), (x * at).sum()]).tolist())
+    sums = torch.zeros(2, dtype=torch.int64, device=x.device)
+    for i in range(0, x.numel(), _CHUNK):  # (int64 copies of a chunk at a time, not of all)
+        part = x[i:i + _CHUNK].to(torch.int64)
+        at = torch.arange(i + 1, i + part.numel() + 1, device=x.device, dtype=torch.int64)
+        sums += torch.stack([part.sum(), (part * at).sum()])
+    return head + tuple(sums.tolist())
 
 
 class _Trace(TorchDispatchMode):
