@@ -141,3 +141,23 @@ class RoundedNorm(nn.Module):
 def make_rounded() -> nn.Module:
     torch.manual_seed(0)
     return RoundedNorm()
+
+
+class Alternating(nn.Module):
+    """Alternates its activation at every call, by a call count kept in ``ANNEAL`` (a schedule
+    shared by several models): log-features of a tanh (negative: NaN) or of a sigmoid."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+
+    def forward(self, x):
+        ANNEAL["calls"] += 1
+        h = self.q(x)
+        h = torch.tanh(h) if ANNEAL["calls"] % 2 else torch.sigmoid(h)
+        return h.log().sum(1, keepdim=True)
+
+
+def make_alternating() -> nn.Module:
+    torch.manual_seed(0)
+    return Alternating()

@@ -151,3 +151,19 @@ def test_a_custom_op_with_a_generator_of_its_own_is_named_as_the_nondeterministi
     ), d
     assert "a custom op" in rep["hint"] and "torch.Generator" in rep["hint"] \
         and "use_deterministic_algorithms" not in rep["hint"], rep["hint"]
+
+
+def test_code_that_branches_on_a_global_names_the_ops_of_the_two_paths(tmp_path):
+    """The activation alternates by a call count in a module-level dict: the run's first step
+    took tanh, whose log of a negative value is NaN; one re-run takes tanh, the next sigmoid.
+    The report says the re-runs took different paths, names the op the second ran where the
+    first ran the other, on the branch's line."""
+    M.ANNEAL["calls"] = 0
+    assert fire("make_alternating", tmp_path) == 0
+    M.ANNEAL["calls"] = 0
+    rep = replayed(tmp_path)
+    d = rep["diverged"]
+    assert (d["why"], {d["op"], d["first_ran"]}, d["module"], d["source"]) == (
+        "path", {"aten.tanh", "aten.sigmoid"}, "",
+        line_of("h = torch.tanh(h) if ANNEAL[\"calls\"] % 2 else torch.sigmoid(h)")), d
+    assert any(p.startswith("the two re-runs took different paths") for p in rep["problems"])
