@@ -29,6 +29,7 @@ from .cast_overflow import data_hint
 from .data_hints import data_hints
 from .derived_input import derived_input_hint
 from .diverging_hint import diverging_hint
+from .diverging_op import rounding_only
 from .eps_checked import checked_eps
 from .errors import FactoryRefused
 from .fed_back import report_fed_back
@@ -381,7 +382,7 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
     if step.event.get("kind") == "scale":  # a GradScaler event: re-run the scaled backward
         runner.loss_scale = scale_of_the_step(step)
     run1, run2 = runner.run_twice(report)  # (from the same weights: refit_in_forward)
-    if run1.signature() != run2.signature():
+    if run1.signature() != run2.signature() and not rounding_only(report, run1, run2, runner):
         return disagreeing(report, step, runner)  # (a torch.empty's garbage: unwritten_rerun)
     report["fidelity"] = fid = fidelity.compare(step, run1, runner.frozen_written())
     report["problems"] += fidelity.notes(fid, step)  # (a path or weights the run had not)

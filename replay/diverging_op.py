@@ -127,6 +127,30 @@ def first_divergence(runner) -> dict[str, Any] | None:
     return None
 
 
+def rounding_only(report: dict[str, Any], run1, run2, runner) -> bool:
+    """Two re-runs that differ in rounding only (``Run.same_but_rounding``), where an op
+    itself is not deterministic (a CUDA kernel's atomic adds, a custom op summing in thread
+    order): they agree on every non-finite value and its rows, so what either shows of the
+    event holds for both. Said in ``report`` (``diverged``, a note) when so."""
+    if not run1.same_but_rounding(run2):
+        return False
+    found = first_divergence(runner)
+    if found is None or found["why"] != "op":
+        return False
+    report["diverged"] = found
+    report["problems"].append(_rounding_note(found))
+    return True
+
+
+def _rounding_note(d: dict[str, Any]) -> str:
+    return ("the two re-runs differ in rounding only: "
+            + divergence_sentence(d).removeprefix("the first op whose result differed between "
+                                                  "two re-runs is ")
+            + "; they agree on every non-finite value and its rows, so the origin below holds "
+            "for both (a deterministic kernel, torch.use_deterministic_algorithms(True), "
+            "makes the step reproducible bit for bit)")
+
+
 def _traced(runner, first: list | None) -> _Trace:
     trace = _Trace(first)
 

@@ -21,7 +21,7 @@ from recorder.running_stats import statistics_finite, statistics_kind
 from recorder.samples import Samples, packed_in
 from recorder.scripted import hookable_modules
 
-from .compat import in_buffers, running_node
+from .compat import holds_no_data, in_buffers, running_node
 from .input_container import IN_PLACE
 from .memo import TensorMemo, TensorSet
 from .recorded import samples
@@ -155,11 +155,35 @@ class CallRecorder:
         rows = (_output_rows(outs, samples(self.runner.step, mb), packed_in(output))
                 if not ok_out and not of_weights else [])
         nan = any(math.isnan(lo) or math.isnan(hi) for lo, hi in pairs) or kind == "nan"
+        bits, sums = _digests(outs)
         self.result.calls.append(Call(len(self.result.calls), name, k, mb, ok_in, ok_out, kind,
                                       mm, parents, call_id, rows, nan, every_in, nan_free_in,
                                       running_node() is not None,
                                       self.called_at.pop(call_id, None),
-                                      statistic=wrote is not None))
+                                      statistic=wrote is not None, bits=bits, sums=sums))
+
+
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _digests(outs: list[torch.Tensor]) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """Each output's values read as integers and summed, and its finite values' sum and
+    absolute sum (see below): two runs whose outputs differ in any bit, where their (min,
+    max) may not, differ in the first; the second tells rounding from another computation
+    (``Run.same_but_rounding``)."""
+    bits, sums = [], []
+    with torch.no_grad():
+        for t in outs:
+            x = real_view(t)
+            if x.layout is not torch.strided or type(x) is not torch.Tensor \
+                    or x.element_size() not in _INTS or holds_no_data(x) or not x.numel():
+                continue
+            bits.append(x.contiguous().view(_INTS[x.element_size()]).sum(dtype=torch.int64))
+            ok = torch.where(torch.isfinite(x), x, 0).double()
+            sums.append(torch.stack([ok.sum(), ok.abs().sum()]))
+    if not bits:
+        return (), ()
+    return tuple(torch.stack(bits).tolist()), tuple(torch.stack(sums).flatten().tolist())
 
 
 def returned_input(output, args, kwargs) -> str | None:

@@ -7,6 +7,7 @@ parameters left with non-finite gradients, and what the model's own code raised.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,8 @@ class Call:
     # it wrote a non-finite value into its running statistics (its outputs finite or not):
     # state, an event by the default policy as a NaN is (recorder.running_stats)
     statistic: bool = False
+    bits: tuple = ()  # its outputs' bits summed as integers, to compare runs bit for bit
+    sums: tuple = ()  # its outputs' finite values' sum and absolute sum, output after output
 
 
 @dataclass
@@ -187,9 +190,48 @@ class Run:
     def signature(self) -> tuple:
         """What two runs of a deterministic step must agree on, bit for bit."""
         # (the rows too: two runs NaN in other rows have the same min and max, NaN)
-        return (tuple((c.module, c.call, c.micro_batch, c.minmax, tuple(c.bad_rows))
+        return (tuple((c.module, c.call, c.micro_batch, c.minmax, tuple(c.bad_rows), c.bits)
                       for c in self.calls),
                 tuple(self.loss_values), tuple(self.bad_grads), self.raised)
+
+    def same_but_rounding(self, other: Run, rel: float = 1e-3) -> bool:
+        """``other`` made the same calls, each non-finite where and as this run's (the same
+        rows), the same losses' and gradients' verdicts and the same error, every (min, max)
+        and loss value within ``rel`` of this run's: two runs of a kernel that rounds
+        differently each time (CUDA's atomic adds), not two computations."""
+        if len(self.calls) != len(other.calls) or (
+                self.loss_finite, self.bad_grads, self.raised) != (
+                other.loss_finite, other.bad_grads, other.raised):
+            return False
+        for a, b in zip(self.calls, other.calls):
+            if (a.module, a.call, a.micro_batch, a.outputs_finite, a.kind, a.bad_rows, a.nan) \
+                    != (b.module, b.call, b.micro_batch, b.outputs_finite, b.kind, b.bad_rows,
+                        b.nan) or len(a.minmax) != len(b.minmax):
+                return False
+            if not all(_near(x, y, rel) for pa, pb in zip(a.minmax, b.minmax)
+                       for x, y in zip(pa, pb)) or not _sums_near(a.sums, b.sums, rel):
+                return False
+        return len(self.loss_values) == len(other.loss_values) and all(
+            len(la.split(";")) == len(lb.split(";"))
+            and all(_near(x, y, rel) for x, y in zip(la.split(";"), lb.split(";")))
+            for la, lb in zip(self.loss_values, other.loss_values))
+
+
+def _sums_near(a: tuple, b: tuple, rel: float) -> bool:
+    """Each output's finite sums (sum, absolute sum) within ``rel`` of the absolute sum."""
+    return len(a) == len(b) and all(
+        abs(a[i] - b[i]) <= rel * max(a[i + 1], b[i + 1]) + 1e-6
+        and math.isclose(a[i + 1], b[i + 1], rel_tol=rel, abs_tol=1e-6)
+        for i in range(0, len(a), 2))
+
+
+def _near(a: str, b: str, rel: float) -> bool:
+    """Two values as :class:`Call` and ``loss_values`` keep them (``repr``), within ``rel``;
+    NaN near NaN only, an infinity near the same infinity only."""
+    x, y = float(a), float(b)
+    if math.isnan(x) or math.isnan(y):
+        return math.isnan(x) and math.isnan(y)
+    return x == y or math.isclose(x, y, rel_tol=rel, abs_tol=1e-6)
 
 
 def dropped_non_finite(model: torch.nn.Module) -> tuple[list[str], str | None]:

@@ -161,3 +161,64 @@ class Alternating(nn.Module):
 def make_alternating() -> nn.Module:
     torch.manual_seed(0)
     return Alternating()
+
+
+@torch.library.custom_op("nanreplay_tests::scatter_sum_unordered", mutates_args=())
+def scatter_sum_unordered(src: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+    """``src``'s rows summed into ``n`` rows by ``index``, in an order that changes from call
+    to call, as CUDA's atomic adds do: the same sums, rounded differently."""
+    out = src.new_zeros(n, src.shape[1])
+    for i in np.random.default_rng().permutation(len(index)).tolist():
+        out[index[i]] += src[i]
+    return out
+
+
+@scatter_sum_unordered.register_fake
+def _(src, index, n):
+    return src.new_empty(n, src.shape[1])
+
+
+def _scatter_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+
+
+def _scatter_grad(ctx, grad):
+    (index,) = ctx.saved_tensors
+    return grad[index], None, None
+
+
+scatter_sum_unordered.register_autograd(_scatter_grad, setup_context=_scatter_context)
+
+
+class GraphConv(nn.Module):
+    """A graph layer summing (``mean=False``) or averaging (sum over edges / in-degree) each
+    node's incoming messages with :func:`scatter_sum_unordered`; under the mean, a node no
+    edge reaches is 0/0."""
+
+    def __init__(self, d: int, mean: bool):
+        super().__init__()
+        self.msg = nn.Linear(d, d)
+        self.mean = mean
+
+    def forward(self, x, edges):
+        src, dst = edges
+        m = scatter_sum_unordered(self.msg(x)[src], dst, x.shape[0])
+        if not self.mean:
+            return torch.relu(m)
+        deg = scatter_sum_unordered(torch.ones(len(dst), 1), dst, x.shape[0])
+        return torch.relu(m / deg)
+
+
+class TwoHopGNN(nn.Module):
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.conv1, self.conv2 = GraphConv(d, mean=False), GraphConv(d, mean=True)
+        self.out = nn.Linear(d, 1)
+
+    def forward(self, x, edges):
+        return self.out(self.conv2(self.conv1(x, edges), edges))
+
+
+def make_mean_aggregation() -> nn.Module:
+    torch.manual_seed(0)
+    return TwoHopGNN()

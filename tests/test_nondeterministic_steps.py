@@ -167,3 +167,40 @@ def test_code_that_branches_on_a_global_names_the_ops_of_the_two_paths(tmp_path)
         "path", {"aten.tanh", "aten.sigmoid"}, "",
         line_of("h = torch.tanh(h) if ANNEAL[\"calls\"] % 2 else torch.sigmoid(h)")), d
     assert any(p.startswith("the two re-runs took different paths") for p in rep["problems"])
+
+
+def test_sums_rounded_in_another_order_each_run_still_replay_the_event(tmp_path):
+    """A two-layer graph network whose scatter-sum adds in a new order at each call (as CUDA's
+    atomic adds do): two re-runs differ in the last bits of the first layer's sums, but not in
+    where the NaN is. At step 2 node 5 has no incoming edge, 0/0 in the second layer's mean:
+    the replay says the re-runs differ in rounding only, at the first layer's scatter-sum,
+    and goes on: reproduced, the division on its line in conv2, node 5, invalid. (Before,
+    "NOT reproduced", as every such model on a GPU was.)"""
+    model = M.make_mean_aggregation()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(model, opt, loss_fn=torch.nn.MSELoss(), out_dir=tmp_path,
+                         factory="nondeterministic_models:make_mean_aggregation")
+    isolated, n = 5, 12
+    with pytest.raises(NonFiniteError) as info, rec:
+        for step in range(4):
+            dst = torch.randint(0, n, (96,), generator=g)
+            if step == 2:
+                dst[dst == isolated] = (isolated + 1) % n
+            edges = torch.stack([torch.randint(0, n, (96,), generator=g), dst])
+            x, y = torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)
+            loss = rec.loss_fn(model(x, edges), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert info.value.event["step"] == 2
+    (bundle,) = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle)
+    o, d = rep["origin"], rep["diverged"]
+    assert (rep["reproduced"], o["op"], o["module"], o["samples"], rep["cause"]) == (
+        True, "aten.div", "conv2", [isolated], "invalid"), (o, rep["problems"])
+    assert o["source"] == line_of("return torch.relu(m / deg)"), o
+    assert (d["op"], d["why"], d["module"], d["source"]) == (
+        "nanreplay_tests.scatter_sum_unordered", "op", "conv1",
+        line_of("m = scatter_sum_unordered(self.msg(x)[src], dst, x.shape[0])")), d
+    assert any(p.startswith("the two re-runs differ in rounding only") for p in rep["problems"])
