@@ -179,8 +179,9 @@ def _digests(outs: list[torch.Tensor]) -> tuple[tuple[int, ...], tuple[float, ..
                     or x.element_size() not in _INTS or holds_no_data(x) or not x.numel():
                 continue
             bits.append(x.contiguous().view(_INTS[x.element_size()]).sum(dtype=torch.int64))
-            ok = torch.where(torch.isfinite(x), x, 0).double()
-            sums.append(torch.stack([ok.sum(), ok.abs().sum()]))
+            ok = torch.where(torch.isfinite(x), x, 0)  # (summed in float64, not copied to it)
+            sums.append(torch.stack([ok.sum(dtype=torch.float64),
+                                     ok.abs().sum(dtype=torch.float64)]))
     if not bits:
         return (), ()
     return tuple(torch.stack(bits).tolist()), tuple(torch.stack(sums).flatten().tolist())
