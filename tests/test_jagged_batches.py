@@ -4,7 +4,8 @@ classifier whose projections, attention (``F.scaled_dot_product_attention`` over
 jagged query, key and value into strided nested tensors, which refuse most ops: the op
 finder's trackers failed on them, and that failure, a ``NotImplementedError``, was taken by
 the jagged tensor's ``__torch_function__`` for an op it lacks, so the re-run went on unwatched
-and the report named no op ('nan made by <root>', the ``def forward`` line)."""
+and the report named no op ('nan made by <root>', the ``def forward`` line). A sequence of
+length 0 is named as an empty record by the sizes the bundle keeps of the nested batch."""
 
 from __future__ import annotations
 
@@ -98,7 +99,9 @@ def test_an_empty_sequence_is_named_at_the_pooling_div_and_dropped(tmp_path):
     assert rep["reproduced"] and (o["op"], o["module"], o["samples"], rep["cause"]) == \
         ("aten.div", "", [BAD_SEQ], "invalid")
     assert "/ lengths" in rep["source_lines"][o["source"]]
-    assert rep["what_if"][0]["finite"] is True
+    # (the bundle keeps each sequence's size: the empty one is named as such)
+    assert f"Sample(s) {BAD_SEQ} are empty records: the lengths of batch" in rep["hint"]
+    assert f"--try drop={BAD_SEQ}" in rep["hint"] and rep["what_if"][0]["finite"] is True
 
 
 def test_a_zero_sequence_is_named_at_its_jagged_div(tmp_path):
