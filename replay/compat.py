@@ -44,11 +44,13 @@ from recorder.compat import func_transform, version_of
 __all__ = ["TorchDispatchMode", "tree_leaves", "tree_map", "version", "version_of", "sequence_nr",
            "func_transform",
            "running_node", "saved_value", "writes_arguments",
-           "set_parameter", "set_buffer", "remove_member", "FOREACH_MUL_", "custom_op_kernel",
+           "set_parameter", "set_buffer", "OP_ERROR", "remove_member", "FOREACH_MUL_", "custom_op_kernel",
            "written_places", "returns_values"]
 
 FOREACH_MUL_ = torch.ops.aten._foreach_mul_.Scalar
 _EFFICIENT_ZERO = torch.ops.aten._efficientzerotensor
+# set on an exception an aten op raised inside one of the replay's dispatch modes
+OP_ERROR = "nanreplay_op_error"
 
 
 class TorchDispatchMode(_TorchDispatchMode):
@@ -67,7 +69,15 @@ class TorchDispatchMode(_TorchDispatchMode):
                 return tree_map(_real_zeros, func(*args, **(kwargs or {})))
             if _any_zeros(args, kwargs):
                 args, kwargs = tree_map(_real_zeros, (args, kwargs))
-            return own(self, func, types, args, kwargs)
+            try:
+                return own(self, func, types, args, kwargs)
+            except NotImplementedError as e:
+                if getattr(e, OP_ERROR, False):  # (the op's own: a subclass falls back on it)
+                    raise
+                # the mode's own failure: as NotImplementedError a tensor subclass's
+                # __torch_function__ (a jagged nested tensor's) takes it for an op it lacks,
+                # runs another path unwatched and the failure goes unseen
+                raise RuntimeError(f"{type(self).__name__} failed on {func}: {e}") from e
         cls.__torch_dispatch__ = __torch_dispatch__
 
 

@@ -27,6 +27,7 @@ from recorder.finite import zero_one
 
 from .ignored_rows import ignored_rows_hint
 from .load import Step
+from .nested_lengths import nested_lengths
 from .recorded import n_args, samples
 from .zero_lengths import zero_length_hint
 
@@ -60,7 +61,8 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
         return
     # (a graph batch's count of nodes per graph: replay.empty_graphs names its empty graphs)
     if _length_zero(report, data, rows) or samples(step, mb).segments is None \
-            and zero_length_hint(report, sample_tensors(step, mb, loss), rows):
+            and zero_length_hint(report, [*sample_tensors(step, mb, loss),
+                                          *nested_lengths(step, mb)], rows):
         return
     names = [name for name, t, d in data if _empty_in(t, d, rows, least=2)]
     if names:  # (a sequence of one step: its next-step targets, mask[:, 1:], are none)

@@ -61,6 +61,7 @@ from .saturation import Saturation, made_mix, made_unit
 from .shifted_positive import shifted_maker
 from .source import user_source
 from .storages import storage_of
+from .strided_nested import on_strided_nested
 from .underflow_advice import PICKS, made_by_exp
 from .uninitialised import PASSED_OVER, Unwritten
 from .zero_operand import ZeroOperand
@@ -361,6 +362,8 @@ class OpFinder:
         """Where the op's outputs came from, when a lineage is kept (integer and bool values
         too: a loss's matches, masks, labels)."""
         self.composites.see(name, args, self.seen - 1)
+        if on_strided_nested(leaves, out):  # (math attention's: its values go unread)
+            return
         self.lost_eps.track(name, args, out)
         self.read.track(name, out)
         self.zero_operand.track(name, args, out)

@@ -19,6 +19,7 @@ from recorder.finite import finite
 from .compat import tree_leaves
 from .dispatch import float_leaves
 from .fresh import POINTWISE
+from .strided_nested import on_strided_nested
 
 # ops whose output row i is made of their first input's row i alone (the weights are shared):
 # an encoder's convolution that overflows in float16 in rows of its own
@@ -70,6 +71,8 @@ def widen_rows(f: Any, func, args, kwargs, out, early: bool = False):
             or f.where != hit.within or f.in_allowed_module():
         return out
     leaves = tree_leaves((args, kwargs))
+    if on_strided_nested(leaves, out):  # (math attention's, whose values no op here reads)
+        return out
     w = _WIDENED.get(f)
     if w is None or w.hit is not hit:
         w = _WIDENED[f] = _Widened(hit, set(hit.rows))

@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from .compat import no_process_group
+from .compat import OP_ERROR, no_process_group
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIRS = tuple(os.path.dirname(os.path.dirname(__file__)) + os.sep + d + os.sep
@@ -32,8 +32,6 @@ _PASS_THROUGH = tuple(os.path.join(os.path.dirname(__file__), f)
                       for f in ("grad_hooks.py", "lost_eps.py", "below_one.py", "compat.py"))
 _DIST_DIR = os.path.join(_TORCH_DIR, "distributed") + os.sep
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
-# set on an exception an aten op raised inside one of the replay's dispatch modes
-OP_ERROR = "nanreplay_op_error"
 
 
 def user_source(stack=None) -> str | None:
