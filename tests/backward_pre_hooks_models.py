@@ -4,12 +4,12 @@ practitioners write it.
 
 - DANN's gradient reversal layer: an ``nn.Identity`` before the domain head whose
   ``register_full_backward_pre_hook`` returns ``(-lambda * grad_output[0],)``, lambda from the
-  paper's schedule ``2 / (1 + exp(-10 p)) - 1`` (``grl_hook``, ``dann_lambda``);
+  paper's schedule ``2 / (1 + exp(-10 p)) - 1`` (``grl_hook``, ``dann_lambda``), or a
+  ``GradReverse`` module the factory builds, its lambda an attribute the loop sets;
 - a per-module gradient normaliser as a backward pre-hook, ``grad_output / its norm``
   (``unit_grad_output``);
 - global logging hooks (``register_module_forward_hook``, ``register_module_full_backward_hook``)
-  that read every module's output and gradient (``GlobalLogger``);
-- a forward pre-hook standardising a layer's input with a running std (``RunningStandardise``).
+  that read every module's output and gradient (``GlobalLogger``).
 """
 
 from __future__ import annotations
@@ -94,27 +94,11 @@ class GlobalLogger:
             h.remove()
 
 
-class RunningStandardise:
-    """A forward pre-hook standardising a layer's input with a running std of each feature
-    (an exponential average of the batches' std), registered by the training script."""
-
-    def __init__(self, momentum: float = 0.1):
-        self.momentum, self.std = momentum, None
-
-    def __call__(self, module, args):
-        x = args[0]
-        s = x.detach().std(0)
-        self.std = s if self.std is None else (1 - self.momentum) * self.std + self.momentum * s
-        return (x / self.std,)  # the bug: no eps; a feature constant in every batch has std 0
-
-
-def data(n: int = 64, seed: int = 0, constant_col: int | None = None):
+def data(n: int = 64, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, D_IN, generator=g)
     y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
     d = (torch.arange(n) % 2).float()  # the domain: source 0, target 1
-    if constant_col is not None:
-        x[:, constant_col] = 2.0
     return x, y, d
 
 
