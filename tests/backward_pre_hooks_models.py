@@ -9,7 +9,8 @@ practitioners write it.
 - a per-module gradient normaliser as a backward pre-hook, ``grad_output / its norm``
   (``unit_grad_output``);
 - global logging hooks (``register_module_forward_hook``, ``register_module_full_backward_hook``)
-  that read every module's output and gradient (``GlobalLogger``).
+  that read every module's output and gradient (``GlobalLogger``);
+- a forward pre-hook standardising a layer's input with a running std (``RunningStandardise``).
 """
 
 from __future__ import annotations
@@ -132,4 +133,25 @@ def make_grl_dann() -> DANN:
     """The DANN with its reversal a :class:`GradReverse`, registered where it is built."""
     model = make_dann()
     model.grl = GradReverse()
+    return model
+
+
+class RunningStandardise:
+    """A forward pre-hook standardising a layer's input with a running std of each feature
+    (an exponential average of the batches' std), registered where the model is built."""
+
+    def __init__(self, momentum: float = 0.1):
+        self.momentum, self.std = momentum, None
+
+    def __call__(self, module, args):
+        x = args[0]
+        s = x.detach().std(0)
+        self.std = s if self.std is None else (1 - self.momentum) * self.std + self.momentum * s
+        return (x / self.std,)  # the bug: no eps; a feature constant in every batch has std 0
+
+
+def make_std_dann() -> DANN:
+    """The DANN with the running standardisation on its first layer's input."""
+    model = make_dann()
+    model.features[0].register_forward_pre_hook(RunningStandardise())
     return model

@@ -20,6 +20,7 @@ from backward_pre_hooks_models import (
     make_dann,
     make_grl_dann,
     make_normalised_dann,
+    make_std_dann,
 )
 from bundles import nanreplay_json, source_line
 from torch.nn.modules import module as torch_module
@@ -35,20 +36,23 @@ FIRST_LAYER = "ignore:Full backward hook is firing:UserWarning"
 
 
 def _train(model, out_dir, *, factory, total=4, schedule=None, each_step=None, epochs=2,
-           record=True):
+           record=True, stuck=None):
     """DANN's loop (SGD): the losses, or the recorder's ``NonFiniteError``. ``schedule``:
     the dict the reversal hook reads lambda from, set each step from ``dann_lambda(step,
-    total)``; ``each_step(step, model)`` runs before each step's forward."""
+    total)``; ``each_step(step, model)`` runs before each step's forward; ``stuck``: a feature
+    column that holds 2.0 in every record (a stuck sensor)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     crit = DANNLoss()
     rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, factory=factory) \
         if record else None
-    losses, step = [], 0
+    losses, step, xs = [], 0, data()
+    if stuck is not None:
+        xs[0][:, stuck] = 2.0
     try:
         if rec is not None:
             rec.attach()
         for _ in range(epochs):
-            for x, y, d in batches(data()):
+            for x, y, d in batches(xs):
                 if schedule is not None:
                     schedule["lambda"] = dann_lambda(step, total)
                 if each_step is not None:
@@ -135,6 +139,22 @@ def test_a_gradient_normalising_pre_hook_over_a_dead_branch_is_named(tmp_path):
     hint = rep["hint"]
     assert "backward pre-hook of module domain.0 (register_full_backward_pre_hook)" in hint
     assert "the gradient the hook was given is 0" in hint and "at the pole" not in hint, hint
+
+
+def test_a_standardising_forward_pre_hook_of_a_layer_is_named_in_that_layer(tmp_path):
+    """The factory puts a forward pre-hook on ``features.0`` dividing its input by a running
+    std; column 3 is stuck at one value, its std 0: x / 0 there. The replay named the parent
+    ``features``, whose call the hook's op ran in before the layer's own began; it names
+    ``features.0``, the hook's aten.div and line, and the column."""
+    err = _train(make_std_dann(), tmp_path, factory="backward_pre_hooks_models:make_std_dann",
+                 stuck=3)
+    rep = nanreplay_json(err.bundle_path, code=None)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["module"], o["op"], o["source"],
+            o["samples"], rep["cause"]) == (
+        0, "forward", "features.0", "aten.div", source_line(MODELS, "return (x / self.std,)"),
+        list(range(16)), "invalid"), rep
+    assert "column(s) [3]" in rep["hint"], rep["hint"]
 
 
 @pytest.mark.filterwarnings(FIRST_LAYER)
