@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .compat import accumulate_hooks, forward_hooks, grad_hooks
+from .hook_values import filled, nonfinite_values
 from .hooks import Hook
 from .unhooked_call import unwrapped
 
@@ -112,8 +113,10 @@ def describe(fn: Any) -> dict[str, Any]:
     if code is None:
         return {"name": name}
     line, text, returns = _telling_line(code)
+    held = nonfinite_values(fn)  # (a gradient reversal's lambda a schedule made NaN)
     return {"name": name, "source": f"{Path(code.co_filename).name}:{line}", "line": text,
-            **({} if returns is None else {"returns": returns})}
+            **({} if returns is None else {"returns": returns}),
+            **({"nonfinite": held} if held else {})}
 
 
 def _code(fn: Any):
@@ -153,7 +156,7 @@ def closure_optimizer(fn: Any, p: torch.Tensor) -> dict[str, Any] | None:
     """The optimizer a hook's closure holds for ``p`` (one per parameter in a dict or a list,
     or one over all of them): its class and the number settings of ``p``'s group."""
     cells = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ())
-             if _filled(c)]
+             if filled(c)]
     for value in cells:
         many = value.values() if isinstance(value, dict) else value \
             if isinstance(value, (list, tuple)) else (value,)
@@ -167,11 +170,3 @@ def closure_optimizer(fn: Any, p: torch.Tensor) -> dict[str, Any] | None:
                         if isinstance(v, (int, float)) and not isinstance(v, bool)
                         and math.isfinite(v)}}
     return None
-
-
-def _filled(cell) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018 (an empty cell raises)
-    except ValueError:
-        return False
-    return True

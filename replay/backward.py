@@ -37,6 +37,7 @@ from .folded_grads import FoldedGrads
 from .fractional_power import fractional_power_at_zero
 from .grad_hooks import HOOK, MODULE_HOOK, MODULE_HOOK_NODE, HookHit, HookWatch, module_hook_hit
 from .grad_rows import batch_rows, batch_rows_in, node_rows
+from .hooked_module import at_nodes
 from .lost_eps import GuardNodes
 from .masked_grad import zero_where_nan
 from .node_labels import NodeLabels, loss_labeller
@@ -50,7 +51,7 @@ from .rerun import Runner
 from .scalar_pole import scalar_at_pole
 from .source import node_caller, node_source, node_tracebacks
 from .summed_grads import SummedGrads
-from .twice_differentiated import at_forward_node, derived, forward_node
+from .twice_differentiated import derived, forward_node
 from .unflattened import packed_rows, unflattened_rows
 from .unit_complement import unit_at_root
 from .vanished_divisor import vanished_divisor
@@ -96,6 +97,7 @@ class BackwardOrigin:
     # a gradient hook the forward registered made the value, before any node (the node
     # fields above are then its: node is grad_hooks.HOOK, source the line of its op)
     hook: HookHit | None = None
+    hook_kind: str | None = None  # a module hook's registration (replay.hooked_module)
     # the eps of a guard whose output the node took (``sqrt(x + 1e-12)``) that the output's
     # type rounded to 0 (float16), see :class:`replay.lost_eps.GuardNodes`
     lost_eps: float | None = None
@@ -269,7 +271,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
     for h in handles:
         h.remove()
     found.params = run.bad_grads
-    at_forward_node(found, labels.names)  # (a derivative's node: where the fix goes)
+    at_nodes(found, labels.names, runner.model)  # (a derivative's or a module hook's node)
     if watch.hit is not None:
         _from_hook(found, watch.hit, labels.names)
     if custom and custom[0]:

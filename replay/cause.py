@@ -143,6 +143,9 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
         if ev is not None and ev.local64 is not None and bool(torch.isfinite(ev.local64).all()):
             return _beyond_type(hit.op, ev)  # (the op alone in float64 says it)
         return Cause(None, no_float64(e))
+    if hit is not None and hit.literal is not None and hit.made == "nan" and hit.inputs_finite \
+            and not hit.intentional:  # (also a hook's in backward: a reversal's NaN lambda)
+        return _from_literal(hit)
     if phase == "backward" and hit is not None and hit.evidence is not None:
         found = _from_evidence(hit, None, still)  # its values say it, as a forward op's do
         return Cause(found.name, found.hint + upstream.context(found.name, hit.evidence, None))
@@ -161,8 +164,6 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
         return Cause("invalid", f"{hit.op} {made} on purpose (a mask), and it reached the "
                      "output, where by default an infinity is an event; no op overflowed or "
                      "left its domain: " + DO["literal_inf"])
-    if hit is not None and hit.literal is not None and hit.made == "nan" and hit.inputs_finite:
-        return _from_literal(hit)
     if hit is None or hit.intentional or (hit.evidence is None and hit.inputs_finite):
         return (Cause("invalid", HINTS["loss" if phase == "loss" else "invalid"]) if still
                 else Cause("overflow", "the value is finite in float64: "

@@ -396,7 +396,9 @@ def _track_calls(finder: OpFinder, target, home: tuple[str, int], runner: Runner
     hs = []
     for name, m in hookable_modules(target, prefix=home[0]):
         if m is not target:
-            hs.append(m.register_forward_pre_hook(outside_transforms(enter(name))))
+            # (first: a forward pre-hook of its own, the user's or torch's, runs in its call)
+            hs.append(m.register_forward_pre_hook(outside_transforms(enter(name)),
+                                                  prepend=True))
             hs.append(m.register_forward_hook(outside_transforms(leave)))
     return hs + track_scripted(finder, target, home[0], lambda: runner.micro_batch == mb)
 

@@ -21,6 +21,7 @@ from recorder.finite import finite, kind_of
 from recorder.samples import Samples
 
 from .compat import grad_hooks
+from .hooked_module import FULL, PRE
 from .ops import OpFinder, OpHit
 from .source import OP_ERROR, short_path, user_source
 
@@ -136,8 +137,9 @@ def hook_hint(origin, hint: str) -> str:
     ``hook`` is set), said of the hook: its code is what to fix, not the forward's."""
     hit = origin.hook
     if hit.module_hook:
-        return (f"a backward hook of module {origin.module or '<root>'} "
-                f"(register_full_backward_hook) turned a finite gradient into {origin.made}; "
+        kind = "pre-hook" if origin.hook_kind == PRE else "hook"
+        return (f"a backward {kind} of module {origin.module or '<root>'} "
+                f"({origin.hook_kind or FULL}) turned a finite gradient into {origin.made}; "
                 f"in the hook: {hint}")
     at = f" {'defined' if hit.param else 'registered'} at {hit.registered}" \
         if hit.registered else ""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FLAT_INCOMING", "MASKED_INCOMING", "RESIDUAL_INCOMING", "RESIDUAL_NODES",
+__all__ = ["FLAT_INCOMING", "HOOK_INCOMING", "MASKED_INCOMING", "RESIDUAL_INCOMING", "RESIDUAL_NODES",
            "zero_where_nan"]
 
 MASKED_INCOMING = ("the gradient entering {node} is 0 at every entry where it made NaN: the "
@@ -32,6 +32,13 @@ FLAT_INCOMING = ("the gradient entering {node} is 0 at every entry where it made
                  "difference of two equal values, for relu at 0), not by a mask: 0 times the "
                  "infinite derivative at the pole is NaN; make the op's input safe before the "
                  "op (an eps inside it, torch.where(x > 0, x, 1))")
+
+# a hook's (module backward (pre-)hook, tensor hook) own division of a gradient that came in
+# as 0: no derivative has a pole there, the hook's divisor (that gradient's norm) is the 0
+HOOK_INCOMING = ("the gradient the hook was given is 0 at every entry where it made NaN ({by}), "
+                 "so a norm or statistic of it that the hook divides by is 0 too: guard the "
+                 "hook's divisor (g / (g.norm() + eps), g.norm().clamp_min(eps)) or return the "
+                 "gradient unchanged when it is all 0")
 
 RESIDUAL_INCOMING = ("the gradient entering {node} is 0 at every entry where it made NaN, made "
                      "so by {zeroed} of an error exactly 0 there (the loss is at its minimum: "

@@ -60,9 +60,20 @@ def backward_missing_text(step: Step, params: list[str]) -> str:
     return (f"the gradients the update was about to use{which} went through module backward "
             f"hooks the training code registered, which the factory's model lacks: "
             f"{_said(gone)}; the re-run's backward ran without them and makes every gradient "
-            "finite, so a hook's arithmetic made the non-finite values (a division by a "
-            "gradient's norm that is 0); check it, and register the hooks where the factory "
-            "builds the model so that nanreplay re-runs them")
+            f"finite, so a hook's arithmetic made the non-finite values ({_how(gone)}); check "
+            "it, and register the hooks where the factory builds the model so that nanreplay "
+            "re-runs them")
+
+
+def _how(gone: list[tuple[str, dict]]) -> str:
+    """What in the hooks made it: a non-finite number one read (a schedule's NaN lambda)
+    where the bundle names one, else the usual division."""
+    held = [v for _, h in gone for v in h.get("nonfinite", ())]
+    if held:
+        return (f"it held {', '.join(held)} when the event came: the number it scales the "
+                "gradient by is non-finite, so look at what computes it (a schedule dividing "
+                "by a total of 0)")
+    return "a division by a gradient's norm that is 0"
 
 
 def missing_text(step: Step, reading: bool = True) -> str:

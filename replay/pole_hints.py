@@ -26,7 +26,7 @@ from .centred_root import centred_hint, zero_deviations
 from .clamped_divisor import clamped_to_zero
 from .compat import saved_value
 from .hypot_pole import hypot_hint
-from .masked_grad import FLAT_INCOMING, MASKED_INCOMING, RESIDUAL_INCOMING
+from .masked_grad import FLAT_INCOMING, HOOK_INCOMING, MASKED_INCOMING, RESIDUAL_INCOMING
 from .positive import node_op
 from .rounded_bound import RoundedBound
 from .rounded_bound import said as said_bound
@@ -131,6 +131,10 @@ def pole_hint(b, cause: Cause) -> str:
                                   "xlogy_of_itself"):  # (their hints say the
         # forward hid it)
         return hint
+    if b.hook is not None:  # (the hook divided the 0 it was given: no pole, no mask to move)
+        by = f"sent back by {b.flat_by}'s derivative: a dead unit or branch" if b.flat_by \
+            else "the forward dropped or masked the hooked output there"
+        return f"{hint}; {HOOK_INCOMING.format(by=by)}"
     if b.flat_by:  # (abs's derivative at 0 sent it, no mask: replay.flat_derivative)
         return f"{hint}; but {FLAT_INCOMING.format(node=b.node, by=b.flat_by)}"
     if b.zeroed_by:  # (no mask: a squared error's 0 at a sample the loss fits)
