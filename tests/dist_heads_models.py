@@ -1,6 +1,7 @@
 """Probabilistic output heads built on ``torch.distributions`` as training code writes them: a
 mixture density network (``MixtureSameFamily`` of ``Independent(Normal)``) and a low-rank
-Gaussian head (``LowRankMultivariateNormal``). For ``test_dist_heads.py``."""
+Gaussian head (``LowRankMultivariateNormal``) and a Gumbel-softmax bottleneck
+(``RelaxedOneHotCategorical.rsample`` at a temperature the loop anneals). For ``test_dist_heads.py``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch.distributions import (
     LowRankMultivariateNormal,
     MixtureSameFamily,
     Normal,
+    RelaxedOneHotCategorical,
 )
 
 IN, HID, K, D, RANK = 4, 16, 3, 2, 2
@@ -65,6 +67,26 @@ class LowRankHead(nn.Module):
 def low_rank_nll(out, y):
     loc, factor, diag = out
     return -LowRankMultivariateNormal(loc, factor, diag).log_prob(y).mean()
+
+
+class Concrete(nn.Module):
+    """Relaxed one-hot codes of the input, decoded back: the temperature a buffer the loop
+    anneals (``model.temperature.fill_(...)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(IN, K)
+        self.dec = nn.Linear(K, IN)
+        self.register_buffer("temperature", torch.tensor(1.0))
+
+    def forward(self, x):
+        z = RelaxedOneHotCategorical(self.temperature, logits=self.enc(x)).rsample()
+        return self.dec(z)
+
+
+def make_concrete() -> Concrete:
+    torch.manual_seed(0)
+    return Concrete()
 
 
 def make_mdn(sigma: str = "exp") -> MDN:

@@ -1,5 +1,5 @@
 """Probabilistic output heads (``dist_heads_models``: a mixture density network, a low-rank
-Gaussian head) trained under the recorder with the bugs such heads have, and what
+Gaussian head, a Gumbel-softmax bottleneck) trained under the recorder with the bugs such heads have, and what
 ``nanreplay`` says of them."""
 
 from __future__ import annotations
@@ -97,3 +97,29 @@ def test_a_healthy_mdn_trains_bit_identically_under_the_recorder(tmp_path):
 
     assert losses(True) == losses(False)
     assert not list(tmp_path.glob("*.nan"))
+
+
+def test_a_concrete_temperature_annealed_to_0_is_the_loops_schedule(tmp_path):
+    """``RelaxedOneHotCategorical(temperature, logits).rsample()`` divides by the temperature;
+    annealed to 0 (the plant: at step ``at``), every row is inf - inf. The hint said only that
+    the configuration built the buffer so; the loop's schedule wrote it."""
+    at = 2
+    model = M.make_concrete()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=torch.nn.functional.mse_loss, out_dir=tmp_path,
+                            factory="dist_heads_models:make_concrete") as rec:
+            for step in range(4):
+                model.temperature.fill_(max(1.0 - step / at, 0.0))
+                x, _ = _batch(g)
+                opt.zero_grad()
+                rec.loss_fn(model(x), x).backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["module"], o["op"], rep["cause"]) == (
+        at, "forward", "", "aten.div", "invalid"), rep
+    assert o["samples"] == list(range(8)), rep
+    assert "the buffer temperature, a scalar" in rep["hint"], rep["hint"]
+    assert "where the schedule reached 0" in rep["hint"], rep["hint"]
