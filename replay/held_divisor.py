@@ -72,8 +72,10 @@ def held_divisor_hint(hint: str | None, cause: str, finder, hit,
         return (f"{hit.op} of {what}: the divisor is the buffer {name}, a scalar the code "
                 "keeps, and it is 0; every sample divides by it, no record is to blame. A "
                 "setting or count stored as a buffer (a LoRA rank r in alpha / r, a number "
-                "of steps, a temperature) is 0 where the configuration built it so: check it "
-                "where the module is built (r > 0, or leave out the layers given 0), or "
+                "of steps) is 0 where the configuration built it so, a value the loop "
+                "schedules (a temperature annealed toward 0) where the schedule reached 0: "
+                "check it where the module is built (r > 0, or leave out the layers given 0) "
+                "or where the loop writes it (anneal to a floor: max(tau, tau_min)), or "
                 f"divide by self.{short}.clamp_min(eps)")
     at = (buf.detach() == 0).nonzero()
     where = ", ".join(str(tuple(i)) if len(i) > 1 else str(i[0]) for i in at[:SHOWN].tolist()) \

@@ -42,6 +42,7 @@ from .indefinite import indefinite_hint
 from .kept_divisor import kept_divisor_hint
 from .learned import Learned
 from .load import Step
+from .loss_maker import made_in_loss
 from .negative_scales import NegativeScales, negative_scales_hint
 from .node_labels import NodeLabels, loss_labeller
 from .recorded import batch_size
@@ -367,10 +368,10 @@ _REMEDY = {
 def _non_finite_matrix(report, runner: Runner, failed: Failed, origin) -> dict[str, Any]:
     """The decomposition was given NaN/Inf: the op that made it, in the same module call."""
     module, call, mb = failed.within
-    hit = None
-    if module != "<loss>":
-        finder = find_op_in_call(runner, module, call, mb)
-        hit = finder.origin()
+    if module == "<loss>":  # (a distribution the loss built: LowRankMultivariateNormal)
+        return _made_in_the_loss(report, runner, failed, origin)
+    finder = find_op_in_call(runner, module, call, mb)
+    hit = finder.origin()
     if hit is None:
         return finish(report, origin, None, reproduced=True, hint=(
             f"aten.{failed.op} was given a non-finite matrix, made before the module call "
@@ -386,3 +387,20 @@ def _non_finite_matrix(report, runner: Runner, failed: Failed, origin) -> dict[s
         or held_divisor_hint(cause.hint, cause.name, finder, hit, runner.model.named_buffers())
         or kept_divisor_hint(cause.hint, finder, hit))
     return finish(report, origin, cause.name, reproduced=True, hint=hint or cause.hint)
+
+
+def _made_in_the_loss(report, runner: Runner, failed: Failed, origin) -> dict[str, Any]:
+    """The loss's own op made the matrix non-finite before the decomposition raised on it
+    (a capacitance ``I + W^T D^-1 W`` of a ``cov_diag`` of 0): the loss re-run alone names
+    it, its samples and why, as a loss event's origin would be."""
+    found = made_in_loss(runner, failed.within[2], raised=torch.linalg.LinAlgError)
+    if found is None:
+        return finish(report, origin, None, reproduced=True, hint=(
+            f"aten.{failed.op} was given a non-finite matrix, made before the loss call "
+            "running it (see the chain of the step's recorded history)"))
+    hit, cause = found
+    origin.update(op=hit.op, made=hit.made, source=hit.source or origin["source"],
+                  samples=hit.rows or [], inputs_finite=True)
+    report["problems"].append(f"aten.{failed.op} raised on the {hit.made} that {hit.op} made "
+                              f"({failed.error})")
+    return finish(report, origin, cause.name, reproduced=True, hint=cause.hint)

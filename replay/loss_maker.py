@@ -34,9 +34,13 @@ def loss_op_finder(runner: Runner) -> OpFinder:
     return finder
 
 
-def made_in_loss(runner: Runner, mb: int) -> tuple[OpHit, Cause] | None:
+def made_in_loss(runner: Runner, mb: int, raised: type[BaseException] | tuple = ()
+                 ) -> tuple[OpHit, Cause] | None:
     """(op, cause) of the first loss op of micro-batch ``mb`` that made a non-finite value
-    from finite inputs; None when none did (or the loss cannot be re-run alone)."""
+    from finite inputs; None when none did (or the loss cannot be re-run alone). ``raised``:
+    an error the loss is known to end with (a Cholesky given the infinities an op of it made:
+    ``LowRankMultivariateNormal``'s capacitance of a 0 ``cov_diag``), after which the op met
+    before it still stands."""
     step = runner.step
     if step.loss_fn is None:
         return None
@@ -46,6 +50,8 @@ def made_in_loss(runner: Runner, mb: int) -> tuple[OpHit, Cause] | None:
         args, kwargs = loss_args(step, run, mb, finder)
         with autocast_as_recorded(step.micro_batches[mb], step.device, loss=True), finder:
             step.loss_fn(*args, **kwargs)
+    except raised:
+        pass
     except Exception:  # (a loss that cannot run on its own: the node alone is judged)
         return None
     hit = finder.first
