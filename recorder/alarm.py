@@ -45,6 +45,7 @@ from .stale_grads import held_first, unused_grads
 from .state_check import non_finite_state, state_detail
 from .tape import Tape
 from .target import Target
+from .user_hooks import rewriting_pre_hooks
 from .validate import why_unwritable
 
 log = logging.getLogger("nanreplay")
@@ -94,8 +95,8 @@ class Alarm:
                 strict_inf=self.settings.strict_inf, params_from_update=tape.params_from_update,
                 changed=set(target.changed_in_step(tape)) | set(target.written_in_step(tape)),
                 seq_first=target.seq_first, recurrent=target.recurrent,
-                constants=target.constants,
-                stale=unused_grads(target),
+                constants=target.constants, stale=unused_grads(target),
+                rewritten=rewriting_pre_hooks([(s.name, s.module) for s in target.sites]),
                 # (no optimizer: the loop's own update may have run, unless the step closed
                 # as its backward ended, recorder.calls.CallHooks.backward_wrote)
                 weights_moved=not target.has_optimizer and not tape.close_queued

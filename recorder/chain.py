@@ -6,7 +6,7 @@ from __future__ import annotations
 
 
 def chain_origin(by_order: list[dict], allowed: set[int], names: list[str],
-                  masked: set[int] = frozenset()):
+                  masked: set[int] = frozenset(), rewritten: set[int] = frozenset()):
     """The call that started a forward event by the default policy (``strict_inf=False``),
     from decoded calls in completion order, and whether the chain started in the batch (the
     call is then the root call whose inputs held the infinity); (None, False): no forward
@@ -22,7 +22,10 @@ def chain_origin(by_order: list[dict], allowed: set[int], names: list[str],
     ``log(0)`` in the root's forward before a submodule), else at the batch's own infinities,
     unless all of them are additive masks (micro-batches in ``masked``): intended, as a
     literal -inf fill is, so the event is the call that made the NaN from them.
-    ``allow_inf`` modules never start a chain: their infinities are intended."""
+    ``allow_inf`` modules never start a chain: their infinities are intended. A call of a
+    module in ``rewritten`` (a forward pre-hook of the user's returns its inputs) whose inputs
+    held a value no call made, the first of the event's micro-batch, is where it was made:
+    its pre-hook's own code, which runs before any recorder hook sees the call."""
     nan = [d for d in by_order if d["nan"]]
     made = [d for d in nan if d["inputs_nan_free"]]
     trigger = made[0] if made else (nan[0] if nan else None)
@@ -49,9 +52,11 @@ def chain_origin(by_order: list[dict], allowed: set[int], names: list[str],
     if infs:
         return infs[0], False
     if not trigger["inputs_finite"]:
-        # no call made that infinity: the own code of a call enclosing the event did, between
-        # its children's calls (the root's forward included)
-        maker = enclosing_maker(by_order, pos, names)
+        # no call made that infinity: a pre-hook rewriting a call's inputs did, or the own
+        # code of a call enclosing the event, between its children's calls (the root's too)
+        maker = next((d for d in by_order[:pos + 1] if d["micro_batch"] == mb
+                      and d["module"] in rewritten and not d["inputs_finite"]), None) \
+            or enclosing_maker(by_order, pos, names)
         if maker is not None:
             return maker, False
     root = next((d for d in by_order if d["module"] == 0 and d["micro_batch"] == mb

@@ -108,10 +108,10 @@ class StepEvidence:
     strict_inf: bool = True
     params_from_update: bool = False  # an optimizer step ran since the previous step
     calls: list[dict[str, Any]] = field(default_factory=list)  # decoded, completion order
-    # parameters changed during the step (another optimizer's step() after the forward read
-    # them; a data-dependent init in the forward, before the first update): what they hold
-    # now is no evidence of what the step began with
+    # parameters changed during the step (another optimizer's step() after the forward read them;
+    # a data-dependent init in the forward): what they hold now is no evidence of the step's start
     changed: set[int] = field(default_factory=set)
+    rewritten: set[int] = field(default_factory=set)  # see chain.chain_origin
     overflowed: bool = False  # some non-finite norm was an overflow of finite values
     # an evaluation forward returned +-Inf (no NaN anywhere) to the caller: its intended
     # output (a filtered ranking's -inf scores), no event (see chain.returned_infinity)
@@ -314,7 +314,7 @@ def _forward_event(ev: StepEvidence) -> Event | None:
         by_order = sorted(ev.calls, key=lambda d: (d["micro_batch"], d["order"]))
         masked = {i for i, mb in enumerate(ev.tape.micro_batches)
                   if only_mask_infinities(data_tensors([list(mb.args), mb.kwargs]))}
-        d, came_in = chain_origin(by_order, ev.allowed, ev.module_names, masked)
+        d, came_in = chain_origin(by_order, ev.allowed, ev.module_names, masked, ev.rewritten)
         if came_in:
             return _batch_event(ev, d, nan_only=False)
         if d is not None and returned_infinity(ev.tape.evaluation, bool(ev.layout.loss),

@@ -80,6 +80,18 @@ def user_module_hooks(modules: list[tuple[str, nn.Module]]) -> dict[str, list[di
     return found
 
 
+def rewriting_pre_hooks(modules: list[tuple[str, nn.Module]]) -> set[int]:
+    """The positions in ``modules`` (the root's aside) of those with a forward pre-hook of the
+    user's that returns new inputs (``x / running_std``): the recorder reads a call's inputs
+    as the pre-hooks left them, so a non-finite value one made looks given to the call."""
+    try:
+        hooked = user_module_hooks(modules[1:])
+    except Exception:  # (at an event: never at the bundle's cost)
+        return set()
+    return {i for i, (name, _) in enumerate(modules) if i and any(
+        h["kind"] == "forward_pre" and h.get("returns") for h in hooked.get(name, ()))}
+
+
 def module_hooks_meta(modules: list[tuple[str, nn.Module]]) -> dict[str, Any]:
     """``{"user_module_hooks": ...}`` for a bundle's meta, ``{}`` when no module has any (the
     script's own, which the factory's model may lack)."""

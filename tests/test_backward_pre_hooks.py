@@ -145,10 +145,13 @@ def test_a_standardising_forward_pre_hook_of_a_layer_is_named_in_that_layer(tmp_
     """The factory puts a forward pre-hook on ``features.0`` dividing its input by a running
     std; column 3 is stuck at one value, its std 0: x / 0 there. The replay named the parent
     ``features``, whose call the hook's op ran in before the layer's own began; it names
-    ``features.0``, the hook's aten.div and line, and the column."""
+    ``features.0``, the hook's aten.div and line, and the column. The recorder, which reads a
+    call's inputs as its pre-hooks left them, named the root (its own code read as the
+    maker); it names ``features.0`` too, so the replay reproduces it."""
     err = _train(make_std_dann(), tmp_path, factory="backward_pre_hooks_models:make_std_dann",
                  stuck=3)
-    rep = nanreplay_json(err.bundle_path, code=None)
+    assert (err.event["phase"], err.event["module"]) == ("forward", "features.0"), err.event
+    rep = nanreplay_json(err.bundle_path)
     o = rep["origin"]
     assert (rep["event"]["step"], o["phase"], o["module"], o["op"], o["source"],
             o["samples"], rep["cause"]) == (
