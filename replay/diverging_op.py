@@ -44,7 +44,7 @@ def fingerprint(t: torch.Tensor) -> tuple:
     """Shape, dtype and two exact sums of ``t``'s bits (one weighted by position: a permutation
     of the same values differs); shape and dtype alone for a tensor without plain storage."""
     head = (tuple(t.shape), str(t.dtype))
-    if t.layout is not torch.strided or t.is_meta or not t.numel() \
+    if t.layout is not torch.strided or t.is_meta or t.is_nested or not t.numel() \
             or type(t) not in (torch.Tensor, torch.nn.Parameter) or holds_no_data(t):
         return head
     x = torch.view_as_real(t.detach()) if t.is_complex() else t.detach()

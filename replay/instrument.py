@@ -175,7 +175,7 @@ def _digests(outs: list[torch.Tensor]) -> tuple[tuple[int, ...], tuple[float, ..
     with torch.no_grad():
         for t in outs:
             x = real_view(t)
-            if x.layout is not torch.strided or type(x) is not torch.Tensor \
+            if x.layout is not torch.strided or type(x) is not torch.Tensor or x.is_nested \
                     or x.element_size() not in _INTS or holds_no_data(x) or not x.numel():
                 continue
             bits.append(x.contiguous().view(_INTS[x.element_size()]).sum(dtype=torch.int64))
