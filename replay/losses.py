@@ -68,16 +68,18 @@ def rebuild_loss(info: dict[str, Any] | None, tensors: dict[str, torch.Tensor],
                         f"{kind!r}); {_FACTORY_WAY[3:]}")
 
 
-def kept_defaults(info: dict[str, Any] | None) -> str | None:
+def kept_defaults(info: dict[str, Any] | None, restored=frozenset()) -> str | None:
     """A note on the rebuilt loss's attributes the bundle could not store, which its class's
     default construction set (a ``torch.device``, a NumPy scalar): the re-run uses those
-    values, which may not be the run's. None when there are none. The submodules it shares
+    values, which may not be the run's. None when there are none. ``restored``: attributes
+    whose state the bundle holds elsewhere (a ``torch.Generator``'s, in its RNG states). The submodules it shares
     with the model are left out: the re-run gives it the factory's (a sentence-transformers
     loss holding its ``SentenceTransformer``, whose tokenizer no bundle stores)."""
     found: list[str] = []
 
     def walk(node, prefix: str) -> None:
-        found.extend(f"{prefix}{a}" for a in node.get("unrecorded", ()))
+        found.extend(f"{prefix}{a}" for a in node.get("unrecorded", ())
+                     if f"{prefix}{a}".partition(" (")[0] not in restored)
         for k, child in node.get("children", {}).items():
             # (a submodule the loss shares with the model, ``Loss(model)`` itself, is the
             # factory's rebuilt module in the re-run, not one the loss's construction made)

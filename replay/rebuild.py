@@ -16,7 +16,8 @@ from .attributes import built_otherwise, restore_attributes, restore_trained, re
 from .errors import FactoryRefused, ReplayError, one_line
 from .factory import recorded_argv, resolve_factory
 from .factory_params import taken_kwargs
-from .load import Step, recorded_device
+from .kept_generators import model_generators, other_kinds_note, restored_loss_attributes
+from .load import Step, recorded_device, rng_state
 from .loss_params import attach_loss_params
 from .losses import Unrebuildable, kept_defaults, rebuild_loss
 from .optim import build_optimizer
@@ -154,11 +155,14 @@ def _build_with(step: Step, fn, spec: str, factory_kwargs: dict[str, Any] | None
     if step.loss_fn is None:
         try:
             step.loss_fn = rebuild_loss(meta.get("loss"), step.tensors, step.device, model)
-            if step.loss_fn is not None and (kept := kept_defaults(meta.get("loss"))):
+            restored = restored_loss_attributes(rng_state(step), step.loss_fn)
+            if step.loss_fn is not None and (kept := kept_defaults(meta.get("loss"), restored)):
                 step.problems.append(kept)
         except Unrebuildable as e:
             step.loss_unrebuilt = str(e)
             step.problems.append(str(e))
+    if odd := other_kinds_note(rng_state(step), model_generators(model, step.loss_fn)):
+        step.problems.append(odd)
     attach_loss_params(step)  # (those the optimizer trained, before it is rebuilt over them)
     opt_factory = made.get("optimizer")
     step.optimizer = build_optimizer(step, model, opt_factory)

@@ -18,7 +18,7 @@ from torch import nn
 # leaves a dict or tuple subclass it does not know (a user's output type) unopened.
 from recorder.capture import map_tensors, output_leaves, tensor_leaves
 from recorder.finite import finite, matches, only_mask_infinities
-from recorder.rng import RngCapture, module_generators, restore_rng
+from recorder.rng import RngCapture, module_generators
 
 from . import bisection
 from .compat import non_persistent
@@ -29,6 +29,7 @@ from .float64 import widened
 from .frozen import FrozenParams
 from .instrument import CallRecorder
 from .kept_aside import kept_hooks, with_kept
+from .kept_generators import restore_generators
 from .load import (
     Step,
     autocast_as_recorded,
@@ -174,7 +175,7 @@ class Runner:
                         b.copy_(first)
         self.model.zero_grad(set_to_none=True)
         if self._rng is not None:
-            restore_rng(self._rng, self._generators)
+            restore_generators(self._rng, self._generators)
 
     # -- one run -----------------------------------------------------------------------------
 
@@ -204,7 +205,7 @@ class Runner:
                     args, kwargs = micro_batch_inputs(self.step, i, made := {})
                     began = self._loss_began(i)
                     if i and (rng := micro_batch_rng(self.step, i)) is not None:
-                        restore_rng(rng, self._generators)  # as it was: the loop drew between forwards
+                        restore_generators(rng, self._generators)  # the loop drew between forwards
                     if only_mask_infinities(tensor_leaves((args, kwargs))):
                         result.masked.add(i)
                     if self.cast is not None:
@@ -219,7 +220,7 @@ class Runner:
                     result.outputs.append(outs)
                     result.objects.append(out)
                     if began is not None:  # (the loss drew before its own forward)
-                        restore_rng(began, self._generators)
+                        restore_generators(began, self._generators)
                     with _enter(forward_ctx):  # the loss's nodes too
                         loss = self._loss(i, outs, result)
                     if backward and mb.get("grad_enabled", True):
