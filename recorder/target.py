@@ -31,7 +31,7 @@ from .constants import inf_constants
 from .finite import matches
 from .ranks import Agreement
 from .replaced import bad_kinds, group_heads, heads_moved, swapped
-from .rng import module_generators
+from .rng import loss_modules, module_generators
 from .running_stats import RunningStats
 from .samples import recurrent, seq_first
 from .settings import Settings
@@ -166,7 +166,7 @@ class Target:
         loss = _deref(self._loss_fn)
         self.generators = module_generators(
             [(s.name, s.module) for s in sites]
-            + ([] if loss is None else [(LOSS_PREFIX.rstrip("."), loss)]))
+            + ([] if loss is None else loss_modules(loss)))
         self.compiled = {s.name for s in sites if s.region}  # recorded as one call each
         self.passing = {s.name for s in sites[1:] if s.target is not None and not s.region
                         and passes_through(s.module)}  # not hooked: their calls repeat others'

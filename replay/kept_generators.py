@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from recorder.rng import GENERATOR, generator_state, module_generators, restore_rng
+from recorder.rng import GENERATOR, generator_state, loss_modules, module_generators, restore_rng
 
 
 def state_kind(state: Any) -> str | None:
@@ -79,5 +79,5 @@ def restored_loss_attributes(state: dict[str, Any] | None, loss) -> set[str]:
     what the loss's construction made of them is not what the re-run draws)."""
     if not state or not isinstance(loss, torch.nn.Module):
         return set()
-    own = dict(module_generators([("<loss>", loss)]))
+    own = dict(module_generators(loss_modules(loss)))
     return {n.removeprefix("<loss>.") for n in same_kind(state, own) if GENERATOR + n in state}

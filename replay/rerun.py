@@ -18,7 +18,7 @@ from torch import nn
 # leaves a dict or tuple subclass it does not know (a user's output type) unopened.
 from recorder.capture import map_tensors, output_leaves, tensor_leaves
 from recorder.finite import finite, matches, only_mask_infinities
-from recorder.rng import RngCapture, module_generators
+from recorder.rng import RngCapture, loss_modules, module_generators
 
 from . import bisection
 from .compat import non_persistent
@@ -110,7 +110,7 @@ class Runner:
         # the model's and loss's own generators, by the recorder's names (recorder.rng)
         self._generators = dict(module_generators(
             [*self.model.named_modules(),
-             *([("<loss>", self._loss_module)] if self._loss_module is not None else [])]))
+             *(loss_modules(self._loss_module) if self._loss_module is not None else [])]))
         self.cast: torch.dtype | None = None  # run in this dtype (the float64 re-run)
         # gradients fed into the model outputs instead of the recorded ones, finite or not
         # (micro-batch -> output index -> gradient): see replay.outside
@@ -140,6 +140,7 @@ class Runner:
         # (micro-batch, outputs) -> the outputs its loss takes (the float64 re-run's: the step's
         # own values where the loop derived loss arguments from them, replay.float64_loss_args)
         self.loss_outputs = None
+        self._loss_rng: dict | None = None  # the RNG as the last run's last loss call began
 
     # -- state reset -------------------------------------------------------------------------
 
@@ -233,12 +234,19 @@ class Runner:
                 raise
             result.error = e
         finally:
-            for h in handles:
-                h.remove()
+            self._close(handles)
         if backward:
             result.bad_grads = [n for n, p in self.model.named_parameters()
                                 if p.grad is not None and not finite(p.grad)]
         return result
+
+    def _close(self, handles: list) -> None:
+        """A run's end: its hooks removed, and the RNG put back as its last loss call began,
+        so that a loss re-run alone after it (the op finder's) draws what that call drew."""
+        for h in handles:
+            h.remove()
+        if self._loss_rng is not None:
+            restore_generators(self._loss_rng, self._generators)
 
     def _loss_began(self, i: int) -> dict | None:
         """The RNG as micro-batch ``i`` begins, when its forward ran inside its own loss."""
@@ -267,6 +275,7 @@ class Runner:
         if not (data_ok := self._loss_data_finite(i)):  # (known before a loss that raises)
             result.bad_loss_data.add(i)
         self.in_loss = True
+        self._loss_rng = RngCapture(list(self._generators.items()))()
         try:
             if self.cast is not None:
                 args, kwargs = _cast((args, kwargs), self.cast)

@@ -222,3 +222,27 @@ class TwoHopGNN(nn.Module):
 def make_mean_aggregation() -> nn.Module:
     torch.manual_seed(0)
     return TwoHopGNN()
+
+
+class LabelNoise(nn.Module):
+    """Target augmentation drawing from a generator of its own."""
+
+    def __init__(self, sigma: float):
+        super().__init__()
+        self.sigma = sigma
+        self.gen = torch.Generator().manual_seed(11)
+
+    def forward(self, y):
+        return y + self.sigma * torch.randn(y.shape, generator=self.gen)
+
+
+class NoisyLogError(nn.Module):
+    """A squared log error against noisy targets: ``log1p`` of a target the noise pushed
+    below -1 is NaN."""
+
+    def __init__(self, sigma: float = 0.5):
+        super().__init__()
+        self.noise = LabelNoise(sigma)
+
+    def forward(self, pred, y):
+        return (torch.log1p(pred.abs()) - torch.log1p(self.noise(y))).pow(2).mean()

@@ -204,3 +204,36 @@ def test_sums_rounded_in_another_order_each_run_still_replay_the_event(tmp_path)
         "nanreplay_tests.scatter_sum_unordered", "op", "conv1",
         line_of("m = scatter_sum_unordered(self.msg(x)[src], dst, x.shape[0])")), d
     assert any(p.startswith("the two re-runs differ in rounding only") for p in rep["problems"])
+
+
+def test_a_generator_on_a_submodule_of_the_loss_is_recorded_and_replayed(tmp_path):
+    """A loss wrapping a target-noise module that draws from its own ``torch.Generator``
+    (``loss.noise.gen``): the first step whose noise takes a target below -1 makes log1p NaN.
+    The generator is captured with the loss's (named ``<loss>.noise.gen``) and set back, so
+    the replay draws the same noise: reproduced, aten.log1p on its line, the rows the noise
+    took below -1 (derived from the generator), invalid."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    crit = M.NoisyLogError()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    probe = torch.Generator().manual_seed(11)  # (the noise the loss will draw, step by step)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path)
+    below: dict[int, list[int]] = {}
+    with pytest.raises(NonFiniteError) as info, rec:
+        for step in range(100):
+            x, y = torch.randn(8, 3, generator=g), torch.rand(8, 1, generator=g)
+            noisy = y + 0.5 * torch.randn(y.shape, generator=probe)
+            below[step] = (noisy < -1).flatten().nonzero().flatten().tolist()
+            loss = rec.loss_fn(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    bad = below[info.value.event["step"]]
+    assert bad and not any(below[s] for s in range(info.value.event["step"])), below
+    (bundle,) = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["op"], o["module"], o["samples"], rep["cause"]) == (
+        True, "aten.log1p", "<loss>", bad, "invalid"), (o, rep["problems"])
+    assert not any("could not be stored" in p for p in rep["problems"]), rep["problems"]
