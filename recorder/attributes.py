@@ -21,8 +21,20 @@ _call = getattr(operator, "call", lambda f, *a: f(*a))  # (operator.call: Python
 
 def plain_attributes(m: nn.Module) -> dict[str, int | float | bool]:
     """The module's own public int, float and bool attributes now (not ``training``: the
-    modes are recorded and set on their own)."""
-    return {k: v for k, v in vars(m).items() if _plain(k, v)}
+    modes are recorded and set on their own), with the class defaults of the user's own classes
+    it has not set (``calls = 0`` in the class body, which ``self.calls += 1`` sets on the
+    instance only at the first call: after attach)."""
+    return {**class_defaults(m), **{k: v for k, v in vars(m).items() if _plain(k, v)}}
+
+
+def class_defaults(m: nn.Module) -> dict[str, int | float | bool]:
+    """Public int, float and bool attributes of the classes of ``m``'s type not torch's own
+    (nn.Module's ``dump_patches``), the first in the method resolution order winning."""
+    out: dict[str, int | float | bool] = {}
+    for cls in type(m).__mro__:
+        if cls.__module__.split(".")[0] not in ("torch", "builtins"):
+            out.update({k: v for k, v in vars(cls).items() if k not in out and _plain(k, v)})
+    return out
 
 
 def trained_tensors(m: nn.Module) -> dict[str, torch.Tensor]:
@@ -57,13 +69,17 @@ class AttributeWatch:
             attrs = self.at_attach[s.name] = plain_attributes(s.module)
             if attrs:
                 self._names.append(s.name)
-                self._dicts.append(vars(s.module))
-                self._getters.append(operator.itemgetter(*attrs))
+                if set(attrs) <= vars(s.module).keys():
+                    self._dicts.append(vars(s.module))
+                    self._getters.append(operator.itemgetter(*attrs))
+                else:  # (a class default read through the instance: the one it sets later)
+                    self._dicts.append(s.module)
+                    self._getters.append(operator.attrgetter(*attrs))
 
     def step_started(self) -> None:
         try:
             self._started = list(map(_call, self._getters, self._dicts))
-        except KeyError:  # one deleted since attach: the values at the event then
+        except (KeyError, AttributeError):  # one deleted since attach: the event's then
             self._started = None
 
     @property

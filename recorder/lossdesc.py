@@ -124,14 +124,18 @@ def _describe_method(fn) -> dict[str, Any] | None:
     an instance of a plain class called as the loss (neuraloperator's ``LpLoss()``: its
     ``__call__``), as its class's import path, the method's name and the instance's
     attributes, when the class imports back and every attribute is a JSON value (``win``,
-    ``p``); None otherwise."""
+    ``p``) or a plain object of JSON values (``self.stats = RunningMean()``: ``objects``);
+    None otherwise."""
     obj, method = getattr(fn, "__self__", None), getattr(fn, "__name__", None)
     if _callable_instance(fn):
         obj, method = fn, "__call__"
     elif not inspect.ismethod(fn):
         return None
-    if obj is None or isinstance(obj, (type, nn.Module)) \
-            or not hasattr(obj, "__dict__") or not json_plain(state := dict(vars(obj))):
+    if obj is None or isinstance(obj, (type, nn.Module)) or not hasattr(obj, "__dict__"):
+        return None
+    state = {k: v for k, v in vars(obj).items() if json_plain(v)}
+    objects = {k: _plain_object(v) for k, v in vars(obj).items() if k not in state}
+    if any(held is None for held in objects.values()):
         return None
     cls = describe_callable(type(obj))
     if "import" not in cls:
@@ -139,7 +143,8 @@ def _describe_method(fn) -> dict[str, Any] | None:
     name = cls["name"] if obj is fn else f"{cls['name']}.{method}"
     return {"name": name, "import": cls["import"],
             "method": method, "state": to_json(state),
-            "tuples": sorted(k for k, v in state.items() if isinstance(v, tuple))}
+            "tuples": sorted(k for k, v in state.items() if isinstance(v, tuple)),
+            **({"objects": objects} if objects else {})}
 
 
 def _plain_object(v: Any) -> dict[str, Any] | None:

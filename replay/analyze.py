@@ -39,6 +39,7 @@ from .given_loss import report_given_loss
 from .hidden import report_hidden_forward
 from .imputed import RERUN, made_from_imputed
 from .input_grad import made_by_input_gradient
+from .kept_outside import note_outside_state
 from .kept_report import report_graph_args, report_kept_aside
 from .load import Step, read_step, run_switches
 from .loop_grads import finite_gradients_reached_the_output as _finite_gradients_reached_the_output
@@ -458,6 +459,7 @@ def _not_reproduced(report, step: Step, runner: Runner, phase: str) -> dict[str,
         "counter, a global or a random generator of your own; data-dependent code outside the "
         "recorded model) or it was transient; re-run training from the step before with the "
         "same data to tell which")
+    note_outside_state(report, step, runner)  # (a cache the run filled; a loss's own EMA)
     # (what the bundle can name: a setting made after build, hooks the script registered)
     report["hint"] = fidelity.rebuilt_otherwise(step) or report["hint"]
     return note_unwritten(report, step, runner)  # (garbage a torch.empty held, NaN in the run)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from recorder.attributes import PLAIN, trained_tensors
+from recorder.attributes import PLAIN, class_defaults, trained_tensors
 
 _SHOWN = 6  # restored attributes named in the note
 SPELT = ("nan", "inf", "-inf")  # the bundle's non-finite floats (recorder.bundle.jsonable)
@@ -49,7 +49,7 @@ def set_step_attributes(meta: dict[str, Any], model: nn.Module, attrs: dict | No
         if m is None or not isinstance(at_attach, dict) or not (later or now):
             continue
         for k in {*(later or ()), *now}:
-            v, built = now.get(k, at_attach.get(k)), vars(m).get(k)
+            v, built = now.get(k, at_attach.get(k)), built_value(m, k)
             v = as_built(v, built)
             if k != "training" and type(v) in PLAIN and type(built) is type(v):
                 setattr(m, k, v)
@@ -104,11 +104,17 @@ def _differing(meta: dict[str, Any], model: nn.Module, key: str):
         if not isinstance(attrs, dict) or m is None:
             continue
         for k, v in attrs.items():
-            built = vars(m).get(k)
+            built = built_value(m, k)
             v = as_built(v, built)
             if type(v) in PLAIN and type(built) is type(v) and built != v \
                     and not (built != built and v != v):  # (NaN both: the same)
                 yield info["name"] or "<root>", m, k, v, built
+
+
+def built_value(m: nn.Module, k: str):
+    """``m``'s attribute ``k`` as the factory built it: its own, else its class's default
+    (``calls = 0``, which the run's ``self.calls += 1`` had set on the instance)."""
+    return vars(m)[k] if k in vars(m) else class_defaults(m).get(k)
 
 
 def as_built(v, built):

@@ -122,7 +122,11 @@ def _method(cls, info: dict[str, Any]):
         tuples = set(info.get("tuples") or [])
         for k, v in (info.get("state") or {}).items():
             object.__setattr__(obj, k, tuple(v) if k in tuples else v)
+        for k, held in (info.get("objects") or {}).items():  # (``self.stats = Ema()``)
+            object.__setattr__(obj, k, _held_object(held, info.get("name")))
         return getattr(obj, info["method"])
+    except Unrebuildable:
+        raise
     except Exception as e:
         raise Unrebuildable(f"the loss method {info.get('name')} cannot be rebuilt on an "
                             f"instance of its class ({type(e).__name__}: {e}) "
