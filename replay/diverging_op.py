@@ -132,7 +132,14 @@ def rounding_only(report: dict[str, Any], run1, run2, runner) -> bool:
     itself is not deterministic (a CUDA kernel's atomic adds, a custom op summing in thread
     order): they agree on every non-finite value and its rows, so what either shows of the
     event holds for both. Said in ``report`` (``diverged``, a note) when so."""
-    if not run1.same_but_rounding(run2):
+    if not run1.same_but_rounding(run2):  # (the calls, rows, min and max: no sums taken)
+        return False
+    runner.digest_sums = True  # (two more, with the finite sums that tell rounding apart)
+    try:
+        again = runner.run(), runner.run()
+    finally:
+        runner.digest_sums = False
+    if not again[0].same_but_rounding(again[1]):
         return False
     found = first_divergence(runner)
     if found is None or found["why"] != "op":

@@ -155,7 +155,7 @@ class CallRecorder:
         rows = (_output_rows(outs, samples(self.runner.step, mb), packed_in(output))
                 if not ok_out and not of_weights else [])
         nan = any(math.isnan(lo) or math.isnan(hi) for lo, hi in pairs) or kind == "nan"
-        bits, sums = _digests(outs)
+        bits, sums = _digests(outs, getattr(self.runner, "digest_sums", False))
         self.result.calls.append(Call(len(self.result.calls), name, k, mb, ok_in, ok_out, kind,
                                       mm, parents, call_id, rows, nan, every_in, nan_free_in,
                                       running_node() is not None,
@@ -166,11 +166,13 @@ class CallRecorder:
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _digests(outs: list[torch.Tensor]) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    """Each output's values read as integers and summed, and its finite values' sum and
-    absolute sum (see below): two runs whose outputs differ in any bit, where their (min,
-    max) may not, differ in the first; the second tells rounding from another computation
-    (``Run.same_but_rounding``)."""
+def _digests(outs: list[torch.Tensor], with_sums: bool
+             ) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """Each output's values read as integers and summed (one host read): two runs whose
+    outputs differ in any bit, where their (min, max) may not, differ here. ``with_sums``:
+    also each output's finite values' sum and absolute sum (a second read), which tell
+    rounding from another computation (``Run.same_but_rounding``: asked for only then, by
+    ``runner.digest_sums``, which replay.diverging_op sets)."""
     bits, sums = [], []
     with torch.no_grad():
         for t in outs:
@@ -179,12 +181,12 @@ def _digests(outs: list[torch.Tensor]) -> tuple[tuple[int, ...], tuple[float, ..
                     or x.element_size() not in _INTS or holds_no_data(x) or not x.numel():
                 continue
             bits.append(x.contiguous().view(_INTS[x.element_size()]).sum(dtype=torch.int64))
-            ok = torch.where(torch.isfinite(x), x, 0)  # (summed in float64, not copied to it)
-            sums.append(torch.stack([ok.sum(dtype=torch.float64),
-                                     ok.abs().sum(dtype=torch.float64)]))
-    if not bits:
-        return (), ()
-    return tuple(torch.stack(bits).tolist()), tuple(torch.stack(sums).flatten().tolist())
+            if with_sums:
+                ok = torch.where(torch.isfinite(x), x, 0)  # (summed in float64, not copied)
+                sums.append(torch.stack([ok.sum(dtype=torch.float64),
+                                         ok.abs().sum(dtype=torch.float64)]))
+    return (tuple(torch.stack(bits).tolist()) if bits else (),
+            tuple(torch.stack(sums).flatten().tolist()) if sums else ())
 
 
 def returned_input(output, args, kwargs) -> str | None:
