@@ -28,7 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from recorder.scripted import hookable_modules
 
-from .compat import TorchDispatchMode, holds_no_data, running_node, tree_leaves
+from .compat import TorchDispatchMode, holds_no_data, running_node, tree_leaves, version
 from .source import user_source
 from .transforms import outside_transforms
 
@@ -68,6 +68,7 @@ class _Trace(TorchDispatchMode):
         self.first = first
         self.found: dict[str, Any] | None = None
         self.made = WeakIdKeyDictionary()  # tensors an op of this run returned
+        self.fingerprints = WeakIdKeyDictionary()  # tensor -> (its version, its fingerprint)
         self.modules: list[str] = []  # the module calls running now, innermost last
         self.phase = "forward"
         self.micro_batch = 0
@@ -78,7 +79,7 @@ class _Trace(TorchDispatchMode):
             return func(*args, **kwargs)
         leaves = tree_leaves((args, kwargs))
         tensors = [a for a in leaves if isinstance(a, torch.Tensor)]
-        ins = tuple(fingerprint(a) for a in tensors)
+        ins = tuple(self._fingerprint(a) for a in tensors)
         given = tuple(repr(a) for a in leaves if isinstance(a, (bool, int, float, complex)))
         # (before the op: lift_fresh returns the very tensor torch.from_numpy made)
         made = [t in self.made for t in tensors] if self.first is not None else []
@@ -88,11 +89,24 @@ class _Trace(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.made[t] = True
         here = (str(func.overloadpacket), ins, given,
-                tuple(fingerprint(t) if isinstance(t, torch.Tensor) else repr(t) for t in outs))
+                tuple(self._fingerprint(t) if isinstance(t, torch.Tensor) else repr(t)
+                      for t in outs))
         if self.first is not None:
             self._compare(here, tensors, made)
         self.ops.append(here)
         return out
+
+    def _fingerprint(self, t: torch.Tensor) -> tuple:
+        """:func:`fingerprint`, once per tensor and version: a weight that op after op reads,
+        an output the next op takes."""
+        try:
+            now = version(t)
+        except RuntimeError:  # (an inference tensor keeps no version)
+            return fingerprint(t)
+        kept = self.fingerprints.get(t)
+        if kept is None or kept[0] != now:
+            kept = self.fingerprints[t] = (now, fingerprint(t))
+        return kept[1]
 
     def _compare(self, here: tuple, tensors: list[torch.Tensor], made: list[bool]) -> None:
         i = len(self.ops)
