@@ -4,18 +4,28 @@ they started. The bundle keeps those the run changed after attach, as the event'
 them, so the replay can set them again. One the factory builds otherwise from the start is the
 factory's difference, which the replay's fidelity check reports (and ``--factory-kwargs``
 fixes), so it is not overridden; one the forward changes in the step (the length of a rotary
-cache it grew) is the step's to change again."""
+cache it grew) is the step's to change again.
+
+The loss's own plain attributes (its submodules' and the plain objects it holds: a running
+mean of past losses, a call count its schedule reads) are read as each step begins too, by the
+same one call per object: its call changes them, so the bundle keeps them as the event's step
+began (``loss_started``) for the replay to begin its re-runs there (``replay.loss_started``).
+Objects of torch's own classes are not watched: their forwards change no attribute."""
 
 from __future__ import annotations
 
 import math
 import operator
+import types
 from typing import Any
 
 import torch
 from torch import nn
 
+from .compat import uncompiled
+
 PLAIN = (int, float, bool)
+LOSS = "<loss>"  # the loss's name among the watched objects (its submodules: ``<loss>.sub``)
 _call = getattr(operator, "call", lambda f, *a: f(*a))  # (operator.call: Python 3.11)
 
 
@@ -47,6 +57,37 @@ def trained_tensors(m: nn.Module) -> dict[str, torch.Tensor]:
             and v.requires_grad and not k.startswith("_")}
 
 
+def loss_holder(fn) -> Any:
+    """The object whose attributes a loss keeps its state in: the loss module (compiled or
+    not), the instance of a plain class called as the loss, or the one a bound method belongs
+    to; else the function itself (attributes of its own, if any), or None."""
+    if isinstance(fn, nn.Module):
+        return uncompiled(fn)
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and not isinstance(owner, (type, types.ModuleType)):
+        return owner  # (not a builtin's module: torch._C._nn)
+    return fn if isinstance(getattr(fn, "__dict__", None), dict) else None
+
+
+def held_object(v) -> bool:
+    """An instance of a class of the user's holding plain values: no module, tensor, function."""
+    return isinstance(getattr(v, "__dict__", None), dict) and not isinstance(
+        v, (nn.Module, torch.Tensor, type)) and type(v).__module__ != "builtins" \
+        and not callable(v)
+
+
+def loss_objects(fn) -> list[tuple[str, Any]]:
+    """``(name, object)`` of the loss's holder (``<loss>``), its submodules (``<loss>.sub``)
+    and the plain objects each holds as a public attribute (``<loss>.stats``)."""
+    holder = loss_holder(fn)
+    if holder is None:
+        return []
+    parts = [(f"{LOSS}.{n}" if n else LOSS, m) for n, m in holder.named_modules()] \
+        if isinstance(holder, nn.Module) else [(LOSS, holder)]
+    return [*parts, *((f"{name}.{k}", v) for name, obj in parts for k, v in vars(obj).items()
+                      if not k.startswith("_") and held_object(v))]
+
+
 def _plain(k: str, v: Any) -> bool:
     # (a non-finite float too: a coefficient the loop's schedule made NaN is the step's
     # cause; the bundle spells it 'nan', 'inf' or '-inf', and the replay reads it back)
@@ -57,24 +98,33 @@ def _plain(k: str, v: Any) -> bool:
 
 class AttributeWatch:
     """The plain attributes at attach, and those of the same names at each step start: one C
-    call per module that has any (an ``itemgetter`` over its ``__dict__``)."""
+    call per module that has any (an ``itemgetter`` over its ``__dict__``); and of the loss's
+    objects of the user's classes (``loss``: the loss as the recorder was given it) that are
+    not the model's modules."""
 
-    def __init__(self, sites=()):
+    def __init__(self, sites=(), loss=None):
         self.at_attach: dict[str, dict[str, Any]] = {}
         self._names: list[str] = []
         self._dicts: list[dict] = []
         self._getters: list[operator.itemgetter] = []
         self._started: list | None = None
         for s in sites:
-            attrs = self.at_attach[s.name] = plain_attributes(s.module)
-            if attrs:
-                self._names.append(s.name)
-                if set(attrs) <= vars(s.module).keys():
-                    self._dicts.append(vars(s.module))
-                    self._getters.append(operator.itemgetter(*attrs))
-                else:  # (a class default read through the instance: the one it sets later)
-                    self._dicts.append(s.module)
-                    self._getters.append(operator.attrgetter(*attrs))
+            self._watch(s.name, s.module)
+        model = {id(s.module) for s in sites}
+        for name, obj in loss_objects(loss) if loss is not None else ():
+            if id(obj) not in model and type(obj).__module__.split(".")[0] != "torch":
+                self._watch(name, obj)
+
+    def _watch(self, name: str, obj) -> None:
+        attrs = self.at_attach[name] = plain_attributes(obj)
+        if attrs:
+            self._names.append(name)
+            if set(attrs) <= vars(obj).keys():
+                self._dicts.append(vars(obj))
+                self._getters.append(operator.itemgetter(*attrs))
+            else:  # (a class default read through the instance: the one it sets later)
+                self._dicts.append(obj)
+                self._getters.append(operator.attrgetter(*attrs))
 
     def step_started(self) -> None:
         try:
@@ -98,6 +148,22 @@ class AttributeWatch:
             if diff := {k: v for k, v in found if _plain(k, v) and (
                     type(start[k]) is not type(v) or not _same(start[k], v))}:
                 out[name] = diff
+        return out
+
+    def loss_at_attach(self) -> dict[str, dict[str, Any]]:
+        """The loss's watched attributes at attach, by object (a rewind record's differences
+        are from these)."""
+        return {n: self.at_attach[n] for n in self._names if n == LOSS or n.startswith(LOSS + ".")}
+
+    def loss_started(self) -> dict[str, dict[str, Any]]:
+        """The loss's watched attributes as the open step began, by object (``<loss>``,
+        ``<loss>.stats``): all of them, the bundle's record that they were watched."""
+        out: dict[str, dict[str, Any]] = {}
+        for name, values in zip(self._names, self._started or ()):
+            if name == LOSS or name.startswith(LOSS + "."):
+                start = self.at_attach[name]
+                found = zip(start, values if len(start) > 1 else (values,))
+                out[name] = {k: v for k, v in found if _plain(k, v)}
         return out
 
     def changed(self, name: str, m: nn.Module) -> dict[str, int | float | bool]:

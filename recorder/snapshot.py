@@ -191,6 +191,9 @@ def _training_objects(src: Sources, guard, meta, tensors) -> None:
         meta["grad_scaler"] = {"class": qualname(scaler), "state": tree}
     if src.loss_fn is not None:
         meta["loss"] = describe_loss(src.loss_fn, tensors, target.module_ids())
+        if started := target.attributes.loss_started():  # (it is described as the event left it)
+            meta["loss"]["started"] = started
+            meta["loss"]["attrs_at_attach"] = target.attributes.loss_at_attach()  # (the window's)
     elif src.loss_recorded:  # given to record_loss: checked, but nothing to re-run it with
         meta["loss"] = {"kind": "recorded"}
 

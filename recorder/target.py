@@ -95,6 +95,7 @@ class Target:
         self.model, self.optimizer = self._model, _getter(optimizer)
         self.scaler, self.scheduler = _getter(scaler), _getter(lr_scheduler)
         self._loss_fn = _ref(loss_fn if isinstance(loss_fn, nn.Module) else None)
+        self._plain_loss = None if isinstance(loss_fn, nn.Module) else loss_fn  # (its watch's)
         self.has_optimizer = optimizer is not None
         self.has_scaler = scaler is not None
         self.settings = settings
@@ -160,10 +161,10 @@ class Target:
         self.module_names = [s.name for s in sites]
         self.module_types = [class_name(s.module) for s in sites]  # (not FSDP's FSDP<Class>)
         # the loop may change them; the bundle keeps those it did (see .attributes)
-        self.attributes = AttributeWatch(sites)
+        loss = _deref(self._loss_fn)  # (and the loss's own, as the step began: a running mean)
+        self.attributes = AttributeWatch(sites, self._plain_loss if loss is None else loss)
         # generators the model or loss keeps (a diffusion model drawing its timesteps and
         # noise with generator=self.gen): their states are captured with the global ones
-        loss = _deref(self._loss_fn)
         self.generators = module_generators(
             [(s.name, s.module) for s in sites]
             + ([] if loss is None else loss_modules(loss)))

@@ -46,6 +46,7 @@ from .loop_grads import finite_gradients_reached_the_output as _finite_gradients
 from .loop_grads import gradients_from_the_loop as _gradients_from_the_loop
 from .loop_grads import no_backward_reached_the_output as _no_backward_reached_the_output
 from .loss_grad import loop_differentiation, not_rerun_term
+from .loss_own import settle_loss_started
 from .masked_targets import masked_loss_hint
 from .moved_weights import report_moved_weights
 from .negative_lr import below_zero, negative_lr_hint
@@ -189,6 +190,7 @@ def _built(path, rank: int | None, factory, device, factory_kwargs,
         build(step, factory, device, factory_kwargs)
     except FactoryRefused as e:
         step.problems.append(str(e))
+    settle_loss_started(step)  # (the loss's own state as the step began; see replay.loss_own)
     return step
 
 

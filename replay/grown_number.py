@@ -17,17 +17,34 @@ import torch
 
 from .domains import g
 from .load import Step
+from .loss_started import dotted
 
 
 def number_attributes(step: Step, module: str | None, built: bool = False) -> dict[str, Any]:
     """The origin's plain number attributes as the step closed: the loss's (a loss module's
     config) or those the loop changed on the recorded module; with ``built``, also the
     module's attributes as they were at attach, which the loop never changed (a time
-    constant or temperature built as 0)."""
+    constant or temperature built as 0). The loss's own plain attributes are those it began
+    the step with, where the bundle holds them (a running mean its call then updated)."""
     if module == "<loss>":
-        return dict((step.meta.get("loss") or {}).get("config") or {})
+        return {**((step.meta.get("loss") or {}).get("config") or {}), **loss_began(step)}
     info = next((m for m in step.meta.get("modules") or () if m.get("name") == module), {})
     return {**(info.get("attrs_at_attach") or {} if built else {}), **(info.get("attrs") or {})}
+
+
+def when_read(step: Step, module: str | None, k: str) -> str:
+    """When :func:`number_attributes`'s ``k`` of ``module`` held its value: "as the step
+    began" for the loss's own attribute the recorder read then, else "as the step closed"."""
+    return "as the step began" if module == "<loss>" and k in loss_began(step) \
+        else "as the step closed"
+
+
+def loss_began(step: Step) -> dict[str, Any]:
+    """The loss's own plain attributes as the step began, as the bundle holds them, dotted
+    (``mean``, ``stats.mean``: ``replay.loss_started``)."""
+    started = (step.meta.get("loss") or {}).get("started")
+    return {dotted(n, k): v for n, attrs in started.items() if isinstance(attrs, dict)
+            for k, v in attrs.items()} if isinstance(started, dict) else {}
 
 
 def grown_number_hint(report: dict[str, Any], step: Step) -> None:

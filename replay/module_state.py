@@ -17,16 +17,47 @@ forward added are left, as are private ones (torch's own: a hook's registration 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
-from recorder.attributes import plain_attributes
+from recorder.attributes import loss_objects, plain_attributes
 
 from .compat import version
 
 
 def _tensor(v) -> bool:
     return isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)
+
+
+class LossState:
+    """The loss's own objects (``recorder.attributes.loss_objects``: it, its submodules, the
+    plain objects it holds) and their state as its last call began, put back after a run: a
+    loss that updates a running mean at each call, re-run alone after it (the op finder's),
+    then computes what that call did."""
+
+    def __init__(self, loss_fn):
+        self.objects = [o for _, o in loss_objects(loss_fn)]
+        self._began: ModuleState | None = None
+        self._held = False
+
+    def began(self) -> None:
+        if self.objects:
+            self._began = ModuleState(self.objects)
+
+    def put_back(self) -> None:
+        if self._began is not None and not self._held:
+            self._began.restore()
+
+    @contextlib.contextmanager
+    def as_left(self):
+        """Runs inside leave the loss as their last call left it (to read what it changed)."""
+        self._held = True
+        try:
+            yield
+        finally:
+            self._held = False
 
 
 class ModuleState:

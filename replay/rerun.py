@@ -43,7 +43,7 @@ from .load import (
 from .loopscale import loss_factor
 from .loss_forward import forward_in_loss, loss_runs_model
 from .loss_params import trained_loss_params
-from .module_state import ModuleState
+from .module_state import LossState, ModuleState
 from .precision import precision_hooks
 from .raised_note import IN_BACKWARD
 from .refit_in_forward import trained_copies, written_note, written_since
@@ -105,8 +105,8 @@ class Runner:
         self._loss_buffers = {n: b.detach().clone() for n, b in
                               (self._loss_module.named_buffers() if self._loss_module else ())}
         self._rng = rng_state(step)
-        self._state = ModuleState([*self.model.modules(), *([self._loss_module]
-                                                            if self._loss_module else [])])
+        self.loss_state = LossState(step.loss_fn)  # (a plain loss's, and the objects it holds)
+        self._state = ModuleState([*self.model.modules(), *self.loss_state.objects])
         # the model's and loss's own generators, by the recorder's names (recorder.rng)
         self._generators = dict(module_generators(
             [*self.model.named_modules(),
@@ -185,8 +185,7 @@ class Runner:
         """Forward every micro-batch, the loss, and (``backward``) the backward pass.
 
         ``instrument`` records every module call (with syncs: this is the replay, not the
-        recorder). ``hooks(model)`` may install extra hooks and must return their handles.
-        """
+        recorder). ``hooks(model)`` may install extra hooks and must return their handles."""
         self.reset()
         result = Run(strict_inf=self.strict_inf, allowed=frozenset(self.allowed))
         handles = CallRecorder(self, result).install(self.model) if instrument else []
@@ -241,10 +240,11 @@ class Runner:
         return result
 
     def _close(self, handles: list) -> None:
-        """A run's end: its hooks removed, and the RNG put back as its last loss call began,
-        so that a loss re-run alone after it (the op finder's) draws what that call drew."""
+        """A run's end: its hooks removed, and the RNG and the loss's own state put back as its
+        last loss call began, so a loss re-run alone after it (the op finder's) computes that."""
         for h in handles:
             h.remove()
+        self.loss_state.put_back()
         if self._loss_rng is not None:
             restore_generators(self._loss_rng, self._generators)
 
@@ -276,6 +276,7 @@ class Runner:
             result.bad_loss_data.add(i)
         self.in_loss = True
         self._loss_rng = RngCapture(list(self._generators.items()))()
+        self.loss_state.began()
         try:
             if self.cast is not None:
                 args, kwargs = _cast((args, kwargs), self.cast)

@@ -35,7 +35,6 @@ from recorder.finite import finite
 from recorder.inner_optim import clear_state, put_state, state_items
 from recorder.seq_state import load_seq
 
-from .attributes import event_attributes, set_step_attributes
 from .began import precursors_began  # noqa: F401  (the window report's, re-exported)
 from .clip import loop_clip, ring_loss, total_norm
 from .departure import param_norms
@@ -45,6 +44,7 @@ from .hyper import set_hyper
 from .load import Step
 from .loop_grads import no_backward_reached_the_output
 from .loopscale import unscale, window_factors, with_factors
+from .loss_started import attributes_began
 from .ops import OpFinder
 from .optim import needs_closure, per_parameter, state_note
 from .outcome import Outcome, kinds_of, loss_value, run_outcome
@@ -148,7 +148,7 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
     peers = _peers(step, win, out.problems)
     factors: dict[int, list[float]] | None = {} if change == Change() else None
     for record in win.records:
-        set_step_attributes(step.meta, step.model, record.get("attrs"))  # (its schedule's)
+        attributes_began(step, record.get("attrs"))  # (its schedule's; the loss's own)
         sub = _sub_step(step, win, record, change)
         runner = Runner(sub)
         runner.cast, runner.loss_factors = change.dtype, factors
@@ -195,7 +195,7 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
         if _checked_update(step, opt, record["step"], change == Change(), out, stats):
             break
     win.loss_factors = win.loss_factors if factors is None else window_factors(factors)
-    set_step_attributes(step.meta, step.model, event_attributes(step.meta))
+    attributes_began(step, None)
     return out
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from .cause_text import DO
 from .domains import g
-from .grown_number import number_attributes
+from .grown_number import number_attributes, when_read
 from .load import Step
 
 
@@ -51,15 +51,15 @@ def zero_number_hint(report: dict[str, Any], step: Step) -> None:
         a, b = equal[0] if _minus(line, *reversed(equal[0])) else reversed(equal[0])
         report["hint"] = (
             f"{report['hint']}. Here {owner}'s attributes {a} and {b} are both "
-            f"{g(read[a])} as the step closed, and the line divides by their difference: a "
+            f"{g(read[a])} {when_read(step, o.get('module'), a)}, and the line divides by their difference: a "
             "range fitted where the minimum equals the maximum (min-max normalisation of labels "
             "that are all one value, as a training set of a single query template; a feature "
             "that never moved), so every value divides by 0. Fit the range on data that "
             f"varies, or divide by max({b} - {a}, eps) and map a constant range to 0")
     elif zero and zero[0] in number_attributes(step, o.get("module")):
         report["hint"] = (f"{report['hint']}. Here {owner}'s attribute {zero[0]}{read_as} is 0 "
-                          "as the step closed, and the line divides by it: that is the setting "
-                          "to find where it was computed")
+                          f"{when_read(step, o.get('module'), zero[0])}, and the line divides by "
+                          "it: that is the setting to find where it was computed")
     elif zero:
         report["hint"] = (
             f"{report['hint']}. Here {owner}'s attribute {zero[0]}{read_as} is 0, as it was when "

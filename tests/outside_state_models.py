@@ -3,7 +3,8 @@ module-level cache of positional encodings by length and an ``functools.lru_cach
 (an entry made before the recorder attached, holding NaN), a warm-up counted in an attribute
 whose class default the first call shadows, and losses normalising by a running
 average of past losses kept in a plain float: on the loss itself, on a plain object it holds,
-or on a loss module (``replay.kept_outside``, ``replay.loss_state``)."""
+or on a loss module, and a warm-up counted by a loss's own submodule (``replay.kept_outside``,
+``replay.loss_started``, ``replay.loss_state``)."""
 
 from __future__ import annotations
 
@@ -118,6 +119,45 @@ class EmaLossModule(nn.Module):
 
     def forward(self, out, y):
         raw = ((out - y) ** 2).mean()
-        loss = raw / self.mean
+        loss = raw / self.mean  # (as a module)
         self.mean = 0.9 * self.mean + 0.1 * raw.item()
         return loss
+
+
+class Schedule(nn.Module):
+    """Counts the calls of the loss that holds it (a submodule: ``<loss>.schedule``)."""
+
+    def __init__(self, warmup: int):
+        super().__init__()
+        self.warmup, self.calls = warmup, 0
+
+    def tick(self) -> bool:
+        """Whether this call is still in the warm-up."""
+        self.calls += 1
+        return self.calls <= self.warmup
+
+
+class WarmLogLoss(nn.Module):
+    """Mean squared log error during a warm-up counted by its own submodule, then MSE (or,
+    ``log_after``, the other way round)."""
+
+    def __init__(self, warmup: int = 3, log_after: bool = False):
+        super().__init__()
+        self.schedule = Schedule(warmup)
+        self.log_after = log_after
+
+    def forward(self, out, y):
+        if self.schedule.tick() != self.log_after:
+            return ((out - torch.log(y)) ** 2).mean()
+        return ((out - y) ** 2).mean()
+
+
+class ScaledLoss(nn.Module):
+    """MSE divided by a scale the loop sets before each loss call."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = 1.0
+
+    def forward(self, out, y):
+        return ((out - y) ** 2).mean() / self.scale
