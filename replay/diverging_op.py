@@ -28,7 +28,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from recorder.scripted import hookable_modules
 
-from .compat import TorchDispatchMode, holds_no_data, running_node, tree_leaves, version
+from .bits import as_integers
+from .compat import TorchDispatchMode, running_node, tree_leaves, version
 from .source import user_source
 from .transforms import outside_transforms
 
@@ -36,7 +37,6 @@ from .transforms import outside_transforms
 _NOT_UNIQUE = frozenset({"svd", "linalg_svd", "_linalg_svd", "linalg_eigh", "_linalg_eigh",
                          "linalg_eig", "geqrf", "linalg_qr", "linalg_lstsq", "_linalg_eigvals",
                          "linalg_eigvals", "orgqr", "ormqr"})
-_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 1 << 22  # elements fingerprinted at once (two int64 copies: 64 MB)
 
 
@@ -44,12 +44,8 @@ def fingerprint(t: torch.Tensor) -> tuple:
     """Shape, dtype and two exact sums of ``t``'s bits (one weighted by position: a permutation
     of the same values differs); shape and dtype alone for a tensor without plain storage."""
     head = (tuple(t.shape), str(t.dtype))
-    if t.layout is not torch.strided or t.is_meta or t.is_nested or not t.numel() \
-            or type(t) not in (torch.Tensor, torch.nn.Parameter) or holds_no_data(t):
+    if (x := as_integers(t)) is None:
         return head
-    x = torch.view_as_real(t.detach()) if t.is_complex() else t.detach()
-    x = x.contiguous().reshape(-1)
-    x = x.view(_INTS[x.element_size()]) if x.dtype != torch.bool else x.to(torch.uint8)
     sums = torch.zeros(2, dtype=torch.int64, device=x.device)
     for i in range(0, x.numel(), _CHUNK):  # (int64 copies of a chunk at a time, not of all)
         part = x[i:i + _CHUNK].to(torch.int64)

@@ -21,7 +21,8 @@ from recorder.running_stats import statistics_finite, statistics_kind
 from recorder.samples import Samples, packed_in
 from recorder.scripted import hookable_modules
 
-from .compat import holds_no_data, in_buffers, running_node
+from .bits import as_integers
+from .compat import in_buffers, running_node
 from .input_container import IN_PLACE
 from .memo import TensorMemo, TensorSet
 from .recorded import samples
@@ -163,9 +164,6 @@ class CallRecorder:
                                       statistic=wrote is not None, bits=bits, sums=sums))
 
 
-_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def _digests(outs: list[torch.Tensor], with_sums: bool
              ) -> tuple[tuple[int, ...], tuple[float, ...]]:
     """Each output's values read as integers and summed (one host read): two runs whose
@@ -176,12 +174,11 @@ def _digests(outs: list[torch.Tensor], with_sums: bool
     bits, sums = [], []
     with torch.no_grad():
         for t in outs:
-            x = real_view(t)
-            if x.layout is not torch.strided or type(x) is not torch.Tensor or x.is_nested \
-                    or x.element_size() not in _INTS or holds_no_data(x) or not x.numel():
+            if (x := as_integers(t)) is None:
                 continue
-            bits.append(x.contiguous().view(_INTS[x.element_size()]).sum(dtype=torch.int64))
+            bits.append(x.sum(dtype=torch.int64))
             if with_sums:
+                x = real_view(t)
                 ok = torch.where(torch.isfinite(x), x, 0)  # (summed in float64, not copied)
                 sums.append(torch.stack([ok.sum(dtype=torch.float64),
                                          ok.abs().sum(dtype=torch.float64)]))
