@@ -26,12 +26,10 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from recorder.scripted import hookable_modules
-
 from .bits import as_integers
+from .call_stack import call_stack_hooks
 from .compat import TorchDispatchMode, running_node, tree_leaves, version
 from .source import user_source
-from .transforms import outside_transforms
 
 # decompositions whose result is one of many valid ones when the input is degenerate
 _NOT_UNIQUE = frozenset({"svd", "linalg_svd", "_linalg_svd", "linalg_eigh", "_linalg_eigh",
@@ -177,20 +175,8 @@ def _traced(runner, first: list | None) -> _Trace:
         with trace:
             yield
 
-    def left(m, args, out) -> None:
-        if trace.modules:
-            trace.modules.pop()
-
-    def hooks(model):
-        hs = []
-        for name, m in hookable_modules(model):
-            hs.append(m.register_forward_pre_hook(outside_transforms(
-                lambda m, a, name=name: trace.modules.append(name))))
-            hs.append(m.register_forward_hook(outside_transforms(left)))
-        return hs
-
     try:
-        runner.run(instrument=False, hooks=hooks, forward_ctx=lambda: phase("forward"),
+        runner.run(instrument=False, hooks=lambda model: call_stack_hooks(model, trace.modules), forward_ctx=lambda: phase("forward"),
                    backward_ctx=lambda: phase("backward"))
     except Exception:  # (a re-run the traced ops made fail: the report stands without it)
         trace.found = None

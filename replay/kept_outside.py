@@ -19,12 +19,10 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from recorder.scripted import hookable_modules
-
+from .call_stack import call_stack_hooks
 from .compat import TorchDispatchMode, tree_leaves
 from .loss_state import loss_self_updates, note_loss_updates
 from .source import user_source
-from .transforms import outside_transforms
 
 # ops whose tensor input is a Python-made constant of the code's own (``torch.tensor(2.0)``,
 # ``torch.from_numpy``): made again at each call, not kept between calls
@@ -78,24 +76,14 @@ def kept_outside(runner, event_module: str | None) -> dict[str, Any] | None:
     loss = runner.step.loss_fn if isinstance(runner.step.loss_fn, nn.Module) else None
     trace = _Reads(known)
 
-    def entered(m, args, kwargs, name: str):
+    def entered(args, kwargs) -> None:
         for t in tree_leaves((args, kwargs)):  # (the batch, or what the caller passed in)
             if isinstance(t, torch.Tensor):
                 known[t] = True
-        trace.modules.append(name)
-
-    def left(m, args, out) -> None:
-        if trace.modules:
-            trace.modules.pop()
 
     def hooks(model):
         _own_tensors(known, [*model.modules(), *(loss.modules() if loss is not None else ())])
-        hs = []
-        for name, m in hookable_modules(model):
-            hs.append(m.register_forward_pre_hook(outside_transforms(
-                lambda m, a, k, name=name: entered(m, a, k, name)), with_kwargs=True))
-            hs.append(m.register_forward_hook(outside_transforms(left)))
-        return hs
+        return call_stack_hooks(model, trace.modules, entered)
 
     try:
         runner.run(instrument=False, backward=False, hooks=hooks, forward_ctx=lambda: trace)
