@@ -44,14 +44,6 @@ def module_generators(modules) -> list[tuple[str, Any]]:
     return list(found.values())
 
 
-def loss_modules(loss) -> list[tuple[str, Any]]:
-    """``(name, module)`` pairs of the loss for :func:`module_generators`: its submodules too,
-    ``<loss>.inner`` (a wrapper's noisy targets drawing from their own generator)."""
-    if isinstance(loss, torch.nn.Module):
-        return [(f"<loss>.{n}" if n else "<loss>", m) for n, m in loss.named_modules()]
-    return [("<loss>", loss)]
-
-
 def is_generator(v) -> bool:
     """``v`` is a random generator of the user's own: a ``torch.Generator``, a NumPy
     ``Generator`` or ``RandomState``, a ``random.Random``; not the process-wide ones behind

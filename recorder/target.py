@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attributes import AttributeWatch
+from .attributes import AttributeWatch, loss_objects
 from .compat import (
     any_autocast_enabled,
     forward_autocasts,
@@ -31,7 +31,7 @@ from .constants import inf_constants
 from .finite import matches
 from .ranks import Agreement
 from .replaced import bad_kinds, group_heads, heads_moved, swapped
-from .rng import loss_modules, module_generators
+from .rng import module_generators
 from .running_stats import RunningStats
 from .samples import recurrent, seq_first
 from .settings import Settings
@@ -167,7 +167,7 @@ class Target:
         # noise with generator=self.gen): their states are captured with the global ones
         self.generators = module_generators(
             [(s.name, s.module) for s in sites]
-            + ([] if loss is None else loss_modules(loss)))
+            + ([] if loss is None else loss_objects(loss)))
         self.compiled = {s.name for s in sites if s.region}  # recorded as one call each
         self.passing = {s.name for s in sites[1:] if s.target is not None and not s.region
                         and passes_through(s.module)}  # not hooked: their calls repeat others'

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from recorder.rng import GENERATOR, generator_state, loss_modules, module_generators, restore_rng
+from recorder.attributes import loss_objects
+from recorder.rng import GENERATOR, generator_state, module_generators, restore_rng
 
 
 def state_kind(state: Any) -> str | None:
@@ -46,6 +47,13 @@ def same_kind(state: dict[str, Any], generators: dict[str, Any]) -> dict[str, An
     return kept
 
 
+def own_generators(model: torch.nn.Module, loss) -> dict[str, Any]:
+    """The rebuilt model's and loss module's own generators, by the recorder's names
+    (``recorder.rng.module_generators`` over the model's modules and ``loss_objects``)."""
+    return dict(module_generators([*model.named_modules(),
+                                   *(loss_objects(loss) if loss is not None else [])]))
+
+
 def restore_generators(state: dict[str, Any], generators: dict[str, Any]) -> None:
     """``restore_rng`` of ``state``, each of the model's generators only from a state of its
     own kind."""
@@ -79,5 +87,5 @@ def restored_loss_attributes(state: dict[str, Any] | None, loss) -> set[str]:
     what the loss's construction made of them is not what the re-run draws)."""
     if not state or not isinstance(loss, torch.nn.Module):
         return set()
-    own = dict(module_generators(loss_modules(loss)))
+    own = dict(module_generators(loss_objects(loss)))
     return {n.removeprefix("<loss>.") for n in same_kind(state, own) if GENERATOR + n in state}

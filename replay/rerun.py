@@ -18,7 +18,7 @@ from torch import nn
 # leaves a dict or tuple subclass it does not know (a user's output type) unopened.
 from recorder.capture import map_tensors, output_leaves, tensor_leaves
 from recorder.finite import finite, matches, only_mask_infinities
-from recorder.rng import RngCapture, loss_modules, module_generators
+from recorder.rng import RngCapture
 
 from . import bisection
 from .compat import non_persistent
@@ -29,7 +29,7 @@ from .float64 import widened
 from .frozen import FrozenParams
 from .instrument import CallRecorder
 from .kept_aside import kept_hooks, with_kept
-from .kept_generators import restore_generators
+from .kept_generators import own_generators, restore_generators
 from .load import (
     Step,
     autocast_as_recorded,
@@ -107,10 +107,7 @@ class Runner:
         self._rng = rng_state(step)
         self.loss_state = LossState(step.loss_fn)  # (a plain loss's, and the objects it holds)
         self._state = ModuleState([*self.model.modules(), *self.loss_state.objects])
-        # the model's and loss's own generators, by the recorder's names (recorder.rng)
-        self._generators = dict(module_generators(
-            [*self.model.named_modules(),
-             *(loss_modules(self._loss_module) if self._loss_module is not None else [])]))
+        self._generators = own_generators(self.model, self._loss_module)
         self.cast: torch.dtype | None = None  # run in this dtype (the float64 re-run)
         # gradients fed into the model outputs instead of the recorded ones, finite or not
         # (micro-batch -> output index -> gradient): see replay.outside
