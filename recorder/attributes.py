@@ -144,11 +144,17 @@ class AttributeWatch:
         out: dict[str, dict[str, Any]] = {}
         for name, values in zip(self._names, started or ()):
             start = self.at_attach[name]
-            found = zip(start, values if len(start) > 1 else (values,))
-            if diff := {k: v for k, v in found if _plain(k, v) and (
+            if diff := {k: v for k, v in self._read(name, values).items() if (
                     type(start[k]) is not type(v) or not _same(start[k], v))}:
                 out[name] = diff
         return out
+
+    def _read(self, name: str, values) -> dict[str, Any]:
+        """A watched object's getter result (one value, or a tuple of several) by attribute,
+        its plain values only."""
+        start = self.at_attach[name]
+        found = zip(start, values if len(start) > 1 else (values,))
+        return {k: v for k, v in found if _plain(k, v)}
 
     def loss_at_attach(self) -> dict[str, dict[str, Any]]:
         """The loss's watched attributes at attach, by object (a rewind record's differences
@@ -161,9 +167,7 @@ class AttributeWatch:
         out: dict[str, dict[str, Any]] = {}
         for name, values in zip(self._names, self._started or ()):
             if name == LOSS or name.startswith(LOSS + "."):
-                start = self.at_attach[name]
-                found = zip(start, values if len(start) > 1 else (values,))
-                out[name] = {k: v for k, v in found if _plain(k, v)}
+                out[name] = self._read(name, values)
         return out
 
     def changed(self, name: str, m: nn.Module) -> dict[str, int | float | bool]:
@@ -174,9 +178,7 @@ class AttributeWatch:
             return {}
         now = plain_attributes(m)
         if self._started is not None and name in self._names:
-            values = self._started[self._names.index(name)]
-            found = dict(zip(start, values if len(start) > 1 else (values,)))
-            now.update({k: v for k, v in found.items() if _plain(k, v)})
+            now.update(self._read(name, self._started[self._names.index(name)]))
         return {k: v for k, v in now.items()
                 if k not in start or type(start[k]) is not type(v) or not _same(start[k], v)}
 
