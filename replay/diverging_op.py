@@ -12,7 +12,15 @@ differs, and say why, which the fingerprints tell apart:
   step updates, a draw from ``numpy.random.default_rng()``, which the bundle does not hold);
 - ``outside``: a tensor input that differs and that no op of the step made (``torch.from_numpy``
   of such a draw, a tensor kept between calls outside the model);
+- ``inputs``: a tensor input that differs, made by an op of the step but written since where
+  no op was seen (NumPy writing through ``t.numpy()`` or a ``torch.from_numpy`` array);
+- ``generator``: same inputs, another draw from the ``torch.Generator`` the op was given (one
+  the bundle does not hold or could not set back);
 - ``path``: the second re-run ran another op there (the code branched on such a value).
+
+Fingerprints are kept per tensor and version; a write no version counts (NumPy through
+``t.numpy()``, ``t.data``) leaves a stale one, so an op that seems to give another result from
+the same inputs is checked again by two re-runs that fingerprint every input afresh.
 
 Each earlier op gave both re-runs the same outputs, so the first difference is where the
 nondeterminism enters, not where it shows.
@@ -56,11 +64,15 @@ class _Trace(TorchDispatchMode):
     """Fingerprints each op of a re-run; given ``first`` (another re-run's trace), stops at
     the first op that differs from it and keeps where it ran."""
 
-    def __init__(self, first: list | None = None) -> None:
+    def __init__(self, first: list | None = None, cached: bool = True,
+                 upto: int | None = None) -> None:
         super().__init__()
         self.ops: list[tuple] = []  # (op, input fingerprints, arguments, output fingerprints)
-        self.first = first
+        self.reused: list[bool] = []  # per op: an input's fingerprint came from the cache
+        self.first, self.cached, self.upto = first, cached, upto
         self.found: dict[str, Any] | None = None
+        self.at: int | None = None  # the index of the op found
+        self.hits = 0  # fingerprints taken from the cache
         self.made = WeakIdKeyDictionary()  # tensors an op of this run returned
         self.fingerprints = WeakIdKeyDictionary()  # tensor -> (its version, its fingerprint)
         self.modules: list[str] = []  # the module calls running now, innermost last
@@ -69,11 +81,13 @@ class _Trace(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.found is not None:
+        if self.found is not None or (self.upto is not None and len(self.ops) >= self.upto):
             return func(*args, **kwargs)
         leaves = tree_leaves((args, kwargs))
         tensors = [a for a in leaves if isinstance(a, torch.Tensor)]
+        hits = self.hits
         ins = tuple(self._fingerprint(a) for a in tensors)
+        self.reused.append(self.hits > hits)
         given = tuple(repr(a) for a in leaves if isinstance(a, (bool, int, float, complex)))
         # (before the op: lift_fresh returns the very tensor torch.from_numpy made)
         made = [t in self.made for t in tensors] if self.first is not None else []
@@ -86,13 +100,15 @@ class _Trace(TorchDispatchMode):
                 tuple(self._fingerprint(t) if isinstance(t, torch.Tensor) else repr(t)
                       for t in outs))
         if self.first is not None:
-            self._compare(here, tensors, made)
+            self._compare(here, tensors, made, any(isinstance(a, torch.Generator) for a in leaves))
         self.ops.append(here)
         return out
 
     def _fingerprint(self, t: torch.Tensor) -> tuple:
         """:func:`fingerprint`, once per tensor and version: a weight that op after op reads,
         an output the next op takes."""
+        if not self.cached:
+            return fingerprint(t)
         try:
             now = version(t)
         except RuntimeError:  # (an inference tensor keeps no version)
@@ -100,9 +116,12 @@ class _Trace(TorchDispatchMode):
         kept = self.fingerprints.get(t)
         if kept is None or kept[0] != now:
             kept = self.fingerprints[t] = (now, fingerprint(t))
+        else:
+            self.hits += 1
         return kept[1]
 
-    def _compare(self, here: tuple, tensors: list[torch.Tensor], made: list[bool]) -> None:
+    def _compare(self, here: tuple, tensors: list[torch.Tensor], made: list[bool],
+                 drew: bool) -> None:
         i = len(self.ops)
         if i < len(self.first) and self.first[i] == here:
             return
@@ -115,9 +134,9 @@ class _Trace(TorchDispatchMode):
         elif there[2] != here[2]:
             why, detail = "arguments", {"arguments": [[a, b] for a, b in zip(there[2], here[2])
                                                       if a != b]}
-        else:
-            why, detail = "op", {}
-        node = running_node()
+        else:  # (an op given a generator drew from it: the generator is why, not the op)
+            why, detail = ("generator" if drew else "op"), {}
+        node, self.at = running_node(), i
         self.found = {
             "op": here[0], "why": why, "phase": "backward" if node is not None else self.phase,
             "module": self.modules[-1] if self.modules else None,
@@ -130,9 +149,15 @@ def first_divergence(runner) -> dict[str, Any] | None:
     """Where two more re-runs of ``runner``'s step first part ways (see the module's
     docstring), or None when they agree throughout (nondeterminism that comes and goes)."""
     first = _traced(runner, None)
-    if first.ops and (second := _traced(runner, first.ops)).found is not None:
-        return {**second.found, "micro_batches": len(runner.step.micro_batches)}
-    return None
+    if not first.ops or (second := _traced(runner, first.ops)).found is None:
+        return None
+    found, at = second.found, second.at
+    if found["why"] == "op" and (first.reused[at:at + 1] == [True] or second.reused[at]):
+        # (a cached input may be stale: written where no version counts it) checked afresh
+        again = _traced(runner, None, cached=False, upto=at + 1)
+        if (fresh := _traced(runner, again.ops, cached=False, upto=at + 1)).found is not None:
+            found = fresh.found
+    return {**found, "micro_batches": len(runner.step.micro_batches)}
 
 
 def rounding_only(report: dict[str, Any], run1, run2, runner) -> bool:
@@ -166,8 +191,8 @@ def _rounding_note(d: dict[str, Any]) -> str:
             "makes the step reproducible bit for bit)")
 
 
-def _traced(runner, first: list | None) -> _Trace:
-    trace = _Trace(first)
+def _traced(runner, first: list | None, cached: bool = True, upto: int | None = None) -> _Trace:
+    trace = _Trace(first, cached, upto)
 
     @contextlib.contextmanager
     def phase(name: str):
@@ -183,8 +208,9 @@ def _traced(runner, first: list | None) -> _Trace:
     return trace
 
 
-def divergence_sentence(d: dict[str, Any]) -> str:
-    """``d`` (:func:`first_divergence`) as the report's note."""
+def divergence_place(d: dict[str, Any]) -> str:
+    """Where ``d`` (:func:`first_divergence`) parted: the op, its line, module or backward
+    node, and micro-batch."""
     where = d["op"] + (f" at {d['source']}" if d.get("source") else "")
     if d["phase"] == "backward":
         where += " in the backward" + (f" ({d['node']})" if d.get("node") else "")
@@ -194,7 +220,12 @@ def divergence_sentence(d: dict[str, Any]) -> str:
         where += " in the loss"
     if d.get("micro_batches", 1) > 1:
         where += f", micro-batch {d['micro_batch']}"
-    why = d["why"]
+    return where
+
+
+def divergence_sentence(d: dict[str, Any]) -> str:
+    """``d`` (:func:`first_divergence`) as the report's note."""
+    where, why = divergence_place(d), d["why"]
     if why == "path":
         return (f"the two re-runs took different paths: at the op where the first re-run ran "
                 f"{d.get('first_ran')}, the second ran {where}; every op before agreed")
@@ -207,7 +238,12 @@ def divergence_sentence(d: dict[str, Any]) -> str:
                 f"input {d['input']} differed, a tensor no torch op of the step made")
     if why == "inputs":
         return (f"the first op whose result differed between two re-runs is {where}: its "
-                f"input {d['input']} differed, written in place where no op was seen")
+                f"input {d['input']} differed, a tensor an op of the step made and something "
+                "wrote since where no torch op was seen (NumPy through .numpy() or a "
+                "torch.from_numpy array, a write through .data or untyped_storage())")
+    if why == "generator":
+        return (f"the first op whose result differed between two re-runs is {where}: the same "
+                f"inputs drew other values from the torch.Generator it was given")
     return (f"the first op whose result differed between two re-runs is {where}: the same "
             f"inputs gave another result")
 
@@ -215,7 +251,19 @@ def divergence_sentence(d: dict[str, Any]) -> str:
 def divergence_hint(d: dict[str, Any]) -> str:
     """What to do about ``d``: where the nondeterminism enters, and how to remove it."""
     op, why = d["op"].removeprefix("aten."), d["why"]
-    if why in ("arguments", "outside", "inputs", "path"):
+    if why == "inputs":
+        return ("the step writes a tensor behind torch's back (through t.numpy(), a "
+                "torch.from_numpy array or t.data) with values from state that changes at "
+                "each call (numpy.random.default_rng() made at each call, the clock), so no "
+                "re-run computes what the run did: draw those values with torch ops from "
+                "torch's generator, or from a generator the model keeps, which the bundle holds")
+    if why == "generator":
+        return (f"{d['op']} draws from a torch.Generator the bundle does not hold (made at each "
+                "call, or kept elsewhere than on the model, the loss or the Python module "
+                "defining their classes), so each re-run draws anew: keep the generator as an "
+                "attribute of a module, or draw from torch's global generator, which the "
+                "bundle holds")
+    if why in ("arguments", "outside", "path"):
         return ("the step computes with a value made outside torch from state that changes "
                 "at each call (a global or closure the step updates; a random generator the "
                 "bundle does not hold: numpy.random.default_rng() or random.Random() made at "

@@ -60,20 +60,33 @@ def restore_generators(state: dict[str, Any], generators: dict[str, Any]) -> Non
     restore_rng(state, same_kind(state, generators))
 
 
-def other_kinds_note(state: dict[str, Any] | None, generators: dict[str, Any]) -> str | None:
-    """One note naming the generators whose recorded state is of another kind than the rebuilt
-    one's, else None. (One the rebuilt model lacks is left out: the re-run's divergence, if it
-    draws from it, is named where it happens.)"""
+def other_kinds(state: dict[str, Any] | None, generators: dict[str, Any]) -> list[str]:
+    """The generators whose recorded state is of another kind than the rebuilt one's, each as
+    ``name (recorded KIND, now KIND)``. (One the rebuilt model lacks is left out: the re-run's
+    divergence, if it draws from it, is named where it happens.)"""
     if not state:
-        return None
-    odd = [f"{name} (recorded {state_kind(state.get(GENERATOR + name)) or 'unreadable'}, now "
-           f"{generator_kind(g)})" for name, g in generators.items()
-           if GENERATOR + name in state and name not in same_kind(state, {name: g})]
+        return []
+    return [f"{name} (recorded {state_kind(state.get(GENERATOR + name)) or 'unreadable'}, now "
+            f"{generator_kind(g)})" for name, g in generators.items()
+            if GENERATOR + name in state and name not in same_kind(state, {name: g})]
+
+
+def other_kinds_note(odd: list[str]) -> str | None:
+    """One note naming :func:`other_kinds`' generators, else None."""
     if not odd:
         return None
     return (f"the bundle's state of generator(s) {', '.join(odd[:3])} is not one the rebuilt "
             "model's generator takes: the re-run draws from it as the factory made it, so it "
             "may not draw what the run drew; replay with the code the bundle was recorded with")
+
+
+def unrestored_hint(odd: list[str], where: str) -> str:
+    """The hint of re-runs that part ways at ``where`` while :func:`other_kinds`' generators
+    kept the factory's state: those generators, not the op, are why."""
+    return (f"generator(s) {', '.join(odd[:3])} could not be set back from the bundle, as "
+            f"the kinds differ: each re-run draws from it anew, so the re-runs part ways at "
+            f"{where}, not because that op is nondeterministic; replay with a factory that "
+            "builds the generator of the recorded kind (the code the bundle was recorded with)")
 
 
 def model_generators(model, loss) -> dict[str, Any]:

@@ -65,6 +65,9 @@ class Step:
     written: list[str] = field(default_factory=list)
     # why the recorded loss was not rebuilt (replay.losses.Unrebuildable), or None
     loss_unrebuilt: str | None = None
+    # the model's generators of another kind than the bundle's state (replay.kept_generators):
+    # left as the factory made them
+    unrestored: list[str] = field(default_factory=list)
 
     @property
     def event(self) -> dict[str, Any]:

@@ -16,7 +16,12 @@ from .attributes import built_otherwise, restore_attributes, restore_trained, re
 from .errors import FactoryRefused, ReplayError, one_line
 from .factory import recorded_argv, resolve_factory
 from .factory_params import taken_kwargs
-from .kept_generators import model_generators, other_kinds_note, restored_loss_attributes
+from .kept_generators import (
+    model_generators,
+    other_kinds,
+    other_kinds_note,
+    restored_loss_attributes,
+)
 from .load import Step, recorded_device, rng_state
 from .loss_params import attach_loss_params
 from .losses import Unrebuildable, kept_defaults, rebuild_loss
@@ -161,7 +166,8 @@ def _build_with(step: Step, fn, spec: str, factory_kwargs: dict[str, Any] | None
         except Unrebuildable as e:
             step.loss_unrebuilt = str(e)
             step.problems.append(str(e))
-    if odd := other_kinds_note(rng_state(step), model_generators(model, step.loss_fn)):
+    step.unrestored = other_kinds(rng_state(step), model_generators(model, step.loss_fn))
+    if odd := other_kinds_note(step.unrestored):
         step.problems.append(odd)
     attach_loss_params(step)  # (those the optimizer trained, before it is rebuilt over them)
     opt_factory = made.get("optimizer")

@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
-from .diverging_op import divergence_hint, divergence_sentence, first_divergence
+from .diverging_op import divergence_hint, divergence_place, divergence_sentence, first_divergence
 from .findings import finish, origin_fields
 from .forward import find_op_in_call
+from .kept_generators import unrestored_hint
 from .loss_state import loss_self_updates, note_loss_updates
 from .rerun import Runner
 
@@ -34,7 +35,8 @@ def disagreeing(report: dict[str, Any], step, runner: Runner) -> dict[str, Any]:
     if len(report["problems"]) == told and (found := first_divergence(runner)) is not None:
         report["diverged"] = found  # (an unwritten read explains it already, when found)
         report["problems"].append(divergence_sentence(found))
-        report["hint"] = divergence_hint(found)
+        report["hint"] = divergence_hint(found) if not step.unrestored else \
+            unrestored_hint(step.unrestored, divergence_place(found))
     in_loss = (d := report.get("diverged")) is not None and d["module"] is None \
         and d["phase"] == "forward"  # (parted in the loss: its own state, held too late?)
     if in_loss and (moved := loss_self_updates(runner)) is not None:

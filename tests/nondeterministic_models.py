@@ -25,7 +25,8 @@ class FeatureDrop(nn.Module):
     it kept. ``source``: where the generator lives: ``module`` (``MASKS``), ``legacy``
     (``LEGACY_MASKS``), ``numpy_attr`` / ``random_attr`` (``self.rng``, NumPy's or Python's
     ``random.Random``), or ``fresh`` (``np.random.default_rng()`` at each call, seeded from
-    the OS: nothing can draw the same again)."""
+    the OS: nothing can draw the same again; ``numpy_view``: the same draw written by NumPy
+    into a torch buffer through ``.numpy()``)."""
 
     def __init__(self, p: float, source: str):
         super().__init__()
@@ -44,7 +45,12 @@ class FeatureDrop(nn.Module):
         return rng.random(shape) if self.source != "legacy" else rng.random_sample(shape)
 
     def forward(self, x):
-        keep = torch.from_numpy(self.draw(tuple(x.shape)) > self.p).to(x.dtype)
+        if self.source == "numpy_view":  # (NumPy fills torch's buffer: no op, no version)
+            u = torch.zeros_like(x)
+            u.numpy()[...] = np.random.default_rng().random(tuple(x.shape))
+            keep = (u > self.p).to(x.dtype)
+        else:
+            keep = torch.from_numpy(self.draw(tuple(x.shape)) > self.p).to(x.dtype)
         return x * keep / keep.mean(1, keepdim=True)
 
 
@@ -71,6 +77,10 @@ def make_drop_random_attr() -> nn.Module:
 
 def make_drop_fresh() -> nn.Module:
     return make_drop("fresh", p=0.8, width=4)
+
+
+def make_drop_numpy_view() -> nn.Module:
+    return make_drop("numpy_view", p=0.8, width=4)
 
 
 class Annealed(nn.Module):

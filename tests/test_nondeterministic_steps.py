@@ -63,6 +63,24 @@ def test_masks_from_a_fresh_numpy_generator_are_named_where_torch_takes_them(tmp
     assert any("a tensor no torch op of the step made" in p for p in rep["problems"])
 
 
+def test_masks_numpy_writes_into_a_torch_buffer_are_named_as_inputs_written_outside_torch(
+        tmp_path):
+    """The same fresh draws written by NumPy into ``torch.zeros_like(x)`` through ``.numpy()``:
+    no op sees the write and the buffer's version does not move, so a fingerprint kept by
+    version would call the comparison that reads it nondeterministic (before: ``aten.gt``,
+    "the same inputs gave another result", use_deterministic_algorithms). Fingerprinted afresh,
+    the comparison's input 0 differs, a tensor the step made: ``inputs``, on its line, in the
+    dropout module; the note and hint say it was written behind torch's back and what to do."""
+    fire("make_drop_numpy_view", tmp_path)
+    rep = replayed(tmp_path)
+    d = rep["diverged"]
+    assert (d["op"], d["why"], d["input"], d["phase"], d["module"], d["source"]) == (
+        "aten.gt", "inputs", 0, "forward", "1", line_of("keep = (u > self.p).to(x.dtype)")), d
+    assert any("no torch op was seen (NumPy through .numpy()" in p for p in rep["problems"])
+    assert "t.numpy()" in rep["hint"] and "use_deterministic_algorithms" not in rep["hint"], \
+        rep["hint"]
+
+
 @pytest.mark.parametrize("make", ["make_drop_module", "make_drop_legacy", "make_drop_numpy_attr",
                                   "make_drop_random_attr"])
 def test_generators_the_code_keeps_are_recorded_and_replayed(tmp_path, make):

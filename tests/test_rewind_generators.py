@@ -88,3 +88,24 @@ def test_a_generator_of_another_kind_in_the_rebuilt_model_is_one_note(tmp_path):
     notes = [p for p in rep["problems"] if "1.rng (recorded torch.Generator, now NumPy Philox)"
              in p]
     assert len(notes) == 1, rep["problems"]
+
+
+@pytest.mark.parametrize(("recorded", "rebuilt", "op", "why"), [
+    ("make_philox", "make_torch", "aten.rand", "generator"),
+    ("make_torch", "make_philox", "aten.lift_fresh", "outside")])
+def test_re_runs_that_part_at_a_generator_of_another_kind_blame_the_generator(
+        tmp_path, recorded, rebuilt, op, why):
+    """Recorded with ``1.rng`` of one kind, replayed with a factory building the other: the
+    generator keeps the factory's state and each re-run draws anew, so they part where the
+    masks are drawn (``torch.rand(generator=...)`` or their ``torch.from_numpy``). The report
+    says so: the draw is named (a ``torch.Generator``'s as ``generator``, not an ``op`` that
+    is nondeterministic) and the hint names the generator, both kinds and the remedy, not
+    torch's deterministic mode (before: "aten.rand is not deterministic on this device")."""
+    fire(recorded, tmp_path, rewind=None)
+    (bundle,) = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle, "--factory", f"own_generator_models:{rebuilt}", code=None)
+    d, kinds = rep["diverged"], {"make_philox": "NumPy Philox", "make_torch": "torch.Generator"}
+    assert (rep["cause"], d["op"], d["why"], d["module"]) == ("not_reproduced", op, why, "1"), d
+    assert f"1.rng (recorded {kinds[recorded]}, now {kinds[rebuilt]}) could not be set back" \
+        in rep["hint"] and "recorded kind" in rep["hint"], rep["hint"]
+    assert "use_deterministic_algorithms" not in rep["hint"], rep["hint"]
