@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 
 import numpy as np
 import torch
@@ -26,7 +27,8 @@ class FeatureDrop(nn.Module):
     (``LEGACY_MASKS``), ``numpy_attr`` / ``random_attr`` (``self.rng``, NumPy's or Python's
     ``random.Random``), or ``fresh`` (``np.random.default_rng()`` at each call, seeded from
     the OS: nothing can draw the same again; ``numpy_view``: the same draw written by NumPy
-    into a torch buffer through ``.numpy()``)."""
+    into a torch buffer through ``.numpy()``; ``clock``: a ``torch.Generator`` seeded from
+    the clock at each call)."""
 
     def __init__(self, p: float, source: str):
         super().__init__()
@@ -49,6 +51,9 @@ class FeatureDrop(nn.Module):
             u = torch.zeros_like(x)
             u.numpy()[...] = np.random.default_rng().random(tuple(x.shape))
             keep = (u > self.p).to(x.dtype)
+        elif self.source == "clock":
+            g = torch.Generator().manual_seed(time.time_ns())
+            keep = (torch.rand(x.shape, generator=g) > self.p).to(x.dtype)
         else:
             keep = torch.from_numpy(self.draw(tuple(x.shape)) > self.p).to(x.dtype)
         return x * keep / keep.mean(1, keepdim=True)
@@ -81,6 +86,10 @@ def make_drop_fresh() -> nn.Module:
 
 def make_drop_numpy_view() -> nn.Module:
     return make_drop("numpy_view", p=0.8, width=4)
+
+
+def make_drop_clock() -> nn.Module:
+    return make_drop("clock", p=0.8, width=4)
 
 
 class Annealed(nn.Module):

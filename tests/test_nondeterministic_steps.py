@@ -81,6 +81,21 @@ def test_masks_numpy_writes_into_a_torch_buffer_are_named_as_inputs_written_outs
         rep["hint"]
 
 
+def test_masks_from_a_torch_generator_seeded_from_the_clock_blame_the_generator(tmp_path):
+    """The masks drawn with ``torch.rand(generator=g)``, ``g`` seeded from ``time.time_ns()``
+    at each call: the same inputs draw other values in each re-run. The draw is named on its
+    line, in the dropout module, as ``generator`` (before: ``op``, "aten.rand is not
+    deterministic", use_deterministic_algorithms), the hint says to keep the generator on a
+    module or use torch's own."""
+    fire("make_drop_clock", tmp_path)
+    rep = replayed(tmp_path)
+    d = rep["diverged"]
+    assert (d["op"], d["why"], d["module"], d["source"]) == ("aten.rand", "generator", "1", line_of(
+        "keep = (torch.rand(x.shape, generator=g) > self.p).to(x.dtype)")), d
+    assert "torch.Generator the bundle does not hold" in rep["hint"] \
+        and "use_deterministic_algorithms" not in rep["hint"], rep["hint"]
+
+
 @pytest.mark.parametrize("make", ["make_drop_module", "make_drop_legacy", "make_drop_numpy_attr",
                                   "make_drop_random_attr"])
 def test_generators_the_code_keeps_are_recorded_and_replayed(tmp_path, make):
