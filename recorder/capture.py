@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from . import objects
+from . import objects, tensor_collections
 from .compat import distributions_validate_default
 from .numeric_switches import numeric_switches
-from .objects import member
+from .objects import UnrebuildableLeaf, member
 from .sparse import SPARSE, nested_node, rebuild_nested, rebuild_sparse, sparse_node
 
 # ---------------------------------------------------------------------------------------------
@@ -107,9 +107,10 @@ def flatten_tree(obj: Any, prefix: str, leaf=None, whole=None
                 key = json.dumps(k) if isinstance(k, str) else repr(k)  # no !r: it would apply to both
                 items.append([jk, walk(v, f"{path}[{key}]")])
             return {"$dict": items}
-        if (made := objects.described(o)) is not None:  # a dataclass batch, PyG's Batch
-            tag, name, items = made  # (by field or key, with its type to rebuild)
-            return {tag: name, "$fields": [[k, walk(v, path + member(tag, k))] for k, v in items]}
+        if (made := tensor_collections.described(o) or objects.described(o)) is not None:
+            tag, name, items, *size = made  # (a dataclass, PyG's Batch, a TensorDict and its
+            return {tag: name, **dict(size),  # batch size: by field or key, with its type)
+                    "$fields": [[k, walk(v, path + member(tag, k))] for k, v in items]}
         if isinstance(o, torch.dtype):
             return {"$dtype": str(o).removeprefix("torch.")}
         if isinstance(o, torch.device):
@@ -156,10 +157,6 @@ def tree_refs(node: Any, key: str):
             yield from tree_refs(v, key)
 
 
-class UnrebuildableLeaf(ValueError):
-    """A batch leaf that was saved as its repr only (an arbitrary Python object)."""
-
-
 def unflatten_tree(node: Any, tensors: dict[str, torch.Tensor], leaf=None) -> Any:
     """Inverse of :func:`flatten_tree`. Raises :class:`UnrebuildableLeaf` for repr-only leaves.
     ``leaf(node)``, when given, rebuilds the dict nodes it knows (it returns None for others)."""
@@ -185,6 +182,9 @@ def unflatten_tree(node: Any, tensors: dict[str, torch.Tensor], leaf=None) -> An
             return _keyed(node, tensors, leaf)
         if "$mapping" in node:
             return _mapping(node, tensors, leaf)
+        if (tag := tensor_collections.tag_of(node)) is not None:  # (TensorDict, tensorclass)
+            return tensor_collections.rebuilt(node, *_fields(node, tag, "collection", tensors,
+                                                             leaf, names=False))
         if "$float" in node:
             return float(node["$float"])
         if "$numpy" in node:
@@ -411,8 +411,9 @@ def as_called(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     returns it, the targets' keys overwritten) must not change the batch the bundle holds.
     Arguments with neither are kept as they are."""
     for v in (*args, *kwargs.values()) if kwargs else args:  # (a loop: it runs every step)
-        if isinstance(v, (dict, list)) or type(v) is not torch.Tensor \
-                and objects.is_mapping(v):  # (a BatchEncoding too; no call for a tensor)
+        if isinstance(v, (dict, list)) or type(v) is not torch.Tensor and (
+                objects.is_mapping(v) or tensor_collections.is_collection(v)):
+            # (a BatchEncoding, a TensorDict, which TensorDictModule writes into; a tensorclass)
             return map_tensors(args, _kept), map_tensors(kwargs, _kept)
     return args, kwargs
 
@@ -440,6 +441,8 @@ def map_tensors(obj: Any, fn) -> Any:
         return tuple(map_tensors(v, fn) for v in obj)
     if isinstance(obj, dict):
         return {k: map_tensors(v, fn) for k, v in obj.items()}
+    if tensor_collections.is_collection(obj):  # (before the dataclasses: a tensorclass is one)
+        return tensor_collections.mapped(obj, fn)
     if objects.is_instance(obj):
         return objects.replaced(obj, {k: map_tensors(v, fn) for k, v in objects.fields_of(obj)})
     if objects.is_keyed(obj):  # (a copy made by its own type, as the replay rebuilds it)

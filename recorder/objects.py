@@ -24,6 +24,10 @@ from typing import Any
 from .validate import SCRIPT_MODULES, script_module
 
 
+class UnrebuildableLeaf(ValueError):
+    """A batch leaf that was saved as its repr only (an arbitrary Python object)."""
+
+
 def is_instance(o: Any) -> bool:
     """``o`` is an instance of a dataclass (not the class itself)."""
     return dataclasses.is_dataclass(o) and not isinstance(o, type)
@@ -119,7 +123,7 @@ def described(o: Any) -> tuple[str, Any, list[tuple[str, Any]]] | None:
 def member(tag: str, key: str) -> str:
     """How a report writes the field or key ``key`` of an object :func:`described` as ``tag``:
     ``["input_ids"]`` of a mapping (a ``BatchEncoding``), ``.values`` of the others."""
-    return f"[{json.dumps(key)}]" if tag == "$mapping" else f".{key}"
+    return f"[{json.dumps(key)}]" if tag in ("$mapping", "$tensordict") else f".{key}"
 
 
 def is_mapping(o: Any) -> bool:
@@ -149,7 +153,7 @@ def mapped(o: Any, values: dict[str, Any]) -> Any:
 def rebuild_mapping(name: str, values: dict[str, Any]) -> Any:
     """The mapping recorded as ``name`` (``module:qualname``, a type already imported) built
     from ``values``; a plain dict when that type is not at hand or refuses them."""
-    cls = _found(name)
+    cls = imported(name)
     if isinstance(cls, type) and issubclass(cls, collections.abc.Mapping):
         try:
             return cls(values)
@@ -173,7 +177,7 @@ def keyed_type(o: Any) -> list[str]:
     holds it under that name, else its direct bases' (a class made at run time: PyG's
     ``DataBatch``, of ``Batch`` and ``Data``)."""
     cls = type(o)
-    if _found(type_name(o)) is cls:
+    if imported(type_name(o)) is cls:
         return [type_name(o)]
     return [f"{b.__module__}:{b.__qualname__}" for b in cls.__bases__]
 
@@ -194,7 +198,7 @@ def rebuild_keyed(names: list[str], values: dict[str, Any]) -> Any:
 
 @functools.lru_cache(maxsize=64)
 def _keyed_class(names: tuple[str, ...]) -> type | None:
-    bases = [_found(n) for n in names]
+    bases = [imported(n) for n in names]
     if not bases or not all(isinstance(b, type) for b in bases):
         return None
     if len(bases) == 1:
@@ -210,7 +214,7 @@ def _keyed_class(names: tuple[str, ...]) -> type | None:
     return cls if callable(getattr(cls, "from_dict", None)) else None
 
 
-def _found(name: str) -> Any:
+def imported(name: str) -> Any:
     """What ``module:qualname`` names among the modules already imported (no import, no module
     ``__getattr__``), or None."""
     module, _, qualname = name.partition(":")

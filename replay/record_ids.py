@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from recorder.capture import batch_path, loss_path
+from recorder.objects import member
+from recorder.tensor_collections import tag_of
 
 from .load import Step
 
@@ -106,6 +108,9 @@ def _leaves(node: Any, path: str):
     elif "$dataclass" in node:
         for k, v in node.get("$fields") or []:
             yield from _leaves(v, f"{path}.{k}")
+    elif (tag := tag_of(node)) is not None:  # (a TensorDict's keys, a tensorclass's fields)
+        for k, v in node.get("$fields") or []:
+            yield from _leaves(v, path + member(tag, str(k)))
 
 
 def _per_record(items: list, path: str):
