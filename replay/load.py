@@ -65,6 +65,9 @@ class Step:
     written: list[str] = field(default_factory=list)
     # why the recorded loss was not rebuilt (replay.losses.Unrebuildable), or None
     loss_unrebuilt: str | None = None
+    # the model is its class called with no arguments, the bundle naming no factory: its
+    # initial values need not be the run's (a RoPE table of another theta)
+    default_args: bool = False
 
     @property
     def event(self) -> dict[str, Any]:
