@@ -5,7 +5,9 @@ weights hint names it with its line instead of reading the value as an intended 
 is written as a literal (``torch.full(.., -inf)``, ``masked_fill(m, -inf)``) and so never an
 op of finite inputs. A reduction of an empty tensor (fastText's out-of-vocabulary vector, the
 mean of its known n-grams' vectors, when it has none) is named as such, not by its inputs'
-lowest value (it has none)."""
+lowest value (it has none). A NaN table made of an infinity (a RoPE table's
+``1 / theta ** k`` of ``theta = 0``, then ``cos(t * inf)``) is named by the op that made the
+infinity, no op having made NaN of finite values."""
 
 from __future__ import annotations
 
@@ -37,13 +39,22 @@ class FirstMade(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.found: tuple[str, str, float, str | None] | None = None
+        self.nan: tuple[str, str, float, str | None] | None = None  # (the first NaN's)
         self.unwritten = Unwritten()
+
+    def first_of(self, kinds: set[str]):
+        """The first op that made one of ``kinds``; for NaN that no op made of finite
+        values, the first that made an infinity (later ops made the NaN of it)."""
+        if self.found is not None and self.found[1] in kinds:
+            return self.found
+        return self.nan if "nan" in kinds and self.nan is not None else \
+            self.found if kinds == {"nan"} else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         self.unwritten.allocated(name, out, f"aten.{name}", 0, 0, None)
-        if self.found is None:
+        if self.found is None or self.nan is None and self.found[1] != "nan":
             self._look(func, (args, kwargs or {}), out)
         return out
 
@@ -54,24 +65,29 @@ class FirstMade(TorchDispatchMode):
             return
         leaves = tree_leaves(given)
         ins = [t for t in leaves if _floating(t)]
-        if not ins or not all(finite(t) for t in ins):
+        # (a meta input has no values: ``to_empty``'s ``empty_like`` of one made memory, no op)
+        if not ins or any(t.is_meta for t in ins) or not all(finite(t) for t in ins):
             return  # (a value carried from a literal: the literal is what wrote it)
         if any(isinstance(x, float) and not math.isfinite(x) for x in leaves):
             return  # a literal -inf (a mask value)
         low = min(float(t.detach().real.min()) for t in ins if t.numel()) \
             if any(t.numel() for t in ins) else math.nan
         src = user_source()
-        self.found = (f"aten.{func.overloadpacket.__name__}", made, low, src,
-                      library_caller(src))
+        hit = (f"aten.{func.overloadpacket.__name__}", made, low, src, library_caller(src))
+        self.found = self.found or hit
+        if made == "nan":
+            self.nan = hit
 
 
 def built_by_text(found, names: str, kinds: set[str]) -> str | None:
     """The hint's words for ``found`` when it made the kind the parameters hold."""
-    if found is None or found[1] not in kinds:
+    if found is None or found[1] not in kinds and kinds != {"nan"}:
         return None
     op, made, low, src, caller = found
     at = f" at {src}" if src else ""
     at += f" (in a library, called from {caller})" if caller else ""
+    if made not in kinds:  # (an infinity later ops turned into NaN: 0 * inf, cos(inf))
+        at += ", which later ops turned into NaN (0 * inf, inf - inf, cos(inf)),"
     head = f"the factory builds {names} non-finite: {op}"
     tail = (f" made {made}{at} while the model was built, and no update or write of the loop "
             "made them. Fix that initialisation: ")

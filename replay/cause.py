@@ -274,8 +274,9 @@ def _underflow(name: str, what: str, ev: Evidence, moved) -> Cause:
     own = it == ev.input_dtypes[i]
     edge = "smallest normal" if own else "smallest subnormal"
     before = "" if own else f" (ops before it computed in {_type(it)})"
-    # a half type's underflow that float32 holds: float32 from where it is made fixes it
-    half, held = torch.finfo(it).bits < 32, abs(w) >= torch.finfo(torch.float32).tiny
+    # a half type's underflow that float32 holds, if only as a subnormal (bfloat16's 1e-42,
+    # which float32 keeps as such): float32 from where it is made fixes it
+    half, held = torch.finfo(it).bits < 32, abs(w) >= float64_inputs.smallest(torch.float32, True)
     wider = DO["wider_under"] + "; or " if half and held else ""
     how = "" if lost_eps.rounded_guard(ev, i, w) else ": " + wider + advice(name, ev, i)
     return Cause("underflow", f"{what}: that input is {_g(w)} in float64, below "

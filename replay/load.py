@@ -68,6 +68,9 @@ class Step:
     # the model's generators of another kind than the bundle's state (replay.kept_generators):
     # left as the factory made them
     unrestored: list[str] = field(default_factory=list)
+    # the model is its class called with no arguments, the bundle naming no factory: its
+    # initial values need not be the run's (a RoPE table of another theta)
+    default_args: bool = False
 
     @property
     def event(self) -> dict[str, Any]:

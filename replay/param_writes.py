@@ -356,20 +356,21 @@ def built_non_finite_hint(step: Step, bad: list[str]) -> str | None:
     names = f"{', '.join(bad[:2])}" + (f" (+{len(bad) - 2} more)" if len(bad) > 2 else "")
     buffers = set(step.meta.get("buffers") or ())
     if all(n in buffers and finite(built[n].detach()) for n in bad):
-        return set_before_hint(names)  # (a buffer no update writes: the loop set it so)
-    if not all(not finite(built[n].detach()) for n in bad):
-        return None
+        # (a buffer no update writes: the loop set it so, or the run's arguments did)
+        return default_args_hint(names) if step.default_args else set_before_hint(names)
+    if not all(not finite(built[n].detach()) and _covers(step, n, built[n]) for n in bad):
+        return None  # (finite where the bundle's is not: a -inf mask, not to_empty's NaN)
     kinds = {kind_of(built[n]) for n in bad}
     if made.found is None and (text := built_hint(made.unwritten, [built[n] for n in bad],
                                                   names)) is not None:
         return text  # (torch.empty never written in full, no op's NaN: replay.uninitialised)
     if all(n in buffers for n in bad):  # (the op and line that made it, where one did)
-        return built_by_text(made.found, f"buffer {names}", kinds) or (
+        return built_by_text(made.first_of(kinds), f"buffer {names}", kinds) or (
             f"the factory builds buffer {names} non-finite: the model starts so, no update "
             "or write of the loop made it. Fix the code that computes it when the model is "
             "built (statistics of the data: a log of a value <= 0, a 0/0 of a constant "
             "channel, a NaN record among those it averages)")
-    if (text := built_by_text(made.found, names, kinds)) is not None:
+    if (text := built_by_text(made.first_of(kinds), names, kinds)) is not None:
         return text
     if kinds == {"nan"}:  # (no -inf: nothing a mask would write)
         return (f"the factory builds {names} NaN: the model starts so, no update or write of "
@@ -407,6 +408,26 @@ def _read_late(step: Step, first: bool) -> str:
     return (f". They were so since the model was built; step {step.event.get('step')} is only "
             "the first whose forward read those entries (an embedding row read only by the "
             "batches holding its token id, a frozen weight no update checks)")
+
+
+def _covers(step: Step, name: str, built: torch.Tensor) -> bool:
+    """The factory's tensor is non-finite wherever the bundle's is (of the same shape)."""
+    kept = step.tensors.get(f"weights/{name}", step.tensors.get(f"buffers/{name}"))
+    if kept is None or kept.shape != built.shape:
+        return True  # (nothing to compare: the factory's build is the evidence)
+    return not bool((torch.isfinite(built.detach().cpu()) & ~torch.isfinite(kept.cpu())).any())
+
+
+def default_args_hint(names: str) -> str:
+    """Buffers the model's class, called with no arguments (no factory recorded), builds
+    finite: the run's build may have passed others (``Transformer(rope_theta=0)``)."""
+    return (f"buffer {names} was non-finite at the first step the recorder saw, before any "
+            "update, but the model's class called with its default arguments (the bundle "
+            "names no factory) builds it finite: the run built the model with other "
+            "arguments that make it so (a RoPE table's theta of 0, a size of 0), or the loop "
+            "wrote it after building the model. Replay with --factory MOD:FN building the "
+            "model as the run did to tell which, and check it (torch.isfinite(t).all()) "
+            "before training")
 
 
 def set_before_hint(names: str) -> str:

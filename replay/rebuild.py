@@ -96,6 +96,7 @@ def _build_without_factory(step: Step, factory_kwargs: dict[str, Any] | None) ->
         raise FactoryRefused(f"{NO_FACTORY}, so nothing was re-run: {how}")
     try:
         with recorded_argv(step.meta, guess):
+            step.default_args = True
             _build(step, guess, False, {})
     except FactoryRefused:
         raise

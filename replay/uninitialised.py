@@ -16,6 +16,7 @@ initialised: :func:`built_hint`).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -48,6 +49,7 @@ class Unwritten:
         # and keeps its storage, which must not be freed and reused under another tensor;
         # the hit that blames it, rows and entries still to fill in), the latest few
         self.held: dict[int, tuple[torch.Tensor, OpHit]] = {}
+        self.by_to_empty: set[int] = set()  # (storages nn.Module.to_empty allocated)
 
     def allocated(self, name: str, out: Any, op: str, occurrence: int, seq: int,
                   within: tuple[str, int] | None) -> Any:
@@ -56,13 +58,16 @@ class Unwritten:
         NaN: a NaN written into it later (a checkpoint's corrupt row loaded into an
         ``nn.Linear`` whose ``torch.empty`` held some) cannot be told from it, and the
         allocation would take the blame for what the load wrote."""
-        if name not in ALLOCATORS or not isinstance(out, torch.Tensor) \
+        # (a meta tensor holds no memory to read: a factory building on the meta device)
+        if name not in ALLOCATORS or not isinstance(out, torch.Tensor) or out.is_meta \
                 or out.dtype not in _TAGS or not out.numel() or not bool(out.isnan().all()):
             return out
         if (key := storage_of(out)) is not None:
             # (NaN still, of the payload no later write gives)
             out.detach().view(_TAGS[out.dtype][0]).fill_(_TAGS[out.dtype][1])
             self.held.pop(key, None)
+            if _in_to_empty():
+                self.by_to_empty.add(key)
             self.held[key] = (out, OpHit(
                 op, kind_of(out) or "nan", user_source(), None, None, occurrence=occurrence,
                 inputs_finite=True, within=within, seq=seq))
@@ -106,6 +111,14 @@ def built_hint(unwritten: Unwritten, tensors: list[torch.Tensor], names: str) ->
     if not hits or any(h is None for h in hits) or len({(h.op, h.source) for h in hits}) > 1:
         return None
     h = hits[0]
+    if all(storage_of(t) in unwritten.by_to_empty for t in tensors):
+        return (f"the factory builds {names} non-finite: Module.to_empty at {h.source} "
+                f"allocated it without initialising it (as it does every parameter and "
+                f"buffer), and {h.unwritten} (torch.use_deterministic_algorithms(True) fills "
+                "such memory with NaN; otherwise it holds whatever was there, different in "
+                "each run): the initialisation run after to_empty (init_weights, "
+                "reset_parameters) must write it, non-persistent buffers (a RoPE table, a "
+                "causal mask) included, which no state_dict load writes")
     return (f"the factory builds {names} non-finite: {h.op} at {h.source} allocated "
             f"it without initialising it, and {h.unwritten} ("
             "torch.use_deterministic_algorithms(True) fills such memory with NaN; otherwise it "
@@ -113,6 +126,16 @@ def built_hint(unwritten: Unwritten, tensors: list[torch.Tensor], names: str) ->
             "(torch.zeros / torch.full, or an init such as nn.init.xavier_uniform_ for a "
             "weight), and write every entry a forward reads (the rows past a smaller batch "
             "of a buffer it fills per step)")
+
+
+def _in_to_empty() -> bool:
+    """Whether ``nn.Module.to_empty`` is on the stack (its ``empty_like`` of a meta tensor)."""
+    f = inspect.currentframe()
+    while f is not None:
+        if f.f_code.co_name == "to_empty" and "torch" in f.f_code.co_filename:
+            return True
+        f = f.f_back
+    return False
 
 
 def _unwritten(t: torch.Tensor) -> int:
