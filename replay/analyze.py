@@ -22,7 +22,7 @@ from typing import Any
 from recorder.loss_forwards import ran_in_loss
 from recorder.scalers import not_given as scaler_not_given
 
-from . import fidelity, module_hooks
+from . import fidelity, module_hooks, tied_names
 from .ascent import ascent_hint
 from .before_update import nan_before_update
 from .cast_overflow import data_hint
@@ -112,6 +112,7 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
         report["problems"].append(fidelity.late_note(late, step))
     report = state_report(report, step) or _from_bundle(report, step) or _from_rerun(report, step)
     report["problems"] += module_hooks.notes(step, report)  # (the script's forward hooks)
+    tied_names.annotate(step, report)  # (a tied parameter's other names)
     if note := statistics_note(step, report) or written_statistic_note(step, report):
         report["problems"].append(note)  # (a BatchNorm statistic an outlier overflowed)
     if note := number_note(step, report):  # (a NaN number the forward took: no input)

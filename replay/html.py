@@ -27,6 +27,7 @@ from recorder.loss_forwards import forward_in_loss_phrase
 
 from .cause_text import MEANING, module_label
 from .rewind_text import what_if_html, window_html
+from .tied_names import tied_text
 
 __all__ = ["render_html"]
 
@@ -153,7 +154,11 @@ def _origin_words(origin: dict, event: dict, what: str) -> str:
     at += f", {_e(forward_in_loss_phrase(mb, _get(origin, 'forward_in_loss') is True))}" \
         if isinstance(mb, int) and (mb or several) else ""
     if phase == "weights" and param:
-        return (f"{_e(what)} in parameter <code>{_e(param)}</code>"
+        read_as = _get(origin, "read_as")  # (a tied parameter's name there: replay.tied_names)
+        at += f" as <code>{_e(read_as)}</code>" if isinstance(read_as, str) else ""
+        names = _get(origin, "aliases")
+        tied = tied_text({"aliases": [str(n) for n in names]}) if isinstance(names, list) else ""
+        return (f"{_e(what)} in parameter <code>{_e(param)}</code>{_e(tied)}"
                 + (f", first read by <code>{_e(op)}</code>{at}" if op else ""))
     text = (f"{_e(what)} first made by <code>{_e(op)}</code>" if op
             else f"{_e(what)} first seen" + (f" during {_e(phase)}" if phase else "")) + at

@@ -27,6 +27,7 @@ from .loss_params import attach_loss_params
 from .losses import Unrebuildable, kept_defaults, rebuild_loss
 from .optim import build_optimizer
 from .patched_forward import check_patched_forwards
+from .spawned_class import spawned_advice
 from .stock_model import stock_factory
 from .weights import load_weights
 from .written_weights import refill_written
@@ -74,8 +75,11 @@ def _how(meta: dict[str, Any]) -> str:
     name = cls.removeprefix("__main__.")
     how = ("pass --factory MOD:FN (a function returning the model) to re-run the step, or, "
            "where it is defined (a notebook), replay.replay(path, factory=")
-    if cls.startswith("__main__.") and "<locals>" not in name \
-            and not isinstance(model.get("default_factory"), str):
+    if isinstance(model.get("default_factory"), str):
+        return f"{how}that_function)"
+    if (spawned := spawned_advice(meta)) is not None:  # (__mp_main__: replay.spawned_class)
+        return spawned
+    if cls.startswith("__main__.") and "<locals>" not in name:
         return (f"the model's class {name} was defined in __main__ (a notebook cell or the "
                 f"script run), which no import reaches by that name: {how}{name})")
     return f"{how}that_function)"

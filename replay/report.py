@@ -16,6 +16,7 @@ from .load import check_meta
 from .rewind_text import what_if_lines, window_lines
 from .shards import describe as describe_shard_set
 from .shards import info_line
+from .tied_names import tied_text
 
 _GROUPS = {"weights/": "weights", "trained/": "weights", "buffers/": "buffers",
            "grads/": "gradients", "optim/": "optimizer state", "optim_group/": "optimizer state",
@@ -53,7 +54,8 @@ def _where(o: dict[str, Any], several: bool = False) -> str:
     if o.get("phase") in ("weights", "optimizer"):
         params = o.get("params") or []
         what = "buffer" if o.get("tensor") == "buffer" else "parameter"
-        return f"{what} {_first_param(params)}" if params else "the parameters"
+        more = f" (+{len(params) - 1} more)" if len(params) > 1 else ""
+        return f"{what} {params[0]}{tied_text(o)}{more}" if params else "the parameters"
     mod = o.get("module")
     name = module_label(mod)
     if o.get("scripted"):  # (a TorchScript module's op: checked at its hooked caller)
@@ -63,6 +65,14 @@ def _where(o: dict[str, Any], several: bool = False) -> str:
     if mod == "<loss>" and o.get("forward_in_loss"):  # (the loss's op, not its model call's)
         return f"{name} (filed under {mb[2:]})"
     return f"{name}{call}{mb}"
+
+
+def _read_by(o: dict[str, Any], several: bool) -> str:
+    """The op and module call that first read a weights origin's bad values, and the name
+    that module holds a tied parameter by (replay.tied_names)."""
+    read = f"{o['op']} in " if o.get("op") else ""
+    alias = f", as {o['read_as']}" if o.get("read_as") else ""
+    return f"{read}{_where({**o, 'phase': None}, several)}{alias}"
 
 
 def to_text(report: dict[str, Any]) -> str:
@@ -153,9 +163,7 @@ def _origin_lines(report: dict[str, Any]) -> list[str]:
         fin += f", run {o['line_run']} of its line" if (o.get("line_run") or 0) > 1 else ""
         lines.append(f"  origin     {o['phase']}: {made} made by {op}{_where(o, several)}{fin}")
         if o["phase"] == "weights" and o.get("module") is not None:  # replay.weight_readers
-            read = f"{o['op']} in " if o.get("op") else ""
-            lines.append(f"  read by    {read}{_where({**o, 'phase': None}, several)}, first "
-                         "in the forward")
+            lines.append(f"  read by    {_read_by(o, several)}, first in the forward")
     fid = report.get("fidelity")
     if fid and fid.get("matches") is False:
         lines.append(f"  fidelity   {describe(fid)}")

@@ -13,7 +13,7 @@ import pytest
 import tied_weights_models as M
 import torch
 import torch.nn.functional as F
-from bundles import nanreplay_json
+from bundles import invoke_cli, nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
 
@@ -103,6 +103,36 @@ def test_factory_tying_what_the_run_held_apart(tmp_path):
     assert report["cause"] == "weights"
     assert any("ties lm_head.weight to another parameter, which the run held apart" in p
                for p in report["problems"])
+
+
+@pytest.mark.parametrize("written, row, reader, op", [
+    ("lm_head", M.VOCAB - 1, "lm_head", "aten.mm"),  # a token no batch holds: the head alone
+    ("lm_head", 1, "tok_emb", "aten.embedding"),  # one a batch looks up: the embedding first
+])
+def test_a_nan_written_into_a_tied_weight_is_named_as_its_reader_holds_it(tmp_path, written,
+                                                                            row, reader, op):
+    """``Tied`` (the class ties ``lm_head.weight = tok_emb.weight``); the loop writes NaN into
+    row ``row`` of ``lm_head.weight`` before step ``at``. The bundle holds the tensor once,
+    under its first name, and the report said only "parameter tok_emb.weight", read by
+    lm_head: a name the loop never wrote and the reading module does not use. It now says
+    the tensor is one with lm_head.weight, and, where the reader holds it as that alias, so."""
+    at = 2
+    e = fire(M.Tied(), lambda s: (tokens(s),), lm_loss, tmp_path, "tied_weights_models:Tied",
+             between=nan_row(written, row, at))
+    assert (e.event["step"], e.event["phase"]) == (at, "weights")
+    report = nanreplay_json(e.bundle_path)
+    o = report["origin"]
+    first, alias = "tok_emb.weight", f"{written}.weight"
+    reads = tokens(at) == row  # (the lookups of the bad row, else every row's logits)
+    samples = sorted({int(i) for i in reads.nonzero()[:, 0]}) if reads.any() \
+        else list(range(len(tokens(at))))
+    assert (o["param"], o["aliases"], o["module"], o["op"], o["samples"]) == (
+        first, [alias], reader, op, samples)
+    assert o.get("read_as") == (alias if reader == written else None)
+    assert report["cause"] == "weights" and report["reproduced"]
+    text = invoke_cli(e.bundle_path).stdout
+    assert f"parameter {first} (one tensor with {alias}: tied)" in text
+    assert (f"in {reader}, call 0, as {alias}, first" in text) == (reader == written), text
 
 
 def test_shared_block_overflows_in_its_third_application(tmp_path):
