@@ -9,8 +9,10 @@ cache it grew) is the step's to change again.
 The loss's own plain attributes (its submodules' and the plain objects it holds: a running
 mean of past losses, a call count its schedule reads) are read as each step begins too, by the
 same one call per object: its call changes them, so the bundle keeps them as the event's step
-began (``loss_started``) for the replay to begin its re-runs there (``replay.loss_started``).
-Objects of torch's own classes are not watched: their forwards change no attribute."""
+began (``loss_started``) for the replay to begin its re-runs there (``replay.loss_started``);
+one the loss first sets at a later call (``if not hasattr(self, "mean")``) is watched from the
+next step on, when its object's ``__dict__`` has grown. Objects of torch's own classes are not
+watched: their forwards change no attribute."""
 
 from __future__ import annotations
 
@@ -105,32 +107,62 @@ class AttributeWatch:
     def __init__(self, sites=(), loss=None):
         self.at_attach: dict[str, dict[str, Any]] = {}
         self._names: list[str] = []
+        self._keys: list[tuple[str, ...]] = []  # the attributes each getter reads
         self._dicts: list[dict] = []
         self._getters: list[operator.itemgetter] = []
         self._started: list | None = None
         for s in sites:
             self._watch(s.name, s.module)
-        model = {id(s.module) for s in sites}
-        for name, obj in loss_objects(loss) if loss is not None else ():
-            if id(obj) not in model and type(obj).__module__.split(".")[0] != "torch":
-                self._watch(name, obj)
+        self._model = {id(s.module) for s in sites}
+        self._loss = loss
+        self._sizes: list[tuple[dict, int]] = []  # the loss's objects' __dict__, their sizes
+        self._watch_loss(later=False)
+        if self._sizes:  # (no cost where the loss is torch's own: one len per object else)
+            self.step_started = self._loss_step_started
 
-    def _watch(self, name: str, obj) -> None:
-        attrs = self.at_attach[name] = plain_attributes(obj)
-        if attrs:
+    def _watch_loss(self, later: bool = True) -> None:
+        """Watch the loss's objects of the user's classes with the plain attributes they have
+        now: at attach, and again when one of them has grown one (``if not hasattr(self,
+        "mean"): self.mean = ...`` at its first call, after attach)."""
+        self._sizes = []
+        for name, obj in loss_objects(self._loss) if self._loss is not None else ():
+            if id(obj) not in self._model and type(obj).__module__.split(".")[0] != "torch":
+                self._sizes.append((vars(obj), len(vars(obj))))
+                self._watch(name, obj, later)
+
+    def _watch(self, name: str, obj, later: bool = False) -> None:
+        attrs = plain_attributes(obj)
+        self.at_attach.setdefault(name, {} if later else attrs)  # (one held later: none then)
+        if not attrs:
+            return
+        if name in self._names:  # (watched again: its attributes now)
+            i = self._names.index(name)
+        else:
+            i = len(self._names)
             self._names.append(name)
-            if set(attrs) <= vars(obj).keys():
-                self._dicts.append(vars(obj))
-                self._getters.append(operator.itemgetter(*attrs))
-            else:  # (a class default read through the instance: the one it sets later)
-                self._dicts.append(obj)
-                self._getters.append(operator.attrgetter(*attrs))
+            self._keys.append(())
+            self._dicts.append({})
+            self._getters.append(None)
+        self._keys[i] = tuple(attrs)
+        if set(attrs) <= vars(obj).keys():
+            self._dicts[i] = vars(obj)
+            self._getters[i] = operator.itemgetter(*attrs)
+        else:  # (a class default read through the instance: the one it sets later)
+            self._dicts[i] = obj
+            self._getters[i] = operator.attrgetter(*attrs)
 
     def step_started(self) -> None:
         try:
             self._started = list(map(_call, self._getters, self._dicts))
         except (KeyError, AttributeError):  # one deleted since attach: the event's then
             self._started = None
+
+    def _loss_step_started(self) -> None:
+        """:meth:`step_started` where the loss has objects of the user's classes: one that
+        grew an attribute since the last step is watched again first."""
+        if any(len(d) != n for d, n in self._sizes):
+            self._watch_loss()
+        AttributeWatch.step_started(self)
 
     @property
     def started(self) -> list | None:
@@ -144,16 +176,16 @@ class AttributeWatch:
         out: dict[str, dict[str, Any]] = {}
         for name, values in zip(self._names, started or ()):
             start = self.at_attach[name]
-            if diff := {k: v for k, v in self._read(name, values).items() if (
-                    type(start[k]) is not type(v) or not _same(start[k], v))}:
+            if diff := {k: v for k, v in self._read(name, values).items() if k not in start
+                        or type(start[k]) is not type(v) or not _same(start[k], v)}:
                 out[name] = diff
         return out
 
     def _read(self, name: str, values) -> dict[str, Any]:
         """A watched object's getter result (one value, or a tuple of several) by attribute,
         its plain values only."""
-        start = self.at_attach[name]
-        found = zip(start, values if len(start) > 1 else (values,))
+        keys = self._keys[self._names.index(name)]
+        found = zip(keys, values if len(keys) > 1 else (values,))
         return {k: v for k, v in found if _plain(k, v)}
 
     def loss_at_attach(self) -> dict[str, dict[str, Any]]:

@@ -26,6 +26,7 @@ from . import fidelity, module_hooks, tied_names
 from .ascent import ascent_hint
 from .before_update import nan_before_update
 from .cast_overflow import data_hint
+from .class_kept import put_back_classes
 from .data_hints import data_hints
 from .derived_input import derived_input_hint
 from .diverging_hint import diverging_hint
@@ -147,6 +148,7 @@ def analyze_bundle(path, factory: str | None = None, device: str | None = None,
     first (``recorder.ranks``): the first one's step, finite alone, is not the event; each
     other first rank's step is replayed until one reproduces it."""
     with contextlib.ExitStack() as switches:
+        switches.callback(put_back_classes)  # (the user's classes as found: replay.class_kept)
         step = _built(path, None, factory, device, factory_kwargs, switches)
         return _analyzed(step, path, factory, device, factory_kwargs, tries)
 

@@ -17,6 +17,8 @@ from torch import nn
 
 from recorder.attributes import PLAIN, class_defaults, trained_tensors
 
+from .class_kept import set_where_kept
+
 _SHOWN = 6  # restored attributes named in the note
 SPELT = ("nan", "inf", "-inf")  # the bundle's non-finite floats (recorder.bundle.jsonable)
 
@@ -27,7 +29,7 @@ def restore_attributes(meta: dict[str, Any], model: nn.Module) -> list[str]:
     restored = []
     for name, m, k, v, built in _differing(meta, model, "attrs"):
         if k != "training":  # (the modes are set from the modules' own entries)
-            setattr(m, k, v)
+            set_where_kept(m, k, v)
             bad = type(v) is float and not math.isfinite(v)  # (a schedule's 0/0: DANN's lambda)
             restored.append(f"{name}.{k} = {v!r} (the factory built {built!r}"
                             + ("; non-finite: the loop's code that set it, a schedule, made "
@@ -52,7 +54,7 @@ def set_step_attributes(meta: dict[str, Any], model: nn.Module, attrs: dict | No
             v, built = now.get(k, at_attach.get(k)), built_value(m, k)
             v = as_built(v, built)
             if k != "training" and type(v) in PLAIN and type(built) is type(v):
-                setattr(m, k, v)
+                set_where_kept(m, k, v)
 
 
 def event_attributes(meta: dict[str, Any]) -> dict[str, dict]:

@@ -7,7 +7,8 @@ loss, which every re-run then begins from (``replay.module_state`` puts them bac
 window's steps each begin from their own (the bundle's records, over the loss's at attach).
 
 Only an attribute the rebuilt object has, of the same type, is set (as for the model's:
-``replay.attributes``)."""
+``replay.attributes``), where the code keeps it (its class: ``replay.class_kept``); or one it
+lacks, which the loss first set at a later call than its first (``if not hasattr(self, ...)``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 from recorder.attributes import LOSS, PLAIN, loss_objects
 
 from .attributes import as_built, built_value, event_attributes, set_step_attributes
+from .class_kept import set_where_kept
 
 
 def set_loss_started(loss_meta: Any, loss_fn) -> list[str]:
@@ -57,11 +59,15 @@ def _set(started: Any, loss_fn) -> list[str]:
         if obj is None or not isinstance(attrs, dict):
             continue
         for k, v in attrs.items():
+            if not hasattr(obj, k) and type(v) in PLAIN:  # (set by a later call: ``if not
+                setattr(obj, k, v)  # hasattr(self, "mean")``, which this one then skips)
+                done.append(dotted(name, k))
+                continue
             built = built_value(obj, k)
             v = as_built(v, built)
             if type(v) in PLAIN and type(built) is type(v):
                 if built != v or v != v:
-                    setattr(obj, k, v)
+                    set_where_kept(obj, k, v)
                 done.append(dotted(name, k))
     return done
 

@@ -1,9 +1,9 @@
 """A loss that updates its own plain attributes at each call (an EMA of past losses kept in a
-float, a call count a warm-up branches on). The recorder keeps those the loss had when it
-attached as the event's step began (``replay.loss_started`` sets them); a bundle without them
-(an older recorder's), or an attribute the loss first set after attach, has them only as the
-event left them, after the step's own call had updated them, so every re-run begins one update
-later than the run did and the step is not made again.
+float, a call count a warm-up branches on). The recorder keeps them as the event's step began
+(``replay.loss_started`` sets them); a bundle without them (an older recorder's), or an
+attribute the loss first set in the event's own step, has them only as the event left them,
+after the step's own call had updated them, so every re-run begins one update later than the
+run did and the step is not made again.
 
 One more call of the step's loss, from the state a re-run begins with, tells: the attributes
 it changed (not those set as the step began) are named with the value they began with and the
@@ -93,8 +93,9 @@ def note_loss_updates(report: dict[str, Any], moved: dict[str, tuple]) -> None:
     report["hint"] = (
         f"the loss updates its own state at each call ({names}: a running average, a count), "
         "which this bundle holds as the event left it, not as the step began (the recorder "
-        "reads a loss's plain attributes as each step begins where the loss had them when it "
-        "attached; a bundle from an older recorder has none), so no re-run begins where the "
+        "reads a loss's plain attributes as each step begins, but not one the loss first set "
+        "in the event's own step, 'if not hasattr(self, ...)' at its first call; a bundle "
+        "from an older recorder has none), so no re-run begins where the "
         "run did: set them in the loss's __init__ and record again, keep that state as a "
         "plain attribute or buffer "
         "of a module of the model (the recorder reads those as each step begins and the "

@@ -24,6 +24,7 @@ from torch import nn
 
 from recorder.attributes import loss_objects, plain_attributes
 
+from .class_kept import set_where_kept
 from .compat import version
 
 
@@ -33,22 +34,32 @@ def _tensor(v) -> bool:
 
 class LossState:
     """The loss's own objects (``recorder.attributes.loss_objects``: it, its submodules, the
-    plain objects it holds) and their state as its last call began, put back after a run: a
-    loss that updates a running mean at each call, re-run alone after it (the op finder's),
-    then computes what that call did."""
+    plain objects it holds), their state and the RNG as each of a run's loss calls began, put
+    back after the run as the call a loss re-run alone after it (the op finder's) stands for
+    began: with gradient accumulation, the first micro-batch's whose loss was non-finite (a
+    running count three calls on computes another loss), else the last one's."""
 
     def __init__(self, loss_fn):
         self.objects = [o for _, o in loss_objects(loss_fn)]
-        self._began: ModuleState | None = None
+        self._began: dict[int, tuple] = {}  # micro-batch -> (state, RNG)
         self._held = False
 
-    def began(self) -> None:
-        if self.objects:
-            self._began = ModuleState(self.objects)
+    def began(self, i: int, rng: dict | None) -> None:
+        """Micro-batch ``i``'s loss call begins (``rng``: the generators' states then)."""
+        self._began[i] = (ModuleState(self.objects) if self.objects else None, rng)
 
-    def put_back(self) -> None:
-        if self._began is not None and not self._held:
-            self._began.restore()
+    def put_back(self, micro_batches: list[int], finite: list[bool]) -> dict | None:
+        """Put the state back as the loss call began of the first of ``micro_batches`` (a run's,
+        in order) whose loss was not ``finite``, else the last call's; its RNG state, to
+        restore (also while :meth:`as_left` holds the state as left)."""
+        if not self._began:
+            return None
+        i = next((m for m, ok in zip(micro_batches, finite) if not ok), None)
+        state, rng = self._began.get(i) or self._began[max(self._began)]
+        self._began = {}
+        if state is not None and not self._held:
+            state.restore()
+        return rng
 
     @contextlib.contextmanager
     def as_left(self):
@@ -72,11 +83,18 @@ class ModuleState:
                         {k: _saved(v) for k, v in vars(m).items()
                          if _states(v) and not k.startswith("_")})
                        for m in modules]
+        # the class defaults a module reads through its class (not set on it yet)
+        self._on_class = [{k for k in plain if k not in vars(m)} for m, plain, _, _ in self._saved]
 
     def restore(self) -> None:
-        for m, plain, tensors, states in self._saved:
+        for (m, plain, tensors, states), on_class in zip(self._saved, self._on_class):
             d = vars(m)
             for k, v in plain.items():
+                if k in on_class:  # (kept on its class: ``type(self).calls += 1``)
+                    d.pop(k, None)  # (``self.calls += 1`` shadows it: read it there again)
+                    if getattr(m, k) is not v:
+                        set_where_kept(m, k, v)
+                    continue
                 now = d.get(k, d)
                 if now is not v and (type(now) is not type(v) or now != v):
                     d[k] = v

@@ -137,7 +137,6 @@ class Runner:
         # (micro-batch, outputs) -> the outputs its loss takes (the float64 re-run's: the step's
         # own values where the loop derived loss arguments from them, replay.float64_loss_args)
         self.loss_outputs = None
-        self._loss_rng: dict | None = None  # the RNG as the last run's last loss call began
 
     # -- state reset -------------------------------------------------------------------------
 
@@ -230,20 +229,21 @@ class Runner:
                 raise
             result.error = e
         finally:
-            self._close(handles)
+            self._close(handles, result)
         if backward:
             result.bad_grads = [n for n, p in self.model.named_parameters()
                                 if p.grad is not None and not finite(p.grad)]
         return result
 
-    def _close(self, handles: list) -> None:
-        """A run's end: its hooks removed, and the RNG and the loss's own state put back as its
-        last loss call began, so a loss re-run alone after it (the op finder's) computes that."""
+    def _close(self, handles: list, result: Run) -> None:
+        """A run's end: its hooks removed, and the RNG and the loss's own state put back as
+        the loss call a re-run alone after it (the op finder's) computes began: the first
+        micro-batch's whose loss was non-finite, else the last's (LossState.put_back)."""
         for h in handles:
             h.remove()
-        self.loss_state.put_back()
-        if self._loss_rng is not None:
-            restore_generators(self._loss_rng, self._generators)
+        rng = self.loss_state.put_back(result.loss_micro_batches, result.loss_finite)
+        if rng is not None:
+            restore_generators(rng, self._generators)
 
     def _loss_began(self, i: int) -> dict | None:
         """The RNG as micro-batch ``i`` begins, when its forward ran inside its own loss."""
@@ -272,8 +272,7 @@ class Runner:
         if not (data_ok := self._loss_data_finite(i)):  # (known before a loss that raises)
             result.bad_loss_data.add(i)
         self.in_loss = True
-        self._loss_rng = RngCapture(list(self._generators.items()))()
-        self.loss_state.began()
+        self.loss_state.began(i, RngCapture(list(self._generators.items()))())
         try:
             if self.cast is not None:
                 args, kwargs = _cast((args, kwargs), self.cast)
