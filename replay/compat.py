@@ -24,6 +24,11 @@
   and name, and whether it returns anything (``func._schema``);
 - :func:`custom_op_kernel`: the Python function a ``torch.library.custom_op`` runs for a
   device (``torch._library.custom_ops.OPDEFS``), re-run under an op finder (replay.own_ops);
+- higher-order ops (``torch.cond``, ``flex_attention``): ``supports_higher_order_operators``
+  hands one to the mode as one call, run in :func:`_run_hop` by its dense kernel
+  (``HigherOrderOperator.dispatch``) with the mode pushed again by torch's own ``__enter__``;
+  the mode's ``__enter__`` sets ``torch.compiler.set_stance("force_eager")``, since the eager
+  flex_attention and cond compile themselves, which dynamo refuses under such a mode;
 - ``FOREACH_MUL_``: ``aten._foreach_mul_.Scalar``, the foreach kernels' in-place product of
   many tensors with one number (a foreach optimizer's weight decay, :mod:`replay.weight_scale`).
 """
@@ -34,6 +39,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._C import DispatchKey
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -51,12 +58,33 @@ FOREACH_MUL_ = torch.ops.aten._foreach_mul_.Scalar
 _EFFICIENT_ZERO = torch.ops.aten._efficientzerotensor
 # set on an exception an aten op raised inside one of the replay's dispatch modes
 OP_ERROR = "nanreplay_op_error"
+# what the dense kernel of cond, scan, while_loop, invoke_subgraph raises at entry under a mode
+_REFUSES_MODE = "Mode should never be enabled"
 
 
 class TorchDispatchMode(_TorchDispatchMode):
     """torch's dispatch mode, each subclass's ``__torch_dispatch__`` wrapped so that it never
     meets an efficient zero (see the module's docstring): the op making one returns real
-    zeros unwatched (nothing non-finite to see), and one given to an op is made real first."""
+    zeros unwatched (nothing non-finite to see), and one given to an op is made real first.
+    A higher-order op's body is watched as the model's own aten ops (:func:`_run_hop`)."""
+
+    # (without it a higher-order op raises 'no rule registered for HigherOrderOperator')
+    supports_higher_order_operators = True
+
+    def __enter__(self):
+        # torch.compile'd code under the mode runs eagerly, its ops watched: dynamo skips
+        # frames under a non-infra mode, and flex_attention's eager path compiles itself with
+        # fullgraph=True, which then raises (and leaves dynamo refusing it for the process)
+        stances = self.__dict__.setdefault("_nanreplay_stances", [])
+        stances.append(_force_eager())
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if (stance := self._nanreplay_stances.pop()) is not None:
+                stance.__exit__(None, None, None)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -65,6 +93,8 @@ class TorchDispatchMode(_TorchDispatchMode):
             return
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if isinstance(func, HigherOrderOperator):
+                return _run_hop(self, func, args, kwargs or {})
             if func.overloadpacket is _EFFICIENT_ZERO:
                 return tree_map(_real_zeros, func(*args, **(kwargs or {})))
             if _any_zeros(args, kwargs):
@@ -79,6 +109,54 @@ class TorchDispatchMode(_TorchDispatchMode):
                 # runs another path unwatched and the failure goes unseen
                 raise RuntimeError(f"{type(self).__name__} failed on {func}: {e}") from e
         cls.__torch_dispatch__ = __torch_dispatch__
+
+
+def _force_eager():
+    """torch.compile's stance set to force_eager, undone by the returned object's
+    ``__exit__``; None inside a compiled region, where the stance cannot be set."""
+    try:
+        return torch.compiler.set_stance("force_eager")
+    except RuntimeError:
+        return None
+
+
+def _run_hop(mode, hop: HigherOrderOperator, args, kwargs):
+    """A higher-order op reaching ``mode`` (popped): its dense kernel with ``mode`` pushed
+    again, so the ops of its body (flex_attention's scores, its score_mod) reach the mode as
+    the model's own; a kernel refusing any mode at entry (cond's, before it runs anything)
+    gets the op again with its callable arguments (the branches) run under the mode. torch's own ``__enter__`` pushes
+    it, not the subclass's (Float64's would save float64 as the default dtype to restore)."""
+    if DispatchKey.CompositeExplicitAutograd not in hop.py_kernels:
+        return hop(*args, **kwargs)  # (no eager kernel to run: the op's values unwatched)
+    try:
+        with _pushed(mode):
+            return hop.dispatch(DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
+    except AssertionError as e:
+        if _REFUSES_MODE not in str(e):
+            raise
+    args = tuple(_under(mode, a) if callable(a) and not isinstance(a, torch.Tensor) else a
+                 for a in args)
+    return hop(*args, **kwargs)  # (through the modes below this one, each wrapping them too)
+
+
+class _pushed:
+    """``mode`` on the dispatch stack again, by torch's ``TorchDispatchMode.__enter__``."""
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def __enter__(self):
+        _TorchDispatchMode.__enter__(self.mode)
+
+    def __exit__(self, *exc):
+        _TorchDispatchMode.__exit__(self.mode, *exc)
+
+
+def _under(mode, fn):
+    def run(*args, **kwargs):
+        with _pushed(mode):
+            return fn(*args, **kwargs)
+    return run
 
 
 def _any_zeros(args, kwargs) -> bool:

@@ -38,7 +38,17 @@ def user_source(stack=None) -> str | None:
     """``file:line`` of the innermost frame that is neither torch nor nanreplay (see
     :func:`_first_user`), from the current stack or ``stack``."""
     frames = stack if stack is not None else traceback.extract_stack()
-    return _first_user((fr.filename, fr.lineno) for fr in reversed(frames))
+    return _first_user((fr.filename, fr.lineno) for fr in reversed(frames)
+                       if not _subclass_handler(fr))
+
+
+# a tensor subclass's handler (a masked-activations wrapper's, a parameter subclass's) passes
+# every op of its tensors on: the line that wrote the op is its caller's
+_HANDLERS = ("__torch_function__", "__torch_dispatch__")
+
+
+def _subclass_handler(frame) -> bool:
+    return frame.name in _HANDLERS and not frame.filename.startswith(_OWN_DIRS)
 
 
 def library_caller(source: str | None) -> str | None:
