@@ -40,6 +40,7 @@ from .scalers import not_given as scaler_not_given
 from .scalers import scaler_left_open
 from .settings import Settings
 from .shards import local
+from .skipped_batch import skipped_note
 from .slots import GRAD
 from .stale_grads import held_first, unused_grads
 from .state_check import non_finite_state, state_detail
@@ -66,12 +67,28 @@ class Alarm:
         # from then on (a loop that catches NonFiniteError and trains on, a recorder attached
         # without a with block), and it records nothing more
         self._stop = stop
-        self.fired = False
+        self._fired = False
+        self._stopped = False  # this alarm's raise detached the recorder (see fired)
         self.event: dict[str, Any] | None = None
         self.renamed: dict[str, str] = {}  # parameters renamed since attach (Target.rename)
         self.bundle_path: Path | None = None
         self._lock = threading.RLock()
         self.state_check = False  # the next update checks the state it wrote (state_check)
+
+    @property
+    def fired(self) -> bool:
+        """Whether the event is taken. A raised event detaches the recorder; ``attach()``
+        again (a loop that catches NonFiniteError, skips the batch and trains on) makes it
+        active again, which re-arms it: the next event writes its own bundle and raises too,
+        rather than training on silently with the hooks on. (Not under torch.distributed,
+        where the ranks agree on one event.)"""
+        if self._stopped and self.health.active and self.target.ranks is None:
+            self._fired = self._stopped = False
+        return self._fired
+
+    @fired.setter
+    def fired(self, value: bool) -> None:
+        self._fired, self._stopped = value, False
 
     def _claim(self) -> bool:
         with self._lock:
@@ -198,6 +215,13 @@ class Alarm:
                 log.warning("nanreplay: could not tell the other ranks this rank's bundle is "
                             "written (%s)", first_line(e, 200))
 
+    def _raise_stopped(self, as_dict: dict[str, Any]) -> None:
+        """Before raising: stop recording (detach), to be re-armed by an attach (see fired)."""
+        self.health.active = False
+        self._wrote(as_dict)
+        self._stop()
+        self._stopped = True
+
     def _write_and_report(self, tape: Tape | None, event: Event, guard=None) -> None:
         if event.after_update and event.step < self.settings.start_step:
             # an update whose optimizer.step() closed no step (no forward of the recorded model
@@ -228,9 +252,7 @@ class Alarm:
                    if isinstance(e, OSError) else str(e))
             msg = _message(as_dict, None, raising) + f" Writing the bundle failed: {why}"
             if raising:
-                self.health.active = False
-                self._wrote(as_dict)
-                self._stop()
+                self._raise_stopped(as_dict)
                 raise NonFiniteError(msg, event=as_dict, write_error=e) from e
             log.warning(msg)
             return
@@ -240,6 +262,7 @@ class Alarm:
             msg = replay_advice(msg, path, meta, type(model))
         if tape is not None and not tape.evaluation and not tape.cut_short:
             msg += _loss_not_called(meta)  # (else the loss may simply not have run yet)
+            msg += skipped_note(tape, as_dict.get("micro_batch"))
         if meta.get("scaler_not_given"):
             msg += " " + scaler_not_given(meta)
         if moved is not None:
@@ -247,9 +270,7 @@ class Alarm:
                     ", so the bundle went to a new temporary directory: move it somewhere safe "
                     "and give the recorder an out_dir it can write.")
         if raising:
-            self.health.active = False
-            self._wrote(as_dict)
-            self._stop()
+            self._raise_stopped(as_dict)
             raise NonFiniteError(msg, bundle_path=path, event=as_dict, write_error=moved)
         log.warning(msg)
 

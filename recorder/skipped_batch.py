@@ -1,0 +1,28 @@
+"""A micro-batch the loop skipped after its forward (``if not torch.isfinite(loss):
+continue`` before ``backward()``, no ``step()``): its step stays open, so its event is found
+when the *next* batch's ``optimizer.step()`` closes the step, and is raised there, where a loop
+that catches ``NonFiniteError`` to skip the bad batch drops a good one. Said in the event's
+message, with the call that closes the step at the skipped batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def skipped_note(tape: Any, micro_batch: int | None) -> str:
+    """The note for an event in ``micro_batch`` of ``tape``'s training step when no backward
+    ran through it while a later micro-batch's did (gradient accumulation runs each one's
+    backward before the next forward); empty otherwise."""
+    mbs = getattr(tape, "micro_batches", None) or []
+    if micro_batch is None or tape.evaluation or not 0 <= micro_batch < len(mbs) - 1:
+        return ""
+    mb = mbs[micro_batch]  # (its loss ran: a forward kept only as a detached target did not)
+    if mb.out_grads or not mb.grad_enabled or mb.loss_args is None \
+            or not any(m.out_grads for m in mbs[micro_batch + 1:]):
+        return ""
+    return (f" Micro-batch {micro_batch}'s loss went through no backward while a later "
+            "micro-batch's did: the loop skipped that batch after its loss (`if not "
+            "torch.isfinite(loss): continue` before backward()), which leaves the step open, so "
+            "the event was found at a later batch's step(), and the recorder's step numbers "
+            "fall behind the loop's. Call rec.end_step() before the `continue`: the skipped "
+            "batch is then a step of its own, and its event comes there.")
