@@ -33,6 +33,7 @@ from .diverging_hint import diverging_hint
 from .diverging_op import rounding_only
 from .eps_checked import checked_eps
 from .errors import FactoryRefused
+from .failed_stage import Known, kept_going, survived
 from .fed_back import report_fed_back
 from .findings import base_report, finish, origin_fields, recorded_origin
 from .forward import report_forward
@@ -111,7 +112,9 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
         report["problems"].append((said := scaler_not_given(step.meta))[0].lower() + said[1:-1])
     if (late := sorted(_late(step))) and not step.event.get("before_update"):
         report["problems"].append(fidelity.late_note(late, step))
-    report = state_report(report, step) or _from_bundle(report, step) or _from_rerun(report, step)
+    known = Known()  # (the plain re-run: what a report keeps when a later stage fails)
+    report = state_report(report, step) or _from_bundle(report, step) or kept_going(
+        report, step, known, lambda: _from_rerun(report, step, known))
     report["problems"] += module_hooks.notes(step, report)  # (the script's forward hooks)
     tied_names.annotate(step, report)  # (a tied parameter's other names)
     if note := statistics_note(step, report) or written_statistic_note(step, report):
@@ -120,11 +123,11 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
         report["problems"].append(note)
     if note := flushed_note(step, report):  # (torch.set_flush_denormal(True), the run's)
         report["problems"].append(note)
-    if not add_window(step, report) and below_zero(step) is None:  # (else the precursors;
-        diverging_hint(report, step)  # a rate below 0 climbed: a smaller one is no fix)
+    if not survived(report, add_window, step, report) and below_zero(step) is None:
+        diverging_hint(report, step)  # (else the precursors; a rate below 0 climbed: no fix)
     ascent_hint(step, report)  # (maximize=True with a loss that rose: after the growth's)
     negative_lr_hint(step, report)  # (a linear decay run past its end: descent turned ascent)
-    checked_eps(step, report)  # (an eps the hint would propose, re-run before it is)
+    survived(report, checked_eps, step, report)  # (an eps the hint proposes, re-run first)
     o = report["origin"]
     # whether the samples are the whole batch: "all 64 rows" says more than 64 numbers
     o["batch_size"] = batch_size(step, o.get("micro_batch") or 0) or None
@@ -132,10 +135,10 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     # (a micro-batch the loss opened by calling the model: the report says which call it is)
     o["forward_in_loss"] = ran_in_loss(step.micro_batches, step.meta.get("loss"),
                                        o.get("micro_batch"))
-    data_hints(report, step)  # (a chunk's rows, an outlier, a mask's 0 after a 0/0, ...)
+    survived(report, data_hints, report, step)  # (a chunk's rows, an outlier, a mask's 0)
     relu_recurrence_hint(report, step)  # (an IRNN's weight_hh of radius 1.5, a long sequence)
     if tries:
-        report["what_if"] = run_tries(step, report, list(tries))
+        report["what_if"] = survived(report, run_tries, step, report, list(tries))
     return report
 
 
@@ -170,7 +173,7 @@ def _analyzed(step: Step, path, factory, device, factory_kwargs, tries) -> dict[
                 f"finite, rank {rank}'s makes it")
             step, report = other, again
     if tries:
-        report["what_if"] = run_tries(step, report, list(tries))
+        report["what_if"] = survived(report, run_tries, step, report, list(tries))
     return report
 
 
@@ -381,13 +384,14 @@ def _targets_changed(report, step: Step, mb: int) -> dict[str, Any]:
         "y.clone()) to the loss"))
 
 
-def _from_rerun(report, step: Step) -> dict[str, Any]:
+def _from_rerun(report, step: Step, known: Known) -> dict[str, Any]:
     """The report from two re-runs of the step: which phase made the first non-finite value."""
     phase = step.event.get("phase")
     runner = Runner(step)
     if step.event.get("kind") == "scale":  # a GradScaler event: re-run the scaled backward
         runner.loss_scale = scale_of_the_step(step)
     run1, run2 = runner.run_twice(report)  # (from the same weights: refit_in_forward)
+    known.run = run1
     if run1.signature() != run2.signature() and not rounding_only(report, run1, run2, runner):
         return disagreeing(report, step, runner)  # (a torch.empty's garbage: unwritten_rerun)
     report["fidelity"] = fid = fidelity.compare(step, run1, runner.frozen_written())

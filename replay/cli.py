@@ -22,6 +22,7 @@ from recorder.errors import BundleError  # noqa: E402  (imports torch: after the
 from recorder.validate import why_unwritable  # noqa: E402
 
 from .errors import ReplayError, one_line  # noqa: E402
+from .failed_stage import show_tracebacks  # noqa: E402
 
 
 def _fail(message: str) -> None:
@@ -78,6 +79,7 @@ def main(bundle: Path, as_json: bool, html_path: Path | None, info: bool, factor
     first non-finite value. BUNDLE may be the directory the recorder wrote it to (its
     out_dir) when that holds one event's bundle."""
     _check_tries(tries)
+    show_tracebacks(debug)  # (of an analysis stage that failed: the report goes on without it)
     if bundle.is_dir():
         bundle = _bundle_in(bundle)
     try:

@@ -3,9 +3,11 @@
 - a frozen encoder with ``flex_attention`` (ALiBi as a ``score_mod`` over a per-head slope
   table, or Gemma-2's tanh soft-capping) under a causal ``create_block_mask``, and a trained
   head (flex_attention has no backward on CPU);
-- ``torch.cond`` choosing, from a batch statistic, a standardisation without eps;
+- ``torch.cond`` choosing, from a batch statistic, a standardisation without eps, or a centred
+  square root (NaN in backward only; the replay's backward finder fails inside torch on it);
 - a standardisation run on activations viewed as a pass-through ``__torch_function__``
-  subclass, and a parameter subclass made with ``Tensor._make_subclass`` carrying a scale.
+  subclass, and a parameter subclass made with ``Tensor._make_subclass`` carrying a scale;
+  one on a wrapper subclass (``__torch_dispatch__``), which the replay's op finder cannot read.
 """
 
 from __future__ import annotations
@@ -147,3 +149,56 @@ def make_cond_norm():
 
 def make_subclass_norm():
     return NormNet(SubclassNorm())
+
+
+class CondRoot(nn.Module):
+    """A centred square root in a cond branch: finite forward, NaN gradient at each row's min
+    (d sqrt(u)/du at u = 0), which only the backward makes."""
+
+    def forward(self, h):
+        def centred_root(h):
+            return torch.sqrt(h - h.min(dim=1, keepdim=True).values)  # 0 at the row minimum
+
+        def passthrough(h):
+            return h.clone()
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.cond(h.abs().amax() > 1e-3, centred_root, passthrough, (h,))
+
+
+def make_cond_root():
+    return NormNet(CondRoot())
+
+
+class Wrapped(torch.Tensor):
+    """A wrapper subclass (``_make_wrapper_subclass``) holding its data in ``elem``: every op
+    runs on the unwrapped tensors, its results wrapped again."""
+
+    @staticmethod
+    def __new__(cls, elem):
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype,
+                                                   requires_grad=elem.requires_grad)
+
+    def __init__(self, elem):
+        self.elem = elem
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def unwrap(t):
+            return t.elem if isinstance(t, Wrapped) else t
+
+        out = func(*torch.utils._pytree.tree_map(unwrap, args),
+                   **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+        return torch.utils._pytree.tree_map(
+            lambda t: Wrapped(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+class WrappedNorm(nn.Module):
+    def forward(self, h):
+        w = Wrapped(h)
+        return ((w - w.mean(-1, keepdim=True)) / w.std(-1, keepdim=True)).elem  # no eps
+
+
+def make_wrapped_norm():
+    return NormNet(WrappedNorm())

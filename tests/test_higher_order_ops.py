@@ -90,7 +90,7 @@ def test_standardisation_in_cond_branch_or_on_subclass_names_the_division(tmp_pa
 
 
 @pytest.mark.parametrize("factory", ["make_flex_softcap", "make_cond_norm",
-                                     "make_subclass_norm"])
+                                     "make_subclass_norm", "make_wrapped_norm"])
 def test_healthy_runs_are_bit_identical_and_silent(tmp_path, factory):
     recorded, err = train(tmp_path, factory)
     assert err is None and not list(tmp_path.iterdir())
