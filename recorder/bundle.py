@@ -208,8 +208,9 @@ class BundleReader:
     file order, each into its own buffer. ``tensors()`` can be called once per open.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, whole: bool = True):
         self.path = Path(path)
+        self._whole = whole  # False: a frame cut short is found only when its data is read
         self._file = None
         self._stream = None
         self._consumed = False
@@ -298,8 +299,8 @@ class BundleReader:
             params = zstandard.get_frame_parameters(self._file.read(18))
         except zstandard.ZstdError as e:
             raise self.error(f"corrupted zstd frame header ({e})") from None
-        end, why = frame_end(self._file, size)  # (before decoding gigabytes up to the cut)
-        if end < 0:
+        end, why = frame_end(self._file, size) if self._whole else (size, "")
+        if end < 0:  # (found before decoding gigabytes up to the cut)
             raise self.error(f"truncated: {why}", _CUT_SHORT)
         self._file.seek(0)
         return params
