@@ -47,7 +47,7 @@ from .state_check import non_finite_state, state_detail
 from .tape import Tape
 from .target import Target
 from .user_hooks import rewriting_pre_hooks
-from .validate import why_unwritable
+from .validate import why_unwritable, write_remedy
 
 log = logging.getLogger("nanreplay")
 
@@ -248,8 +248,9 @@ class Alarm:
                 rename_window(meta, tensors, self.renamed)
             path, moved = _write(out_dir, f"step{event.step:08d}-rank{rank}", meta, tensors)
         except Exception as e:
-            why = (why_unwritable(out_dir, e) + _FAILED_TOO.format(out_dir=out_dir)
-                   if isinstance(e, OSError) else str(e))
+            why = (why_unwritable(out_dir, e) + _FAILED_TOO.format(
+                out_dir=out_dir, remedy=write_remedy(e)) if isinstance(e, OSError)
+                else f"{type(e).__name__}: {first_line(e, 300)}")  # (a CUDA error: 3 lines)
             msg = _message(as_dict, None, raising) + f" Writing the bundle failed: {why}"
             if raising:
                 self._raise_stopped(as_dict)
@@ -284,8 +285,7 @@ def _renamed(guard: dict[str, Any] | None, renamed: dict[str, str]) -> dict[str,
 
 
 # both out_dir and the temporary directory refused the bundle (a disk full for both)
-_FAILED_TOO = (" (in out_dir '{out_dir}' and in a new temporary directory); free space or give "
-               "the recorder an out_dir it can write.")
+_FAILED_TOO = " (in out_dir '{out_dir}' and in a new temporary directory); {remedy}."
 
 
 def _write(out_dir: Path, stem: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]

@@ -24,6 +24,7 @@ import torch
 import zstandard
 
 from .errors import BundleError
+from .frame_end import frame_end
 
 FORMAT = "nanreplay-bundle"
 VERSION = 1
@@ -31,6 +32,11 @@ SUFFIX = ".nan"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _MAX_HEADER = 256 * 1024 * 1024  # a safetensors header above this is not one we wrote
 _CHUNK = 1 << 20
+# a file that stops inside its bundle: the writer never leaves one under a bundle's name (it
+# writes a temporary file and links it into place), so it is a copy, or a foreign writer's
+_CUT_SHORT = ("the file is incomplete (a copy or download cut short, or a write killed "
+              "midway); copy it again from where the recorder wrote it, or re-run the training "
+              "to record a new bundle")
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -202,8 +208,9 @@ class BundleReader:
     file order, each into its own buffer. ``tensors()`` can be called once per open.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, whole: bool = True):
         self.path = Path(path)
+        self._whole = whole  # False: a frame cut short is found only when its data is read
         self._file = None
         self._stream = None
         self._consumed = False
@@ -236,17 +243,7 @@ class BundleReader:
             self._file = open(self.path, "rb")
         except OSError as e:
             raise self.error(f"cannot open ({e.strerror})") from None
-        magic = self._file.read(4)
-        if magic != _ZSTD_MAGIC:
-            raise self.error("not a nanreplay bundle (no zstd frame at the start)",
-                             "pass the .nan file the recorder wrote")
-        self._file.seek(0)
-        try:
-            params = zstandard.get_frame_parameters(self._file.read(18))
-        except zstandard.ZstdError as e:
-            raise self.error(f"corrupted zstd frame header ({e})") from None
-        self._file.seek(0)
-        declared = params.content_size
+        declared = self._frame().content_size
         self._stream = zstandard.ZstdDecompressor().stream_reader(
             self._file, read_size=_CHUNK, read_across_frames=False, closefd=False)
         size = int.from_bytes(self._read_exact(8, "header size"), "little")
@@ -288,6 +285,26 @@ class BundleReader:
             raise self.error(f"zstd frame declares {declared} bytes but the header describes "
                              f"{expected}", "the file is corrupted")
 
+    def _frame(self) -> zstandard.FrameParameters:
+        """The frame's parameters, once the file is known to hold the whole frame."""
+        size = os.fstat(self._file.fileno()).st_size
+        if size == 0:
+            raise self.error("empty (0 bytes)", _CUT_SHORT)
+        magic = self._file.read(4)
+        if magic != _ZSTD_MAGIC:
+            raise self.error("not a nanreplay bundle (no zstd frame at the start)",
+                             "pass the .nan file the recorder wrote")
+        self._file.seek(0)
+        try:
+            params = zstandard.get_frame_parameters(self._file.read(18))
+        except zstandard.ZstdError as e:
+            raise self.error(f"corrupted zstd frame header ({e})") from None
+        end, why = frame_end(self._file, size) if self._whole else (size, "")
+        if end < 0:  # (found before decoding gigabytes up to the cut)
+            raise self.error(f"truncated: {why}", _CUT_SHORT)
+        self._file.seek(0)
+        return params
+
     def _check_table(self, header: dict[str, Any]) -> list[tuple[str, torch.dtype, list[int], int]]:
         entries, offset = [], 0
         rows = []
@@ -323,7 +340,7 @@ class BundleReader:
                 k = self._stream.readinto(view[got:])
                 if not k:
                     raise self.error(f"truncated while reading {what} ({got} of {len(view)} "
-                                     "bytes)", "the file is incomplete; copy it again")
+                                     "bytes)", _CUT_SHORT)
                 got += k
         except zstandard.ZstdError as e:
             raise self.error(f"corrupted data while reading {what} ({e})",

@@ -7,6 +7,7 @@ and what to do, never at the first event. The settings' own checks are in
 from __future__ import annotations
 
 import ast
+import errno
 import importlib
 import importlib.util
 import json
@@ -173,6 +174,16 @@ def check_writable(out_dir: Path) -> None:
         raise ValueError(f"FlightRecorder: out_dir '{out_dir}' is not writable "
                          f"({why_unwritable(out_dir, e)}); pass a directory this process can "
                          "write") from None
+
+
+def write_remedy(e: OSError) -> str:
+    """What to do about a bundle write that failed with ``e``, by its errno."""
+    if e.errno == errno.EFBIG:  # (not the disk: the process's RLIMIT_FSIZE, or the file system's)
+        return ("raise the file size limit (ulimit -f, or the job scheduler's), or give the "
+                "recorder an out_dir on a file system that takes larger files")
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free space (or raise the quota), or give the recorder an out_dir with room"
+    return "free space or give the recorder an out_dir it can write"
 
 
 def why_unwritable(out_dir: Path, e: OSError) -> str:

@@ -44,8 +44,8 @@ def shard_set(path: Path, meta: dict[str, Any] | None = None) -> dict[int, Path]
     for other in sorted(path.parent.glob("*.nan")):
         if other.resolve() == path.resolve():
             continue
-        try:
-            with BundleReader(other) as r:
+        try:  # (a peer cut short is still one of the set: reading its tensors says so)
+            with BundleReader(other, whole=False) as r:
                 m = r.meta
         except BundleError:  # another file that is no bundle: not one of the set
             continue

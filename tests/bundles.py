@@ -196,7 +196,8 @@ def lying_frame(src: Path, dst: Path, declared: int) -> Path:
 
 def huge_tensor_bundle(dst: Path, nbytes: int, factory: str | None = None) -> Path:
     """A bundle whose header and frame consistently claim one ``nbytes`` tensor, of which the
-    file holds only the first MiB: reading it must neither allocate nor touch ``nbytes``."""
+    file holds only the first MiB: reading it must neither allocate nor touch ``nbytes``. Its
+    frame's blocks are whole (the last one marked last), so only decoding finds it short."""
     meta = {"format": "nanreplay-bundle/1", "event": {"step": 1, "phase": "forward"},
             "factory": factory, "params": []}
     header = {"__metadata__": {"format": "nanreplay-bundle", "version": "1", "complex": "[]",
@@ -206,7 +207,7 @@ def huge_tensor_bundle(dst: Path, nbytes: int, factory: str | None = None) -> Pa
     head += b" " * (-len(head) % 8)
     prefix = len(head).to_bytes(8, "little") + head
     frame = frame_with_content_size(prefix + bytes(1 << 20), len(prefix) + nbytes,
-                                    keep_last_block=False)
+                                    keep_last_block=True)
     dst.write_bytes(frame)
     return dst
 

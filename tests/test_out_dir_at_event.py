@@ -151,6 +151,6 @@ def test_when_the_temporary_directory_fails_too_the_error_says_so(
     msg = str(err)
     assert "\n" not in msg and f"step {BAD_STEP}" in msg
     assert msg.endswith(f"Writing the bundle failed: No space left on device (in out_dir "
-                        f"'{out_dir}' and in a new temporary directory); free space or give "
-                        "the recorder an out_dir it can write.")
+                        f"'{out_dir}' and in a new temporary directory); free space (or "
+                        "raise the quota), or give the recorder an out_dir with room.")
     assert list(temp_root.iterdir()) == []  # no empty directory left behind

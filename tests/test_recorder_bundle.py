@@ -552,7 +552,8 @@ def _safetensors_bytes(header: dict, data: bytes = b"") -> bytes:
 def test_truncated_file(good_bundle, fraction):
     data = good_bundle.read_bytes()
     good_bundle.write_bytes(data[: int(len(data) * fraction)])
-    _reject(good_bundle, "truncated while reading", "the file is incomplete; copy it again")
+    _reject(good_bundle, "truncated: it ends at byte ", "the file is incomplete (",
+            "copy it again")
 
 
 def test_truncated_to_a_few_bytes(good_bundle):
@@ -574,7 +575,13 @@ def test_trailing_junk_after_the_frame(good_bundle, junk):
     _reject(good_bundle, "the file is corrupted")
 
 
-@pytest.mark.parametrize("content", [b"", b"PK\x03\x04 a zip file", b"{\"not\": \"zstd\"}"])
+def test_empty_file(tmp_path):
+    path = tmp_path / "x.nan"
+    path.write_bytes(b"")
+    _reject(path, "empty (0 bytes)", "the file is incomplete (")
+
+
+@pytest.mark.parametrize("content", [b"PK\x03\x04 a zip file", b"{\"not\": \"zstd\"}"])
 def test_not_a_zstd_file(tmp_path, content):
     path = tmp_path / "x.nan"
     path.write_bytes(content)
