@@ -559,14 +559,18 @@ def _tp_events(run: Run) -> dict[str, str]:
 
 def test_tensor_parallel_healthy_run_is_bit_identical_with_the_recorder(tp):
     """ColwiseParallel / RowwiseParallel on a two-rank mesh: each rank's losses, printed with
-    repr, are the same with and without the recorder, and nothing is written."""
+    repr, are the same with and without the recorder, nothing is written or said, and the
+    recorder reads the host once per step (test_recorder_sync's counter, from step 1: step 0
+    also sets up)."""
     for rank in "01":
-        bare = re.findall(rf"rank {rank} step \d+ loss \S+", tp["bare"].stdout)
-        assert len(bare) == 6 and bare == re.findall(rf"rank {rank} step \d+ loss \S+",
-                                                     tp["healthy"].stdout), tp["healthy"].stdout
+        bare = re.findall(rf"rank {rank} step \d+ loss (\S+)", tp["bare"].stdout)
+        got = re.findall(rf"rank {rank} step (\d+) loss (\S+) reads (\d+)", tp["healthy"].stdout)
+        assert len(bare) == 6 and [loss for _, loss, _ in got] == bare, tp["healthy"].stdout
+        reads = [int(n) for _, _, n in got]
+        assert [b - a for a, b in zip(reads, reads[1:])] == [1] * 5, reads
         assert f"rank {rank} no event" in tp["healthy"].stdout
     assert not tp["healthy"].out.exists() or not list(tp["healthy"].out.iterdir())
-    assert "Traceback" not in tp["healthy"].stderr
+    assert tp["healthy"].stderr == ""
 
 
 @pytest.mark.parametrize("mode", ["input", "shard"])

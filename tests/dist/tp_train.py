@@ -14,6 +14,7 @@ first row) the loop writes NaN into before a batch that looks it up.
 
 import contextlib
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -154,8 +155,19 @@ def _batch(mode: str, step: int, g: torch.Generator, rank: int, model: nn.Module
     return x, y
 
 
-def _loss(logits, y):
-    return F.cross_entropy(logits.flatten(0, -2), y.flatten())
+class TokenLoss(nn.Module):
+    def forward(self, logits, y):
+        return F.cross_entropy(logits.flatten(0, -2), y.flatten())
+
+
+def _host_reads(mode: str):
+    """``healthy``: tests/test_recorder_sync.py's counter of host reads, else nothing."""
+    if mode != "healthy":
+        return contextlib.nullcontext([])
+    sys.path.insert(0, str(Path(__file__).parent.parent))
+    from test_recorder_sync import count_host_reads
+
+    return count_host_reads()
 
 
 def run(out_dir: str, mode: str) -> None:
@@ -163,17 +175,20 @@ def run(out_dir: str, mode: str) -> None:
     model, factory = _parallel(mode)
     opt = (NoEpsAdam if mode == "update" else torch.optim.AdamW)(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(0)  # the same batches on both ranks, as TP needs
+    crit = TokenLoss()
     rec = contextlib.nullcontext() if mode == "bare" else FlightRecorder(
-        model, opt, loss_fn=_loss, out_dir=out_dir, factory=factory)
+        model, opt, loss_fn=crit, out_dir=out_dir, factory=factory)
     try:
-        with rec:
+        with rec, _host_reads(mode) as reads:
             for step in range(6):
                 x, y = _batch(mode, step, g, rank, model)
                 opt.zero_grad()
-                loss = _loss(model(x), y)
+                loss = crit(model(x), y)
                 loss.backward()
                 opt.step()
-                print(f"rank {rank} step {step} loss {loss.item()!r}", flush=True)
+                # (the recorder's host reads so far: one per step after the first's set-up)
+                ours = sum("/recorder/" in f for _, f in reads)
+                print(f"rank {rank} step {step} loss {loss.item()!r} reads {ours}", flush=True)
         print(f"rank {rank} no event", flush=True)
     except NonFiniteError as e:
         ev = e.event
