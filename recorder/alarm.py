@@ -131,7 +131,8 @@ class Alarm:
         agreement = target.ranks
         if agreement is not None and agreement.seen is not None:  # every rank is here
             event = agreement.settle(event, tape.step, own_backward=evidence is not None
-                                     and events.output_grad_bad(evidence))
+                                     and events.output_grad_bad(evidence),
+                                     order=ranks.completion_order(evidence, event))
         elif agreement is not None and event is not None:  # a cut-short step: this rank alone
             event.ranks = agreement.alone()
         if event is None:  # false alarm: norms of huge but finite tensors overflowed

@@ -166,12 +166,13 @@ class Agreement:
         self._keep(host[n:])
         return host[:n]
 
-    def settle(self, event: Event | None, step: int, own_backward: bool = False
-               ) -> Event | None:
+    def settle(self, event: Event | None, step: int, own_backward: bool = False,
+               order: int | None = None) -> Event | None:
         """Slow path, every rank: which ranks saw the event first, by the step (an update's
         event is its step's), then the phase, micro-batch and call each rank's own event
         names; among backward events, the ranks whose own loss sent a NaN/Inf into the
-        model output (``own_backward``) first. Sets ``event.ranks``; a rank whose own values
+        model output (``own_backward``) first; ``order``: the event's call's place in the step's
+        completion order (:func:`completion_order`). Sets ``event.ranks``; a rank whose own values
         were finite gets a ``peer`` event of the first ranks' step, naming them. One more
         all-reduce, which every rank runs as every rank entered the slow path together."""
         seen = self.seen or []
@@ -179,7 +180,8 @@ class Agreement:
         if self.rank not in seen and event is not None and event.reason == "non_finite":
             event = None  # only the others failed: what the finder made of finite values
         row = torch.zeros(self.world, 5, dtype=torch.int64, device=self.device)
-        key = _order_key(event, own_backward) if event is not None else (step, _LATE, 0, 0, 0)
+        key = _order_key(event, own_backward, order) if event is not None \
+            else (step, _LATE, 0, 0, 0)
         row[self.rank] = torch.tensor(key, dtype=torch.int64)
         self._all_reduce(row)
         keys = [tuple(k) for k in row.tolist()]
@@ -274,15 +276,35 @@ def _timeout() -> float:
     return value if value > 0 else _TIMEOUT_S
 
 
-def _order_key(event: Event, own_backward: bool = False) -> tuple[int, int, int, int, int]:
+def _order_key(event: Event, own_backward: bool = False, order: int | None = None
+               ) -> tuple[int, int, int, int, int]:
     """(step, phase order, received, micro-batch, call) of an event: smaller saw it earlier.
     ``received`` is 1 for a backward event whose rank's output gradients were finite: its
     parameters' NaN may be another rank's, spread by the gradient all-reduce, so a rank whose
-    own loss made one (``own_backward``) saw it first (every rank's event is backward then)."""
-    mb, call = event.micro_batch, event.call
+    own loss made one (``own_backward``) saw it first (every rank's event is backward then).
+    ``call`` is the call's ``order`` in the step where known, else its module's call index."""
+    mb = event.micro_batch
+    call = order if order is not None else event.call
     received = int(event.phase == "backward" and not own_backward)
     return (int(event.step), PHASE_ORDER.get(event.phase, _LATE - 1), received,
             mb if isinstance(mb, int) else 0, call if isinstance(call, int) else 0)
+
+
+def completion_order(evidence, event: Event | None) -> int | None:
+    """The place of ``event``'s module call among the step's calls in completion order (None
+    when unknown). Under tensor parallelism a row-wise layer's all-reduce hands every rank one
+    rank's NaN within the forward: the rank whose module made it finished that call before the
+    others saw it come out of the enclosing module, while both are call 0 of their module."""
+    if evidence is None or event is None or not isinstance(event.call, int):
+        return None
+    k = 0
+    for d in evidence.calls:  # (decoded, in completion order)
+        if evidence.module_names[d["module"]] == event.module \
+                and d["micro_batch"] == event.micro_batch:
+            if k == event.call:
+                return d["order"]
+            k += 1
+    return None
 
 
 def peer_event(step: int, first: list[int]) -> Event:

@@ -10,9 +10,12 @@ replay puts the full tensor back together (``replay.shards``).
 >>> local(dtensor_param).shape          # doctest: +SKIP
 torch.Size([8, 8])                      # rank 0's half of a (16, 8) weight
 
-Supported: FSDP2 over one mesh dimension (``Shard(0)``) or HSDP (``Replicate()``,
-``Shard(0)``). FSDP1 (``FullyShardedDataParallel``) and tensor parallelism (any other DTensor
-placement, or DTensor parameters outside ``fully_shard``) are refused with one line.
+Supported: FSDP2 over one mesh dimension (``Shard(0)``), HSDP (``Replicate()``, ``Shard(0)``)
+and tensor parallelism (``parallelize_module``: ``Shard(d)``/``Replicate()`` parameters). Under
+tensor parallelism the hooks of the modules between a column- and a row-wise layer see this
+rank's slice of the activations: their statistics are of that slice, which the replay, re-running
+the step unsharded, compares as such (``replay.local_shards``). FSDP1
+(``FullyShardedDataParallel``) and ``Partial`` parameters are refused with one line.
 """
 
 from __future__ import annotations
@@ -53,21 +56,34 @@ def check_supported(model: nn.Module) -> None:
         raise ValueError("FlightRecorder: FullyShardedDataParallel (FSDP1) is not supported: "
                          "its flat parameters hide which shard is which parameter; use FSDP2 "
                          "(torch.distributed.fsdp.fully_shard), which the recorder records")
+    for name, p in model.named_parameters():
+        # (the replay puts Shard and Replicate pieces back together; a Partial parameter's
+        # pieces are summands, which no rank's bundle holds whole)
+        if isinstance(p, DTensor) and not all(isinstance(pl, (Shard, Replicate))
+                                              for pl in p.placements):
+            raise ValueError(f"FlightRecorder: parameter {name!r} is a DTensor with placements "
+                             f"{tuple(p.placements)}, which is not supported: only Shard and "
+                             "Replicate parameters can be put back together for the replay; "
+                             "redistribute it to Shard or Replicate before training")
+
+
+def tensor_parallel(model: nn.Module) -> bool:
+    """Whether ``model`` is tensor-parallel: a DTensor parameter that no ``fully_shard``
+    manages, or one sharded otherwise than FSDP2 shards (2-D FSDP + TP). Its modules may have
+    computed on slices of their activations, which the unsharded replay does not."""
+    if DTensor is None:
+        return False
     managed = {id(p) for m in model.modules() if isinstance(m, FSDPModule)
                for p in m.parameters()}
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         if not isinstance(p, DTensor):
             continue
-        # FSDP: Shard(0) over one mesh dimension (HSDP: Replicate() over another); a second
-        # Shard (2-D FSDP + TP) or any other placement is tensor parallelism
         fsdp_like = all(isinstance(pl, Replicate) or (type(pl) is Shard and pl.dim == 0)
                         for pl in p.placements) \
             and sum(type(pl) is Shard for pl in p.placements) <= 1
         if id(p) not in managed or not fsdp_like:
-            raise ValueError(f"FlightRecorder: parameter {name!r} is a DTensor with placements "
-                             f"{tuple(p.placements)} (tensor parallelism), which is not "
-                             "supported: per-layer statistics would be of sharded activations; "
-                             "shard with FSDP2 (torch.distributed.fsdp.fully_shard) only")
+            return True
+    return False
 
 
 def class_name(m: nn.Module) -> str:
@@ -96,11 +112,15 @@ def mixed_precision(m: nn.Module) -> dict[str, Any] | None:
             "cast_forward_inputs": bool(getattr(policy, "cast_forward_inputs", False))}
 
 
-def localize(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+def localize(meta: dict[str, Any], tensors: dict[str, torch.Tensor],
+             model: nn.Module | None = None) -> None:
     """In place, before the bundle is written: every DTensor in ``tensors`` (weights,
-    gradients, optimizer state) becomes its local shard, described in ``meta["shards"]``."""
+    gradients, optimizer state) becomes its local shard, described in ``meta["shards"]``; a
+    tensor-parallel ``model`` is marked so in ``meta["model"]`` (its hooks saw slices)."""
     if DTensor is None:
         return
+    if model is not None and "model" in meta and tensor_parallel(model):
+        meta["model"]["tensor_parallel"] = True
     shards = {}
     for key, t in tensors.items():
         if isinstance(t, DTensor):
@@ -113,7 +133,7 @@ def localize(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
 def describe(t) -> dict[str, Any]:
     """Where a DTensor's local shard sits in the full tensor (JSON): the full shape, the
     shard's offset and shape, the placements, the mesh's shape and this rank's coordinate."""
-    offset, shape = dtensor_chunk(t)
+    offset, shape = dtensor_chunk(_summands_placed(t))
     mesh = t.device_mesh
     return {"global_shape": list(t.shape), "offset": offset, "local_shape": shape,
             "placements": [_placement(p) for p in t.placements],
@@ -121,9 +141,23 @@ def describe(t) -> dict[str, Any]:
             "coordinate": list(mesh.get_coordinate() or ())}
 
 
+def _summands_placed(t):
+    """``t`` with each ``Partial`` placement read as ``Replicate`` (no collective): a partial
+    tensor's local piece (a summand of the full tensor: a sequence-parallel norm's weight
+    gradient before its all-reduce) covers the region a replica would; torch's chunk list
+    refuses partial placements."""
+    if not any(p.is_partial() for p in t.placements):
+        return t
+    placements = [Replicate() if p.is_partial() else p for p in t.placements]
+    return DTensor.from_local(t.to_local(), t.device_mesh, placements, run_check=False,
+                              shape=t.shape, stride=t.stride())
+
+
 def _placement(p) -> dict[str, Any]:
     if isinstance(p, Shard):
         return {"shard": p.dim}
     if isinstance(p, Replicate):
         return {"replicate": True}
-    return {"other": str(p)}  # Partial: the replay refuses it
+    if p.is_partial():  # (the replay adds the ranks' pieces: replay.shards)
+        return {"partial": str(getattr(p, "reduce_op", "sum"))}
+    return {"other": str(p)}  # the replay refuses it

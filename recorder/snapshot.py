@@ -119,7 +119,7 @@ def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
     if src.rewind is not None:  # the copy and the window of steps since
         meta["rewind"] = src.rewind.export(tensors)
     meta["env"] = environment(rank, world_size, src.commit)
-    localize(meta, tensors)  # FSDP2: this rank's local shards, and where they sit
+    localize(meta, tensors, model)  # FSDP2, TP: this rank's local shards, and where they sit
     return meta, tensors
 
 

@@ -44,6 +44,7 @@ from .input_grad import made_by_input_gradient
 from .kept_outside import note_outside_state
 from .kept_report import report_graph_args, report_kept_aside
 from .load import Step, read_step, run_switches
+from .local_shards import unsharded_hint
 from .loop_grads import finite_gradients_reached_the_output as _finite_gradients_reached_the_output
 from .loop_grads import gradients_from_the_loop as _gradients_from_the_loop
 from .loop_grads import no_backward_reached_the_output as _no_backward_reached_the_output
@@ -470,7 +471,8 @@ def _not_reproduced(report, step: Step, runner: Runner, phase: str) -> dict[str,
         "same data to tell which")
     note_outside_state(report, step, runner)  # (a cache the run filled; a loss's own EMA)
     # (what the bundle can name: a setting made after build, hooks the script registered)
-    report["hint"] = fidelity.rebuilt_otherwise(step) or report["hint"]
+    report["hint"] = (fidelity.rebuilt_otherwise(step) or unsharded_hint(step.meta)
+                      or report["hint"])
     return note_unwritten(report, step, runner)  # (garbage a torch.empty held, NaN in the run)
 
 

@@ -25,6 +25,7 @@ from recorder.finite import matches, pair_ok
 
 from .cause_text import module_label
 from .load import Step, recorded_device
+from .local_shards import SLICED, SLICED_WHY, tensor_parallel, within
 from .module_hooks import missing_text
 from .run_result import Run
 from .same_build import SAME_BUILD, same_build
@@ -72,6 +73,8 @@ def compare(step: Step, run: Run, written: list[str] = ()) -> dict[str, Any] | N
         found["built_otherwise"] = step.built_otherwise
     elif rows and not found["matches"] and (world := world_forward(step, found["module"])):
         found["world"] = world  # (statistics over every rank's batch: SyncBatchNorm's)
+    elif rows and not found["matches"] and tensor_parallel(meta):
+        found["sliced"] = True  # (a module computed on a slice otherwise than on the whole)
     elif rows and not found["matches"] and not found["changed"] and written:
         # (the recorder bundles parameters as the step left them: these, one write later)
         found["frozen_written"] = list(written)
@@ -133,7 +136,7 @@ def edited_since_update(step: Step, r: int) -> list[str]:
     before the update."""
     t, meta = step.tensors, step.meta
     norms = t.get("ring/update_norms")
-    if norms is None or meta.get("state") != "before_update" or meta.get("shards"):
+    if norms is None or meta.get("state") != "before_update" or {"shards", "shard_set"} & set(meta):
         return []
     out = []
     for name, after in zip(meta.get("params") or [], norms[r].double().tolist()):
@@ -157,6 +160,7 @@ def _event_step(step: Step, run: Run, r: int, names: list[str], fields: list[str
     mods = t["ring/call_module"][r].tolist()
     mbs = t["ring/call_micro_batch"][r].tolist()
     rerun = _rerun_pairs(run)
+    sliced = tensor_parallel(meta)  # (the recorded statistics may be of activation slices)
     seen: dict[tuple[str, int], int] = {}
     done: set[int] = set()  # micro-batches whose root call completed
     compared = 0
@@ -179,7 +183,8 @@ def _event_step(step: Step, run: Run, r: int, names: list[str], fields: list[str
         got = rerun.get((name, mb, k))
         if got is None:
             return _differs(name, k, mb, [lo, hi], None, compared, "did not run in the re-run")
-        if not (_close(lo, got[0], rel) and _close(hi, got[1], rel)):
+        if not (_close(lo, got[0], rel) and _close(hi, got[1], rel)) and not (
+                sliced and within(lo, hi, got, lambda a, b: _close(a, b, rel))):
             found = _differs(name, k, mb, [lo, hi], list(got), compared, "values differ")
             # an earlier forward of the step re-ran whole and as recorded: the model is the
             # recorded one, and what this forward ran with changed within the step
@@ -258,6 +263,8 @@ def mismatch(fid: dict[str, Any]) -> str:
                 "them")
     if fid.get("within_step"):
         return "a forward of the step ran with other weights than the bundle holds"
+    if fid.get("sliced"):
+        return SLICED_WHY
     if fid.get("world"):
         return WORLD_MISMATCH
     if fid.get("same_build"):
@@ -297,6 +304,8 @@ def describe(fid: dict[str, Any]) -> str:
         return head + _changed_params(fid["frozen_written"]) + FROZEN_WRITTEN
     if fid.get("within_step"):
         return head + WITHIN_STEP
+    if fid.get("sliced"):
+        return head + SLICED
     if fid.get("world"):
         return head + world_describe(fid["world"])
     if fid.get("same_build"):

@@ -114,29 +114,44 @@ def resolve(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
 
 def _assemble(key: str, pieces: dict[int, tuple[dict | None, torch.Tensor | None]],
               found: dict[int, Path]) -> torch.Tensor:
-    """The full tensor ``key`` from every rank's local shard and its offset."""
+    """The full tensor ``key`` from every rank's local shard and its offset; a ``Partial``
+    tensor's pieces (summands) are added up."""
     full = written = None
     for r, (where, t) in sorted(pieces.items()):
         if where is None or t is None:
             raise BundleError(f"{found[r]}: tensor {key!r} is missing from rank {r}'s shards; "
                               "the bundles are not one set: re-record")
-        if any("other" in p for p in where["placements"]):
-            raise BundleError(f"{found[r]}: tensor {key!r} has placement "
-                              f"{where['placements']}, which cannot be put back together "
-                              "(only Shard and Replicate)")
+        summed = _summed(key, where, found[r])
         if full is None:
-            full = torch.empty(where["global_shape"], dtype=t.dtype)
+            full = torch.zeros(where["global_shape"], dtype=t.dtype)
             written = torch.zeros(where["global_shape"], dtype=torch.bool)
         if list(t.shape) != where["local_shape"]:
             raise BundleError(f"{found[r]}: tensor {key!r} has shape {list(t.shape)}, its shard "
                               f"record says {where['local_shape']}: the bundle is corrupted")
         region = tuple(slice(o, o + n) for o, n in zip(where["offset"], where["local_shape"]))
-        full[region] = t
+        if summed:
+            full[region] += t
+        else:
+            full[region] = t
         written[region] = True
     if full is not None and not bool(written.all()):
         raise BundleError(f"tensor {key!r}: the shards of ranks {sorted(pieces)} do not cover "
                           "its full shape; the bundles are not one set: re-record")
+    if full is not None and any(p.get("partial") == "avg" for p in where["placements"]):
+        full /= len(pieces)
     return full
+
+
+def _summed(key: str, where: dict[str, Any], path: Path) -> bool:
+    """Whether the piece is a summand (``Partial`` sum or avg over a mesh of no replicas),
+    else a shard or replica; any other placement cannot be put back together."""
+    kinds = [next(iter(p)) for p in where["placements"]]
+    partial = {p.get("partial") for p in where["placements"]} - {None}
+    if "other" in kinds or partial - {"sum", "avg"} or (partial and "replicate" in kinds):
+        raise BundleError(f"{path}: tensor {key!r} has placement {where['placements']}, which "
+                          "cannot be put back together (only Shard, Replicate, and a Partial "
+                          "sum or average over no replicas)")
+    return bool(partial)
 
 
 def describe(path: Path, meta: dict[str, Any]) -> dict[str, Any] | None:

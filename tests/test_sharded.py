@@ -1,6 +1,6 @@
 """Sharded parameters in one process (a world-size-1 gloo group): FSDP2 ``fully_shard`` is
-recorded and replayed from its shard bundle; tensor parallelism is refused in one line. The
-two-rank runs are in test_torchrun.py."""
+recorded and replayed from its shard bundle; Partial parameters are refused in one line. The
+two-rank runs (FSDP2, tensor parallelism) are in test_torchrun.py."""
 
 from __future__ import annotations
 
@@ -81,17 +81,19 @@ def test_fully_shard_on_one_rank_records_local_shards_and_replays(group, fsdp_tr
     assert report["event"]["step"] == 2 and report["origin"]["samples"] == [3]
 
 
-def test_tensor_parallel_parameters_are_refused_in_one_line(group, out_dir):
-    """DTensor parameters that no fully_shard manages (tensor parallelism): module hooks would
-    see sharded activations, so the recorder refuses them, naming FSDP2."""
+def test_partial_parameters_are_refused_in_one_line(group, out_dir):
+    """Tensor parallelism is recorded (tests/test_torchrun.py); a parameter with a Partial
+    placement, whose ranks' pieces are summands the optimizer would step separately, is
+    refused, naming what the replay can put back together."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor import DTensor, Partial
 
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    parallelize_module(model, init_device_mesh("cpu", (1,)), {"0": ColwiseParallel()})
+    model = nn.Sequential(nn.Linear(4, 2))
+    model[0].weight = nn.Parameter(DTensor.from_local(
+        torch.ones(2, 4), init_device_mesh("cpu", (1,)), [Partial()], run_check=False))
     with pytest.raises(ValueError) as info:
         FlightRecorder(model, out_dir=out_dir)
     assert str(info.value) == (
-        "FlightRecorder: parameter '0.weight' is a DTensor with placements (Shard(dim=0),) "
-        "(tensor parallelism), which is not supported: per-layer statistics would be of sharded "
-        "activations; shard with FSDP2 (torch.distributed.fsdp.fully_shard) only")
+        "FlightRecorder: parameter '0.weight' is a DTensor with placements (Partial(sum),), "
+        "which is not supported: only Shard and Replicate parameters can be put back together "
+        "for the replay; redistribute it to Shard or Replicate before training")

@@ -88,9 +88,24 @@ def ddp(tmp_path_factory) -> dict[str, Run]:
                          "internal", "loss", "eval", "eval0")
 
 
+TP_MODES = ("bare", "healthy", "input", "shard", "slice", "update", "sp")  # (tests/dist/tp_train.py)
+
+
 @pytest.fixture(scope="module")
-def fsdp_update(tmp_path_factory) -> dict[str, Run]:
-    return _launch_modes(tmp_path_factory, "fsdp_update_train.py", "default", "guard", "exit")
+def sharded(tmp_path_factory) -> dict[str, Run]:
+    """FSDP2's update modes and tensor parallelism's, in one launch (a launch costs seconds)."""
+    return _launch_modes(tmp_path_factory, "fsdp_update_train.py", "default", "guard", "exit",
+                         *(f"tp_train:{m}" for m in TP_MODES))
+
+
+@pytest.fixture(scope="module")
+def fsdp_update(sharded) -> dict[str, Run]:
+    return sharded
+
+
+@pytest.fixture(scope="module")
+def tp(sharded) -> dict[str, Run]:
+    return {m: sharded[f"tp_train:{m}"] for m in TP_MODES}
 
 
 @pytest.fixture(scope="module")
@@ -525,3 +540,115 @@ def test_ddp_step_cut_short_by_clip_error_on_every_rank_replays_the_rank_that_ma
         "each rank checked the step alone (an exception cut it short); a NaN that one rank's "
         "backward makes reaches every rank's gradients through the all-reduce: rank 0's step "
         "alone is finite, rank 1's makes it"]
+
+
+@pytest.fixture
+def tp_plant(monkeypatch):
+    """tests/dist/tp_train.py's plant (its bad step, rows and token), read from the script."""
+    monkeypatch.syspath_prepend(str(HERE))
+    import tp_train
+
+    yield tp_train
+    for name in ("tp_train", "fsdp_update_train", "modes"):
+        sys.modules.pop(name, None)
+
+
+def _tp_events(run: Run) -> dict[str, str]:
+    return dict(re.findall(r"rank (\d) event (step=[^\n]*?) bundle=", run.stdout))
+
+
+def test_tensor_parallel_healthy_run_is_bit_identical_with_the_recorder(tp):
+    """ColwiseParallel / RowwiseParallel on a two-rank mesh: each rank's losses, printed with
+    repr, are the same with and without the recorder, nothing is written or said, and the
+    recorder reads the host once per step (test_recorder_sync's counter, from step 1: step 0
+    also sets up)."""
+    for rank in "01":
+        bare = re.findall(rf"rank {rank} step \d+ loss (\S+)", tp["bare"].stdout)
+        got = re.findall(rf"rank {rank} step (\d+) loss (\S+) reads (\d+)", tp["healthy"].stdout)
+        assert len(bare) == 6 and [loss for _, loss, _ in got] == bare, tp["healthy"].stdout
+        reads = [int(n) for _, _, n in got]
+        assert [b - a for a, b in zip(reads, reads[1:])] == [1] * 5, reads
+        assert f"rank {rank} no event" in tp["healthy"].stdout
+    assert not tp["healthy"].out.exists() or not list(tp["healthy"].out.iterdir())
+    assert tp["healthy"].stderr == ""
+
+
+@pytest.mark.parametrize("mode", ["input", "shard"])
+def test_tensor_parallel_nan_on_rank_1_replays_rank_1s_step(tp, tp_plant, nanreplay, mode):
+    """Rank 1's batch only: a NaN row (input), or a zero row that UnsafeNorm between w1/w3
+    (colwise) and w2 (rowwise) divides 0 by 0 on rank 1's slice (shard). w2's all-reduce hands
+    rank 0 the NaN inside the same forward (at the FeedForward's output): rank 1 made it first
+    (an earlier call), and rank 0's bundle replays rank 1's step unsharded. Before, both ranks
+    counted as first (the same call index), rank 0's own step (finite) was replayed, and its
+    sliced norm's statistics, compared with the unsharded re-run's, were "weights written
+    outside optimizer.step()"; before that the recorder refused tensor parallelism."""
+    run, p = tp[mode], tp_plant
+    row = p.BAD_ROW if mode == "input" else p.ZERO_ROW
+    phase, module = ("input", "") if mode == "input" else ("forward", "ff.norm")
+    assert _tp_events(run) == {
+        "1": f"step={p.BAD_STEP} phase={phase} module={module} samples=[{row}] params=[] "
+             "first=[1]",
+        "0": f"step={p.BAD_STEP} phase=forward module=ff samples=[{row}] params=[] first=[1]"}, \
+        run.stdout
+    meta, tensors = read_bundle(run.out / f"step{p.BAD_STEP:08d}-rank0.nan")
+    assert meta["model"]["tensor_parallel"] is True
+    assert meta["shards"]["weights/ff.w2.weight"]["placements"] == [{"shard": 1}]
+    assert tensors["weights/ff.w2.weight"].shape == (6, 8)  # half of (6, 16)'s columns
+    report = json.loads(nanreplay("--json", run.out / f"step{p.BAD_STEP:08d}-rank0.nan").stdout)
+    assert report["bundle"]["rank"] == 1 and report["event"]["step"] == p.BAD_STEP
+    assert report["reproduced"] is True and report["origin"]["samples"] == [row]
+    if mode == "input":
+        assert report["cause"] == "input"
+    else:
+        assert (report["origin"]["module"], report["origin"]["op"], report["cause"]) == \
+            ("ff.norm", "aten.div", "invalid")
+
+
+def test_tensor_parallel_optimizer_nan_in_rank_1s_shard(tp, nanreplay):
+    """A row-wise embedding whose rows 5-9 (rank 1's shard) never get a gradient: an Adam
+    without eps writes NaN there at step 0, on rank 1 only; rank 0 stops with a peer event and
+    either bundle replays rank 1's as an optimizer event on emb.weight."""
+    run = tp["update"]
+    assert _tp_events(run) == {
+        "1": "step=0 phase=optimizer module=None samples=[] params=['emb.weight'] first=[1]",
+        "0": "step=0 phase=peer module=None samples=[] params=[] first=[1]"}, run.stdout
+    report = json.loads(nanreplay("--json", run.out / "step00000000-rank0.nan").stdout)
+    assert report["bundle"]["rank"] == 1 and report["cause"] == "optimizer"
+    assert (report["origin"]["phase"], report["origin"]["params"]) == ("optimizer", ["emb.weight"])
+
+
+def test_sequence_parallel_bundle_holds_partial_gradients_and_replays(tp, tp_plant, nanreplay):
+    """SequenceParallel LayerNorm (Replicate weights whose gradients are Partial sums until
+    the optimizer reduces them) in a torchtitan-style block. Rank 1 writes NaN into its first
+    local embedding row (row 6 of the full weight) before a batch that looks it up. Before,
+    no bundle was written ("checkpointing ... not supported for DTensor with partial
+    placements"); now each rank stores its summand, the replay adds them up, and names the
+    weights, the row, and the samples whose tokens read it."""
+    run, p = tp["sp"], tp_plant
+    ev = _tp_events(run)
+    assert ev["1"].startswith(f"step={p.BAD_STEP} phase=weights ") and "first=[1]" in ev["1"], \
+        run.stdout + run.stderr
+    meta, tensors = read_bundle(run.out / f"step{p.BAD_STEP:08d}-rank1.nan")
+    assert meta["shards"]["grads/norm.weight"]["placements"] == [{"partial": "sum"}]
+    report = json.loads(nanreplay("--json", run.out / f"step{p.BAD_STEP:08d}-rank0.nan").stdout)
+    tokens = tensors["batch/0/0"]
+    expected = sorted({int(r) for r in (tokens == p.BAD_TOKEN).nonzero()[:, 0]})
+    assert report["bundle"]["rank"] == 1 and report["cause"] == "weights"
+    assert report["origin"]["samples"] == expected and report["origin"]["module"] == "tok"
+    assert f"only row(s) {p.BAD_TOKEN} of 11 of tok.weight" in report["hint"]
+
+
+def test_tensor_parallel_nan_of_one_ranks_slice_alone_says_what_the_replay_cannot(tp, tp_plant,
+                                                                                 nanreplay):
+    """Rank 1 zeroes its shard of w3: UnsafeNorm divides 0 by 0 on its slice only, which the
+    unsharded replay (whose norm spans both slices) cannot make. The report says the event did
+    not come back because of that, naming the module the recorder saw make it, and what to
+    do, not the generic 'state outside the model' hint."""
+    run, p = tp["slice"], tp_plant
+    assert _tp_events(run)["1"].startswith(f"step={p.BAD_STEP} phase=forward module=ff.norm "), \
+        run.stdout
+    report = json.loads(nanreplay("--json", run.out / f"step{p.BAD_STEP:08d}-rank0.nan").stdout)
+    assert report["bundle"]["rank"] == 1 and report["cause"] == "not_reproduced"
+    assert report["hint"].startswith("the model trained tensor-parallel and the replay re-runs "
+                                     "it unsharded, on the full activations (the recorder saw "
+                                     "it made in 'ff.norm')"), report["hint"]

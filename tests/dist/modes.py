@@ -2,8 +2,10 @@
 rank a Python start and a rendezvous, several seconds here). Each mode gets its own bundle
 directory ``OUT/<mode>``, a fresh model and recorder from ``run``, fresh warning registries,
 and its own output files ``OUT/logs/<mode>-rank<r>.{out,err}`` (every write to the ranks'
-stdout and stderr, Python's and C's), which tests/test_torchrun.py reads per mode."""
+stdout and stderr, Python's and C's), which tests/test_torchrun.py reads per mode. A mode
+``script:name`` runs another script's ``run`` (its mode ``name``) in the same launch."""
 
+import importlib
 import os
 import sys
 import traceback
@@ -23,7 +25,7 @@ def main(run: Callable[[str, str], None], out_dir: str, *modes: str) -> None:
         for mode in modes:
             with warnings.catch_warnings():  # (each mode warns as a fresh process would)
                 _to_files(os.path.join(logs, f"{mode}-rank{rank}"),
-                          lambda mode=mode: run(os.path.join(out_dir, mode), mode))
+                          lambda mode=mode: _runner(run, mode)(os.path.join(out_dir, mode)))
     except BaseException:
         traceback.print_exc()
         code = 1
@@ -34,6 +36,12 @@ def main(run: Callable[[str, str], None], out_dir: str, *modes: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _runner(run: Callable[[str, str], None], mode: str) -> Callable[[str], None]:
+    script, _, name = mode.rpartition(":")
+    own = importlib.import_module(script).run if script else run
+    return lambda out: own(out, name)
 
 
 def _to_files(stem: str, fn: Callable[[], None]) -> None:
