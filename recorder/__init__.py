@@ -22,6 +22,16 @@ who saw an event first, and :mod:`~recorder.shards` says what FSDP2's local shar
 """
 
 from .errors import BundleError, NonFiniteError
-from .flight import FlightRecorder
 
 __all__ = ["FlightRecorder", "NonFiniteError", "BundleError"]
+
+
+def __getattr__(name: str):
+    # FlightRecorder is imported at its first use, not with the package: ``nanreplay --info``
+    # and ``--help`` import recorder.errors and recorder.bundle, which run this file, and
+    # must not pay for every hook module (seconds of torch imports).
+    if name == "FlightRecorder":
+        from .flight import FlightRecorder
+
+        return FlightRecorder
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

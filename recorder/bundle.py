@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import math
 import os
 import threading
 from collections.abc import Iterator
@@ -23,21 +22,9 @@ from typing import Any
 import torch
 import zstandard
 
-from .errors import BundleError
-from .frame_end import frame_end
+from .bundle_header import CHUNK, FORMAT, VERSION, HeaderReader, jsonable
 
-FORMAT = "nanreplay-bundle"
-VERSION = 1
 SUFFIX = ".nan"
-_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-_MAX_HEADER = 256 * 1024 * 1024  # a safetensors header above this is not one we wrote
-_CHUNK = 1 << 20
-# a file that stops inside its bundle: the writer never leaves one under a bundle's name (it
-# writes a temporary file and links it into place), so it is a copy, or a foreign writer's
-_CUT_SHORT = ("the file is incomplete (a copy or download cut short, or a write killed "
-              "midway); copy it again from where the recorder wrote it, or re-run the training "
-              "to record a new bundle")
-
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -45,11 +32,7 @@ _DTYPES: dict[torch.dtype, str] = {
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
     torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
 }
-_FROM_STR = {v: k for k, v in _DTYPES.items()}
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+_FROM_STR = {v: k for k, v in _DTYPES.items()}  # (the header's names, see bundle_header)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,19 +63,6 @@ def _host_bytes(t: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
         return t, memoryview(b"")
     raw = (ctypes.c_ubyte * n).from_address(t.data_ptr())
     return t, memoryview(raw).cast("B")
-
-
-def jsonable(x: Any) -> Any:
-    """``x`` with non-finite floats spelt as strings (JSON has no NaN) and tuples as lists."""
-    if isinstance(x, float) and not math.isfinite(x):
-        # 'nan', 'inf', '-inf': float() reads each back (a float subclass, NumPy's float64
-        # from a schedule's np.cos or np.sqrt, would repr as 'np.float64(inf)')
-        return repr(float(x))
-    if isinstance(x, dict):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    return x
 
 
 def header_bytes(meta: dict[str, Any], entries: list[tuple[str, torch.Tensor]],
@@ -142,13 +112,13 @@ def write_bundle(out_dir: str | os.PathLike, stem: str, meta: dict[str, Any],
                                             write_content_size=True)
             # no `with`: its exit would end the frame even after a failed write, and the
             # frame's "Src size is incorrect" would replace the real error (ENOSPC, ...)
-            zf = cctx.stream_writer(f, size=total, closefd=False, write_size=_CHUNK)
+            zf = cctx.stream_writer(f, size=total, closefd=False, write_size=CHUNK)
             zf.write(len(head).to_bytes(8, "little"))
             zf.write(head)
             for _, t in entries:
                 host, view = _host_bytes(t)
-                for start in range(0, len(view), 64 * _CHUNK):
-                    zf.write(view[start:start + 64 * _CHUNK])
+                for start in range(0, len(view), 64 * CHUNK):
+                    zf.write(view[start:start + 64 * CHUNK])
                 del host, view
             zf.close()  # ends the frame; f stays open (closefd=False)
             f.flush()
@@ -197,7 +167,7 @@ def _fsync_dir(d: Path) -> None:
 # Reading
 
 
-class BundleReader:
+class BundleReader(HeaderReader):
     """Streamed, validating reader of one bundle.
 
     >>> with BundleReader("step00000006-rank0.nan") as r:        # doctest: +SKIP
@@ -207,144 +177,6 @@ class BundleReader:
     The metadata and the tensor table are read and checked on open; tensors are decompressed in
     file order, each into its own buffer. ``tensors()`` can be called once per open.
     """
-
-    def __init__(self, path: str | os.PathLike, *, whole: bool = True):
-        self.path = Path(path)
-        self._whole = whole  # False: a frame cut short is found only when its data is read
-        self._file = None
-        self._stream = None
-        self._consumed = False
-        try:
-            self._open()
-        except BaseException:  # not only BundleError: never leave the file open
-            self.close()
-            raise
-
-    # -- context manager --
-    def __enter__(self) -> BundleReader:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-    def error(self, what: str, fix: str = "") -> BundleError:
-        return BundleError(f"{self.path}: {what}" + (f"; {fix}" if fix else ""))
-
-    def _open(self) -> None:
-        try:
-            self._file = open(self.path, "rb")
-        except OSError as e:
-            raise self.error(f"cannot open ({e.strerror})") from None
-        declared = self._frame().content_size
-        self._stream = zstandard.ZstdDecompressor().stream_reader(
-            self._file, read_size=_CHUNK, read_across_frames=False, closefd=False)
-        size = int.from_bytes(self._read_exact(8, "header size"), "little")
-        if size > _MAX_HEADER:
-            raise self.error(f"header claims {size} bytes (limit {_MAX_HEADER})",
-                             "the file is corrupted or not a bundle")
-        try:
-            header = json.loads(self._read_exact(size, "header"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise self.error(f"header is not JSON ({e.msg if hasattr(e, 'msg') else e})",
-                             "the file is corrupted") from None
-        if not isinstance(header, dict):
-            raise self.error("header is not a JSON object", "the file is corrupted")
-        md = header.pop("__metadata__", None)
-        if not isinstance(md, dict) or md.get("format") != FORMAT:
-            raise self.error("safetensors file without nanreplay metadata",
-                             "pass a bundle written by the recorder")
-        try:
-            version = int(md.get("version", ""))
-        except (TypeError, ValueError):  # a JSON list, object or null is no version either
-            raise self.error(f"format version {md.get('version')!r} is not a number") from None
-        if version > VERSION:
-            raise self.error(f"format version {version} is newer than this nanreplay reads "
-                             f"({VERSION})", "upgrade nanreplay: pip install -U nanreplay")
-        self.format_version = version
-        try:
-            self.meta = json.loads(md["meta"])
-            self._complex = set(json.loads(md.get("complex", "[]")))
-        except (KeyError, TypeError, json.JSONDecodeError):
-            raise self.error("metadata 'meta' is missing or not JSON",
-                             "the file is corrupted") from None
-        if not isinstance(self.meta, dict):
-            raise self.error("metadata 'meta' is not a JSON object", "the file is corrupted")
-        self.entries = self._check_table(header)
-        data = sum(n for _, _, _, n in self.entries)
-        expected = 8 + size + data
-        if declared not in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR) \
-                and declared != expected:
-            raise self.error(f"zstd frame declares {declared} bytes but the header describes "
-                             f"{expected}", "the file is corrupted")
-
-    def _frame(self) -> zstandard.FrameParameters:
-        """The frame's parameters, once the file is known to hold the whole frame."""
-        size = os.fstat(self._file.fileno()).st_size
-        if size == 0:
-            raise self.error("empty (0 bytes)", _CUT_SHORT)
-        magic = self._file.read(4)
-        if magic != _ZSTD_MAGIC:
-            raise self.error("not a nanreplay bundle (no zstd frame at the start)",
-                             "pass the .nan file the recorder wrote")
-        self._file.seek(0)
-        try:
-            params = zstandard.get_frame_parameters(self._file.read(18))
-        except zstandard.ZstdError as e:
-            raise self.error(f"corrupted zstd frame header ({e})") from None
-        end, why = frame_end(self._file, size) if self._whole else (size, "")
-        if end < 0:  # (found before decoding gigabytes up to the cut)
-            raise self.error(f"truncated: {why}", _CUT_SHORT)
-        self._file.seek(0)
-        return params
-
-    def _check_table(self, header: dict[str, Any]) -> list[tuple[str, torch.dtype, list[int], int]]:
-        entries, offset = [], 0
-        rows = []
-        for name, spec in header.items():
-            try:
-                dtype = _FROM_STR[spec["dtype"]]
-                shape = [int(d) for d in spec["shape"]]
-                begin, end = (int(x) for x in spec["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise self.error(f"tensor {name!r} has a malformed entry",
-                                 "the file is corrupted") from None
-            if any(d < 0 for d in shape):
-                raise self.error(f"tensor {name!r} has a negative dimension")
-            rows.append((begin, end, name, dtype, shape))
-        for begin, end, name, dtype, shape in sorted(rows, key=lambda r: (r[0], r[1])):
-            n = math.prod(shape) * _itemsize(dtype)
-            if begin != offset or end - begin != n:
-                raise self.error(f"tensor {name!r} has offsets [{begin}, {end}) but its shape "
-                                 f"{shape} needs {n} bytes at {offset}", "the file is corrupted")
-            offset = end
-            entries.append((name, dtype, shape, n))
-        return entries
-
-    def _read_exact(self, n: int, what: str) -> bytes:
-        buf = bytearray(n)
-        self._readinto(memoryview(buf), what)
-        return bytes(buf)
-
-    def _readinto(self, view: memoryview, what: str) -> None:
-        got = 0
-        try:
-            while got < len(view):
-                k = self._stream.readinto(view[got:])
-                if not k:
-                    raise self.error(f"truncated while reading {what} ({got} of {len(view)} "
-                                     "bytes)", _CUT_SHORT)
-                got += k
-        except zstandard.ZstdError as e:
-            raise self.error(f"corrupted data while reading {what} ({e})",
-                             "the file is damaged; copy it again") from None
 
     def tensors(self, want=None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, tensor)`` in file order; skip names for which ``want(name)`` is false."""
@@ -356,12 +188,12 @@ class BundleReader:
                 self._skip(n, name)
                 continue
             if n == 0:
-                t = torch.empty(shape, dtype=dtype)
+                t = torch.empty(shape, dtype=_FROM_STR[dtype])
             else:
                 buf, view = self._buffer(n, name)
                 self._readinto(view, f"tensor {name!r}")
                 del view
-                t = buf.view(dtype).reshape(shape)
+                t = buf.view(_FROM_STR[dtype]).reshape(shape)
             if name in self._complex:
                 t = torch.view_as_complex(t)
             yield name, t
@@ -391,14 +223,6 @@ class BundleReader:
             raise self.error(f"tensor {name!r} claims {n} bytes, which cannot be allocated "
                              "here", "the file is corrupted or not a bundle") from None
         return buf, memoryview((ctypes.c_ubyte * n).from_address(buf.data_ptr())).cast("B")
-
-    def _skip(self, n: int, name: str) -> None:
-        scratch = memoryview(bytearray(min(n, _CHUNK)))
-        left = n
-        while left:
-            k = min(left, len(scratch))
-            self._readinto(scratch[:k], f"tensor {name!r}")
-            left -= k
 
 
 def read_bundle(path: str | os.PathLike, want=None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

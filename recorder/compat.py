@@ -15,16 +15,18 @@ a process group's key-value store (where the ranks meet at attach).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
-try:
-    from torch._dynamo.eval_frame import DisableContext, OptimizedModule
-except ImportError:  # a torch without dynamo
-    DisableContext = OptimizedModule = ()
+# torch._dynamo is not imported here: it costs ~2 s, paid by every ``import recorder`` and
+# every ``nanreplay --info``. An ``OptimizedModule`` exists only once torch.compile (or the
+# user) imported its module, so the checks look it up there; the hooks' wrapper imports it at
+# attach (see dynamo_disabled).
+_EVAL_FRAME = "torch._dynamo.eval_frame"
 
 # the attribute of an OptimizedModule holding the module it compiled (and the name part it
 # adds to parameter names)
@@ -46,9 +48,14 @@ except ImportError:
 
 try:
     from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
-    from torch._dynamo.eval_frame import skip_code as _skip_code
 except ImportError:  # a torch without dynamo
-    _set_eval_frame = _skip_code = None
+    _set_eval_frame = None
+
+
+def _dynamo_attr(name: str) -> Any:
+    """``torch._dynamo.eval_frame.<name>`` if that module is loaded, else None (then no
+    compile wrapper exists yet)."""
+    return getattr(sys.modules.get(_EVAL_FRAME), name, None)
 
 
 def dynamo_disabled(fn):
@@ -60,6 +67,10 @@ def dynamo_disabled(fn):
     times a step, cold (~10 us each)."""
     if _set_eval_frame is None:
         return fn
+    try:  # (called at attach, not per step: a model compiled later must not trace the hook)
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:  # a torch without dynamo
+        return fn
     set_eval_frame = _set_eval_frame
 
     def run(*args, **kwargs):
@@ -69,7 +80,7 @@ def dynamo_disabled(fn):
         finally:
             set_eval_frame(prior)
 
-    _skip_code(run.__code__)  # (one code object for every wrapper; marking it again is a no-op)
+    skip_code(run.__code__)  # (one code object for every wrapper; marking it again is a no-op)
     run._torchdynamo_disable = True  # what dynamo reads (and guards on: the original callable)
     run._torchdynamo_disable_msg = "nanreplay's hook"
     run._torchdynamo_orig_callable = fn
@@ -216,13 +227,15 @@ def own_slots(m: nn.Module) -> tuple[set[str], dict[str, Any], dict[str, Any], d
 
 
 def is_compile_wrapper(m: Any) -> bool:
-    return isinstance(m, OptimizedModule)
+    wrapper = _dynamo_attr("OptimizedModule")
+    return wrapper is not None and isinstance(m, wrapper)
 
 
 def compiles(wrapper: nn.Module) -> bool:
     """Compile wrapper ``wrapper`` compiles what it wraps: not ``torch.compiler.disable(m)``,
     which wraps ``m`` in the same ``OptimizedModule`` to run it eagerly, hooks and all."""
-    return not isinstance(getattr(wrapper, "dynamo_ctx", None), DisableContext)
+    return not isinstance(getattr(wrapper, "dynamo_ctx", None),
+                          _dynamo_attr("DisableContext") or ())
 
 
 def compiled_module(wrapper: nn.Module) -> nn.Module:

@@ -16,13 +16,14 @@ import click
 
 # torch warns when it is imported where NumPy is not installed; nanreplay does not use NumPy
 # (not one of its dependencies), so on its command line that warning is only noise.
-warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+_NO_NUMPY = "Failed to initialize NumPy"
+warnings.filterwarnings("ignore", message=_NO_NUMPY, category=UserWarning)
 
-from recorder.errors import BundleError  # noqa: E402  (imports torch: after the filter)
-from recorder.validate import why_unwritable  # noqa: E402
+# Only what every run needs is imported here: --help, --info and --strip must start in a
+# fraction of a second, so the replay's machinery (and torch) comes with the path that uses it.
+from recorder.errors import BundleError  # noqa: E402
 
 from .errors import ReplayError, one_line  # noqa: E402
-from .failed_stage import show_tracebacks  # noqa: E402
 
 
 def _fail(message: str) -> None:
@@ -79,7 +80,6 @@ def main(bundle: Path, as_json: bool, html_path: Path | None, info: bool, factor
     first non-finite value. BUNDLE may be the directory the recorder wrote it to (its
     out_dir) when that holds one event's bundle."""
     _check_tries(tries)
-    show_tracebacks(debug)  # (of an analysis stage that failed: the report goes on without it)
     if bundle.is_dir():
         bundle = _bundle_in(bundle)
     try:
@@ -88,8 +88,10 @@ def main(bundle: Path, as_json: bool, html_path: Path | None, info: bool, factor
         # by every catch_warnings block the analysis enters)
         with warnings.catch_warnings():
             warnings.filterwarnings("once", category=UserWarning)
+            # (torch is first imported in here, by the path that needs it)
+            warnings.filterwarnings("ignore", message=_NO_NUMPY, category=UserWarning)
             code = _run(bundle, as_json, html_path, info, factory, _kwargs(factory_kwargs),
-                        device, strip_parts, output, tries)
+                        device, strip_parts, output, tries, debug)
     except click.ClickException:
         raise  # bad usage: _OneLineUsage prints it
     except (BundleError, ReplayError) as e:
@@ -168,6 +170,8 @@ def _kwargs(text: str | None) -> dict | None:
 
 def _check_tries(tries) -> None:
     """``--try`` values, checked before anything runs: a bad one is a usage error."""
+    if not tries:
+        return
     from .whatif import TryError, parse_try
 
     for t in tries:
@@ -178,9 +182,7 @@ def _check_tries(tries) -> None:
 
 
 def _run(bundle, as_json, html_path, info, factory, factory_kwargs, device, strip_parts,
-         output, tries=()) -> int:
-    from . import report as reports
-
+         output, tries=(), debug=False) -> int:
     if html_path is not None and (info or strip_parts or output):
         raise click.UsageError("--html writes the report of a replay; --info and --strip do "
                                "not replay: run them separately")
@@ -196,15 +198,24 @@ def _run(bundle, as_json, html_path, info, factory, factory_kwargs, device, stri
         try:  # (one rank's shards are stripped with their set: one copy per rank)
             paths = strip_set(bundle, output, list(strip_parts))
         except OSError as e:  # reading errors are BundleErrors: this is the copy's path
+            from recorder.validate import why_unwritable  # (imports the recorder's checks)
+
             raise ReplayError(f"cannot write {output} ({why_unwritable(output.parent, e)}); "
                               "pass another -o path") from None
         click.echo(f"wrote {', '.join(map(str, paths))} without {', '.join(strip_parts)}")
         return 0
     if info:
-        d = reports.info(bundle)
-        _emit(reports.to_json(d) if as_json else reports.info_text(d))
+        from .info import info, info_text, to_json
+
+        d = info(bundle)
+        _emit(to_json(d) if as_json else info_text(d))
         return 0
     from .analyze import analyze_bundle
+    from .failed_stage import show_tracebacks
+    from .info import to_json
+    from .report import to_text
+
+    show_tracebacks(debug)  # (of an analysis stage that failed: the report goes on without it)
 
     if html_path is not None:
         _check_html_dir(html_path)
@@ -213,7 +224,7 @@ def _run(bundle, as_json, html_path, info, factory, factory_kwargs, device, stri
     with contextlib.redirect_stdout(sys.stderr):
         report = analyze_bundle(bundle, factory, device, factory_kwargs, tries)
     # printed first: a page that cannot be written must not cost the report of a long replay
-    _emit(reports.to_json(report) if as_json else reports.to_text(report))
+    _emit(to_json(report) if as_json else to_text(report))
     if html_path is not None:
         from .html import render_html
 

@@ -8,9 +8,12 @@ from pathlib import Path
 
 from recorder.bundle import BundleReader, write_bundle
 
-from .load import BATCH_PREFIXES, WEIGHT_PREFIXES, check_meta
+from .meta_check import check_meta
 from .shards import missing, ranks_of, shard_set
 
+WEIGHT_PREFIXES = ("weights/", "buffers/", "grads/", "optim/", "optim_group/", "optim_seq/",
+                   "trained/")
+BATCH_PREFIXES = ("batch/", "loss_in/", "outgrad/")
 PARTS = {"batch": BATCH_PREFIXES, "weights": WEIGHT_PREFIXES + ("loss/",)}
 # per micro-batch metadata that holds batch contents: the input and loss-argument trees (their
 # JSON leaves) and the readable paths (dict keys) of their tensors
