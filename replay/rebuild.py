@@ -123,8 +123,8 @@ def _build_without_factory(step: Step, factory_kwargs: dict[str, Any] | None,
         with recorded_argv(step.meta, guess):
             step.default_args = True
             _build(step, guess, False, {})
-    except FactoryRefused:
-        raise
+    except FactoryRefused as e:  # (not under the current directory: name the run's)
+        raise FactoryRefused(f"{e}{ran_in(step.meta)}") from None
     except ReplayError as e:
         raise FactoryRefused(
             f"the bundle names no model factory, and its model's class called with no "
@@ -139,7 +139,6 @@ def _build_init(step: Step, init: dict[str, Any], how: str, trusted: bool) -> No
     """The model's class called with the arguments it kept (``self.config``)."""
     spec = init["class"]
     call = f"{spec}({', '.join(f'{k}=self.{k}' for k in init['args'])})"
-    ran = (step.meta.get("env") or {}).get("cwd")
     try:
         with recorded_argv(step.meta, spec):
             try:
@@ -147,8 +146,8 @@ def _build_init(step: Step, init: dict[str, Any], how: str, trusted: bool) -> No
             except ReplayError as e:  # (not under the current directory, not importable)
                 raise FactoryRefused(
                     f"{NO_FACTORY}; the model would be rebuilt as {call} from the constructor "
-                    f"arguments the bundle keeps, but {one_line(e, 300)}"
-                    + (f" (the run ran in {ran})" if ran else "")) from None
+                    f"arguments the bundle keeps, but {one_line(e, 300)}{ran_in(step.meta)}"
+                ) from None
             _build_with(step, init_factory(init, cls, trusted), spec, {})
     except FactoryRefused:
         raise
@@ -159,6 +158,12 @@ def _build_init(step: Step, init: dict[str, Any], how: str, trusted: bool) -> No
     step.problems.append(
         f"{NO_FACTORY}: the model was rebuilt as {call}, the constructor arguments the model "
         "kept as data, the weights from the bundle")
+
+
+def ran_in(meta: dict[str, Any]) -> str:
+    """`` (the run ran in DIR)``: where the run's modules import from, for a refusal."""
+    ran = (meta.get("env") or {}).get("cwd")
+    return f" (the run ran in {ran})" if isinstance(ran, str) else ""
 
 
 class _InitFailed(ReplayError):
