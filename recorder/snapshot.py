@@ -20,6 +20,7 @@ from .attributes import AttributeWatch, trained_tensors
 from .bundle import FORMAT, VERSION
 from .capture import environment, flatten_tree
 from .compiled import forward_compiled_alone, hook_sites
+from .config_args import describe_init
 from .constants import unchanged
 from .entries import hyper_entry, jsonish, micro_batch_entry, named_params
 from .graph_reach import from_model
@@ -271,10 +272,14 @@ def _optimizer_attrs(opt) -> dict[str, Any]:
 
 def _without_factory(model: nn.Module) -> dict[str, Any]:
     """What rebuilds a model recorded without a factory: its class called bare
-    (``default_factory``), else, made of torch.nn's own modules only, their description."""
+    (``default_factory``), else, made of torch.nn's own modules only, their description; and
+    the constructor arguments it keeps as data (``init``: ``self.config``), which the replay
+    calls the class with rather than bare."""
     guess = default_factory(model)
     stock = describe_stock(model) if guess is None else None
-    return {"default_factory": guess, **({"stock": stock} if stock is not None else {})}
+    init = describe_init(model)
+    return {"default_factory": guess, **({"stock": stock} if stock is not None else {}),
+            **({"init": init} if init is not None else {})}
 
 
 def default_factory(model: nn.Module) -> str | None:

@@ -92,6 +92,7 @@ from .squared_data import squared_data_hint
 from .unselected_targets import unselected_targets_hint
 from .zero_bound import zero_bound_hint
 from .zero_eps_attribute import zero_eps_attribute_hint
+from .zero_norm_eps import zero_norm_eps_hint
 from .zero_number import zero_number_hint
 from .zero_output import zero_output_hint
 from .zero_records import zero_records_hint
@@ -138,6 +139,7 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     negative_hint(report, step)  # (exp(-k t) of a time since dose of -150 h)
     nan_attribute_hint(report, step)  # (a KL warm-up weight of 0/0 the loop set on the loss)
     zero_number_hint(report, step)  # (a label range hi - lo fitted on one value: 0)
+    zero_norm_eps_hint(report, step)  # (a config's LayerNorm eps of 0 over a constant row)
     zero_eps_attribute_hint(report, step)  # (a Dice's smooth_dr built as 0, added as eps)
     sentinel_inputs_hint(report, step)  # (VIBO's encoder given responses coded -999 unmasked)
     other_inputs_note(report, step)  # (a bad reading in some windows' inputs, others' targets)

@@ -13,6 +13,7 @@ from torch import nn
 from recorder.compiled import decompile
 
 from .attributes import built_otherwise, restore_attributes, restore_trained, restored_note
+from .config_args import init_factory, missing_note
 from .errors import FactoryRefused, ReplayError, one_line
 from .factory import recorded_argv, resolve_factory
 from .factory_params import taken_kwargs
@@ -55,8 +56,10 @@ def build(step: Step, factory, device: str | None,
         raise ReplayError(f"the bundle was recorded on {step.device} and this machine has no "
                           "CUDA device; pass --device cpu")
     spec = factory or meta.get("factory")
-    if not spec:
-        _build_without_factory(step, factory_kwargs)
+    init = kept_init(meta)
+    if not spec or (init and factory == init["class"] and not factory_kwargs):
+        # (--factory naming the model's class trusts it, called with the arguments it kept)
+        _build_without_factory(step, factory_kwargs, trusted=bool(spec))
         return
     with recorded_argv(meta, spec):
         _build(step, spec, factory is not None, factory_kwargs)
@@ -85,13 +88,31 @@ def _how(meta: dict[str, Any]) -> str:
     return f"{how}that_function)"
 
 
-def _build_without_factory(step: Step, factory_kwargs: dict[str, Any] | None) -> None:
-    """A run recorded without ``factory``: the model's class called with no arguments, when
-    the recorder found that it can be (``default_factory``), under the trust rule of a
-    recorded factory; else (or when that builds another model) nothing is re-run and the
-    report says what the recorder saw."""
+def kept_init(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The constructor arguments the model kept as data (``recorder.config_args``), if any."""
+    init = (meta.get("model") or {}).get("init")
+    ok = isinstance(init, dict) and isinstance(init.get("class"), str) and init.get("args")
+    return init if ok else None
+
+
+def _build_without_factory(step: Step, factory_kwargs: dict[str, Any] | None,
+                           trusted: bool = False) -> None:
+    """A run recorded without ``factory``: the model's class called with the constructor
+    arguments it kept as data (``replay.config_args``), or with no arguments, when the
+    recorder found that it can be (``default_factory``), under the trust rule of a recorded
+    factory; else (or when that builds another model) nothing is re-run and the report says
+    what the recorder saw."""
     guess = (step.meta.get("model") or {}).get("default_factory")
     how = _how(step.meta)
+    if (init := kept_init(step.meta)) is not None and not factory_kwargs:
+        try:
+            _build_init(step, init, how, trusted)
+            return
+        except _InitFailed as e:  # (the kept values are no arguments: try the class bare)
+            if not isinstance(guess, str):
+                raise FactoryRefused(str(e)) from None
+            step.problems.append(str(e))
+    how = missing_note((step.meta.get("model") or {}).get("init")) + how
     if not isinstance(guess, str) and not factory_kwargs \
             and (stock := stock_factory(step.meta)) is not None:
         _build_stock(step, stock, how)
@@ -102,8 +123,8 @@ def _build_without_factory(step: Step, factory_kwargs: dict[str, Any] | None) ->
         with recorded_argv(step.meta, guess):
             step.default_args = True
             _build(step, guess, False, {})
-    except FactoryRefused:
-        raise
+    except FactoryRefused as e:  # (not under the current directory: name the run's)
+        raise FactoryRefused(f"{e}{ran_in(step.meta)}") from None
     except ReplayError as e:
         raise FactoryRefused(
             f"the bundle names no model factory, and its model's class called with no "
@@ -112,6 +133,41 @@ def _build_without_factory(step: Step, factory_kwargs: dict[str, Any] | None) ->
         f"the bundle names no model factory: the model was rebuilt as {guess}() with its "
         "default arguments, the weights from the bundle; if the run built it otherwise, "
         f"{how}")
+
+
+def _build_init(step: Step, init: dict[str, Any], how: str, trusted: bool) -> None:
+    """The model's class called with the arguments it kept (``self.config``)."""
+    spec = init["class"]
+    call = f"{spec}({', '.join(f'{k}=self.{k}' for k in init['args'])})"
+    try:
+        with recorded_argv(step.meta, spec):
+            try:
+                cls = resolve_factory(spec, explicit=trusted)
+            except ReplayError as e:  # (not under the current directory, not importable)
+                raise FactoryRefused(
+                    f"{NO_FACTORY}; the model would be rebuilt as {call} from the constructor "
+                    f"arguments the bundle keeps, but {one_line(e, 300)}{ran_in(step.meta)}"
+                ) from None
+            _build_with(step, init_factory(init, cls, trusted), spec, {})
+    except FactoryRefused:
+        raise
+    except ReplayError as e:
+        raise _InitFailed(
+            f"{NO_FACTORY}, and its model's class called with the constructor arguments it "
+            f"kept as data ({call}) does not rebuild it ({one_line(e, 200)}): {how}") from None
+    step.problems.append(
+        f"{NO_FACTORY}: the model was rebuilt as {call}, the constructor arguments the model "
+        "kept as data, the weights from the bundle")
+
+
+def ran_in(meta: dict[str, Any]) -> str:
+    """`` (the run ran in DIR)``: where the run's modules import from, for a refusal."""
+    ran = (meta.get("env") or {}).get("cwd")
+    return f" (the run ran in {ran})" if isinstance(ran, str) else ""
+
+
+class _InitFailed(ReplayError):
+    """The class called with the arguments it kept raised, or built another model."""
 
 
 def _build_stock(step: Step, stock, how: str) -> None:

@@ -100,10 +100,15 @@ def test_rope_theta_0_is_named_by_the_division_that_made_the_table(tmp_path):
 
 
 def test_rope_theta_0_without_factory_does_not_blame_the_loop(tmp_path):
+    """The model keeps its ``rope_theta`` (``self.rope_theta``): rebuilt with the run's 0
+    (``replay.config_args``), not the default, the table's division is named as with a factory."""
     rep = nanreplay_json(_lm("make_bad_rope", tmp_path, factory=False))
     _weights_origin(rep, "freqs_cis", "xc * freqs_cis")
-    assert "default arguments" in rep["hint"] and "--factory" in rep["hint"], rep["hint"]
     assert "the factory builds buffer freqs_cis finite" not in rep["hint"]
+    at = source_line("meta_init_models.py", "freqs = 1.0 / (theta **")
+    assert f"aten.reciprocal of 0 made +inf at {at}, which later ops turned into NaN" \
+        in rep["hint"], rep["hint"]
+    assert any("constructor arguments the model kept as data" in p for p in rep["problems"])
 
 
 def test_mask_left_by_to_empty_names_to_empty_and_init_weights(tmp_path, deterministic):
