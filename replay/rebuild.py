@@ -143,10 +143,11 @@ def _build_init(step: Step, init: dict[str, Any], how: str, trusted: bool) -> No
         with recorded_argv(step.meta, spec):
             try:
                 cls = resolve_factory(spec, explicit=trusted)
-            except ReplayError as e:  # (not under the current directory, not importable)
+            except ReplayError as e:  # (not under the current directory, not importable:
+                # our own one line, whose end says what to pass; a long path must not cut it)
                 raise FactoryRefused(
                     f"{NO_FACTORY}; the model would be rebuilt as {call} from the constructor "
-                    f"arguments the bundle keeps, but {one_line(e, 300)}{ran_in(step.meta)}"
+                    f"arguments the bundle keeps, but {one_line(e, 2000)}{ran_in(step.meta)}"
                 ) from None
             _build_with(step, init_factory(init, cls, trusted), spec, {})
     except FactoryRefused:
