@@ -48,6 +48,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 # the torch.func transform a call runs under, None outside any)
 from recorder.compat import func_transform, version_of
 
+from .wrapper_subclass import passes_to_subclass
+
 __all__ = ["TorchDispatchMode", "tree_leaves", "tree_map", "version", "version_of", "sequence_nr",
            "func_transform",
            "running_node", "saved_value", "writes_arguments",
@@ -95,6 +97,8 @@ class TorchDispatchMode(_TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if isinstance(func, HigherOrderOperator):
                 return _run_hop(self, func, args, kwargs or {})
+            if passes_to_subclass(types):  # (its own dispatch's plain ops come back)
+                return NotImplemented
             if func.overloadpacket is _EFFICIENT_ZERO:
                 return tree_map(_real_zeros, func(*args, **(kwargs or {})))
             if _any_zeros(args, kwargs):

@@ -60,14 +60,24 @@ def _zero_record(x):
 _RAISE = torch.linalg.cholesky
 
 
-def test_wrapper_subclass_the_op_finder_cannot_read_keeps_the_recorded_origin(tmp_path):
+def test_wrapper_subclass_norm_names_the_inner_div_module_samples_and_cause(tmp_path):
+    # a _make_wrapper_subclass tensor: the replay's modes read the plain tensors its own
+    # __torch_dispatch__ computes on (the inner aten.div), not the wrapper (no .tolist())
     err = train(tmp_path, "make_wrapped_norm", _zero_record)
     assert (err.event["step"], err.event["module"], err.event["samples"]) == (1, "norm", [ROW])
     rep = replay(err.bundle_path, factory=M.make_wrapped_norm)
     o = rep["origin"]
-    assert (o["phase"], o["module"], o["samples"]) == ("forward", "norm", [ROW]), rep
-    assert rep["reproduced"] is True and rep["cause"] is None, rep
-    assert rep["failed_stage"]["stage"].startswith("the op finder"), rep["failed_stage"]
+    # the zeroed record's std is 0: its centred 0 divided by it is 0/0
+    assert (o["phase"], o["op"], o["module"], o["samples"], rep["cause"]) == (
+        "forward", "aten.div", "norm", [ROW], "invalid"), rep
+    assert o["source"] == f"higher_order_models.py:{_line_of('/ w.std(')}", o["source"]
+    assert rep["reproduced"] is True and rep.get("failed_stage") is None, rep
+    assert not rep["problems"], rep["problems"]
+
+
+def _line_of(text: str) -> int:
+    with open(M.__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if text in line)
 
 
 def test_any_failed_stage_keeps_step_module_samples_and_reproduction(tmp_path, monkeypatch):
