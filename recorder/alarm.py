@@ -244,6 +244,8 @@ class Alarm:
                 meta["scaler_not_given"] = said
             if "loss" not in meta and (held := _held_by(self.target)):
                 meta["model_held_by"] = held  # (a loss wrapper computed the loss: see replay)
+            if as_dict.get("params") and (tied := _tied_to(as_dict["params"], meta)):
+                as_dict["tied"] = tied  # (the message and the bundle name the other names)
             if self.renamed:  # (the replay says so: the factory's model may predate it)
                 meta["renamed_after_attach"] = self.renamed
                 rename_window(meta, tensors, self.renamed)
@@ -275,6 +277,15 @@ class Alarm:
             self._raise_stopped(as_dict)
             raise NonFiniteError(msg, bundle_path=path, event=as_dict, write_error=moved)
         log.warning(msg)
+
+
+def _tied_to(params: list[str], meta: dict[str, Any]) -> dict[str, list[str]]:
+    """``{name: [its other names]}`` of the event's parameters that are one tensor reached
+    under several names (``lm_head.weight = tok_emb.weight``): the event names the first."""
+    aliases: dict[str, list[str]] = {}
+    for alias, first in (meta.get("tied_params") or {}).items():
+        aliases.setdefault(first, []).append(alias)
+    return {p: aliases[p] for p in params if p in aliases}
 
 
 def _renamed(guard: dict[str, Any] | None, renamed: dict[str, str]) -> dict[str, Any] | None:

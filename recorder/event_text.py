@@ -48,7 +48,10 @@ def summary(event: dict[str, Any], path: Path | None) -> str:
     if event.get("params"):
         params = event["params"]
         more = f" (+{len(params) - 4} more)" if len(params) > 4 else ""
-        where += f" Parameters: {', '.join(params[:4])}{more}."
+        tied = event.get("tied") or {}  # (one tensor under several names: say them all)
+        named = [p + (f" (one tensor with {', '.join(tied[p])}: tied)" if p in tied else "")
+                 for p in params[:4]]
+        where += f" Parameters: {', '.join(named)}{more}."
     if event.get("state") or event.get("statistic"):  # (state_check; running_stats)
         where += f" {event['detail'][0].upper()}{event['detail'][1:]}."
     when = (f"in an evaluation forward (gradients off) before step {event['step']}"

@@ -120,9 +120,11 @@ def test_a_nan_written_into_a_tied_weight_is_named_as_its_reader_holds_it(tmp_pa
     e = fire(M.Tied(), lambda s: (tokens(s),), lm_loss, tmp_path, "tied_weights_models:Tied",
              between=nan_row(written, row, at))
     assert (e.event["step"], e.event["phase"]) == (at, "weights")
+    first, alias = "tok_emb.weight", f"{written}.weight"
+    # the recorder's own message names the tensor's other name too (it named the first only)
+    assert f"Parameters: {first} (one tensor with {alias}: tied)." in str(e), str(e)
     report = nanreplay_json(e.bundle_path)
     o = report["origin"]
-    first, alias = "tok_emb.weight", f"{written}.weight"
     reads = tokens(at) == row  # (the lookups of the bad row, else every row's logits)
     samples = sorted({int(i) for i in reads.nonzero()[:, 0]}) if reads.any() \
         else list(range(len(tokens(at))))
