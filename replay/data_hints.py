@@ -83,6 +83,7 @@ from .output_range import output_range_hint
 from .padded_units import padded_units_hint
 from .padding_batch import padding_batch_hint
 from .perfect_fit import perfect_fit_hint
+from .pole_buffers import pole_buffer_hint
 from .record_ids import record_ids_note
 from .same_record_pairs import same_record_pairs_hint
 from .sentinel_inputs import sentinel_inputs_hint
@@ -131,6 +132,7 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     zero_records_hint(report, step)  # (a metric depth scaled by a focal length left at 0)
     padded_units_hint(report, step)  # (HAN's padding sentences through its word attention)
     causal_buffer_hint(report, step)  # (nanoGPT's masked_fill(self.bias == 1): the diagonal)
+    pole_buffer_hint(report, step)  # (ALiBi slopes 1 / arange(H): 1 / 0, then inf * 0)
     constant_columns_hint(report, step)  # (x.std(0) of a gene no cell of the batch expresses)
     grown_number_hint(report, step)  # (an augmented Lagrangian's rho past float32's range)
     column_scale_hint(report, step)  # (a variable in millimetres among metres: NOTEARS' X)

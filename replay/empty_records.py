@@ -47,7 +47,14 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
     loss = o.get("phase") != "forward" or not any(
         zero_rows(t, d, rows) for _, t, d in batch_data(step, mb, loss=False))
     data = list(batch_data(step, mb, loss=loss))
-    names = [name for name, t, d in data if _empty_in(t, d, rows)]
+    # (data the forward never took, the loss's alone, explains a forward 0/0 as a mask of
+    # valid positions: one run each row, or over positions of a model input, a residue pair
+    # mask; a multi-label target with no class set is a label)
+    seen = {name: _sizes(t, d) for name, t, d in batch_data(step, mb, loss=False)} \
+        if o.get("phase") == "forward" else None
+    names = [name for name, t, d in data if _empty_in(t, d, rows) and (
+        seen is None or name in seen or _one_run(t, d)
+        or any(_sizes(t, d) & sizes for sizes in seen.values()))]
     if names:
         which = ",".join(str(r) for r in rows)
         # (a loss that weights them 0 by design, DM-Count's TV term times an empty crop's
@@ -61,8 +68,8 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
         return
     # (a graph batch's count of nodes per graph: replay.empty_graphs names its empty graphs)
     if _length_zero(report, data, rows) or samples(step, mb).segments is None \
-            and zero_length_hint(report, [*sample_tensors(step, mb, loss),
-                                          *nested_lengths(step, mb)], rows):
+            and zero_length_hint(report, sample_tensors(step, mb, loss), rows, data,
+                                 nested_lengths(step, mb)):
         return
     names = [name for name, t, d in data if _empty_in(t, d, rows, least=2)]
     if names:  # (a sequence of one step: its next-step targets, mask[:, 1:], are none)
@@ -192,6 +199,24 @@ def _padding_mask(t: torch.Tensor, d: int, rows: list[int], whole: bool = False)
         if not bool(m[r, m.shape[1] - n:].all()) or n == 0 and not whole:
             return False
     return not whole or bool(counts[~named].any())
+
+
+def _sizes(t: torch.Tensor, d: int) -> set[int]:
+    """The sizes > 1 of ``t``'s dims other than the samples' ``d``."""
+    return {n for i, n in enumerate(t.shape) if i != d and n > 1}
+
+
+def _one_run(t: torch.Tensor, d: int) -> bool:
+    """``t`` (samples along ``d``) is set, along some other dim, in one run touching its
+    start or its end in each sample (a keep mask of valid frames or steps)."""
+    m = t.detach().movedim(d, 0).ne(0)
+    for p in range(1, m.dim()):
+        s = m.movedim(p, 1).reshape(m.shape[0], m.shape[p], -1).any(2)
+        n = s.sum(1)
+        edges = (s[:, 1:] != s[:, :-1]).sum(1)
+        if m.shape[p] > 1 and bool((edges <= 1).all()) and bool((n < m.shape[p]).any()):
+            return True
+    return False
 
 
 def zero_rows(t: torch.Tensor, d: int, rows: list[int]) -> bool:

@@ -53,6 +53,7 @@ from .param_divisor import divisor_hint
 from .parametrized import parametrization_hint, parametrization_range_hint, parametrized_advice
 from .picked_fill import picked_hint, picked_origin
 from .piecewise_forward import forward_piecewise_hint
+from .pole_buffers import step_masks
 from .product_underflow import lineage_hints
 from .pruned import empty_mask_hint, pruned_rows_hint
 from .quadratic_form import quadratic_form_hint
@@ -67,7 +68,7 @@ from .self_pairs import self_pair_hint
 from .signed_weights import signed_weights_hint
 from .singular_inverse import singular_inverse_hint
 from .source import is_torch_file, node_tracebacks, user_source
-from .storages import mask_buffers, state_of
+from .storages import state_of
 from .taken_fill import note_taken_fill
 from .transforms import outside_transforms
 from .zero_id_rows import zero_id_rows_hint
@@ -267,7 +268,8 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
                     forward_ctx=None, passed_kinds: tuple[str, ...] = ()) -> OpFinder:
     """Re-run the forward with the op finder active during one module call only (the run
     inside ``forward_ctx()``, when given), its first op not one that made ``passed_kinds``."""
-    finder = OpFinder(samples=samples(runner.step, mb), mask_buffers=mask_buffers(runner.model))
+    finder = OpFinder(samples=samples(runner.step, mb),
+                     mask_buffers=step_masks(runner.step, runner.model))
     finder.passed_kinds = passed_kinds
     state, batch = {"count": 0, "active": False}, {}
     # (rows the caller's code picked out of the batch: out[p] = transform(x[p]))

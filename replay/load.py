@@ -67,6 +67,8 @@ class Step:
     # the model is its class called with no arguments, the bundle naming no factory: its
     # initial values need not be the run's (a RoPE table of another theta)
     default_args: bool = False
+    # buffers whose infinity a division made as the factory built them (replay.pole_buffers)
+    pole_buffers: set[str] | None = None
 
     @property
     def event(self) -> dict[str, Any]:

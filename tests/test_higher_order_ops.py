@@ -63,6 +63,12 @@ def test_flex_attention_alibi_slope_table_holding_inf_names_the_score_mod_produc
     assert (o["module"], o["op"], rep["cause"]) == ("attn", "aten.mul", "invalid"), rep
     assert o["samples"] == list(range(M.B)), rep
     assert o["source"] == source_line("higher_order_models.py", "slopes[h] * (kv_idx"), rep
+    # (the slope's inf is 1 / 0 of the factory's table, no mask put in on purpose)
+    hint = rep["hint"]
+    assert "on purpose (a mask" not in hint and "finfo(dtype).min" not in hint, hint
+    built = source_line("higher_order_models.py", "1.0 / torch.arange(HEADS")
+    assert f"Buffer attn.slopes holds an infinity a division of finite values made when the " \
+        f"factory built the model at {built}" in hint, hint
 
 
 def test_flex_attention_out_of_scale_record_names_the_scores_overflow_and_its_sample(
