@@ -27,6 +27,7 @@ from .compiled import disabled
 from .cycle import StepCycle
 from .errors import NonFiniteError
 from .finite import ANY, checkable, real_view, stored
+from .hand_steps import step_end_hooks
 from .hooks import Health, Hook
 from .out_grads import keep_grad, keep_out_grad
 from .refs import (
@@ -95,10 +96,8 @@ class CallHooks:
                 if not p.requires_grad:  # (frozen, held by the optimizer: read before its step)
                     continue
                 handles.append(p.register_post_accumulate_grad_hook(Hook(self.grad_hook, i)))
-        if not target.has_optimizer:  # (the large ones' grad_hook does it too)
-            large = {id(p) for _, p in target.large}
-            handles += [p.register_post_accumulate_grad_hook(Hook(self.backward_wrote))
-                        for _, p in target.params if p.requires_grad and id(p) not in large]
+        if not target.has_optimizer:  # (the loop's own update: see recorder.hand_steps)
+            handles += step_end_hooks(target, self.cycle, self.health, self.backward_wrote)
         return handles
 
     # ------------------------------------------------------------------------------------------

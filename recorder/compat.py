@@ -164,6 +164,25 @@ def in_backward() -> bool:
     return torch._C._current_autograd_node() is not None
 
 
+def backward_task() -> int:
+    """The running backward's id (``torch._C._current_graph_task_id``), -1 outside one."""
+    return torch._C._current_graph_task_id()
+
+
+def writes_grads(p: torch.Tensor) -> bool:
+    """The running backward accumulates into ``.grad`` (``backward()``), not only hands the
+    gradients back (``torch.autograd.grad``), asked with the leaf ``p`` it reaches. torch has
+    no public question for this; ``_will_engine_execute_node`` refuses a leaf under
+    ``autograd.grad`` alone. Unsure: True (the ``.grad`` hooks then do the work)."""
+    try:
+        torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(p).node)
+    except RuntimeError as e:
+        return "autograd.grad" not in str(e)
+    except Exception:
+        return True
+    return True
+
+
 def at_backward_end(fn: Any) -> None:
     """Run ``fn`` when the running backward has finished (DDP's and FSDP's final callback:
     ``Variable._execution_engine.queue_callback``); an error it raises comes out of the

@@ -137,15 +137,16 @@ def test_a_blank_record_under_a_hand_update_is_named(out_dir, make, phase, op):
     assert (report["origin"]["op"], report["origin"]["samples"]) == (op, [row])
 
 
-def test_a_backward_trap_under_autograd_grad_says_its_gradients_went_unseen(out_dir):
-    """torch.autograd.grad writes no .grad, so the recorder never sees the gradients (the loop
-    ends each step after it, as the guide says): the sqrt(0) NaN of step K's blank record
-    reaches the weights through the hand update, a ``weights`` event as step K + 1 began (in
-    the validation forward before it), whose hint now says why, and how to get the op."""
-    k = 2
-    err = recorded("make_norm_regressor", "autograd", out_dir, blank=(k, 5), end_step=True)
-    assert (err.event["step"], err.event["phase"]) == (k + 1, "weights")
+@pytest.mark.parametrize("end_step", [True, False])
+def test_a_backward_trap_under_autograd_grad_is_named_at_its_step(out_dir, end_step):
+    """torch.autograd.grad writes no .grad, yet the recorder sees its gradients as they pass
+    and closes the step as it returns (before rec.end_step(), if the loop calls it, and before
+    the hand update): the sqrt(0) of step K's blank record in the root's norm penalty is a
+    backward event at step K, SqrtBackward0 on that record, not K + 1's weights."""
+    k, row = 2, 5
+    err = recorded("make_norm_regressor", "autograd", out_dir, blank=(k, row), end_step=end_step)
+    assert (err.event["step"], err.event["phase"]) == (k, "backward")
     report = nanreplay_json(err.bundle_path)
-    assert report["cause"] == "weights"
-    assert f"The recorder saw no gradient of step {k} (no backward wrote .grad" in report["hint"]
-    assert "torch.autograd.grad" in report["hint"] and "loss.backward()" in report["hint"]
+    assert report["reproduced"] and report["cause"] == "invalid"
+    origin = report["origin"]
+    assert (origin["op"], origin["module"], origin["samples"]) == ("SqrtBackward0", "", [row])
