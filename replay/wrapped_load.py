@@ -49,6 +49,18 @@ def _unflatten(step, key: str, entry: dict[str, Any], like: torch.Tensor) -> tor
     return type(like).__tensor_unflatten__(inner, ctx, like.shape, like.stride())
 
 
+def _non_finite_inner(step, key: str) -> str | None:
+    """The first inner tensor of recorded wrapper ``key`` holding NaN/Inf, with its rows."""
+    for k, t in step.tensors.items():
+        if k.startswith(f"{PREFIX}{key}/") and t.is_floating_point() and t.numel() \
+                and not bool(t.isfinite().all()):
+            rows = (~t.isfinite()).reshape(len(t), -1).any(1).nonzero().flatten().tolist() \
+                if t.dim() else []
+            at = f" (row(s) {', '.join(map(str, rows[:8]))} of {len(t)})" if t.dim() else ""
+            return f"{k.removeprefix(f'{PREFIX}{key}/')!r} was non-finite{at}"
+    return None
+
+
 def rebuilt(step, key: str, like: torch.Tensor) -> torch.Tensor | None:
     """Recorded wrapper tensor ``key`` rebuilt as ``like``'s class (the factory's parameter),
     or None when it was not one. A factory building another class or layout gets a note: the
@@ -57,6 +69,11 @@ def rebuilt(step, key: str, like: torch.Tensor) -> torch.Tensor | None:
     if entry is None:
         return None
     new = _unflatten(step, key, entry, like)
+    if new is not None and (bad := _non_finite_inner(step, key)):
+        step.problems.append(
+            f"{key.removeprefix('weights/')} is a {entry.get('class')} tensor subclass whose "
+            f"inner tensor {bad} as the step began: it dequantizes to non-finite values (the "
+            "quantization that made it, an all-zero block's scale, or a write into it)")
     if new is None:
         step.problems.append(
             f"{key} was a {entry.get('class')} tensor in the run, but the factory's is a "

@@ -88,7 +88,12 @@ def test_nan_absmax_scale_is_bundled_and_replayed_to_the_dequantizing_mul(tmp_pa
     assert o["op"] == "aten.mul" and o["source"].endswith("qlora_models.py:39")
     assert o["samples"] == list(range(6))  # (every sample reads row BAD_ROW)
     assert o["rows"] == [BAD_ROW]
-    assert not rep["problems"]
+    # (the note names the subclass's inner tensor that holds the NaN, and its row)
+    assert rep["problems"] == [
+        "proj.weight is a qlora_models.Int8Weight tensor subclass whose inner tensor 'scale' "
+        f"was non-finite (row(s) {BAD_ROW} of 8) as the step began: it dequantizes to "
+        "non-finite values (the quantization that made it, an all-zero block's scale, or a "
+        "write into it)"]
 
 
 def test_bundle_writer_refuses_a_tensor_without_storage(tmp_path):
