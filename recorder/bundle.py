@@ -47,6 +47,10 @@ def _prepare(name: str, t: torch.Tensor) -> tuple[torch.Tensor, bool]:
         raise TypeError(
             f"bundle entry {name!r} is a {t.layout} tensor; the bundle stores dense tensors only "
             "(make it dense with .to_dense())")
+    if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        raise TypeError(f"bundle entry {name!r} is a {type(t).__qualname__} tensor subclass with "
+                        "its own __torch_dispatch__ (no storage of its own); store its inner "
+                        "tensors (recorder.wrapped.store_wrapped)")
     t = t.detach()
     if t.is_complex():
         return torch.view_as_real(t.resolve_conj()), True
@@ -61,6 +65,9 @@ def _host_bytes(t: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
     n = t.numel() * t.element_size()
     if n == 0:
         return t, memoryview(b"")
+    if t.data_ptr() == 0:  # (never read address 0: a tensor without storage of its own)
+        raise TypeError(f"a {type(t).__qualname__} tensor of shape {list(t.shape)} has no "
+                        "storage (data_ptr() is 0): the bundle cannot hold its bytes")
     raw = (ctypes.c_ubyte * n).from_address(t.data_ptr())
     return t, memoryview(raw).cast("B")
 

@@ -40,6 +40,7 @@ from .tape import Tape
 from .target import Target
 from .tied import tied_params
 from .user_hooks import module_hooks_meta, user_grad_hooks
+from .wrapped import store_wrapped
 
 
 def qualname(obj: Any) -> str:
@@ -121,7 +122,7 @@ def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
         meta["rewind"] = src.rewind.export(tensors)
     meta["env"] = environment(rank, world_size, src.commit)
     localize(meta, tensors, model)  # FSDP2, TP: this rank's local shards, and where they sit
-    return meta, tensors
+    return meta, store_wrapped(meta, tensors)  # (after localize: DTensors are shards by then)
 
 
 def _model(src: Sources, tape: Tape | None, guard, meta, tensors) -> None:

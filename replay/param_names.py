@@ -16,6 +16,7 @@ import weakref
 import torch
 
 from .batch_written import BatchWritten
+from .wrapped_load import plain_parts
 
 # ops whose output holds some of their one floating input's values, unchanged
 _COPIES = {"tril", "triu", "clone", "_to_copy", "contiguous", "diagonal_copy", "index",
@@ -115,9 +116,10 @@ class ParamNames:
                         if b.is_floating_point() and (p := _storage(b)) is not None}
         storages: dict[int, str | None] = {}
         for n, p in named:
-            self.params[(p.data_ptr(), tuple(p.shape))] = n
-            ptr = p.untyped_storage().data_ptr()
-            storages[ptr] = n if ptr not in storages else None  # (shared storage: neither)
+            for q in plain_parts(p):  # (a wrapper subclass, QLoRA's int8 weight: its inner ones)
+                self.params[(q.data_ptr(), tuple(q.shape))] = n
+                ptr = q.untyped_storage().data_ptr()
+                storages[ptr] = n if ptr not in storages else None  # (shared storage: neither)
         self.params.update({("storage", k): v for k, v in storages.items() if v is not None})
 
     def among(self, ins: list[torch.Tensor], op: str | None = None, hit: bool = False

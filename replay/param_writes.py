@@ -21,6 +21,7 @@ import torch
 
 from recorder.capture import batch_path
 from recorder.finite import finite, kind_of
+from recorder.wrapped import is_wrapper
 
 from .built_by import FirstMade, built_by_text
 from .errors import ReplayError
@@ -34,6 +35,7 @@ from .uninitialised import built_hint
 from .unit_rows import unit_rows_text
 from .unmeasured_weights import unseen_grads_text, update_grad_norm
 from .user_grad_hooks import in_backward, updated_in_backward
+from .wrapped_load import finite_parts
 
 
 def forward_made(step: Step, bad: list[str]) -> dict[str, Any] | None:
@@ -48,10 +50,11 @@ def forward_made(step: Step, bad: list[str]) -> dict[str, Any] | None:
     if not watched:
         return None
     kept = {n: p.data for n, p in watched.items()}
+    parts = {n: finite_parts(p) for n, p in watched.items() if is_wrapper(p)}  # (QLoRA's int8)
     finder, runner = OpFinder(), None
     try:
         with torch.no_grad():
-            for p in watched.values():
+            for p in (p for n, p in watched.items() if n not in parts):
                 p.data = torch.nan_to_num(p.data, nan=0.0, posinf=0.0, neginf=0.0)
         runner = Runner(step)
         runner.run(backward=False, instrument=False, forward_ctx=lambda: finder)
@@ -63,7 +66,11 @@ def forward_made(step: Step, bad: list[str]) -> dict[str, Any] | None:
         if runner is not None:  # the buffers and frozen parameters as the step began
             runner.reset()
         for n, p in watched.items():
-            p.data = kept[n]
+            if n not in parts:
+                p.data = kept[n]
+        with torch.no_grad():
+            for q, first in (x for saved in parts.values() for x in saved):
+                q.copy_(first)
     if not again:
         return None
     hit = finder.origin()

@@ -18,6 +18,7 @@ from .errors import ReplayError
 from .held_params import rebind_holders
 from .param_store import forget_replaced
 from .retie import held_apart, tie_as_recorded
+from .wrapped_load import as_recorded
 
 
 def other_model(step) -> str:
@@ -139,7 +140,7 @@ def load_weights(step, model: nn.Module) -> None:
         if src is None:
             raise ReplayError(f"the bundle holds no weights for parameter {name!r} of the model "
                               f"from the factory; {other_model(step)}")
-        w = t[f"weights/{src}"]
+        w = as_recorded(step, f"weights/{src}", p)  # (QLoRA's int8 weight: of its own class)
         if tuple(w.shape) != tuple(p.shape) and src in meta.get("replaced_params", ()):
             regrown.append(f"{name} {list(w.shape)} (the factory's {list(p.shape)})")
         elif tuple(w.shape) != tuple(p.shape):
