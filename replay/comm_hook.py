@@ -38,9 +38,9 @@ def _overflow_text(dtype: torch.dtype, hook: str, rank: int, world: int, largest
     made = (f"rank {rank}'s local gradient of {whose} reaches {largest:.3g}, over {kind}'s "
             f"largest {top:.6g}: the hook's cast to {kind} made it inf" if largest > top else
             f"rank {rank}'s local gradients are finite and within {kind} (largest |g| "
-            f"{largest:.3g}, of {whose}): the {kind} sum over the {world} ranks of each "
-            f"gradient / {world} passed {top:.6g} (another rank's gradients are larger: "
-            "replay its bundle to see them)")
+            f"{largest:.3g}, of {whose}): another of the {world} ranks' casts overflowed, "
+            f"or the {kind} sum (replay the other ranks' bundles, beside this one, to see "
+            "theirs)")
     return (f"the local gradients were finite: DDP's communication hook {hook} "
             f"(ddp.register_comm_hook) all-reduces them in {kind}, and {made}, on every rank "
             "after the all-reduce. Register bf16_compress_hook (float32's range; NCCL) or no "
