@@ -391,3 +391,17 @@ def forget_compiled_code(wrapper: nn.Module) -> bool:
             dropped = True
         fn = getattr(fn, "__wrapped__", None)
     return dropped
+
+
+def ddp_comm_hooks(ddp: nn.Module) -> list[tuple[Any, Any]]:
+    """``[(hook, state), ...]`` registered with ``ddp.register_comm_hook`` (DDP keeps them
+    privately), else ``[(name, None)]`` for a built-in C++ hook, known by its name in DDP's
+    logging data only."""
+    hooks = list(getattr(ddp, "_comm_hooks", None) or ())
+    if hooks:
+        return hooks
+    try:
+        name = ddp._get_ddp_logging_data().get("comm_hook")
+    except (AttributeError, RuntimeError):
+        name = None
+    return [(str(name), None)] if name else []

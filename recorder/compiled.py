@@ -17,6 +17,7 @@ bundle fits the model its factory builds, compiled or not.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 from torch import nn
@@ -114,18 +115,20 @@ def _pass_through(model: nn.Module) -> nn.Module | None:
     return inner if isinstance(inner, nn.Module) and inner is not model else None
 
 
-def unwrap(model: nn.Module) -> tuple[nn.Module, nn.Module | None, bool]:
-    """(the model as written, the outermost compile wrapper, whether DistributedDataParallel
-    wraps it) for a model that ``torch.compile``, DDP, DataParallel or a pass-through wrapper
-    (``_PASS_THROUGH``: Fabric's) may wrap, in any order."""
-    wrapper, ddp = None, False
+def unwrap(model: nn.Module) -> tuple[nn.Module, nn.Module | None, weakref.ref | None]:
+    """(the model as written, the outermost compile wrapper, a weak reference to the
+    DistributedDataParallel that wraps it or None) for a model that ``torch.compile``, DDP,
+    DataParallel or a pass-through wrapper (``_PASS_THROUGH``: Fabric's) may wrap, in any
+    order. (The DDP itself is read at an event: its communication hooks, recorder.comm_hooks.)"""
+    wrapper, ddp = None, None
     while True:
         if is_compile_wrapper(model):
             if compiles(model):  # everything under the outermost one is traced
                 wrapper = wrapper or model
             model = compiled_module(model)
         elif isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            ddp = ddp or isinstance(model, nn.parallel.DistributedDataParallel)
+            if ddp is None and isinstance(model, nn.parallel.DistributedDataParallel):
+                ddp = weakref.ref(model)
             model = model.module
         elif (inner := _pass_through(model)) is not None:
             model = inner

@@ -19,6 +19,7 @@ from torch import nn
 from .attributes import AttributeWatch, trained_tensors
 from .bundle import FORMAT, VERSION
 from .capture import environment, flatten_tree
+from .comm_hooks import comm_hooks_meta
 from .compiled import forward_compiled_alone, hook_sites
 from .config_args import describe_init
 from .constants import unchanged
@@ -176,8 +177,11 @@ def _model(src: Sources, tape: Tape | None, guard, meta, tensors) -> None:
 
 
 def _training_objects(src: Sources, guard, meta, tensors) -> None:
-    """The optimizer, scheduler, GradScaler and loss."""
+    """The optimizer, scheduler, GradScaler and loss; DDP's communication hooks, which made
+    the gradients the optimizer was given."""
     target = src.target
+    if (ddp := comm_hooks_meta(target.ddp)) is not None:
+        meta["ddp"] = ddp
     opt = target.optimizer()
     if opt is not None:
         meta["optimizer"] = _optimizer(opt, target.params, guard, tensors)

@@ -27,6 +27,7 @@ from .ascent import ascent_hint
 from .before_update import nan_before_update
 from .cast_overflow import data_hint
 from .class_kept import put_back_classes
+from .comm_hook import cast_overflowed, made_on_rank
 from .data_hints import data_hints
 from .derived_input import derived_input_hint
 from .diverging_hint import diverging_hint
@@ -165,13 +166,10 @@ def _analyzed(step: Step, path, factory, device, factory_kwargs, tries) -> dict[
             break
         other = _built(path, rank, factory, device, factory_kwargs)
         again = analyze(other) if other.path != step.path else {"reproduced": False}
-        if again["reproduced"]:
+        if again["reproduced"] or (cast_overflowed(again) and not cast_overflowed(report)):
             how = ("each rank checked the step alone (an exception cut it short)"
                    if ranks.get("alone") else f"rank(s) {ranks['first']} saw the event at once")
-            again["problems"].append(
-                f"{how}; a NaN that one rank's backward makes reaches every rank's gradients "
-                f"through the all-reduce: rank {report['bundle']['rank']}'s step alone is "
-                f"finite, rank {rank}'s makes it")
+            again["problems"].append(f"{how}; {made_on_rank(again, report['bundle']['rank'], rank)}")
             step, report = other, again
     if tries:
         report["what_if"] = survived(report, run_tries, step, report, list(tries))

@@ -8,6 +8,7 @@ from typing import Any
 
 from . import outside
 from .cause_text import NO_FORWARD
+from .comm_hook import comm_hook_gradient
 from .findings import finish, origin_fields
 from .kept_terms import kept_terms_text
 from .load import Step
@@ -83,6 +84,8 @@ def gradients_from_the_loop(report, step: Step, reached: bool = False,
         + nan_skips_text(step))
     if step.meta.get("forward_compiled_alone"):
         report["hint"] = COMPILED_FORWARD_HINT
+    elif reached and comm_hook_gradient(report, step, runner):
+        pass  # (DDP's communication hook made the gradients: a float16 sum's overflow)
     elif reached and hooked_gradient(report, step, runner, params):
         pass  # (a tensor hook the script registered on the parameter: named with its line)
     elif reached and runner is not None and (kept := kept_terms_text(runner)):

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-from bundles import invoke_cli
+import torch
+from bundles import invoke_cli, line_number
 
 from recorder.bundle import read_bundle
 
@@ -108,9 +109,20 @@ def tp(sharded) -> dict[str, Run]:
     return {m: sharded[f"tp_train:{m}"] for m in TP_MODES}
 
 
+HOOKS = ("fp16", "powersgd", "allreduce")  # DDP communication hooks (ddp_commhook_train.py)
+HOOK_MODES = (*HOOKS, *(f"{h}-bare" for h in HOOKS), "overflow", "own", "nan")
+
+
 @pytest.fixture(scope="module")
 def frames(tmp_path_factory) -> dict[str, Run]:
-    return _launch_modes(tmp_path_factory, "ddp_frames_train.py", "plain", "clip")
+    """ddp_frames_train's modes, and ddp_commhook_train's (``ddp_commhook_train:MODE``)."""
+    return _launch_modes(tmp_path_factory, "ddp_frames_train.py", "plain", "clip",
+                         *(f"ddp_commhook_train:{m}" for m in HOOK_MODES))
+
+
+@pytest.fixture(scope="module")
+def commhooks(frames) -> dict[str, Run]:
+    return {m: frames[f"ddp_commhook_train:{m}"] for m in HOOK_MODES}
 
 
 @pytest.fixture
@@ -652,3 +664,86 @@ def test_tensor_parallel_nan_of_one_ranks_slice_alone_says_what_the_replay_canno
     assert report["hint"].startswith("the model trained tensor-parallel and the replay re-runs "
                                      "it unsharded, on the full activations (the recorder saw "
                                      "it made in 'ff.norm')"), report["hint"]
+
+
+def _hook_lines(run: Run, what: str) -> list[str]:
+    """Each rank's ``rank R WHAT=...`` line's value, rank 0's first."""
+    return [re.search(rf"rank {r} {what}=([^\n]*)", run.stdout)[1] for r in (0, 1)]
+
+
+def test_ddp_comm_hooks_train_bit_identically_with_one_host_read_per_step(commhooks):
+    """fp16_compress_hook, PowerSGD (compressing from its second step) and allreduce_hook:
+    each rank's losses are the same bits with and without the recorder, no event, and the
+    recorder reads the host once per step (the hooks are read at an event only)."""
+    for hook in HOOKS:
+        run, bare = commhooks[hook], commhooks[f"{hook}-bare"]
+        assert "event" not in run.stdout and run.stderr == "", run.stdout + run.stderr
+        assert _hook_lines(run, "done losses") == _hook_lines(bare, "done losses"), hook
+        for reads in _hook_lines(run, "reads"):
+            assert reads == str(list(range(1, 7))), (hook, reads)
+        assert list(run.out.iterdir()) == []
+
+
+def test_fp16_compress_hook_overflow_of_finite_local_gradients_names_the_hook(commhooks,
+                                                                                 nanreplay):
+    """At step 2 rank 1's record 3 weighs 1e6: its local gradient is finite in float32 but
+    over float16's 65504, and fp16_compress_hook's cast makes it inf, every rank's after the
+    all-reduce. The replay's local backward (no hook) is finite on every rank: it said
+    "not_reproduced", the gradients "written by the loop's own code". The bundle now names
+    the hook, and the replay rank 1's local gradient over float16 as the overflow."""
+    sys.path.insert(0, str(HERE))  # (undone by the nanreplay fixture)
+    import ddp_commhook_train as H
+
+    run = commhooks["overflow"]
+    assert _hook_lines(run, "event step") == ["2 phase=backward first=[0, 1] tensor=None"] * 2
+    meta, _ = read_bundle(run.out / "step00000002-rank0.nan")
+    assert [h["name"] for h in meta["ddp"]["comm_hooks"]] == ["fp16_compress_hook"]
+    for r in (0, 1):
+        rep = nanreplay("--json", run.out / f"step{2:08d}-rank{r}.nan")
+        report = json.loads(rep.stdout)
+        hook = report["comm_hook"]
+        assert (report["cause"], report["bundle"]["rank"], report["event"]["step"]) == (
+            "overflow", 1, 2), rep.stdout[-3000:]
+        assert (hook["hook"], hook["rank"], hook["dtype"], hook["cast_overflow"]) == (
+            "fp16_compress_hook", 1, "float16", True)
+        assert torch.finfo(torch.float16).max < hook["largest"] < H.HEAVY
+        assert "fp16_compress_hook" in report["hint"] and "bf16_compress_hook" in report["hint"]
+        assert "sample(s) 3 of loss_args[2]" in report["hint"]  # (the weight, w[3])
+        assert "loop's own code" not in report["hint"]
+        assert any("rank 1's head.bias" in p and "overflows the cast" in p
+                   for p in report["problems"]), report["problems"]
+
+
+def test_a_comm_hook_of_the_scripts_own_is_named_with_its_line(commhooks, nanreplay):
+    """The same weight under a float16 all-reduce the script wrote (``half_allreduce``): the
+    replay cannot tell what the hook does, but names it, by its line, as what made the
+    gradients, each rank's local ones being finite, rather than the loop's own code."""
+    run = commhooks["own"]
+    assert _hook_lines(run, "event step") == ["2 phase=backward first=[0, 1] tensor=None"] * 2
+    meta, _ = read_bundle(run.out / "step00000002-rank1.nan")
+    line = line_number("dist/ddp_commhook_train.py", "# HOOK")
+    (hook,) = meta["ddp"]["comm_hooks"]
+    assert (hook["name"], hook["source"]) == ("half_allreduce", f"ddp_commhook_train.py:{line}")
+    report = json.loads(nanreplay("--json", run.out / "step00000002-rank1.nan").stdout)
+    assert (report["cause"], report["origin"]["source"]) == (
+        "not_reproduced", f"ddp_commhook_train.py:{line}")
+    assert report["comm_hook"]["hook"] == "half_allreduce" and report["comm_hook"]["dtype"] is None
+    assert "communication hook half_allreduce" in report["hint"]
+    assert "local gradients are finite" in report["hint"]
+    assert "loop's own code" not in report["hint"]
+
+
+def test_a_nan_of_one_ranks_backward_under_a_comm_hook_replays_that_rank(commhooks, nanreplay):
+    """fp16_compress_hook; at step 3 rank 1's record 1 is all 0: its backward's sqrt at 0
+    makes a NaN that the hook's all-reduce hands rank 0. Either bundle replays rank 1's step
+    and names SqrtBackward0 on sample 1, as without a hook."""
+    run = commhooks["nan"]
+    assert _hook_lines(run, "event step") == ["3 phase=backward first=[0, 1] tensor=None"] * 2
+    line = line_number("dist/ddp_commhook_train.py", "# BUG")
+    for r in (0, 1):
+        report = json.loads(nanreplay("--json", run.out / f"step{3:08d}-rank{r}.nan").stdout)
+        o = report["origin"]
+        assert (report["bundle"]["rank"], report["reproduced"], report["cause"]) == (
+            1, True, "invalid")
+        assert (o["op"], o["samples"], o["source"]) == (
+            "SqrtBackward0", [1], f"ddp_commhook_train.py:{line}")
