@@ -10,6 +10,8 @@ dequantized weight's ``mm``, the inner ``div``), the step's real arithmetic.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = ["passes_to_subclass"]
@@ -21,5 +23,14 @@ _PLAIN = torch.Tensor.__torch_dispatch__
 def passes_to_subclass(types) -> bool:
     """An aten call's argument ``types`` (a mode's ``__torch_dispatch__`` is handed the
     classes of its tensor arguments that dispatch themselves) hold such a class: the mode
-    leaves the call to it."""
-    return any(getattr(c, "__torch_dispatch__", _PLAIN) is not _PLAIN for c in types)
+    leaves the call to it. Not torch's jagged nested tensor: the modes take its ops as they
+    come (per sequence: replay.strided_nested, replay.nested_lengths), not its flat values'."""
+    return any(getattr(c, "__torch_dispatch__", _PLAIN) is not _PLAIN
+               and not issubclass(c, _jagged()) for c in types)
+
+
+@functools.cache
+def _jagged() -> type:
+    """The class of a jagged nested tensor (its module is torch's private one: asked of an
+    instance instead)."""
+    return type(torch.nested.as_nested_tensor([torch.zeros(1, 1)], layout=torch.jagged))
