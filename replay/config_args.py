@@ -5,10 +5,11 @@ the factory's trust rule and called with them, so the run's values (``n_layer``,
 0) are the rebuilt model's, not the class's defaults.
 
 Nothing is unpickled and no recorded name is called but a type that rebuilds data: a dataclass
-(its generated ``__init__``), an enum's member lookup, a ``PretrainedConfig``'s ``from_dict``,
-OmegaConf's ``create``; a recorded class or function given as an argument is imported (from
-under the current directory or an installed package) and handed to the model's constructor,
-which is the code a factory would run too.
+of the user's own code (its generated ``__init__``), an enum's member lookup, a
+``PretrainedConfig``'s ``from_dict``, OmegaConf's ``create``; a recorded class or function given
+as an argument (the model calls it) is handed to the model's constructor only when it is the
+user's own code or torch.nn's (``nn.GELU``, ``partial(nn.LayerNorm, eps=1e-6)``): a bundle
+cannot make the model call an installed package's function with arguments of its choosing.
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ def _decode_typed(kind: str | None, v: dict[str, Any], roots: list[Path]) -> Any
         cls = _trusted(v["class"], "dataclass", roots)
         if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
             raise ReplayError(f"the recorded config class {v['class']} is no dataclass now")
+        if not _is_own(cls, roots):  # (its __post_init__ runs on the bundle's values)
+            raise ReplayError(f"the recorded config class {v['class']} is not the run's own "
+                              "code, so nanreplay does not build it from the bundle's values; "
+                              "pass --factory MOD:FN, a function returning the model")
         return cls(**{k: decode(x, roots) for k, x in v["fields"].items()})
     if kind == "enum":
         cls = _trusted(v["class"], "enum", roots)
@@ -97,13 +102,44 @@ def _decode_typed(kind: str | None, v: dict[str, Any], roots: list[Path]) -> Any
             raise ReplayError(f"the recorded config class {v['class']} is no PretrainedConfig")
         return cls.from_dict(decode(v["v"], roots))
     if kind == "partial":
-        return functools.partial(decode(v["func"], roots),
+        return functools.partial(_callable(v["func"], roots),
                                  *[decode(x, roots) for x in v["args"]],
                                  **{k: decode(x, roots) for k, x in v["keywords"].items()})
     if kind == "import":
-        return _trusted(v["import"], "callable", roots)
+        return _callable(v, roots)
     raise ReplayError(f"a recorded constructor argument is of a kind this nanreplay does not "
                       f"know ({kind!r}); update nanreplay or pass --factory MOD:FN")
+
+
+def _callable(v: Any, roots: list[Path]):
+    """A recorded class or function handed to the model's constructor (``act_layer``, the
+    function of a ``partial``): the model calls it, with arguments the bundle may choose (a
+    partial's), so a bundle must not pick it among every installed package's functions. Taken:
+    the user's own code (under the current directory, or the model's package when named with
+    --factory), and torch.nn's layers and functions (``nn.GELU``, ``F.gelu``)."""
+    if not (isinstance(v, dict) and v.get("t") == "import"):
+        raise ReplayError("a recorded partial's function is not a class or function by its "
+                          "import path; pass --factory MOD:FN")
+    obj = _trusted(v["import"], "callable", roots)
+    own = _is_own(obj, roots)
+    torch_nn = isinstance(obj, type) and issubclass(obj, torch.nn.Module) \
+        and obj.__module__.startswith("torch.nn.") \
+        or getattr(obj, "__module__", None) == "torch.nn.functional"
+    if not (own or torch_nn):
+        raise ReplayError(f"the recorded callable {v['import']} is neither the run's own code "
+                          "nor a torch.nn layer or function, so nanreplay does not hand it to "
+                          "the model (a bundle must not choose code to run); pass --factory "
+                          "MOD:FN, a function returning the model as the run built it")
+    return obj
+
+
+def _is_own(obj, roots: list[Path]) -> bool:
+    """``obj`` is defined in the user's own code: under ``roots`` other than the installed
+    packages', and not in an installed package (a virtualenv inside the current directory)."""
+    installed = installed_roots()
+    where = defined_in(obj)
+    return trusted_path(where, [r for r in roots if r not in installed]) \
+        and not trusted_path(where, installed)
 
 
 def _trusted(spec: str, what: str, roots: list[Path]):

@@ -123,3 +123,26 @@ def test_kept_values_that_are_no_arguments_fall_back_to_the_defaults(tmp_path):
     notes = " ".join(rep["problems"])
     assert "(config_models:NamedActNet(act=self.act)) does not rebuild it" in notes, notes
     assert "rebuilt as config_models:NamedActNet() with its default arguments" in notes, notes
+
+
+def test_a_bundle_cannot_hand_the_model_an_installed_packages_function(tmp_path):
+    """A bundle whose kept ``norm_layer`` is edited into ``partial(<an installed package's
+    function>, <its own arguments>)`` — which the model would call at construction — is
+    refused in one line and the function never runs; torch.nn's layers (the recorded one) and
+    the run's own code stay accepted (the tests above)."""
+    from bundles import rewrite
+
+    def edit(m):
+        cfg = m["model"]["init"]["args"]["config"]["fields"]
+        cfg["norm_layer"] = {"t": "partial", "func": {"t": "import", "import": "numpy:save"},
+                             "args": [str(tmp_path / "written")], "keywords": {}}
+        return m
+
+    bundle = rewrite(record(tmp_path, gpt()), tmp_path / "edited.nan", meta=edit)
+    rep, code = replay_report(bundle)
+    assert code == 1 and rep["reproduced"] is not True, rep
+    note = " ".join(rep["problems"])
+    assert "the recorded callable numpy:save is neither the run's own code nor a torch.nn " \
+        "layer or function" in note, note
+    # (``norm_layer(DIM)`` would have been ``numpy.save(tmp_path / "written", DIM)``)
+    assert not list(tmp_path.glob("written*"))
