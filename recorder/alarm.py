@@ -46,6 +46,7 @@ from .stale_grads import held_first, unused_grads
 from .state_check import non_finite_state, state_detail
 from .tape import Tape
 from .target import Target
+from .tied import aliases_of
 from .user_hooks import rewriting_pre_hooks
 from .validate import why_unwritable, write_remedy
 
@@ -282,10 +283,8 @@ class Alarm:
 def _tied_to(params: list[str], meta: dict[str, Any]) -> dict[str, list[str]]:
     """``{name: [its other names]}`` of the event's parameters that are one tensor reached
     under several names (``lm_head.weight = tok_emb.weight``): the event names the first."""
-    aliases: dict[str, list[str]] = {}
-    for alias, first in (meta.get("tied_params") or {}).items():
-        aliases.setdefault(first, []).append(alias)
-    return {p: aliases[p] for p in params if p in aliases}
+    tied = meta.get("tied_params") or {}
+    return {p: others for p in params if (others := aliases_of(tied, p))}
 
 
 def _renamed(guard: dict[str, Any] | None, renamed: dict[str, str]) -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ from .finite import label
 from .linalg import linalg_summary
 from .loss_forwards import forward_in_loss_phrase
 from .missing import allow_nan_advice
+from .tied import tied_words
 
 
 def summary(event: dict[str, Any], path: Path | None) -> str:
@@ -49,8 +50,7 @@ def summary(event: dict[str, Any], path: Path | None) -> str:
         params = event["params"]
         more = f" (+{len(params) - 4} more)" if len(params) > 4 else ""
         tied = event.get("tied") or {}  # (one tensor under several names: say them all)
-        named = [p + (f" (one tensor with {', '.join(tied[p])}: tied)" if p in tied else "")
-                 for p in params[:4]]
+        named = [p + tied_words(tied.get(p, [])) for p in params[:4]]
         where += f" Parameters: {', '.join(named)}{more}."
     if event.get("state") or event.get("statistic"):  # (state_check; running_stats)
         where += f" {event['detail'][0].upper()}{event['detail'][1:]}."

@@ -23,3 +23,16 @@ def tied_params(model: nn.Module) -> dict[str, str]:
         if (src := first.setdefault(id(p), name)) != name:
             tied[name] = src
     return tied
+
+
+def aliases_of(tied: dict[str, str], name: str) -> list[str]:
+    """The other names of parameter ``name`` (its first name or an alias) under ``tied``
+    (:func:`tied_params`' map)."""
+    first = tied.get(name, name)
+    names = [first, *(a for a, src in tied.items() if src == first)]
+    return [n for n in names if n != name] if len(names) > 1 else []
+
+
+def tied_words(others: list[str]) -> str:
+    """The words after a tied parameter's name: `` (one tensor with lm_head.weight: tied)``."""
+    return f" (one tensor with {', '.join(others)}: tied)" if others else ""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from recorder.tied import aliases_of, tied_words
+
 from .load import Step
 
 
@@ -18,9 +20,7 @@ def aliases(step: Step, name: str) -> list[str]:
     tied = step.meta.get("tied_params")
     if not isinstance(tied, dict) or not isinstance(name, str):
         return []
-    first = tied.get(name, name)
-    names = [first, *(a for a, src in tied.items() if src == first)]
-    return [n for n in names if n != name] if len(names) > 1 else []
+    return aliases_of(tied, name)
 
 
 def read_as(name: str, others: list[str], module: Any) -> str | None:
@@ -49,5 +49,4 @@ def annotate(step: Step, report: dict[str, Any]) -> None:
 
 def tied_text(o: dict[str, Any]) -> str:
     """The words after the first parameter's name: `` (one tensor with lm_head.weight)``."""
-    names = o.get("aliases") or []
-    return f" (one tensor with {', '.join(names)}: tied)" if names else ""
+    return tied_words(o.get("aliases") or [])
