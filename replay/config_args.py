@@ -28,7 +28,7 @@ from recorder.config_args import HF_CONFIGS
 from recorder.validate import import_object
 
 from .errors import ReplayError
-from .trust import defined_in, installed_roots, module_origin, trusted_path
+from .trust import defined_in, installed_roots, module_origin, own_code, trusted_path
 
 
 def init_factory(init: dict[str, Any], model_class, trusted: bool = False):
@@ -82,7 +82,7 @@ def _decode_typed(kind: str | None, v: dict[str, Any], roots: list[Path]) -> Any
         cls = _trusted(v["class"], "dataclass", roots)
         if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
             raise ReplayError(f"the recorded config class {v['class']} is no dataclass now")
-        if not _is_own(cls, roots):  # (its __post_init__ runs on the bundle's values)
+        if not own_code(cls, roots):  # (its __post_init__ runs on the bundle's values)
             raise ReplayError(f"the recorded config class {v['class']} is not the run's own "
                               "code, so nanreplay does not build it from the bundle's values; "
                               "pass --factory MOD:FN, a function returning the model")
@@ -121,7 +121,7 @@ def _callable(v: Any, roots: list[Path]):
         raise ReplayError("a recorded partial's function is not a class or function by its "
                           "import path; pass --factory MOD:FN")
     obj = _trusted(v["import"], "callable", roots)
-    own = _is_own(obj, roots)
+    own = own_code(obj, roots)
     torch_nn = isinstance(obj, type) and issubclass(obj, torch.nn.Module) \
         and obj.__module__.startswith("torch.nn.") \
         or getattr(obj, "__module__", None) == "torch.nn.functional"
@@ -131,15 +131,6 @@ def _callable(v: Any, roots: list[Path]):
                           "the model (a bundle must not choose code to run); pass --factory "
                           "MOD:FN, a function returning the model as the run built it")
     return obj
-
-
-def _is_own(obj, roots: list[Path]) -> bool:
-    """``obj`` is defined in the user's own code: under ``roots`` other than the installed
-    packages', and not in an installed package (a virtualenv inside the current directory)."""
-    installed = installed_roots()
-    where = defined_in(obj)
-    return trusted_path(where, [r for r in roots if r not in installed]) \
-        and not trusted_path(where, installed)
 
 
 def _trusted(spec: str, what: str, roots: list[Path]):

@@ -63,3 +63,13 @@ def defined_in(obj) -> str | None:
     home = getattr(obj, "__module__", None)
     mod = sys.modules.get(home) if isinstance(home, str) else None
     return getattr(mod, "__file__", None)
+
+
+def own_code(obj, roots: list[Path]) -> bool:
+    """``obj`` is defined in the user's own code: under ``roots`` other than the installed
+    packages' directories, and not in an installed package (a virtualenv inside the current
+    directory is under it too)."""
+    installed = installed_roots()
+    where = defined_in(obj)
+    return trusted_path(where, [r for r in roots if r not in installed]) \
+        and not trusted_path(where, installed)
