@@ -27,7 +27,7 @@ from .compiled import disabled
 from .cycle import StepCycle
 from .errors import NonFiniteError
 from .finite import ANY, checkable, real_view, stored
-from .hand_steps import step_end_hooks
+from .hand_steps import awaits_backward, step_end_hooks
 from .hooks import Health, Hook
 from .out_grads import keep_grad, keep_out_grad
 from .refs import (
@@ -383,9 +383,8 @@ class CallHooks:
         an optimizer not given to the recorder) writes the weights the forward read: the
         bundle holds them as the step ran, its gradients included."""
         tape = self.cycle.tape
-        if tape is None or tape.close_queued or tape.evaluation or not self.health.active \
-                or not tape.micro_batches or tape.micro_batches[-1].outputs is None \
-                or func_transform() is not None:
+        if tape is None or tape.close_queued or not self.health.active \
+                or not awaits_backward(tape):
             return  # (a backward inside the forward: not this step's)
         tape.close_queued = True
         try:

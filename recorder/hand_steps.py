@@ -54,10 +54,8 @@ class PassingGrads:
             task = backward_task()
             if task != self.task_seen[0]:
                 self.task_seen = (task, writes_grads(p))
-            if self.task_seen[1] or tape.evaluation or not tape.micro_batches \
-                    or tape.micro_batches[-1].outputs is None or not checkable(g) \
-                    or func_transform() is not None:
-                return None  # (as backward_wrote: a backward inside the forward is no step's)
+            if self.task_seen[1] or not awaits_backward(tape) or not checkable(g):
+                return None
             ref = tape.slots.sq_norm(local(stored(g)).detach(), GRAD)
             with tape.lock:
                 tape.grad_norms[i] = ref
@@ -67,6 +65,13 @@ class PassingGrads:
         if not tape.close_queued:
             self.backward_wrote(p)
         return None
+
+
+def awaits_backward(tape) -> bool:
+    """The open step is a training step whose forward returned: a backward now is its own
+    (not one inside the forward, an evaluation's, or one under a torch.func transform)."""
+    return not tape.evaluation and bool(tape.micro_batches) \
+        and tape.micro_batches[-1].outputs is not None and func_transform() is None
 
 
 class _PassingHook(Hook):
