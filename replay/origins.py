@@ -18,7 +18,7 @@ from .anomaly_stop import UNSEEN_HINT, anomaly_note
 from .backward import find_backward_origin
 from .cached_grads import cached_hint, cached_note, gradient_cached
 from .cause import classify
-from .cause_text import ALLOWED_NAN_SAVED, DO, inf_arith
+from .cause_text import DO, inf_arith
 from .copied_rows import recause
 from .coupled import coupled_rows
 from .cumsum_diff import cumsum_diff_hint
@@ -36,6 +36,7 @@ from .grad_hooks import hook_fields, hook_hint
 from .held_divisor import held_divisor_hint, loss_buffers
 from .hits import hit_sources
 from .huge_upstream import upstream_cause
+from .input_text import ALLOWED_NAN_SAVED
 from .iteration import loss_line_run
 from .load import Step, autocast_as_recorded
 from .logged_output import logged_output_cause
