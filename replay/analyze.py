@@ -24,6 +24,7 @@ from recorder.scalers import not_given as scaler_not_given
 
 from . import fidelity, module_hooks, tied_names
 from .ascent import ascent_hint
+from .backward_report import report_backward, report_dropped_nan, report_loss_backward
 from .before_update import nan_before_update
 from .cast_overflow import data_hint
 from .class_kept import put_back_classes
@@ -57,11 +58,8 @@ from .negative_lr import below_zero, negative_lr_hint
 from .optimizer_origin import after_update_hint, mark_update_not_rerun, report_optimizer
 from .origins import (
     infinity_the_loss_took,
-    report_backward,
-    report_dropped_nan,
     report_entering,
     report_loss,
-    report_loss_backward,
     report_loss_not_in_bundle,
     report_weights,
 )
