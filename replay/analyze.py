@@ -22,8 +22,9 @@ from typing import Any
 from recorder.loss_forwards import ran_in_loss
 from recorder.scalers import not_given as scaler_not_given
 
-from . import fidelity, module_hooks, tied_names
+from . import fidelity, module_hooks, tied_names, written_notes
 from .ascent import ascent_hint
+from .backward_report import report_backward, report_dropped_nan, report_loss_backward
 from .before_update import nan_before_update
 from .cast_overflow import data_hint
 from .class_kept import put_back_classes
@@ -57,11 +58,8 @@ from .negative_lr import below_zero, negative_lr_hint
 from .optimizer_origin import after_update_hint, mark_update_not_rerun, report_optimizer
 from .origins import (
     infinity_the_loss_took,
-    report_backward,
-    report_dropped_nan,
     report_entering,
     report_loss,
-    report_loss_backward,
     report_loss_not_in_bundle,
     report_weights,
 )
@@ -108,12 +106,12 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     report = base_report(step)
     changed = step.meta.get("changed_in_step")
     if changed:
-        report["problems"].append(fidelity.elsewhere_note(step.meta) if _elsewhere(step)
-                                  else fidelity.changed_note(changed))
+        report["problems"].append(written_notes.elsewhere_note(step.meta) if _elsewhere(step)
+                                  else written_notes.changed_note(changed))
     if step.meta.get("scaler_not_given"):  # (a GradScaler's skipped step may be no bug)
         report["problems"].append((said := scaler_not_given(step.meta))[0].lower() + said[1:-1])
     if (late := sorted(_late(step))) and not step.event.get("before_update"):
-        report["problems"].append(fidelity.late_note(late, step))
+        report["problems"].append(written_notes.late_note(late, step))
     known = Known()  # (the plain re-run: what a report keeps when a later stage fails)
     report = state_report(report, step) or _from_bundle(report, step) or kept_going(
         report, step, known, lambda: _from_rerun(report, step, known))
@@ -255,7 +253,7 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
     if bad_weights and not after_update and set(bad_weights) <= written:
         # written by the step's own code before any update (a data-dependent init in the
         # forward): the re-run runs that code again from the step's pre-step buffers
-        report["problems"].append(fidelity.written_note(sorted(written)))
+        report["problems"].append(written_notes.written_note(sorted(written)))
     elif bad_weights and not after_update:
         return report_weights(report, step, bad_weights)
     if after_update:
@@ -303,7 +301,7 @@ def _weights_written_late(report, step: Step) -> dict[str, Any]:
     if step.event.get("before_update"):  # (between backward and step(): RigL's regrowth)
         return written_before_update(report, step)
     hand = _late(step) and not step.meta.get("optimizer")
-    fix = (fidelity.own_update_fix(step) if hand else
+    fix = (written_notes.own_update_fix(step) if hand else
            "it is in the step's first forward, which ran on the weights before the write"
            if _late(step) else
            "give FlightRecorder the optimizer the loop steps" if _elsewhere(step) else

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .cause import Cause
+from .cause_result import Cause
 from .positive import node_op
 from .saturation import hint, made_unit
 

@@ -34,8 +34,6 @@ open, ``None``, and the hint says why).
 from __future__ import annotations
 
 import math
-import re
-from dataclasses import dataclass
 
 import torch
 
@@ -56,6 +54,8 @@ from . import (
     uninitialised,
     upstream,
 )
+from .backward_cause import backward as _backward
+from .cause_result import Cause
 from .cause_text import (
     BELOW_FLOAT32,
     BEYOND_FLOAT64,
@@ -63,27 +63,22 @@ from .cause_text import (
     GROUP_REDUCTIONS,
     HINTS,
     INF_ARITH,
-    LSE_ALL_INF,
     MASK_ARITH,
-    NEAR_POLE_EXP,
-    OWN_INF,
     inf_arith,
     no_float64,
 )
 from .dispatch import OpAt
 from .domains import g as _g
 from .fill_overflow import fill_hint
-from .float8_cast import float8_cast_advice
 from .float64_step import float64_still
 from .forbidden_target import forbidden_target_hint
 from .literal_fill import nan_number_hint
 from .literal_range import literal_hint, unheld_literal
-from .operator_power import operator_power_advice
 from .ops import Evidence, OpHit
 from .past_edge import rounded_past_edge
 from .picked_fill import folded_pick_hint
 from .plus_inf_row import row_hint
-from .power_overflow import power_advice
+from .positive import POSITIVE_OPS as _POSITIVE_OPS
 from .rerun import Runner
 from .scaled_log import INNER_EXP, log_advice
 from .selected_fill import selected_fill_hint
@@ -92,12 +87,14 @@ from .step_dtype import autocast as _autocast
 from .step_dtype import step_dtype as _step_dtype
 from .underflow_advice import underflow_advice as advice
 from .unit_complement import forward_hint as unit_forward_hint
+from .wider_type import exp_factor as _exp_factor
+from .wider_type import op_name as _name
+from .wider_type import type_name as _type
+from .wider_type import wider as _wider
 
-__all__ = ["Cause", "classify"]
+__all__ = ["classify"]
 
 
-# the ops of replay.positive.POSITIVE in words: a 0 they made underflowed
-_POSITIVE_OPS = "exp, softmax, sigmoid or softplus"
 # situations whose advice holds for a rounding that crossed the edge too (else: "stable")
 _OWN_ADVICE = ("unit", "acosh", "atanh", "cholesky", "built_factor", "eigenvalues", "log_det",
                "singular", "m_matrix", "equal_rows", "fold")
@@ -106,12 +103,6 @@ _OF_RECORDS = ("pole", "log1p_pole", "domain", "log_domain", "power_domain", "di
 # ops whose overflow an exponent drives: "subtract the row max before exp" applies to them
 _EXPONENTIALS = {"exp", "exp2", "expm1", "sinh", "cosh", "_softmax", "logsumexp",
                  "linalg_matrix_exp", "matrix_exp"}
-
-
-@dataclass
-class Cause:
-    name: str | None  # "invalid", "overflow", "underflow", "precision"; None: not told
-    hint: str  # what happened at the op, then what to do
 
 
 def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = None, *,
@@ -182,14 +173,6 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
 def _advice(situation: str) -> str:
     """What to do where rounding crossed the domain edge of ``situation`` (a DO key)."""
     return DO[situation if situation in _OWN_ADVICE else "stable"]
-
-
-def _name(op: str) -> str:
-    return op.removeprefix("aten.")
-
-
-def _type(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _in_type_hint(name: str, what: str, dt: str, ev: Evidence) -> str | None:
@@ -303,30 +286,6 @@ def _beyond_type(op: str, ev: Evidence) -> Cause:
                  + log_advice(op, _wider(ev.dtype, op, ev)))
 
 
-def _wider(dtype: torch.dtype, op: str | None = None, ev: Evidence | None = None) -> str:
-    """What a wider type means from ``dtype``: float32 for float16 (and the 8-bit types), else
-    rescaling or float64 (and, for an exponential ``op`` or a product with a huge factor an
-    exponential made, bounding its exponent): bfloat16 has float32's range, so what overflows
-    it overflows float32 too."""
-    if torch.finfo(dtype).max < torch.finfo(torch.float32).max / 2:  # (a float8 cast: its own)
-        return float8_cast_advice(op, dtype) or DO["wider"]
-    exp = op is not None and _name(op) in _EXPONENTIAL or ev is not None and _exp_factor(ev)
-    return power_advice(op, ev) or operator_power_advice(op, ev) or (
-        DO["wider64_exp"] if exp else DO["wider64"])
-
-
-def _exp_factor(ev: Evidence) -> bool:
-    """An input of the op that an exponential made (``exp_made``) holds a value beyond the
-    square root of the type's largest where the op overflowed: the exponential made the huge
-    factor (a flow's coupling ``xb * exp(s)`` with ``s`` unbounded), so bound its exponent."""
-    edge = math.sqrt(torch.finfo(ev.dtype).max)
-    return any(made and v.numel() and float(v.abs().max()) > edge
-               for made, v in zip(ev.exp_made, ev.inputs))
-
-
-_EXPONENTIAL = {"exp", "exp2", "expm1", "pow"}
-
-
 def _float64_op_finite(capture: OpAt | None, ev: Evidence) -> bool | None:
     """Whether the blamed op's call, in the float64 re-run, is finite where it was not; None
     when that call was not found again (another op sequence)."""
@@ -388,113 +347,3 @@ def _overflow_among_infinities(hit: OpHit, dtype: torch.dtype) -> Cause:
                  "mask, which exact arithmetic handles), yet its call is finite in float64: "
                  f"a value it computes on the way overflowed {_type(dtype)}: "
                  + _wider(dtype, hit.op))
-
-
-def _unit_pole(op: str, name: str, fn: str, dtype: torch.dtype, still: bool, gap) -> Cause:
-    """acos, asin, atanh or acosh given exactly +-1 (acosh: 1), where the derivative is
-    infinite; ``gap``: the float64 input's distance to it (replay.exact_edge)."""
-    edge, advice = ("1", DO["acosh"]) if name == "acosh" else (
-        "+-1", DO[name if name in ("atanh", "erfinv") else "unit"])
-    return Cause(*exact_edge.unit_pole(op, name, fn, _type(dtype), edge, advice, still, gap))
-
-
-def _backward(node: str | None, still: bool, dtype: torch.dtype,
-              saved: str | None = None, at_pole: str | None = None,
-              underflowed: bool = False, inner: str | None = None,
-              edge_gap=lambda: None) -> Cause:
-    op = node or "the backward node"
-    name = m.group(1).lower() if (m := re.fullmatch(r"(\w+?)Backward\d*", node or "")) else None
-    fn = f"the derivative of {name}" if name else "the derivative"
-    if saved in ("+inf", "-inf"):
-        return _saved_inf(op, name, saved, inner, still, dtype)
-    if saved == "nan" and not still:  # (outside the domain by rounding: a cancellation)
-        return Cause("precision", f"{op} used a NaN it saved in the forward, in a branch "
-                     f"masked before the output, made in {_type(dtype)} only (the step is "
-                     f"finite in float64): {DO['masked_rounding']}")
-    if saved == "nan":
-        # the forward ran the op outside its domain in a branch it then masked out
-        return Cause("invalid", f"{op} used a NaN it saved in the forward, where the op ran "
-                     "outside its domain (sqrt or log of a negative, 0/0) in a branch masked "
-                     f"before the output: {DO['masked']}")
-    if (still or at_pole == "tie") and name and (gap := domains.value_gap(name)):
-        return _at_tie(op, gap, still, dtype)
-    if at_pole == "1" and name and domains.derivative_pole(name):
-        return _unit_pole(op, name, fn, dtype, still, None if still else edge_gap())
-    if inner and not (name and domains.derivative_pole(name)):
-        fn = f"its backward's {inner}"
-    if still:  # (sqrt at 0: mostly a distance written out, TransE's sqrt(((h + r - t)**2)...))
-        return Cause("invalid", f"{op} made a non-finite gradient from finite incoming "
-                     f"gradients, in float64 too: {fn} has a pole at the op's input (sqrt or "
-                     "a norm at 0, log or a division at 0); " + DO["backward_pole"]
-                     + (DO["sqrt_pole"] if name == "sqrt" and at_pole == "0" else ""))
-    # a custom Function's name says nothing of its derivative: its backward's own op does
-    pole = bool(name and domains.derivative_pole(name)) or bool(
-        inner and domains.derivative_pole(_name(inner).rstrip("_")))
-    if at_pole and pole and underflowed:
-        # finite in float64, and the 0 on the pole came from exp/softmax/sigmoid: a positive
-        # value rounded to 0 (sqrt(exp(-120)): exp(-120) is 8e-53 in float64), or into the
-        # subnormal range, where the derivative 1/x no longer fits (softmax's 1e-40 under log)
-        where = ("to 0, the pole where {fn} is infinite" if at_pole == "0" else
-                 "below its type's smallest normal number, so near the pole that {fn} is too "
-                 "large for " + _type(dtype))
-        return Cause("underflow", f"{op} made a non-finite gradient in {_type(dtype)}, finite "
-                     f"in float64: the op's input came from {_POSITIVE_OPS} of a finite "
-                     "argument, positive in exact arithmetic, and underflowed "
-                     + where.format(fn=fn) + "; " + DO["log_space"])
-    if at_pole == "0" and pole:
-        # finite in float64, so its input is off the pole there: rounding put it on (1 -
-        # sigmoid(20) is 0 in float32, 2e-9 in float64), not a gradient too large for the type
-        return Cause("precision", f"{op} made a non-finite gradient in {_type(dtype)}, finite "
-                     f"in float64: rounding put the op's input on its pole, where {fn} is "
-                     "infinite (sqrt, log or a division at 0); " + DO["stable"]
-                     + ("; " + DO["root"] if name == "sqrt" else ""))
-    return _backward_overflow(op, fn, pole, dtype, underflowed)
-
-
-def _saved_inf(op: str, name: str | None, saved: str, inner: str | None, still: bool,
-               dtype: torch.dtype) -> Cause:
-    """Backward node ``op`` (of forward op ``name``) multiplied a +-inf it saved."""
-    if inner and (what := inf_arith(inner, "")):  # (the backward's own inf - inf)
-        return Cause("invalid", OWN_INF.format(op=op, inner=inner, what=what,
-                                               saved=label(saved)))
-    if saved == "-inf" and name in LSE_ALL_INF:
-        return Cause("invalid", DO[LSE_ALL_INF[name]].format(op=op, name=name))
-    if name and not domains.never_a_pole(name):
-        # an op with a pole made it (1/0 masked by torch.where): a pole in the forward
-        return Cause("invalid", f"{op} multiplied a {label(saved)} it saved in the "
-                     f"forward: {name} at its pole, in a branch masked before the output; "
-                     + DO["backward_pole"])
-    # no pole: the forward overflowed there and masked or saturated the infinity before
-    # anything checked it; the derivative multiplies it (by 0: NaN)
-    what = (f"{op} multiplied a {label(saved)} it saved in the forward, where a value "
-            f"overflowed and was masked or saturated before the output ({DO['masked']})")
-    if still:
-        return Cause("overflow", f"{what}; float64 overflows too: " + DO["clamp"])
-    return Cause("overflow", f"{what}; float64 holds it: " + _wider(dtype))
-
-
-def _at_tie(op: str, gap: tuple[str, str], still: bool, dtype: torch.dtype) -> Cause:
-    """A decomposition's gradient at its pole: two equal values, a 0 on R's diagonal, exactly
-    (non-finite in float64 too) or to the type's precision (see ``factors.at_tie``)."""
-    too = "in float64 too" if still else (
-        f"in {_type(dtype)}; in float64 only as the reciprocal of rounding noise, the values "
-        f"being at its pole to {_type(dtype)}'s precision")
-    return Cause("invalid", f"{op} made a non-finite gradient from finite incoming gradients, "
-                 f"{too}: {gap[0]}; " + DO[gap[1]])
-
-
-def _backward_overflow(op: str, fn: str, pole: bool, dtype: torch.dtype,
-                       from_exp: bool = False) -> Cause:
-    """A gradient too large for its type, finite in float64; ``from_exp``: the op's input
-    came from exp (a plain-domain Sinkhorn's ``K @ v``), tiny rather than clamped."""
-    # (float16's range, not float32's, was exceeded: autocast's or a .half() model's)
-    half = DO["pole_half"] if torch.finfo(dtype).max < torch.finfo(torch.float32).max / 2 else ""
-    if pole and from_exp:
-        return Cause("overflow", NEAR_POLE_EXP.format(op=op, dtype=_type(dtype), fn=fn) + half)
-    if pole:  # off the pole but near it: 1/y² of a division by an eps floor of 1e-30
-        return Cause("overflow", f"{op}'s gradient is too large for {_type(dtype)} and finite "
-                     f"in float64: {fn} grows without bound near its pole (1/y² for a "
-                     "division by y), and the op's input is close to it, though not on it "
-                     "(a denominator clamped to a tiny eps); " + DO["near_pole"] + half)
-    return Cause("overflow", f"{op}'s gradient is too large for its dtype and finite in "
-                 "float64: " + _wider(dtype))

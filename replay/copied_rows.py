@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cause import Cause
+from .cause_result import Cause
 from .cause_text import DO
 from .compat import saved_value
 from .positive import node_op

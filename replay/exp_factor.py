@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .cause import Cause
+from .cause_result import Cause
 from .compat import saved_value
 from .domains import g_pair
 from .positive import made_positive, node_op

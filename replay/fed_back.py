@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from .backward import find_backward_origin
+from .backward_report import report_backward
 from .load import Step
-from .origins import report_backward
 from .outside import non_finite_entries, recorded_output_grads
 from .recorded import samples
 from .rerun import Runner

@@ -20,7 +20,8 @@ from .backward_calls import backward_call_note, run_to_call, user_backward
 from .buffer_divisor import buffer_divisor_hint
 from .called_at import note_called_at, track_scripted
 from .caller_picks import CallerPicks
-from .cause import Cause, classify
+from .cause import classify
+from .cause_result import Cause
 from .coincident_points import coincident_hint
 from .cumsum_diff import cumsum_diff_hint
 from .dropped_branch import dropped_branch_hint

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import lost_eps
-from .cause import Cause
+from .cause_result import Cause
 from .compat import saved_value
 from .positive import node_op
 from .rounded_bound import RoundedBound

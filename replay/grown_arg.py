@@ -20,7 +20,7 @@ from .output_overflow import SCALE
 from .recorded import input_key
 from .rerun import Runner
 
-# how the loss-argument hint (replay.cause_text.LOSS_ARGUMENT) ends
+# how the loss-argument hint (replay.input_text.LOSS_ARGUMENT) ends
 _LOSS_ARGUMENT_END = "fix the data pipeline for these samples"
 
 

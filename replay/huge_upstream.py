@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from .cause import Cause
+from .cause_result import Cause
 from .compat import tree_leaves
 from .recorded import scaler_state
 from .transforms import outside_transforms

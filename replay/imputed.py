@@ -14,10 +14,10 @@ from recorder.finite import has_nan
 from recorder.missing import root_input_name
 
 from .cause import classify
-from .cause_text import ALLOWED_NAN_GOT_PAST
 from .empty_mask import made_by_the_loss
 from .findings import finish, origin_fields
 from .forward import find_op_in_call
+from .input_text import ALLOWED_NAN_GOT_PAST
 from .leaked_input import leaking_input
 from .load import Step
 from .masked_product import masked_hint

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from .backward_report import report_backward
 from .derived_input import derived_from, maker
 from .load import Step
-from .origins import report_backward
 from .rerun import Runner
 
 GRADIENT_NOTE = (

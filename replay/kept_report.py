@@ -9,9 +9,9 @@ from typing import Any
 
 from recorder.capture import loss_path
 
+from .backward_report import report_backward
 from .findings import finish, origin_fields
 from .load import Step
-from .origins import report_backward
 from .rerun import Runner
 
 

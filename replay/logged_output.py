@@ -15,7 +15,7 @@ import torch
 
 from recorder.capture import loss_path
 
-from .cause import Cause
+from .cause_result import Cause
 from .load import Step
 from .positive import made_sign
 

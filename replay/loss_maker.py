@@ -10,7 +10,8 @@ loss re-run under the op finder names it (``aten.log`` of 0, a pole), its rows a
 
 from __future__ import annotations
 
-from .cause import Cause, classify
+from .cause import classify
+from .cause_result import Cause
 from .held_divisor import loss_buffers
 from .hits import OpHit
 from .lineage import Lineage

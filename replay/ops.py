@@ -1,8 +1,8 @@
 """Naming the aten op that made a non-finite value, with the user's source line.
 
-:class:`OpFinder` wraps a private ``TorchDispatchMode`` subclass (the dispatch mode comes from
-:mod:`replay.compat`): inside it every aten op is checked, before it runs, for finite inputs
-and, after, for its output. Two offenders are kept:
+:class:`OpFinder` wraps a ``TorchDispatchMode`` subclass, :class:`replay.op_watch.Watch` (the
+dispatch mode comes from :mod:`replay.compat`): inside it every aten op is checked, before it
+runs, for finite inputs and, after, for its output. Two offenders are kept:
 
 - the first op with all-finite inputs and a non-finite output (``first``), unless the
   infinity is intentional: a literal +-inf argument (``masked_fill(mask, -inf)``, ``full``) or
@@ -22,33 +22,25 @@ from typing import Any
 
 import torch
 
-from recorder.finite import ends, finite, kind_of, pair_kind, pair_ok
+from recorder.finite import ends, finite, kind_of, pair_ok
 from recorder.samples import Samples
 
-from . import batch_overflow, clamped_divisor, data_counts, data_factor, empty_rows, positive_counts
+from . import batch_overflow, clamped_divisor, data_counts, data_factor, positive_counts
 from .cancellation import Cancellation
-from .compared_after import after_origin
-from .compat import TorchDispatchMode, running_node, tree_leaves
+from .compat import tree_leaves
 from .composite import Composites, composite_hit
-from .dispatch import clone_args, float_leaves, run_op
 from .earlier_nan import earlier_nan
 from .exp_param import ExpOfParam
-from .folds import folded_inputs, folds
-from .fresh import POINTWISE
-from .hits import Evidence, OpHit, with_caller
+from .folds import folded_inputs
+from .hits import Evidence, OpHit
 from .landed_rows import land_rows
-from .lineage import Lineage, pole_inputs
-from .literal_fill import literals, nan_number
+from .lineage import Lineage
 from .lost_eps import LostEps
 from .made_of_params import made_of
-from .masked_product import mask_after_pole, nan_times_mask, nan_times_zero
+from .masked_product import nan_times_mask, nan_times_zero
 from .memo import TensorMarks, TensorSet
 from .moved import Moved
-from .nan_rows import nan_rows
-from .op_evidence import made_beside, op_evidence
-from .op_inputs import input_ends as _input_ends
-from .other_rows import bad_grid, lead_rows
-from .own_ops import adopt, inner_hit, inputs_of, made_by, op_name, writes_into
+from .op_watch import Watch
 from .param_names import ParamNames
 from .picked_fill import note_pick
 from .pooled import Pooled
@@ -56,105 +48,15 @@ from .positive import Partly, made_sign, positive_result
 from .read_numbers import ReadNumbers
 from .recurring import widen_rows
 from .reordered import Reordered
-from .saturated import superseded, taken_back_exactly, took_back
+from .saturated import superseded, taken_back_exactly
 from .saturation import Saturation, made_mix, made_unit
 from .shifted_positive import shifted_maker
 from .source import user_source
 from .storages import storage_of
 from .strided_nested import on_strided_nested
 from .underflow_advice import PICKS, made_by_exp
-from .uninitialised import PASSED_OVER, Unwritten
+from .uninitialised import Unwritten
 from .zero_operand import ZeroOperand
-
-# Ops whose later outputs are workspaces for backward, partly uninitialised (CTC's log_alpha
-# beyond a row's input length): only the first outputs are results.
-_RESULTS = {"_ctc_loss": 1, "_cudnn_ctc_loss": 1}
-
-
-class _Watch(TorchDispatchMode):
-    def __init__(self, finder: OpFinder):
-        super().__init__()
-        self.finder = finder
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs, f = kwargs or {}, self.finder
-        if f.first is not None and f.first_nan is not None:  # (the rows its call made next)
-            return after_origin(f, func, args, kwargs)
-        occurrence, seq = f.count(name := func.overloadpacket.__name__)
-        leaves, ins = tree_leaves((args, kwargs)), inputs_of(func, args, kwargs)  # (not out=)
-        literal_inf, filled, ins = literals(name, leaves, ins)
-        pairs, lo, hi, in_finite, in_nan_free = _input_ends(ins)
-        # an op writing into its arguments: keep what it was given, for the evidence
-        before = clone_args(args, kwargs) if f.first is None and writes_into(func) \
-            and (in_finite or POINTWISE in func.tags) else None
-        out = run_op(func, args, kwargs)
-        f.follow(name, args, leaves, out)
-        outs = made_by(func, args, kwargs, out, float_leaves(out)[:_RESULTS.get(name)])
-        if not outs or name in PASSED_OVER:
-            return f.unwritten.allocated(name, out, op_name(func), occurrence, seq, f.where)
-        f.track(name, ins, outs, in_finite, leaves, (args, kwargs), func, out)
-        if (out_ends := f.ends_of(name, outs)) is None:
-            # an infinity taken back to finite values (exp(-inf) = 0) before any NaN
-            took_back(f, name, not in_finite and in_nan_free and f.first_nan is None)
-            return out
-        # the first output's kind, NaN before +Inf before -Inf within it
-        made = next((k for k in (pair_kind(a, b) for a, b in out_ends) if k), None)
-        op = op_name(func)  # (a custom op's own namespace: mylib.fused_norm)
-        buffer = None if in_finite or made == "nan" else f.mask_buffer(ins, pairs)
-        if buffer is not None:  # it passed on a mask buffer's +-inf: the intended start
-            if f.first is None and f.intentional is None and not f.views_mask(out):
-                f.intentional = OpHit(op, made, user_source(), None, None, True, occurrence,
-                                      True, rows=f.batch_rows(outs), buffer=buffer)
-            return out
-        if made == "nan" and (calling := f.composites.nan_constant(ins, leaves, seq)):
-            return f.composite(calling, occurrence, out)  # (torch.logdet's own NaN constant)
-        intentional = literal_inf is not None or filled or f.allows(made, in_finite)
-        if in_finite and f.starts(made, intentional):
-            hit = OpHit(op, made, user_source(), lo, hi, intentional, occurrence, True,
-                        rows=f.batch_rows(outs), param=f.param_among(ins, name), within=f.where,
-                        node=running_node(), seq=seq, literal=nan_number(name, leaves))
-            if intentional:
-                if f.intentional is None or f.taken_back():
-                    f.intentional = hit
-            else:
-                given = before if before is not None else (args, kwargs)
-                try:
-                    hit.evidence = f.of_records(op_evidence(func, given, outs, f),
-                                                pole_inputs(op, ins), hit.rows, leaves, op)
-                except Exception:  # evidence helps the cause; the op is named without it
-                    hit.evidence = None
-                f.first = with_caller(adopt(hit, inner_hit(func, args, kwargs, f)))  # (own_ops)
-        elif f.first is None and not intentional and made not in f.passed_kinds:
-            f.first = made_beside(func, op, before or (args, kwargs), outs, occurrence, f)
-        if not in_finite and in_nan_free and made != "nan" and f.first_reduced is None \
-                and folds(func, outs[0], pairs, ins):
-            f.first_reduced = OpHit(op, made, user_source(), lo, hi, occurrence=occurrence,
-                                    rows=f.folded_rows(outs, func, args, ins, pairs), seq=seq,
-                                    grid=bad_grid(outs[0]), picked=f.picked)
-        if made == "nan" and in_nan_free and f.first_nan is None:
-            f.first_nan = _nan_hit(f, func, before or (args, kwargs), ins, outs, in_finite,
-                                   OpHit(op, "nan", user_source(), lo, hi, filled, occurrence,
-                                         in_finite, literal=literal_inf, seq=seq))
-        return out
-
-
-def _nan_hit(f: OpFinder, func, given, ins, outs, in_finite: bool, hit: OpHit) -> OpHit:
-    """``hit``, the first op that made NaN of NaN-free values, with where it ran and its rows;
-    with its evidence too when :meth:`OpFinder.blamed` may blame it (made of finite values
-    after an exact infinity that an op took back to finite ones)."""
-    hit.within, hit.rows, hit.node = f.where, f.batch_rows(outs), running_node()
-    if not in_finite:  # (infinities it passed on: the rows it made NaN in are the samples)
-        hit.rows = nan_rows(f.batch_rows, outs, hit.rows)
-    hit.lead_rows = None if hit.rows else lead_rows(outs[0])
-    empty_rows.mark(hit, f.first is None and bool(f.intentional), ins, outs[0])
-    # (inf * a mask's 0; a log's -inf times its own 0 or a target's)
-    mask_after_pole(f.first, func.overloadpacket.__name__, given[0], hit, f.lineage)
-    if in_finite and taken_back_exactly(f):
-        try:
-            hit.evidence = f.of_records(op_evidence(func, given, outs, f), ins, hit.rows)
-        except Exception:  # (evidence helps the cause; the op is named without it)
-            hit.evidence = None
-    return hit
 
 
 class OpFinder:
@@ -201,7 +103,7 @@ class OpFinder:
         self.partly = Partly()  # and those it keeps > 0 at some positions (a bool mask each)
         self.saturation = Saturation()  # and 1 - tanh(u)², which rounding can make 0
         self.cancellation = Cancellation()  # and E[x²] - E[x]², which it can make < 0
-        self._mode = _Watch(self)
+        self._mode = Watch(self)
         self.composites = Composites()  # where torch.logdet runs (replay.composite)
         self.lost_eps = LostEps()  # t + eps where t's type rounds eps to 0 (replay.lost_eps)
         self.read = ReadNumbers()  # the numbers .item() read (replay.read_numbers)

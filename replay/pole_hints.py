@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import lost_eps
-from .cause import Cause
+from .cause_result import Cause
 from .cause_text import DO
 from .centred_root import centred_hint, zero_deviations
 from .clamped_divisor import clamped_to_zero

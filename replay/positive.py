@@ -23,6 +23,8 @@ from .compat import saved_value, tree_leaves, tree_map
 # Ops whose result is positive in exact arithmetic for every finite argument: a 0 they return
 # is an underflow. Ops that pass values on unchanged keep that mark (a gathered probability).
 POSITIVE = {"exp", "exp2", "_softmax", "softmax", "sigmoid", "special_expit", "softplus"}
+# POSITIVE in words, for a hint: a 0 they made underflowed
+POSITIVE_OPS = "exp, softmax, sigmoid or softplus"
 PASS_ON = {"gather", "index_select", "select", "slice", "view", "_unsafe_view", "reshape",
            "squeeze", "unsqueeze", "clone", "_to_copy", "expand", "permute", "transpose", "t",
            "contiguous", "alias", "narrow", "take_along_dim", "index", "unbind", "split",

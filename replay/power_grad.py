@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .cause import Cause
+from .cause_result import Cause
 from .compat import saved_value
 from .positive import node_op
 from .power_overflow import ADVICE

@@ -15,12 +15,12 @@ from typing import Any
 from recorder.errors import first_line
 from recorder.numeric_check import check_reason
 
+from .backward_report import backward_origin, report_backward
 from .cause import classify
 from .findings import finish, origin_fields
 from .forward import find_op_in_call
 from .load import Step
 from .loss_check import first_in_loss
-from .origins import backward_origin, report_backward
 from .rerun import Runner
 from .source import raised_at
 

@@ -23,7 +23,12 @@ from recorder.samples import (
     seq_first,
 )
 
-from .cause_text import (
+from .env_observations import env_observation_hint
+from .findings import origin_fields
+from .group_nan import group_nan
+from .grouped_rows import grouped, grouped_hint
+from .infinite_entries import infinite_entries_hint
+from .input_text import (
     ALLOWED_NAN_LEAKED,
     LOSS_ARGUMENT,
     LOSS_ARGUMENT_EVERY,
@@ -33,11 +38,6 @@ from .cause_text import (
     WHOLE_TENSOR,
     WHOLE_TENSOR_EVALUATING,
 )
-from .env_observations import env_observation_hint
-from .findings import origin_fields
-from .group_nan import group_nan
-from .grouped_rows import grouped, grouped_hint
-from .infinite_entries import infinite_entries_hint
 from .laundered_nan import laundered_hint
 from .load import Step, micro_batch_inputs
 from .loss_arg_name import forward_param_name, with_param_name

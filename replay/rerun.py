@@ -16,7 +16,7 @@ from torch import nn
 # Model outputs and losses are walked with the recorder's own tensor_leaves, not pytree: output j
 # here must be the recorder's output j (recorded output gradients are keyed by it), and pytree
 # leaves a dict or tuple subclass it does not know (a user's output type) unopened.
-from recorder.capture import map_tensors, output_leaves, tensor_leaves
+from recorder.capture import output_leaves, tensor_leaves
 from recorder.finite import finite, matches, only_mask_infinities
 from recorder.rng import RngCapture
 
@@ -26,6 +26,10 @@ from .direct_grads import backward_cut, cut_outputs, direct_params, stand_ins
 from .errors import StopRun
 from .external_grads import external as _external
 from .float64 import widened
+from .float64_run import cast as _cast
+from .float64_run import default_dtype as _default_dtype
+from .float64_run import loss_own as _loss_own
+from .float64_run import to_float64 as _to_float64
 from .frozen import FrozenParams
 from .instrument import CallRecorder
 from .kept_aside import kept_hooks, with_kept
@@ -435,62 +439,6 @@ def _dict_total(loss: dict) -> torch.Tensor | None:
     return sum(picked[1:], picked[0]) if picked else None
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype | None):
-    """The run's compute type for the tensors the model's code makes without a dtype
-    (``torch.zeros(n, d)`` as an ``index_add_`` target), as they had the recorded run's: in a
-    float64 run a float32 one would refuse the float64 values added into it."""
-    if dtype is None:
-        yield
-        return
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-
-
-def _loss_own(loss, model: nn.Module, which: str) -> list[tuple[str, torch.Tensor]]:
-    """The loss module's named parameters or buffers (``which``) that are not the model's."""
-    if not isinstance(loss, nn.Module):
-        return []
-    model_ids = {id(t) for _, t in [*model.named_parameters(), *model.named_buffers()]}
-    return [(n, t) for n, t in getattr(loss, which)() if id(t) not in model_ids]
-
-
-def _to_float64(named, even_float64: bool = False) -> dict[str, torch.dtype]:
-    """Widen the floating (and complex) tensors of ``named`` in place (see
-    :func:`replay.float64.widened`); their dtypes before."""
-    dtypes = {}
-    with torch.no_grad():
-        for name, t in named:
-            wide = widened(t.dtype) or (t.dtype if even_float64 and t.is_floating_point()
-                                        else None)
-            if wide is not None:
-                dtypes[name] = t.dtype
-                t.data = t.data.to(wide)
-    return dtypes
-
-
 def _enter(ctx):
     """A fresh context from the ``ctx`` factory, or none."""
     return ctx() if ctx is not None else contextlib.nullcontext()
-
-
-def _cast(obj, dtype, made: dict[str, torch.Tensor] | None = None):
-    """``obj`` (a micro-batch's arguments, rebuilt from the bundle) with floating tensors cast
-    (and complex ones widened, for float64); ``made``'s tensors (by key) are swapped for their
-    casts too, which the model then takes."""
-    cast = {}
-
-    def one(v):
-        cast[id(v)] = (v.to(dtype) if v.is_floating_point() else
-                       v.to(wide) if dtype == torch.float64 and v.is_complex()
-                       and (wide := widened(v.dtype)) is not None else v)
-        return cast[id(v)]
-
-    obj = map_tensors(obj, one)
-    if made is not None:
-        made.update({k: cast.get(id(t), t) for k, t in made.items()})
-    return obj

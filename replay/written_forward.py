@@ -18,11 +18,11 @@ import torch
 
 from recorder.finite import finite
 
-from .fidelity import written_note
 from .forward import report_forward
 from .load import Step
 from .rerun import Runner
 from .run_result import Call, Run
+from .written_notes import written_note
 from .written_weights import refill_written
 
 __all__ = ["report_forward_wrote", "report_written_forward"]
