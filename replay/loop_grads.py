@@ -16,6 +16,7 @@ from .module_hooks import backward_missing_text
 from .nan_skips import nan_skips_text
 from .rescaled_grads import entrywise_divisor_text
 from .shared_factor import shared_factor_text
+from .unreached_calls import unreached_calls_text
 from .user_grad_hooks import hooked_gradient
 from .zero_grad import normalised_zero_gradient
 from .zero_rows import empty_batch_text, zero_gradient_rows, zero_rows_text
@@ -69,7 +70,7 @@ def gradients_from_the_loop(report, step: Step, reached: bool = False,
                                           param=(params or [None])[0],
                                           made=step.event.get("kind")),
                     "not_reproduced", reproduced=False)
-    report["hint"] = ((backward_missing_text(step, params) or (
+    report["hint"] = ((backward_missing_text(step, params) or unreached_calls_text(step) + (
         f"the gradients the update was about to use{' (' + ', '.join(params) + ')' if params else ''}"
         " were written by the loop's own code, not by backward through the model: per-sample "
         "gradients (torch.func.vmap/grad), a hand-written clip or noise, gradients set or "

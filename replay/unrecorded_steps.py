@@ -1,7 +1,8 @@
 """An ``optimizer`` event of a recording that never recorded a step: no micro-batch and no
 row of history. The loop's forward never ran through the recorded model's ``__call__``
 (``model.forward(x)`` called directly, as mnist_forward_forward's ``Layer.train`` calls
-``self.forward(x_pos)``, or only the model's parts called), so no step opened, nothing was
+``self.forward(x_pos)``, only the model's parts called, or the model called only under
+torch.func transforms, which the recorder leaves alone), so no step opened, nothing was
 checked, and only the last update's evidence, read as the recorder detached, saw the
 weights non-finite. The gradients the bundle holds are the last backward's, made through
 those weights: they say nothing of the update that first broke them, which is unknown."""
@@ -15,10 +16,14 @@ from .load import Step
 
 UNRECORDED = (
     "no step of the model was recorded (no micro-batch, no history): its forward never ran "
-    "through the recorded model's __call__, so no hook ran and nothing was checked before "
-    "this, the last update's check as the recorder detached; call the model itself, model(x), "
-    "not model.forward(x) (which runs no hooks), or give FlightRecorder the module the loop "
-    "calls; then the first non-finite loss, gradient or update is caught at its step")
+    "through the recorded model's __call__ outside torch.func transforms, so nothing was "
+    "checked before this, the last update's check as the recorder detached; call the model "
+    "itself, model(x), not model.forward(x) (which runs no hooks), or give FlightRecorder the "
+    "module the loop calls; a loop that calls it only under transforms (torch.func.jvp, vmap, "
+    "grad: a MeanFlow or consistency loss's jvp, per-sample gradients), which are not "
+    "recorded, calls it once outside them with gradients on in each step (the forward of "
+    "the loss you log); then the first non-finite loss, gradient or update is caught at its "
+    "step")
 
 # a container the loop never calls itself: a helper runs its children one by one
 # (torch.utils.checkpoint.checkpoint_sequential(model, segments, x) calls model[i], never model)
