@@ -33,6 +33,7 @@ from .outliers import (
     undersized_input,
 )
 from .precursors import INPUT_JUMP
+from .unread_data import loss_only_keys
 from .whatif import run_tries
 from .zero_filled_column import zero_filled_column, zero_filled_column_hint
 
@@ -61,7 +62,8 @@ def data_scale_hint(report: dict[str, Any], step: Step) -> None:
         hint = without_advice(report["hint"])  # (the outlier sentence says the rest)
         report["hint"] = f"{hint}. But {outlier_hint(found[1], found[0], droppable)}"
     elif report["cause"] == "overflow" and (column := outlier_column(
-            step, o.get("micro_batch") or 0, o.get("samples") or [])) is not None:
+            step, o.get("micro_batch") or 0, o.get("samples") or [],
+            skip=loss_only_keys(step, o))) is not None:
         hint = without_advice(report["hint"])  # (a table's feature: one column stands out)
         report["hint"] = f"{hint}. But {outlier_column_hint(column, o['samples'])}"
     elif report["cause"] == "underflow" and (small := undersized_input(

@@ -24,6 +24,7 @@ from .cause import classify
 from .cause_result import Cause
 from .coincident_points import coincident_hint
 from .cumsum_diff import cumsum_diff_hint
+from .cumsum_divisor import cumsum_divisor_hint
 from .dropped_branch import dropped_branch_hint
 from .errors import StopRun
 from .exp_overflow import exp_overflow_hint
@@ -178,6 +179,7 @@ def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin,
     # (an exp's overflow inside a softplus by hand, or of a chunk's exp(-cumsum))
     hint = exp_overflow_hint(runner, hint, cause.name, hit)
     hint = cumsum_diff_hint(runner, hint, cause.name, hit)  # (a cumsum trick's segment sum)
+    hint = cumsum_divisor_hint(runner, hint, cause.name, hit)  # (linear attention's z_t)
     # (then in the forces' backward, where the model's output does not hold it)
     hint = dropped_branch_hint(hint, hit, finder.first_nan, run, o, finder.differentiated)
     hint = kept_divisor_hint(hint, finder, hit)  # (whole columns of x / (self.std + eps))

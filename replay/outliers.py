@@ -23,6 +23,7 @@ from .carried_state import carried_keys
 from .domains import g
 from .load import Step
 from .recorded import n_args, nan_allowed, samples
+from .unread_data import loss_only_keys
 
 FACTOR = 10.0  # the named rows' largest magnitude against every other row's
 _LARGEST = torch.finfo(torch.float64).max
@@ -181,14 +182,15 @@ def out_of_scale(step: Step, origin: dict[str, Any]
     """(rows, description) of an overflow origin's out-of-scale samples: its own samples when
     their data stands out (:func:`outlier_input`), or, when its non-finite values span the
     whole batch (an op that mixes the samples), the few rows that do (:func:`outlier_rows`)."""
-    found = _out_of_scale(step, origin)
+    unread = loss_only_keys(step, origin)  # (targets a forward origin's op never took)
+    found = _out_of_scale(step, origin, unread)
     if found is None or found[1]["key"] not in (step.micro_batches[
             origin.get("micro_batch") or 0].get("paths") or {}):
         return found
     # (a model input: a state the model returned in the step before is no data; the forward
     # re-run that tells is made only here)
     skip = frozenset(carried_keys(step, origin.get("micro_batch") or 0))
-    return _out_of_scale(step, origin, skip) if found[1]["key"] in skip else found
+    return _out_of_scale(step, origin, skip | unread) if found[1]["key"] in skip else found
 
 
 def _out_of_scale(step: Step, origin: dict[str, Any], skip: frozenset[str] = frozenset()
@@ -205,7 +207,7 @@ def _out_of_scale(step: Step, origin: dict[str, Any], skip: frozenset[str] = fro
     # values being in another: a heavy-tailed count beside sub-ms flows' rates)
     wider = outlier_rows(step, mb, skip=skip)
     return wider if wider is not None and set(rows) <= set(wider[0]) \
-        and outlier_column(step, mb, rows) is None else None
+        and outlier_column(step, mb, rows, skip=skip) is None else None
 
 
 def outlier_input_rows(step: Step, origin: dict[str, Any], factor: float = FACTOR
@@ -310,15 +312,16 @@ def _how(rows: list[int], droppable: bool) -> str:
             "from the recorded batch: leave them out of the dataset and train again")
 
 
-def outlier_column(step: Step, mb: int, rows: list[int], factor: float = FACTOR
-                   ) -> dict[str, Any] | None:
-    """The first 2-D ``(B, F)`` floating tensor of micro-batch ``mb`` with features where the
-    largest magnitude in ``rows`` is ``factor`` times that of every other row, nonzero there:
-    ``{"tensor", "cols", "col", "value", "others", "positive"}`` (the feature that stands out
-    most, its magnitudes, whether that feature is never negative); None when there is none."""
+def outlier_column(step: Step, mb: int, rows: list[int], factor: float = FACTOR,
+                   skip: frozenset[str] = frozenset()) -> dict[str, Any] | None:
+    """The first 2-D ``(B, F)`` floating tensor of micro-batch ``mb`` (but those in ``skip``)
+    with features where the largest magnitude in ``rows`` is ``factor`` times that of every
+    other row, nonzero there: ``{"tensor", "cols", "col", "value", "others", "positive"}``
+    (the feature that stands out most, its magnitudes, whether that feature is never
+    negative); None when there is none."""
     if not rows:
         return None
-    for key, name, _missing, v in row_values(step, mb):
+    for key, name, _missing, v in row_values(step, mb, skip):
         t = step.tensors[key]
         if t.dim() != 2 or t.shape[1] < 2 or max(rows) >= v.shape[0] or len(rows) >= v.shape[0]:
             continue
