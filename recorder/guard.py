@@ -113,9 +113,14 @@ class OptimizerGuard:
             cycle.leave_ranks()  # (a step's close: where this rank's exchange would run)
             return
         transformed, cycle.transformed = cycle.transformed, False
-        if tape is None and cycle.unrooted_call is None and not transformed \
+        if tape is None and cycle.unrooted_call is None \
                 and not self._forward_steps and self._grads_written():
-            tape = self._update_only()
+            # (forwards under torch.func transforms only, DP-SGD's vmap(grad(...)): a step of
+            # its own as well, so that the gradients the loop wrote are checked before the update)
+            if transformed:
+                self._only_transformed(checked=True)
+            if (tape := self._update_only()) is not None:
+                tape.transformed = transformed
         elif tape is not None and tape.micro_batches:
             # (a loop that steps after its forwards: a second step() with none since, a
             # thread's racing the first, updates with the gradients that step checked)
@@ -126,7 +131,7 @@ class OptimizerGuard:
             if cycle.unrooted_call is not None:
                 cycle.unrooted()
             elif transformed:
-                self._only_transformed()
+                self._only_transformed(checked=False)
             return
         try:  # (small parameters: when the row is built)
             reread_changed_grads(tape, self.target, self.settings.param_norms)
@@ -179,15 +184,19 @@ class OptimizerGuard:
                         "one")
         return tape
 
-    def _only_transformed(self) -> None:
-        """An update whose step ran the model only under torch.func transforms: said once."""
+    def _only_transformed(self, checked: bool) -> None:
+        """An update whose step ran the model only under torch.func transforms: said once
+        (instead of :meth:`_update_only`'s warning, where the update is still ``checked``)."""
+        self._update_only_said = self._update_only_said or checked
         if self._transform_warned:
             return
         self._transform_warned = True
         log.warning("nanreplay: optimizer.step() ran after forwards of the recorded model under "
-                    "torch.func transforms (vmap, grad) only: those are not recorded, so "
-                    "nothing of this step was checked; call the model once outside them in "
-                    "each step (the forward of the loss you log)")
+                    "torch.func transforms (vmap, grad, jvp) only: those are not recorded, so "
+                    "%s; call the model once outside them in each step (the forward of the loss "
+                    "you log)", "only its gradients and the update are checked, "
+                    "and nanreplay cannot re-run its forward" if checked else
+                    "nothing of this step was checked")
 
     def post_hook(self, optimizer, args, kwargs):
         """Evidence of what the update wrote: the squared norm of every weight the optimizer

@@ -136,6 +136,8 @@ def _model(src: Sources, tape: Tape | None, guard, meta, tensors) -> None:
     if (tape is None or not tape.micro_batches) and model is not None \
             and forward_compiled_alone(model):  # (no forward recorded: recorder.compiled)
         meta["forward_compiled_alone"] = True
+    if tape is not None and tape.transformed:  # (its forwards ran under torch.func only)
+        meta["forward_transformed_alone"] = True
     if frozen := [n for n, p in params if not p.requires_grad]:  # (as the step ran: a teacher
         meta["frozen"] = frozen  # the loop froze after the factory built it trainable)
     if constants := [params[i][0] for i in src.target.constants

@@ -175,7 +175,7 @@ class Tape:
                  "grad_norms", "param_norms", "grad_seen", "out_grad_norms", "grads_reread",
                  "evaluation", "cut_short", "unowned_versions", "held_version",
                  "updated_elsewhere", "by_thread", "_first_thread", "linalg_error", "linalg_phase",
-                 "refused", "close_queued")
+                 "refused", "close_queued", "transformed")
 
     def __init__(self, step: int, rng: dict[str, Any], scaler_token: int | None, slots: Slots):
         self.step = step
@@ -215,6 +215,7 @@ class Tape:
         self.held_version: int | None = None
         self.updated_elsewhere = False  # it did change: another optimizer stepped in the step
         self.close_queued = False  # no optimizer: closes when the backward writing grads ends
+        self.transformed = False  # its forwards ran under torch.func transforms only (unrecorded)
         # thread id -> the micro-batch its forward is in, once a second thread runs forwards
         # in the step (a hook's micro-batch is then its thread's, not the last one begun)
         self.by_thread: dict[int, int] | None = None

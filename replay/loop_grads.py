@@ -31,6 +31,19 @@ COMPILED_FORWARD = ("the step ran no recorded forward: the loop calls the model'
 COMPILED_FORWARD_HINT = ("compile the model instead of its forward, torch.compile(model) or "
                          "model.compile() (the same graph): each step's forward is then "
                          "recorded and nanreplay re-runs it and names the op")
+# NO_FORWARD, and the hint's opening, where the step's forwards ran under torch.func only
+# (recorder.guard: such an update is a step of its own)
+TRANSFORMED_FORWARD = ("the step ran the model only under torch.func transforms (jvp, vmap, "
+                       "grad), which are not recorded: only its gradients and the update were "
+                       "checked")
+TRANSFORMED_GRADS = (" came from forwards of the model under torch.func transforms (jvp, vmap, "
+                     "grad), which the recorder cannot record nor nanreplay re-run, and the "
+                     "loop's code around them: a jvp's tangent through an op whose derivative "
+                     "is infinite where its input is 0 (sqrt(t) or t ** 0.5 at t = 0: clamp it, "
+                     "or use a feature smooth there), per-sample gradients and their clip or "
+                     "noise (a division by a per-sample norm that is 0); check that code at "
+                     "this step, and call the model once outside the transforms in each step "
+                     "(the loss you log) so that its forward is recorded and re-run")
 
 
 def no_backward_reached_the_output(step: Step) -> bool:
@@ -59,10 +72,12 @@ def gradients_from_the_loop(report, step: Step, reached: bool = False,
     activations) are named as where the loop's term came from (:mod:`replay.kept_terms`)."""
     params = step.event.get("params") or []
     zero = zero_gradient_rows(step)
+    transformed = step.meta.get("forward_transformed_alone")
     report["problems"].append(
         "the gradients that reached the model's output were finite, and the re-run's backward "
         "from there makes every parameter's gradient finite" if reached else
-        (COMPILED_FORWARD if step.meta.get("forward_compiled_alone") else NO_FORWARD)
+        (COMPILED_FORWARD if step.meta.get("forward_compiled_alone") else TRANSFORMED_FORWARD
+         if transformed else NO_FORWARD)
         if not step.micro_batches else
         "no backward ran through the recorded forward in this step (no gradient reached the "
         "model's output), and the re-run's backward makes every gradient finite")
@@ -72,14 +87,15 @@ def gradients_from_the_loop(report, step: Step, reached: bool = False,
                     "not_reproduced", reproduced=False)
     report["hint"] = ((backward_missing_text(step, params) or unreached_calls_text(step) + (
         f"the gradients the update was about to use{' (' + ', '.join(params) + ')' if params else ''}"
-        " were written by the loop's own code, not by backward through the model: per-sample "
+        + (TRANSFORMED_GRADS if transformed else
+           " were written by the loop's own code, not by backward through the model: per-sample "
         "gradients (torch.func.vmap/grad), a hand-written clip or noise, gradients set or "
         "averaged by hand (gradient surgery: torch.autograd.grad per task, then p.grad = ...), "
         "a loss term on the weights themselves added in the loop (a FedProx or EWC penalty: "
         "computed in loss_fn instead, given the model, loss_fn(out, y, model), it is re-run "
         "and its op named), a difference of weights "
         "(Reptile's p - fast_p from a copy the loop trained); check that code at this "
-        "step, e.g. a division by a norm that is 0")) + shared_factor_text(step, params)
+        "step, e.g. a division by a norm that is 0"))) + shared_factor_text(step, params)
         + zero_rows_text(zero)
         + empty_batch_text(step) + zero_outputs_text(step, runner)
         + nan_skips_text(step))

@@ -126,13 +126,13 @@ def test_forward_ad_penalty_added_in_the_loop_points_at_the_tangent_term(tmp_pat
     assert "forward_ad" in rep["hint"] and "loss_fn(out, y, model" in rep["hint"]
 
 
-def test_dp_sgd_clip_of_a_padding_record_is_not_blamed_on_the_learning_rate_alone(tmp_path):
+def test_dp_sgd_clip_of_a_padding_record_is_caught_at_its_step_before_the_update(tmp_path):
     """DP-SGD whose only plain forward is the logged loss under no_grad; the padding record of
-    step 3 has a zero gradient, its clip 0/0 makes every clipped mean NaN, which SGD applies.
-    No step held the update (its forwards ran under vmap), so the next forward finds the
-    weights broken. The hint said only submodules could have run (SB3) and to lower the
-    learning rate; it now names the transforms, the NaN gradients the bundle holds, and that
-    an update given them so is no learning rate's doing."""
+    step AT has a zero gradient, its clip 0/0 makes every clipped mean NaN. Its forwards ran
+    under vmap only, unrecorded: the update is a step of its own, so the NaN gradients are
+    caught at step AT before SGD applies them (it was found a step late, at the next forward,
+    as an update of step 0, with the advice to lower the learning rate), and the hint names
+    the transforms and the per-sample clip."""
     model = M.make_classifier()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(NonFiniteError) as info:
@@ -142,19 +142,23 @@ def test_dp_sgd_clip_of_a_padding_record_is_not_blamed_on_the_learning_rate_alon
                     F.cross_entropy(model(x), y)  # the loss logged
                 M.dp_sgd_step(model, opt, x, y, keep)
     err = info.value
-    assert (err.event["phase"], err.event.get("no_step_closed")) == ("optimizer", True)
+    names = [n for n, _ in model.named_parameters()]
+    assert (err.event["step"], err.event["phase"], err.event["params"]) == (AT, "backward", names)
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # (the update never ran)
     rep = replay.replay(err.bundle_path)
-    assert (rep["reproduced"], rep["cause"]) == (False, "optimizer"), rep
+    assert (rep["reproduced"], rep["cause"]) == (False, "not_reproduced"), rep
     hint = rep["hint"]
-    assert "the model under torch.func transforms (vmap, grad, jvp)" in hint, hint
-    assert "gradients of net.0.weight (+3 more) hold nan" in hint, hint
-    assert "given them non-finite, which no learning rate helps" in hint, hint
+    assert hint.startswith(f"the gradients the update was about to use ({', '.join(names)}) "
+                           "came from forwards of the model under torch.func transforms"), hint
+    assert "a division by a per-sample norm that is 0" in hint, hint
+    assert any("only under torch.func transforms" in p for p in rep["problems"]), rep
 
 
-def test_meanflow_under_the_jvp_only_says_the_transform_hides_the_model(tmp_path):
-    """The model called only under torch.func.jvp: nothing is recorded, the weights are found
-    NaN as the recorder detaches; the hint said only model.forward(x) or a submodule could
-    skip the hooks, and now names the transforms and what to call instead."""
+def test_meanflow_under_the_jvp_only_is_caught_at_its_step_and_names_the_transform(tmp_path):
+    """The model called only under torch.func.jvp: nothing of its forward is recorded, but the
+    update is a step of its own, so the tangent's NaN gradients are caught at step AT (they
+    were found only as the recorder detached, as an optimizer event), and the hint names the
+    jvp and the sqrt at 0 instead of "the loop's own code"."""
     model = M.make_flownet()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     with pytest.raises(NonFiniteError) as info:
@@ -164,7 +168,8 @@ def test_meanflow_under_the_jvp_only_says_the_transform_hides_the_model(tmp_path
                 M.meanflow_loss(model, x, noise, t).backward()
                 opt.step()
     err = info.value
-    assert err.event["phase"] == "optimizer"
+    assert (err.event["step"], err.event["phase"]) == (AT, "backward")
     rep = replay.replay(err.bundle_path)
     assert (rep["reproduced"], rep["cause"]) == (False, "not_reproduced"), rep
-    assert "calls it only under transforms (torch.func.jvp" in rep["hint"], rep["hint"]
+    assert "under torch.func transforms (jvp, vmap, grad)" in rep["hint"], rep["hint"]
+    assert "not by backward through the model" not in rep["hint"], rep["hint"]
