@@ -167,3 +167,46 @@ def test_step_after_validation_without_train_replays_in_eval_mode(tmp_path):
     assert rep["reproduced"] is True and rep["cause"] == "overflow"
     o = rep["origin"]
     assert (o["module"], o["op"], o["samples"]) == ("5", "aten.exp", [row])
+
+
+def test_nan_ema_weights_swapped_in_for_validation(tmp_path):
+    """A hand EMA (a shadow state_dict, parameters and BatchNorm buffers) loaded into the live
+    model for validation and restored after, as many scripts do; its decay is NaN at step K
+    (a schedule's 0/0). The validation's forward is checked on weights no update wrote: a
+    weights event of that evaluation, whose hint names the parameters (not the buffers loaded
+    beside them) and the loop's write between steps, an EMA copied in among its examples."""
+    k = 3
+    torch.manual_seed(0)
+    model, crit = E.Pooled(), nn.CrossEntropyLoss()
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    shadow = {n: t.detach().clone() for n, t in model.state_dict().items()
+              if t.is_floating_point()}
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="eval_loops_models:Pooled"):
+            for step in range(6):
+                x, m, y = E.batch(step)
+                opt.zero_grad()
+                crit(model(x, m), y).backward()
+                opt.step()
+                decay = float("nan") if step == k else 0.9
+                with torch.no_grad():
+                    for n, t in model.state_dict().items():
+                        if n in shadow:
+                            shadow[n].lerp_(t, 1 - decay)
+                backup = copy.deepcopy(model.state_dict())
+                model.load_state_dict(shadow, strict=False)
+                model.eval()
+                with torch.no_grad():
+                    xb, mb, yb = E.batch(100)
+                    crit(model(xb, mb), yb)
+                model.load_state_dict(backup)
+                model.train()
+    params = [n for n, _ in model.named_parameters()]
+    check_event(info.value.event, step=k + 1, phase="weights", evaluation=True, params=params)
+    rep = replay(info.value.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "weights"
+    names = f"{params[0]}, {params[1]} (+{len(params) - 2} more)"
+    assert rep["hint"].startswith(f"{names} train and the recorded optimizer holds them, and its "
+                                  f"update of step {k} left them finite"), rep["hint"]
+    assert "an EMA or SWA average copied in" in rep["hint"]
