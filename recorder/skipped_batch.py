@@ -2,11 +2,15 @@
 continue`` before ``backward()``, no ``step()``): its step stays open, so its event is found
 when the *next* batch's ``optimizer.step()`` closes the step, and is raised there, where a loop
 that catches ``NonFiniteError`` to skip the bad batch drops a good one. Said in the event's
-message, with the call that closes the step at the skipped batch."""
+message, with the call that closes the step at the skipped batch. A micro-batch run in eval mode
+with gradients on and no backward is a validation forward run without ``torch.no_grad()``
+instead (``.eval_with_grad``), which the note says."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from .eval_with_grad import eval_with_grad_note, ungraded_eval
 
 
 def skipped_note(tape: Any, micro_batch: int | None) -> str:
@@ -14,9 +18,13 @@ def skipped_note(tape: Any, micro_batch: int | None) -> str:
     ran through it while a later micro-batch's did (gradient accumulation runs each one's
     backward before the next forward); empty otherwise."""
     mbs = getattr(tape, "micro_batches", None) or []
-    if micro_batch is None or tape.evaluation or not 0 <= micro_batch < len(mbs) - 1:
+    if micro_batch is None or tape.evaluation or not 0 <= micro_batch < len(mbs):
         return ""
     mb = mbs[micro_batch]  # (its loss ran: a forward kept only as a detached target did not)
+    if ungraded_eval(mb.training, mb.grad_enabled,
+                     bool(mb.out_grads or mb.differentiated)):
+        note = eval_with_grad_note(micro_batch, getattr(tape, "step", None))
+        return f" {note[0].upper()}{note[1:]}."
     if mb.out_grads or not mb.grad_enabled or mb.loss_args is None \
             or not any(m.out_grads for m in mbs[micro_batch + 1:]):
         return ""

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from recorder.eval_with_grad import bundle_note as eval_with_grad
 from recorder.loss_forwards import ran_in_loss
 from recorder.scalers import not_given as scaler_not_given
 
@@ -123,6 +124,8 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
         report["problems"].append(note)
     if note := flushed_note(step, report):  # (torch.set_flush_denormal(True), the run's)
         report["problems"].append(note)
+    if note := eval_with_grad(step.meta, report["origin"].get("micro_batch")):
+        report["problems"].append(note)  # (a validation batch run without no_grad)
     if not survived(report, add_window, step, report) and below_zero(step) is None:
         diverging_hint(report, step)  # (else the precursors; a rate below 0 climbed: no fix)
     ascent_hint(step, report)  # (maximize=True with a loss that rose: after the growth's)

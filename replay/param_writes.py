@@ -155,7 +155,10 @@ def loop_written_hint(step: Step, bad: list[str]) -> str | None:
             return None
         return _frozen_hint(step, bad, names, "the optimizer does not hold them" if opt else
                             "the recorder was given no optimizer")
-    params = dict(step.model.named_parameters())
+    params, buffers = dict(step.model.named_parameters()), dict(step.model.named_buffers())
+    if any(n in params for n in bad) and all(n in params or n in buffers for n in bad):
+        bad = [n for n in bad if n in params]  # (a state_dict load writes buffers beside them)
+        names = f"{', '.join(bad[:2])}" + (f" (+{len(bad) - 2} more)" if len(bad) > 2 else "")
     if not all(n in params for n in bad):
         return None
     trained = {params[n].requires_grad and n not in frozen for n in bad}
