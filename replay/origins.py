@@ -16,7 +16,7 @@ from recorder.finite import finite, kind_of, label
 from . import below_one, output_places, outside, summed_grads, through_time
 from .anomaly_stop import UNSEEN_HINT, anomaly_note
 from .backward import find_backward_origin
-from .cached_grads import cached_hint, cached_note, gradient_cached
+from .cached_grads import cached_hint, gradient_cached
 from .cause import classify
 from .cause_text import ALLOWED_NAN_SAVED, DO, inf_arith
 from .copied_rows import recause
@@ -49,6 +49,7 @@ from .loss_grad import node_in_loss, probed_report
 from .loss_infinities import LossCall, infinity_advice, others_text
 from .loss_maker import loss_op_finder, made_in_loss
 from .loss_node import loss_node
+from .loss_swapped import not_called_note
 from .losses import held_state_cause, non_finite_loss_state
 from .masked_pole import with_masked_pole
 from .masked_targets import watched_loss_rerun
@@ -373,14 +374,7 @@ def _exp_parameter(model, leaf) -> str | None:
 
 
 def _not_called(step: Step) -> str:
-    info = step.meta.get("loss") or {}
-    if gradient_cached(step):  # (called before the step, on a no-grad pass's outputs)
-        return cached_note(step)
-    return (f"the loss_fn given to the recorder ({info.get('name') or info.get('class')}) was "
-            "not called in this "
-            "step, so the replay had no loss to re-run"
-            + (": a plain function is seen only when called as rec.loss_fn(...)"
-               if info.get("kind") == "function" else ""))
+    return not_called_note(step)
 
 
 def _backward_fields(b) -> dict[str, Any]:
