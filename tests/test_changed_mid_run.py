@@ -64,7 +64,7 @@ def _checkpoint() -> dict:
     return {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}
 
 
-def _train(kind: str, out_dir=None, plant=None):
+def _train(kind: str, out_dir=None, plant=None, ckpt=None):
     """The loop (recorded when ``out_dir``); ``plant(step, model, x)`` may edit the model or
     the batch. Returns the losses and the model, or the NonFiniteError and the model."""
     model = M.make_grown() if kind == "grow" else M.make_net()
@@ -75,7 +75,7 @@ def _train(kind: str, out_dir=None, plant=None):
         model.head.parameters() if kind == "unfreeze" else model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
     state = {"crit": nn.CrossEntropyLoss()}
-    ckpt = _checkpoint() if kind == "resume" else None
+    ckpt = ckpt or (_checkpoint() if kind == "resume" else None)
     rec = None if out_dir is None else FlightRecorder(
         model, opt, loss_fn=state["crit"], out_dir=out_dir,
         factory=f"changed_mid_run_models:{'make_grown' if kind == 'grow' else 'make_net'}")
@@ -212,3 +212,24 @@ def test_nan_under_a_hook_based_weight_norm_registered_after_attach(tmp_path):
     assert [p for p in rep["problems"] if p.startswith(
         f"the model that ran had parameters the recorder did not hold ({', '.join(added)})")
         and f"and no longer had {', '.join(gone)}" in p]
+
+
+def test_resumed_adam_state_with_its_moments_swapped_is_the_update_not_an_earlier_write(
+        tmp_path):
+    """A checkpoint converter that wrote exp_avg as exp_avg_sq and back: the first update
+    after the resume takes sqrt of the negative entries, NaN. The report said the weight 'was
+    NaN before the update, not made by it' (the state it checked is finite); it is the
+    update's, and the NaN entries are where the loaded exp_avg_sq is negative."""
+    ckpt = _checkpoint()
+    for st in ckpt["opt"]["state"].values():
+        st["exp_avg"], st["exp_avg_sq"] = st["exp_avg_sq"], st["exp_avg"]
+    names = [n for n, _ in M.make_net().named_parameters()]
+    negative = [n for i, n in enumerate(names)
+                if bool((ckpt["opt"]["state"][i]["exp_avg_sq"] < 0).any())]
+    err, _ = _train("resume", tmp_path, ckpt=ckpt)
+    assert isinstance(err, NonFiniteError), err
+    assert (err.event["step"], err.event["phase"], err.event["params"]) == \
+        (AT, "optimizer", negative)
+    rep = nanreplay_json(err.bundle_path, code=None)
+    assert (rep["cause"], rep["origin"]["param"]) == ("optimizer", negative[0])
+    assert not any("NaN before the update" in p for p in rep["problems"])
