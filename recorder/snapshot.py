@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .added_params import added_after_attach
 from .attributes import AttributeWatch, trained_tensors
 from .bundle import FORMAT, VERSION
 from .capture import environment, flatten_tree
@@ -155,6 +156,8 @@ def _model(src: Sources, tape: Tape | None, guard, meta, tensors) -> None:
     written = src.target.written_in_step(tape) if tape is not None else []
     if written:  # before the first update: the step's own code wrote them (a data-dependent init)
         meta["written_in_step"] = [params[i][0] for i in written]
+    if model is not None and (added := added_after_attach(model, params)):
+        meta["after_attach"] = added  # (a block grown, weight_norm applied: not recorded)
     if src.target.replaced:  # swapped for new tensors (densified): shapes the factory lacks
         meta["replaced_params"] = sorted(src.target.replaced)
     if hooked := user_grad_hooks(params):  # (the script's own: the factory's model lacks them)

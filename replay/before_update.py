@@ -51,7 +51,8 @@ def nan_before_update(report, step: Step, params: list[str]) -> dict[str, Any] |
     beside = [t for k, t in step.tensors.items()
               if ((k == f"grads/{name}" and not took_finite) or k.startswith(f"optim/{name}/"))
               and t.shape == w.shape and t.is_floating_point()]
-    if not nan.any() or any(not bool(torch.isfinite(t[nan]).all()) for t in beside):
+    if not nan.any() or any(not bool(torch.isfinite(t[nan]).all()) for t in beside) \
+            or _negative_second_moment(step, name, nan):
         return None
     rows = nan.reshape(len(w), -1).any(1).nonzero().flatten().tolist() if w.dim() else [0]
     cls = opt["class"].rpartition(".")[2]
@@ -75,6 +76,18 @@ def nan_before_update(report, step: Step, params: list[str]) -> dict[str, Any] |
         "an empty set, a division by a zero norm), or the forward in place; use F.normalize or "
         "norm.clamp_min(eps) there, or record with guard_optimizer=True, which checks the "
         "weights right after each update"))
+
+
+# state the update takes the square root of: finite but negative there (a checkpoint's state
+# edited or converted wrongly, exp_avg and exp_avg_sq swapped) the update makes NaN itself
+SQRT_STATE = ("exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta")
+
+
+def _negative_second_moment(step: Step, name: str, nan: torch.Tensor) -> bool:
+    """A square-rooted state entry (after the update) below 0 where the weight is NaN."""
+    return any(bool((t[nan] < 0).any()) for key in SQRT_STATE
+               if (t := step.tensors.get(f"optim/{name}/{key}")) is not None
+               and t.shape == nan.shape and t.is_floating_point())
 
 
 def _update_grads_finite(step: Step) -> bool:

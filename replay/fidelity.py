@@ -23,6 +23,7 @@ from typing import Any
 
 from recorder.finite import matches, pair_ok
 
+from . import added_layers as added
 from .cause_text import module_label
 from .load import Step, recorded_device
 from .local_shards import SLICED, SLICED_WHY, tensor_parallel, within
@@ -69,7 +70,9 @@ def compare(step: Step, run: Run, written: list[str] = ()) -> dict[str, Any] | N
     if (found["changed"] or step.trained or found["micro_batch"] in reused
             or _moved(step) is not None) and not found["matches"] and rows:
         found = _after_change(step, run, rows[-1], names, fields, found)
-    if not found["matches"] and step.built_otherwise:  # (first: the re-run took another path)
+    if not found["matches"] and (after := added.after_attach(step)):  # (first: not recorded)
+        found["added"] = after
+    elif not found["matches"] and step.built_otherwise:  # (the re-run took another path)
         found["built_otherwise"] = step.built_otherwise
     elif rows and not found["matches"] and (world := world_forward(step, found["module"])):
         found["world"] = world  # (statistics over every rank's batch: SyncBatchNorm's)
@@ -254,6 +257,8 @@ def _differs(module: str, call: int, mb: int, recorded, rerun, compared: int,
 
 def mismatch(fid: dict[str, Any]) -> str:
     """Why the re-run is not the recorded step, in a few words for the cause."""
+    if fid.get("added"):
+        return added.WHY
     if fid.get("built_otherwise"):
         return "the factory builds the model's attributes otherwise than the run had them"
     if fid.get("changed") or fid.get("edited") or fid.get("moved_after"):
@@ -289,6 +294,8 @@ def describe(fid: dict[str, Any]) -> str:
         what = "ran in the re-run but is not in the recorded model"
     after = f", after {fid['calls']} call(s) that agree" if fid["calls"] else ""
     head = f"'{name}' (call {fid['call']}, micro-batch {fid['micro_batch']}) {what}{after}: "
+    if fid.get("added"):
+        return head + added.text(fid["added"])
     if built := fid.get("built_otherwise"):
         more = f" (+{len(built) - 3} more)" if len(built) > 3 else ""
         return head + BUILT_OTHERWISE.format(attrs=", ".join(built[:3]) + more)
@@ -374,8 +381,8 @@ WITHIN_STEP = ("an earlier forward of the step re-ran as recorded, so the model 
 def notes(fid: dict[str, Any] | None, step: Step) -> list[str]:
     """The notes of a re-run that matches: one built with attributes the run had otherwise at
     attach (whose re-run took the factory's code path, though its values agree); one that
-    matches from the event's forward on (``_after_change``)."""
-    out = []
+    matches from the event's forward on (``_after_change``); parameters added since attach."""
+    out = added.notes(fid, step)
     if fid is not None and fid["matches"] and (built := step.built_otherwise):
         more = f" (+{len(built) - 3} more)" if len(built) > 3 else ""
         out.append(OTHER_PATH.format(attrs=", ".join(built[:3]) + more))
@@ -389,7 +396,8 @@ def notes(fid: dict[str, Any] | None, step: Step) -> list[str]:
     if fid.get("reused") is not None:
         return out + [REUSED.format(first=fid["reused"], n=before[-1] + 1, calls=fid["calls"])]
     what = _changed_params(fid["changed"]) if fid.get("changed") else \
-        f"{_trained(fid['trained'])}, which another optimizer trains,"
+        f"tensor attribute{'s' if len(fid['trained']) > 1 else ''} " \
+        f"{added.names_text(fid['trained'])}, which another optimizer trains,"
     return out + [f"{which} ran before {what} changed and "
             f"{'differs' if len(before) == 1 else 'differ'} in the re-run; the event's "
             f"forward, micro-batch {before[-1] + 1}, ran after the change on the values the "
@@ -410,9 +418,3 @@ REUSED = (
     "as the last write left it (the recorder keeps copies of the inputs from the next forward "
     "on); the event's forward, micro-batch {n}, re-runs as recorded ({calls} calls before its "
     "first non-finite one agree)")
-
-
-def _trained(names: list[str]) -> str:
-    more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
-    return ("tensor attribute " if len(names) == 1 else "tensor attributes ") + \
-        ", ".join(names[:3]) + more

@@ -14,7 +14,7 @@ from recorder.finite import finite, kind_of
 from . import below_one, output_places, outside
 from .backward_report import backward_fields as _backward_fields
 from .backward_report import node_hints, report_backward
-from .cached_grads import cached_hint, cached_note, gradient_cached
+from .cached_grads import cached_hint, gradient_cached
 from .cause import classify
 from .cause_text import inf_arith
 from .copied_rows import recause
@@ -41,6 +41,7 @@ from .loss_grad import node_in_loss, probed_report
 from .loss_infinities import LossCall, infinity_advice, others_text
 from .loss_maker import loss_op_finder
 from .loss_node import loss_node
+from .loss_swapped import not_called_note
 from .losses import held_state_cause, non_finite_loss_state
 from .masked_targets import watched_loss_rerun
 from .nan_factor import nan_factor_text
@@ -290,11 +291,4 @@ def report_entering(report, step: Step, runner: Runner) -> dict[str, Any] | None
 
 
 def _not_called(step: Step) -> str:
-    info = step.meta.get("loss") or {}
-    if gradient_cached(step):  # (called before the step, on a no-grad pass's outputs)
-        return cached_note(step)
-    return (f"the loss_fn given to the recorder ({info.get('name') or info.get('class')}) was "
-            "not called in this "
-            "step, so the replay had no loss to re-run"
-            + (": a plain function is seen only when called as rec.loss_fn(...)"
-               if info.get("kind") == "function" else ""))
+    return not_called_note(step)

@@ -19,6 +19,7 @@ from recorder.capture import distribution_labels, flatten_tree, output_leaves
 from recorder.finite import finite, kind_of
 
 from .load import Step, output_grads
+from .loss_swapped import swapped_hint
 from .recorded import samples
 from .rerun import Runner
 
@@ -226,6 +227,8 @@ def replayable_loss_hint(step: Step) -> str:
     if (i := loop_differentiated_forward(step)) is not None:
         return ATTACK_LOSS.format(i=i)
     if loss_fn_not_called(step):
+        if (swapped := swapped_hint(step)) is not None:
+            return swapped
         return ("call the loss through the recorder, loss = rec.loss_fn(out, target) (a plain "
                 "function cannot be hooked, so one called directly is not seen), so the replay "
                 "re-runs it and names the op" if info.get("kind") == "function" else

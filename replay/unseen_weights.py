@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import added_layers as added
 from .findings import finish, origin_fields
 from .load import Step
 from .rerun import Runner
@@ -44,6 +45,9 @@ def report_unseen_weights(report, step: Step, runner: Runner) -> dict[str, Any] 
     if run.error is not None or again is None or not again.outputs_finite:
         return None
     label = name or "<root>"
+    if after := added.after_attach(step):  # (what it ran with: the tensors added since)
+        report["problems"] = [p for p in report["problems"] if p != added.text(after)]
+        return other_weights_report(report, ev, added.text(after), added.HINT)
     return other_weights_report(report, ev, (
         f"'{label}' took finite inputs and made {ev.get('kind')} in training, but re-run on "
         "the bundle's weights it is finite: that forward most likely ran with weights the "
