@@ -96,9 +96,11 @@ def _leaves(node: Any, path: str):
         return
     if "$t" in node:
         yield path, node
+    elif "$ndarray" in node:  # (a NumPy array of ids, recorded as a tensor)
+        yield from _leaves(node["$ndarray"], path)
     elif "$list" in node or "$tuple" in node:
         items = node.get("$list", node.get("$tuple")) or []
-        if items and all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in items):
+        if items and all(_plain_id(v) for v in items):
             yield path, items
             return
         yield from _per_record(items, path)
@@ -123,6 +125,18 @@ def _object_tag(node: dict) -> str | None:
     return found[0] if found else tag_of(node)
 
 
+def _plain_id(v: Any) -> bool:
+    """A JSON integer or string, or a NumPy integer (an id a hand collate took from a pandas
+    column or an ``np.arange``, recorded as ``{"$numpy": "int64", "value": 17}``)."""
+    return isinstance(v, (str, int)) and not isinstance(v, bool) or _numpy_int(v) is not None
+
+
+def _numpy_int(v: Any) -> int | None:
+    ok = isinstance(v, dict) and str(v.get("$numpy", "")).startswith(("int", "uint")) \
+        and type(v.get("value")) is int
+    return v["value"] if ok else None
+
+
 def _per_record(items: list, path: str):
     """(raw path, values) of each key a list of record dicts (a collate_fn's ``list``, a
     detection loader's targets) holds a number, a string or a 0-d tensor at in every one:
@@ -134,8 +148,7 @@ def _per_record(items: list, path: str):
         return
     for k in dicts[0]:
         values = [d[k] for d in dicts]
-        if all(isinstance(v, (str, int)) and not isinstance(v, bool)
-               or isinstance(v, dict) and "$t" in v for v in values):
+        if all(_plain_id(v) or isinstance(v, dict) and "$t" in v for v in values):
             yield f"{path}[*][{json.dumps(k)}]", values
 
 
@@ -174,6 +187,8 @@ def _scalar(step: Step, v: Any) -> int | str | None:
     """A record's identifier: a JSON number or string, or a 0-d integer tensor's value."""
     if not isinstance(v, dict):
         return v
+    if (i := _numpy_int(v)) is not None:
+        return i
     t = step.tensors.get(v.get("$t"))
     ok = isinstance(t, torch.Tensor) and t.dim() == 0 and not t.is_floating_point() \
         and not t.is_complex() and t.dtype != torch.bool

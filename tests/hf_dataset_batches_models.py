@@ -7,6 +7,7 @@ an empty text."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -57,8 +58,12 @@ def features(bad: int | None = None) -> Dataset:
 
 
 def keyed_collate(items: list[dict]) -> dict:
+    """The tensors, the records' string keys, their row numbers as a NumPy array and as a list
+    of NumPy integers (as a pandas index gives them), and the batch's size."""
+    rows = [np.int64(int(r["__key__"].rpartition("/")[2])) for r in items]
     return {"x": torch.stack([r["x"] for r in items]), "y": torch.stack([r["y"] for r in items]),
-            "__key__": [r["__key__"] for r in items], "n": len(items)}
+            "__key__": [r["__key__"] for r in items], "row_id": np.array(rows),
+            "example_id": rows, "n": len(items)}
 
 
 def keyed_loader(data: Dataset, seed: int = 1) -> DataLoader:

@@ -89,10 +89,13 @@ def test_an_empty_text_in_a_batch_encoding_names_its_row_its_idx_and_drops(tmp_p
         rep["what_if"]
 
 
-def test_an_inf_feature_names_the_record_by_its_webdataset_key(tmp_path):
+def test_an_inf_feature_names_the_record_by_its_key_and_numpy_ids(tmp_path):
     """Record 21 holds an inf feature; the collated dict carries each record's ``__key__`` (a
-    string, WebDataset's name for a sample; a bare ``key`` was taken for an attention's before)
-    and a Python int: the input event names the row, the report the record's key."""
+    string, WebDataset's name for a sample; a bare ``key`` was taken for an attention's
+    before), its row as a NumPy array (stored as its ``repr`` before: the replay stopped,
+    'cannot be rebuilt') and as a list of NumPy integers (not taken for ids before), and a
+    Python int: the input event names the row, the report the record's ids, and dropping the
+    row (from the array too) leaves the step finite."""
     bad = 21
     step, row = where(M.keyed_loader(M.features(bad)), f"shard-0/{bad:05d}", "__key__")
     with pytest.raises(NonFiniteError) as info:
@@ -103,5 +106,6 @@ def test_an_inf_feature_names_the_record_by_its_webdataset_key(tmp_path):
     rep = replay.replay(info.value.bundle_path, tries=[f"drop={row}"])
     o = rep["origin"]
     assert (o["phase"], o["samples"], rep["cause"]) == ("input", [row], "input"), o
-    assert o["records"] == {'batch["__key__"]': [f"shard-0/{bad:05d}"]}, o
+    assert o["records"] == {'batch["__key__"]': [f"shard-0/{bad:05d}"],
+                            'batch["row_id"]': [bad], 'batch["example_id"]': [bad]}, o
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
