@@ -24,6 +24,7 @@ from torch.nn.utils.rnn import PackedSequence
 from . import objects, tensor_collections
 from .compat import distributions_validate_default
 from .numeric_switches import numeric_switches
+from .numpy_values import numpy_node, numpy_rebuilt
 from .objects import UnrebuildableLeaf, member
 from .sparse import SPARSE, nested_node, rebuild_nested, rebuild_sparse, sparse_node
 
@@ -35,29 +36,6 @@ def _json_float(x: float) -> Any:
     # repr of the float itself: a subclass's (NumPy's float64 from a schedule's np.exp, a
     # float before the NumPy scalars are seen) reads 'np.float64(nan)', which float() refuses
     return x if math.isfinite(x) else {"$float": repr(float(x))}
-
-
-def _numpy_scalar(o: Any) -> dict[str, Any] | None:
-    """A NumPy bool, integer or floating scalar (a task id from ``rng.integers``, which is no
-    Python ``int``) as ``{"$numpy": dtype name, "value": its value}``; None for anything else
-    (NumPy is not imported: a run that made one has it)."""
-    if type(o).__module__ != "numpy" or getattr(getattr(o, "dtype", None), "kind", None) \
-            not in ("b", "i", "u", "f") or getattr(o, "shape", None) != ():
-        return None
-    v = o.item()
-    return {"$numpy": o.dtype.name, "value": _json_float(v) if isinstance(v, float) else v}
-
-
-def _numpy_rebuilt(node: dict[str, Any]) -> Any:
-    try:
-        import numpy
-        dtype = numpy.dtype(node["$numpy"])
-        if dtype.kind not in ("b", "i", "u", "f"):
-            raise TypeError(dtype.kind)
-        v = node.get("value")
-        return dtype.type(float(v["$float"]) if isinstance(v, dict) else v)
-    except (ImportError, TypeError, ValueError, KeyError) as e:
-        raise UnrebuildableLeaf(f"numpy {str(node.get('$numpy'))[:20]} ({e})") from None
 
 
 def flatten_tree(obj: Any, prefix: str, leaf=None, whole=None
@@ -117,7 +95,7 @@ def flatten_tree(obj: Any, prefix: str, leaf=None, whole=None
             return {"$device": str(o)}
         if whole is not None and (node := whole(o)) is not None:
             return node
-        return _numpy_scalar(o) or {"$repr": repr(o)[:200], "$type": type(o).__qualname__}
+        return numpy_node(o, path, put) or {"$repr": repr(o)[:200], "$type": type(o).__qualname__}
 
     return walk(obj, ""), tensors, paths
 
@@ -187,8 +165,8 @@ def unflatten_tree(node: Any, tensors: dict[str, torch.Tensor], leaf=None) -> An
                                                              leaf, names=False))
         if "$float" in node:
             return float(node["$float"])
-        if "$numpy" in node:
-            return _numpy_rebuilt(node)
+        if "$numpy" in node or "$ndarray" in node:
+            return numpy_rebuilt(node, lambda inner: unflatten_tree(inner, tensors, leaf))
         if "$dtype" in node:
             return getattr(torch, node["$dtype"])
         if "$device" in node:

@@ -30,11 +30,14 @@ from .load import Step
 # a word for the record (sample_id, image_idx, file_path); not an entity's (user_id, item_id)
 _ID_WORDS = {"id", "ids", "idx", "idxs", "index", "indices", "uid", "uids", "path", "paths",
              "file", "files", "filename", "filenames", "fname", "fnames", "url", "urls", "uri",
-             "uris", "name", "names", "key", "keys"}
+             "uris", "name", "names", "key", "keys", "guid", "guids", "uuid", "uuids", "qid",
+             "qids", "filepath", "filepaths", "fpath", "fpaths"}
 _RECORD_WORDS = {"sample", "samples", "record", "records", "example", "examples", "row", "rows",
                  "data", "dataset", "image", "images", "img", "file", "instance", "utt",
                  "utterance", "doc", "document", "clip", "video", "audio", "wav", "scan",
-                 "patient", "subject", "case", "batch", "source", "src"}
+                 "patient", "subject", "case", "batch", "source", "src", "rec", "query",
+                 "question", "sentence", "text", "seq", "sequence", "slide", "tile", "protein",
+                 "mol", "molecule"}
 _LAST = re.compile(r'(?:\["([^"]+)"\]|\.(\w+))$')
 _SHOWN = 8  # records listed in the note
 
@@ -73,7 +76,8 @@ def identifiers(step: Step, entry: dict, n: int):
                           (entry.get("loss_inputs"), loss_path)):
         for raw, value in _leaves(tree, ""):
             values = _values(step, value, n)
-            if values is not None and _id_name(raw) and (name := name_of(raw)) not in seen:
+            if values is not None and _id_name(raw, values) \
+                    and (name := name_of(raw)) not in seen:
                 seen.add(name)
                 yield name, values
 
@@ -92,9 +96,11 @@ def _leaves(node: Any, path: str):
         return
     if "$t" in node:
         yield path, node
+    elif "$ndarray" in node:  # (a NumPy array of ids, recorded as a tensor)
+        yield from _leaves(node["$ndarray"], path)
     elif "$list" in node or "$tuple" in node:
         items = node.get("$list", node.get("$tuple")) or []
-        if items and all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in items):
+        if items and all(_plain_id(v) for v in items):
             yield path, items
             return
         yield from _per_record(items, path)
@@ -105,12 +111,30 @@ def _leaves(node: Any, path: str):
     elif "$dict" in node:
         for k, v in node["$dict"]:
             yield from _leaves(v, f"{path}[{json.dumps(k)}]")
-    elif "$dataclass" in node:
-        for k, v in node.get("$fields") or []:
-            yield from _leaves(v, f"{path}.{k}")
-    elif (tag := tag_of(node)) is not None:  # (a TensorDict's keys, a tensorclass's fields)
-        for k, v in node.get("$fields") or []:
-            yield from _leaves(v, path + member(tag, str(k)))
+    elif (tag := _object_tag(node)) is not None:
+        for item in node.get("$fields") or []:
+            if isinstance(item, list) and len(item) == 2:
+                yield from _leaves(item[1], path + member(tag, str(item[0])))
+
+
+def _object_tag(node: dict) -> str | None:
+    """The tag of a node recorded by its fields or keys: a dataclass, a mapping that is no dict
+    (transformers' ``BatchEncoding``, what ``DataCollatorWithPadding`` returns), a keyed batch
+    object, a TensorDict or a tensorclass."""
+    found = [t for t in ("$dataclass", "$mapping", "$keyed") if t in node]
+    return found[0] if found else tag_of(node)
+
+
+def _plain_id(v: Any) -> bool:
+    """A JSON integer or string, or a NumPy integer (an id a hand collate took from a pandas
+    column or an ``np.arange``, recorded as ``{"$numpy": "int64", "value": 17}``)."""
+    return isinstance(v, (str, int)) and not isinstance(v, bool) or _numpy_int(v) is not None
+
+
+def _numpy_int(v: Any) -> int | None:
+    ok = isinstance(v, dict) and str(v.get("$numpy", "")).startswith(("int", "uint")) \
+        and type(v.get("value")) is int
+    return v["value"] if ok else None
 
 
 def _per_record(items: list, path: str):
@@ -124,8 +148,7 @@ def _per_record(items: list, path: str):
         return
     for k in dicts[0]:
         values = [d[k] for d in dicts]
-        if all(isinstance(v, (str, int)) and not isinstance(v, bool)
-               or isinstance(v, dict) and "$t" in v for v in values):
+        if all(_plain_id(v) or isinstance(v, dict) and "$t" in v for v in values):
             yield f"{path}[*][{json.dumps(k)}]", values
 
 
@@ -147,14 +170,16 @@ def _values(step: Step, leaf: Any, n: int) -> list | None:
     return values if len(values) == n and 2 * len(set(values)) > n else None
 
 
-def _id_name(raw: str) -> bool:
+def _id_name(raw: str, values: list) -> bool:
     m = _LAST.search(raw)
     name = (m.group(1) or m.group(2)) if m else ""
     words = [w for w in re.split(r"[_\W]+", name.lower()) if w]
     if not words or words[-1] not in _ID_WORDS:
         return False
-    if len(words) == 1:
-        return words[0] not in ("name", "names", "key", "keys")  # (a key of attention)
+    if len(words) == 1:  # a bare key names a record by strings only (WebDataset's __key__),
+        # never an attention's key; a bare name may be a class's
+        return words[0] not in ("name", "names", "key", "keys") \
+            or words[0] in ("key", "keys") and all(isinstance(v, str) for v in values)
     return len(words) == 2 and words[0] in _RECORD_WORDS
 
 
@@ -162,6 +187,8 @@ def _scalar(step: Step, v: Any) -> int | str | None:
     """A record's identifier: a JSON number or string, or a 0-d integer tensor's value."""
     if not isinstance(v, dict):
         return v
+    if (i := _numpy_int(v)) is not None:
+        return i
     t = step.tensors.get(v.get("$t"))
     ok = isinstance(t, torch.Tensor) and t.dim() == 0 and not t.is_floating_point() \
         and not t.is_complex() and t.dtype != torch.bool
