@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from . import bundle, event_text, events, ranks
+from .abandoned import clear_abandoned
 from .capture import distributed_rank
 from .compiled import compiled_loss
 from .errors import NonFiniteError, first_line
@@ -107,8 +108,11 @@ class Alarm:
         self.renamed = target.rename()
         _mark_changed_inputs(tape)
         try:
+            values = row.tolist()
+            # (the statistics of a forward that raised, which the loop caught: see abandoned)
+            handled = reason == "non_finite" and clear_abandoned(tape, layout, values)
             evidence = StepEvidence(
-                row.tolist(), layout, tape, target.module_names, target.module_types,
+                values, layout, tape, target.module_names, target.module_types,
                 target.param_names, [p for _, p in target.params], target.allowed_modules,
                 strict_inf=self.settings.strict_inf, params_from_update=tape.params_from_update,
                 changed=set(target.changed_in_step(tape)) | set(target.written_in_step(tape)),
@@ -119,7 +123,7 @@ class Alarm:
                 # as its backward ended, recorder.calls.CallHooks.backward_wrote)
                 weights_moved=not target.has_optimizer and not tape.close_queued
                 or moved_in_step(tape, target.watched))
-            event = events.find_event(evidence, reason)
+            event = None if handled else events.find_event(evidence, reason)
             if event is None or event.detail == events.UNIDENTIFIED:  # (only a statistic)
                 event = statistic_event(evidence, target.running_stats) or event
             settle_targets(tape.micro_batches)  # (each micro-batch's kept loss call chosen)

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from .abandoned import marked
 from .capture import flatten_tree, map_tensors, tensor_leaves
 from .compat import scaler_tensors
 from .entries import hyper_entry, jsonish, micro_batch_entry, named_params
@@ -111,9 +112,9 @@ class Rewind:
             return
         prefix = f"rewind/step/{tape.step}/"
         tensors: dict[str, torch.Tensor] = {}
-        mbs = [micro_batch_entry(prefix, i, mb, tensors, tape.micro_batches[:i], self.modules,
-                                 named_params(params))
-               for i, mb in enumerate(tape.micro_batches)]
+        mbs = marked(tape, [micro_batch_entry(prefix, i, mb, tensors, tape.micro_batches[:i],
+                                              self.modules, named_params(params))
+                            for i, mb in enumerate(tape.micro_batches)])
         for k in list(tensors):
             tensors[k] = _to_host(tensors[k])
         hyper = _hyper(optimizer) if optimizer is not None else []

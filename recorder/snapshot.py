@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .abandoned import marked
 from .added_params import added_after_attach
 from .attributes import AttributeWatch, trained_tensors
 from .bundle import FORMAT, VERSION
@@ -98,10 +99,10 @@ def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
         meta["rng"] = rng_meta
         tensors.update(rng_tensors)
         mbs = tape.micro_batches
-        meta["micro_batches"] = [micro_batch_entry("", i, mb, tensors, mbs[:i],
-                                                   target.module_ids,
-                                                   named_params(target.params))
-                                 for i, mb in enumerate(mbs)]
+        meta["micro_batches"] = marked(tape, [micro_batch_entry("", i, mb, tensors, mbs[:i],
+                                                                target.module_ids,
+                                                                named_params(target.params))
+                                              for i, mb in enumerate(mbs)])
         for entry, mb in zip(meta["micro_batches"], tape.micro_batches):
             s = of_micro_batch(mb, target.seq_first, target.recurrent)  # (for the replay)
             entry["samples"] = {"size": s.size, "seq_first": s.seq_first,

@@ -165,7 +165,8 @@ def _event_step(step: Step, run: Run, r: int, names: list[str], fields: list[str
     rerun = _rerun_pairs(run)
     sliced = tensor_parallel(meta)  # (the recorded statistics may be of activation slices)
     seen: dict[tuple[str, int], int] = {}
-    done: set[int] = set()  # micro-batches whose root call completed
+    # micro-batches whose root call completed, or which the re-run skips (recorder.abandoned)
+    done = {i for i, m in enumerate(step.micro_batches) if m.get("abandoned")}
     compared = 0
     for (lo, hi), m, mb in zip(stats, mods, mbs):
         if m < 0 or m >= len(names) or mb in done or mb < first:  # past a truncated row's

@@ -104,8 +104,11 @@ def _batch_nan(step: Step, last: int) -> bool:
 def _as_run(step: Step, i: int) -> bool:
     """Whether the bundle holds micro-batch ``i``'s inputs as its forward took them: not one
     whose tensor the next forward took again (``taken_again``: a sampler stepping it through
-    .data, bundled as its last write left it), unless it is the event's own."""
-    return not step.micro_batches[i].get("taken_again") or i == step.event.get("micro_batch")
+    .data, bundled as its last write left it), unless it is the event's own; nor one whose
+    forward raised and which the loop skipped (``abandoned``: see recorder.abandoned)."""
+    mb = step.micro_batches[i]
+    return not mb.get("abandoned") and (not mb.get("taken_again")
+                                        or i == step.event.get("micro_batch"))
 
 
 def _event_micro_batch(step: Step) -> int:

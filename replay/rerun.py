@@ -198,6 +198,8 @@ class Runner:
         try:
             with _default_dtype(self.cast):
                 for i, mb in enumerate(self.step.micro_batches):
+                    if mb.get("abandoned") and _abandoned(result):  # (recorder.abandoned)
+                        continue
                     self.micro_batch = i
                     if mb.get("grads_dropped"):  # as the loop's zero_grad did before this one
                         result.dropped.setdefault(i, dropped_non_finite(self.model))
@@ -442,3 +444,13 @@ def _dict_total(loss: dict) -> torch.Tensor | None:
 def _enter(ctx):
     """A fresh context from the ``ctx`` factory, or none."""
     return ctx() if ctx is not None else contextlib.nullcontext()
+
+
+def _abandoned(result: Run) -> bool:
+    """Empty places for a micro-batch whose forward raised and which the loop skipped: no
+    part of the step's update, so not run again (its forward would raise again, on the refused
+    batch's NaN, before the micro-batch the event is in). True."""
+    result.inputs.append({})
+    result.outputs.append([])
+    result.objects.append(None)
+    return True
