@@ -28,8 +28,8 @@ def text(found: dict[str, list[str]]) -> str:
             f"{names_text(found.get('added') or [])}), added after it attached (a block appended "
             "to a ModuleList or Sequential, a new head, weight_norm or another parametrization "
             "registered with new tensors)"
-            + (f", and no longer had {names_text(gone)}, which the bundle holds as the recorder last saw them"
-               if gone else "")
+            + (f", and no longer had {names_text(gone)}, which the bundle holds as the recorder "
+               "last saw them" if gone else "")
             + ": the recorder neither hooked, checked nor bundled them, so this step cannot be "
             "re-run as it ran; call rec.detach() then rec.attach() right after changing the "
             "model, then the bundle holds the model that ran (and a factory that builds it "

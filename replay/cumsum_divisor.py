@@ -6,9 +6,10 @@ on a whole range (``relu``) the running sum is exactly 0 at every position befor
 nonzero term: the leading positions of a left-padded row (a zero embedding through bias-free
 projections), or a row whose first keys all fall below 0. The advice for 0/0 (an eps, skip
 the rows, a padding id's zero row) says what happened there, not that the divisor is a running
-sum nor that ``elu(x) + 1`` keeps it positive by construction: the hint gains that. Only for an invalid division origin: one forward re-run follows the cumsum's
-output (through views, casts, products and sums: the normaliser's dot product with the
-queries) into the divisor of the op at the origin's line.
+sum nor that ``elu(x) + 1`` keeps it positive by construction: the hint gains that. Only for
+an invalid division origin: one forward re-run follows the cumsum's output (through views,
+casts, products and sums: the normaliser's dot product with the queries) into the divisor of
+the op at the origin's line.
 """
 
 from __future__ import annotations

@@ -85,8 +85,9 @@ def gradients_from_the_loop(report, step: Step, reached: bool = False,
                                           param=(params or [None])[0],
                                           made=step.event.get("kind")),
                     "not_reproduced", reproduced=False)
+    used = f" ({', '.join(params)})" if params else ""
     report["hint"] = ((backward_missing_text(step, params) or unreached_calls_text(step) + (
-        f"the gradients the update was about to use{' (' + ', '.join(params) + ')' if params else ''}"
+        f"the gradients the update was about to use{used}"
         + (TRANSFORMED_GRADS if transformed else
            " were written by the loop's own code, not by backward through the model: per-sample "
         "gradients (torch.func.vmap/grad), a hand-written clip or noise, gradients set or "

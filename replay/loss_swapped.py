@@ -41,8 +41,9 @@ def not_called_note(step: Step) -> str:
     if (swap := last_called(step)) is not None:
         last, first = swap
         return (f"{head}: it was called up to step {last} and in none of the steps since "
-                f"({first} to {step.event['step']}): the loop computes its loss with another object since then (a loss swapped "
-                f"mid-run, criterion = FocalLoss() after a warm-up, a curriculum's next loss), "
+                f"({first} to {step.event['step']}): the loop computes its loss with another "
+                "object since then (a loss swapped mid-run, criterion = FocalLoss() after a "
+                "warm-up, a curriculum's next loss), "
                 f"which the recorder neither checks nor keeps, so the replay had no loss to "
                 f"re-run")
     return (f"{head}, so the replay had no loss to re-run"
