@@ -4,7 +4,7 @@ touches this file only.
 Each name here wraps one private detail: version counters and view bases (how the recorder
 knows an output is unchanged), foreach kernels (one call for many small tensors), BatchNorm's
 base class (statistics that change without moving the version counter), GradScaler's scale, growth
-tracker and per-step state, torch.func's transform stack, compile wrappers (dynamo's ``OptimizedModule`` and in-place compilation), dynamo's mark for a
+tracker and per-step state, torch.func's transform stack, compile wrappers (dynamo's ``OptimizedModule`` and in-place compilation), dynamo's switch that traces backward, dynamo's mark for a
 function it must run and not trace, and
 the autocast regions a decorated ``forward`` enters, torch.distributions' default
 ``validate_args``, an ``nn.Module``'s own slots (what its ``named_*`` methods leave out: ``None`` entries and the
@@ -15,6 +15,7 @@ a process group's key-value store (where the ranks meet at attach).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -372,6 +373,35 @@ def frame_compiled(fn: Any) -> bool:
     function ``torch.compile`` was given, not inlined into a caller's graph)."""
     code = getattr(fn, "__code__", None)
     return code is not None and _cache_entries is not None and bool(_cache_entries(code))
+
+
+def traces_backward() -> bool:
+    """Dynamo traces ``Tensor.backward()`` into compiled code
+    (``torch._dynamo.config.trace_autograd_ops``); False while dynamo is not loaded."""
+    config = sys.modules.get("torch._dynamo.config")
+    return bool(getattr(config, "trace_autograd_ops", False))
+
+
+def forget_every_compiled_code() -> bool | None:
+    """Drop the code dynamo compiled for every frame it compiled in this process (the code
+    objects its ``convert_frame`` trackers hold, as ``torch._dynamo.reset_code_caches`` does,
+    without its other state), so that each compiles again at its next call. Whether any was
+    dropped; None where this torch keeps no such trackers."""
+    frames = sys.modules.get("torch._dynamo.convert_frame")
+    if frames is None:  # (nothing was compiled)
+        return False
+    trackers = [getattr(frames, name, None) for name in ("input_codes", "output_codes")]
+    if _cache_entries is None or _reset_code is None \
+            or not all(isinstance(getattr(t, "seen", None), list) for t in trackers):
+        return None
+    dropped = False
+    with getattr(frames, "compile_lock", contextlib.nullcontext()):
+        for ref in [r for t in trackers for r in t.seen]:
+            code = ref()
+            if code is not None and _cache_entries(code):
+                _reset_code(code)
+                dropped = True
+    return dropped
 
 
 def forget_compiled_code(wrapper: nn.Module) -> bool:

@@ -30,6 +30,7 @@ from .compat import (
     compiles,
     dynamo_disabled,
     forget_compiled_code,
+    forget_every_compiled_code,
     frame_compiled,
     is_compile_wrapper,
     uncompiled,
@@ -91,9 +92,17 @@ def hook_sites(root: nn.Module, wrapper: nn.Module | None = None,
 
 
 def compile_with_hooks(root: nn.Module, wrapper: nn.Module | None) -> None:
-    """After the recorder's hooks are registered: every compile wrapper around or inside
-    ``root`` compiles again at its next call, with them (see
-    :func:`~recorder.compat.forget_compiled_code`); one that never ran has nothing to drop."""
+    """After the recorder's hooks are registered: code dynamo compiled before runs the model's
+    modules without them, as it guards on no module hook (see
+    :func:`~recorder.compat.forget_compiled_code`). Not only a compile wrapper's, shared by
+    every ``torch.compile(module)``, the recorder not given one (the loop compiled its own copy
+    of the model), but a compiled training step's that traced the model in: the same step
+    function run before in this process (a run without the recorder, an earlier fold, a
+    notebook cell run again), whose forward the recorder then never saw. So every frame dynamo
+    compiled compiles again at its next call, with them (once, at attach); a process that
+    compiled nothing has nothing to drop."""
+    if forget_every_compiled_code() is not None:
+        return
     for m in [wrapper, *root.modules()]:
         if m is not None and is_compile_wrapper(m):
             forget_compiled_code(m)
