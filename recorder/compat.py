@@ -4,8 +4,9 @@ touches this file only.
 Each name here wraps one private detail: version counters and view bases (how the recorder
 knows an output is unchanged), foreach kernels (one call for many small tensors), BatchNorm's
 base class (statistics that change without moving the version counter), GradScaler's scale, growth
-tracker and per-step state, torch.func's transform stack, compile wrappers (dynamo's ``OptimizedModule`` and in-place compilation), dynamo's switch that traces backward, dynamo's mark for a
-function it must run and not trace, and
+tracker and per-step state, torch.func's transform stack, compile wrappers (dynamo's
+``OptimizedModule`` and in-place compilation), dynamo's switch that traces backward, dynamo's
+mark for a function it must run and not trace, and
 the autocast regions a decorated ``forward`` enters, torch.distributions' default
 ``validate_args``, an ``nn.Module``'s own slots (what its ``named_*`` methods leave out: ``None`` entries and the
 non-persistent buffer names), whether a backward is running (checkpointing's recomputation),

@@ -31,6 +31,7 @@ from .shards import local
 from .slots import _WIDE, STRICT, FlatViews, Slots
 from .tape import Tape
 from .target import Target
+from .traced_backward import say_backward_wrote_nothing
 from .unheld_params import say_unheld
 from .unwatched_loss import LossWatch
 
@@ -141,7 +142,8 @@ class OptimizerGuard:
         if (watch := self.loss_watch) is not None and watch.armed and tape.micro_batches \
                 and not tape.evaluation:
             watch.step_closed(tape)  # (the first training step: said once)
-            say_unheld(self.target.model(), optimizer, self.target.loss_module())
+            if not say_backward_wrote_nothing(optimizer):  # (else no gradient says anything)
+                say_unheld(self.target.model(), optimizer, self.target.loss_module())
         if self.settings.guard_optimizer and not self.alarm.fired:
             self.copies = _copy_for_guard(optimizer, self.target.params)
             self.last_tape = tape

@@ -1,5 +1,5 @@
 """Parameters the optimizer holds that the model no longer uses, said once as the first
-training step closes (as is a traced backward that wrote no gradient: recorder.traced_backward).
+training step closes.
 
 The recorder is built with an optimizer over the model's parameters (checked then). A resume
 that loads a checkpoint with ``model.load_state_dict(state, assign=True)`` (as a meta-device
@@ -16,7 +16,6 @@ import logging
 import torch
 from torch import nn
 
-from .traced_backward import say_backward_wrote_nothing
 from .validate import stray_params
 
 log = logging.getLogger("nanreplay")
@@ -26,7 +25,7 @@ def say_unheld(model: nn.Module | None, optimizer: torch.optim.Optimizer | None,
                loss_fn: nn.Module | None = None) -> None:
     """Log, once per call, the optimizer's parameters that ``model`` (or the loss module,
     whose learnable parameters the optimizer may hold) no longer holds."""
-    if model is None or optimizer is None or say_backward_wrote_nothing(optimizer):
+    if model is None or optimizer is None:
         return
     gone = stray_params(model, optimizer, loss_fn)
     if not gone:
