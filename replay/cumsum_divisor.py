@@ -67,11 +67,12 @@ class _Following(TorchDispatchMode):
                 self.found = self.lines.get(id(divisor)) or "?"
 
 
-def cumsum_divisor_hint(runner, hint: str | None, cause: str, hit) -> str | None:
+def cumsum_divisor_hint(runner, hint: str | None, cause: str, hit, loss: bool = False
+                        ) -> str | None:
     """``hint`` for an invalid division origin ``hit`` whose divisor was made of a cumulative
     sum (see the module's docstring), with the running normaliser's sentence after what the
-    readings before said (a Performer's kernel_epsilon of 0, a padding id's zero row);
-    ``hint`` as it is otherwise."""
+    readings before said (a Performer's kernel_epsilon of 0, a padding id's zero row), that of
+    a loss's running sum with ``loss``; ``hint`` as it is otherwise."""
     if cause != "invalid" or not hint or hit is None or hit.source is None \
             or hit.op.rstrip("_") not in ("aten.div", "aten.reciprocal"):
         return hint
@@ -82,8 +83,15 @@ def cumsum_divisor_hint(runner, hint: str | None, cause: str, hit) -> str | None
         return hint
     if follow.found is None:
         return hint
-    return (f"{hint}. Its divisor is made of a cumulative sum (at {follow.found}): a running "
-            "normaliser (linear attention's z_t = sum of phi(k_s) up to t) is exactly 0 "
+    said = f"{hint}. Its divisor is made of a cumulative sum (at {follow.found}): a running "
+    if loss:
+        return (said + "sum is exactly 0 before its first nonzero term: a running mean's "
+                "cumsum(mask) over a row whose leading positions are masked (left padding, "
+                "no valid step yet), a risk set's or cumulative hazard's cumsum(exp(h)) "
+                "whose head terms are 0 (underflowed, or weights of 0); divide by a count "
+                "kept above 0 (cumsum(mask).clamp_min(1), den + eps) or leave the positions "
+                "before the first nonzero term out of the loss")
+    return (said + "normaliser (linear attention's z_t = sum of phi(k_s) up to t) is exactly 0 "
             "before its first nonzero term, at a left-padded row's leading positions (zero "
             "keys) or where a feature map that is 0 on a range (relu) zeroed every key so "
             "far; a strictly positive feature map (elu(x) + 1) keeps it above 0 by "

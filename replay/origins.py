@@ -20,6 +20,7 @@ from .cause_text import inf_arith
 from .copied_rows import recause
 from .coupled import coupled_rows
 from .cumsum_diff import cumsum_diff_hint
+from .cumsum_divisor import cumsum_divisor_hint
 from .derived_args import derived_arg_report
 from .dropped_grads import finite_params_note
 from .empty_mask import loss_reproduced
@@ -113,6 +114,8 @@ def _made_of(runner: Runner, finder, cause, hit) -> str | None:
     ``exp(sim / tau)``, ``replay.exp_overflow``)."""
     hint = loss_lineage_hint(finder.lineage, cause, hit)
     hint = cumsum_diff_hint(runner, hint, cause.name, hit)  # (a summed-area table's box sum)
+    # (a running mean's cumsum(x) / cumsum(mask), a Cox loss's risk-set sum, still 0)
+    hint = cumsum_divisor_hint(runner, hint, cause.name, hit, loss=True)
     return exp_overflow_hint(runner, hint, cause.name, hit)
 
 

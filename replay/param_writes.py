@@ -30,6 +30,7 @@ from .half_cast import half_cast_text
 from .load import Step, micro_batch_inputs
 from .ops import OpFinder
 from .partial_params import partial_hint
+from .quantized_frozen import quantized_frozen_hint
 from .rerun import Runner
 from .uninitialised import built_hint
 from .unit_rows import unit_rows_text
@@ -187,6 +188,9 @@ def _mixed_hint(step: Step, bad: list[str], params: dict, frozen: set, opt: dict
 
 def _frozen_hint(step: Step, bad: list[str], names: str, held: str) -> str:
     """Frozen parameters non-finite as the step began: the loop's EMA update wrote them."""
+    quantized = quantized_frozen_hint(step, bad, names, held, first_recorded(step))
+    if quantized is not None:  # (QLoRA's int8 base weight: nothing updates it)
+        return quantized
     tensors = [t for n in bad if (t := step.tensors.get(f"weights/{n}")) is not None]
     every = all(not torch.isfinite(t).any() for t in tensors) and tensors
     # (some only in whole slices: an element-wise division, a multiplicative update's 0/0)

@@ -30,6 +30,7 @@ from recorder.capture import tensor_leaves
 from recorder.finite import zero_one
 
 from .compat import version
+from .legal_zero import legal_zero, legal_zero_text
 from .memo import TensorMarks, TensorSet
 from .padded_zeros import padded_hint, padding_mask, padding_masks
 
@@ -81,6 +82,7 @@ class RawPole:
         self.diffed = False  # the pole's operand is such a difference
         self.complex = False  # the pole's operand is a complex number made of the batch's
         self.scalar = False  # the pole's operand is one number given with the batch (0-d)
+        self.legal = None  # the spread of the other samples' values, when it holds 0
 
     def _raw(self, x) -> bool:
         # (a view of the batch's storage at the version it was given: no in-place op since)
@@ -152,6 +154,7 @@ class RawPole:
             self.complex, self.scalar = x.is_complex(), x.dim() == 0
             self.input, self.part = self._name_of(x), x in self._part
             self.padding = padding_mask(at_zero, self._masks)
+            self.legal = legal_zero(x, at_zero)  # (samples along dim 0: a t ~ U[0, 1] at 0)
 
 
 def raw_pole_hint(watch: RawPole | None, cause: str | None, hit) -> str | None:
@@ -189,6 +192,12 @@ def raw_pole_hint(watch: RawPole | None, cause: str | None, hit) -> str | None:
                 "drop or merge such rows where the data is made, or floor the difference at "
                 "the resolution the data has (dt.clamp_min(min_dt)). An eps on it would make a "
                 "huge finite rate the model trains on")
+    if watch.legal is not None and not watch.complex:
+        return (f"{hit.op} {what} is the batch's own data ({held}the model's input as given), "
+                "exactly 0 in the samples named; " + legal_zero_text(watch.input or "it",
+                                                                     watch.legal)
+                + "; --try drop= with those samples re-runs the step without them, a check "
+                "that nothing else in them is wrong")
     made = ("; here a complex number made of it and other data, torch.complex(re, im), 0 "
             "where both parts are: an impedance r + jx of 0 is a zero-impedance branch (a "
             "closed switch or bus coupler, whose two ends are one node: merge them where the "

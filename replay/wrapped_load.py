@@ -12,7 +12,8 @@ import torch
 
 from recorder.wrapped import PREFIX, is_wrapper
 
-__all__ = ["as_recorded", "finite_parts", "plain_parts", "rebuilt", "wrapped_entry"]
+__all__ = ["as_recorded", "finite_parts", "non_finite_inner", "plain_parts", "rebuilt",
+           "wrapped_entry"]
 
 
 def wrapped_entry(step, key: str) -> dict[str, Any] | None:
@@ -49,7 +50,7 @@ def _unflatten(step, key: str, entry: dict[str, Any], like: torch.Tensor) -> tor
     return type(like).__tensor_unflatten__(inner, ctx, like.shape, like.stride())
 
 
-def _non_finite_inner(step, key: str) -> str | None:
+def non_finite_inner(step, key: str) -> str | None:
     """The first inner tensor of recorded wrapper ``key`` holding NaN/Inf, with its rows."""
     for k, t in step.tensors.items():
         if k.startswith(f"{PREFIX}{key}/") and t.is_floating_point() and t.numel() \
@@ -69,7 +70,7 @@ def rebuilt(step, key: str, like: torch.Tensor) -> torch.Tensor | None:
     if entry is None:
         return None
     new = _unflatten(step, key, entry, like)
-    if new is not None and (bad := _non_finite_inner(step, key)):
+    if new is not None and (bad := non_finite_inner(step, key)):
         step.problems.append(
             f"{key.removeprefix('weights/')} is a {entry.get('class')} tensor subclass whose "
             f"inner tensor {bad} as the step began: it dequantizes to non-finite values (the "

@@ -48,6 +48,7 @@ from .data_counts import ORDINARY
 from .drop import undroppable
 from .empty_counts import root_inputs
 from .empty_records import batch_data, zero_rows
+from .legal_zero import legal_zero, legal_zero_text
 from .load import Step
 from .recorded import n_args, samples
 from .shared_inputs import loss_input_refs
@@ -129,8 +130,9 @@ def zero_records_hint(report: dict[str, Any], step: Step) -> None:
     if flag is not None:  # (unlabelled samples of a mixed batch, masked after the op)
         report["hint"] = unlabelled_hint(hint, is_are, flag, which)
         return
-    how = (f" (--try drop={which} re-runs the step without them)"
-           if undroppable(step, mb) is None else "")
+    how = "" if undroppable(step, mb) else f" (--try drop={which} re-runs the step without them)"
+    if _legal_said(report, step, rows, names, not zero_div, how):  # (t ~ U[0, 1] at 0)
+        return
     if o.get("masked"):  # (the code's own where dropped the op's value there; or abs's sign(0))
         report["hint"] = _masked_hint(step, mb, names, hint, which, how, o.get("masked_by"))
         return
@@ -156,6 +158,26 @@ def zero_records_hint(report: dict[str, Any], step: Step) -> None:
         f"{hint}. But {is_are} 0 everywhere in sample(s) {which} and not in any other "
         f"sample: a blank record ({like}) drove the op there{hidden}; fix or filter such "
         f"records where the data is made{how}")
+
+
+def _legal_said(report: dict[str, Any], step: Step, rows: list[int], names: list[str],
+                inputs: bool, how: str) -> bool:
+    """Whether the hint now says that one of ``names``, one value per sample and 0 in
+    ``rows``, lies inside the spread of the other samples' values (:mod:`replay.legal_zero`):
+    a legal value to make the op safe at, no blank record."""
+    mb = report["origin"].get("micro_batch") or 0
+    for name, t, d in _records(step, mb, inputs=inputs):
+        if name not in names or t.numel() != t.shape[d]:  # (one number per sample: a time)
+            continue
+        zero = torch.zeros(t.shape, dtype=torch.bool)
+        zero.index_fill_(d, torch.tensor([r for r in rows if r < t.shape[d]]), True)
+        if (spread := legal_zero(t.cpu(), zero, d)) is not None:
+            check = f"; {how.strip(' ()')}, a check that nothing else in them is wrong" \
+                if how else ""
+            report["hint"] = f"{report['hint']}. But " + legal_zero_text(
+                f"{name} in sample(s) {','.join(map(str, rows))}", spread) + check
+            return True
+    return False
 
 
 def _records(step: Step, mb: int, inputs: bool = True, loss: bool = True

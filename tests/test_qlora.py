@@ -10,11 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import qlora_models as M
 import torch
 from torch.nn import functional as F
 
-from recorder import FlightRecorder
+from recorder import FlightRecorder, NonFiniteError
 
 BAD_ROW = 3
 
@@ -120,3 +121,27 @@ def test_wrapper_tensors_are_stored_inner_and_dense():
     assert torch.equal(tensors["wrapped/weights/w/qdata"], w.qdata)
     assert meta["wrapped"]["weights/w"] == {"class": "qlora_models.Int8Weight",
                                             "inner": ["qdata", "scale"], "context": False}
+
+
+@pytest.mark.parametrize("plant", [0, 1])
+def test_nan_scale_of_a_frozen_quantized_weight_says_it_arrived_so_not_an_update(tmp_path, plant):
+    """The int8 base weight is frozen and no optimizer holds it: nothing of the loop updates
+    it. Its NaN scale was called the loop's own EMA update's ('t.mul_(m).add_(s)', a
+    multiplicative update's 0/0); it is now said to have arrived so (a quantized checkpoint,
+    the quantizer's absmax scale), at the first step seen (plant 0) or put there between
+    steps (plant 1: a write into its inner tensor), with the quantizer's floor as the fix."""
+    from replay import replay
+
+    torch.manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        _train(M.make_qlora(), tmp_path, plant=plant)
+    assert info.value.event["step"] == plant
+    rep = replay(str(info.value.bundle_path), factory=M.make_qlora)
+    o, hint = rep["origin"], rep["hint"]
+    assert (rep["event"]["step"], rep["cause"], o["module"], o["op"], o["param"]) == \
+        (plant, "weights", "proj", "aten.mul", "proj.weight"), json.dumps(rep, indent=1)
+    assert o["samples"] == list(range(6)) and o["rows"] == [BAD_ROW]
+    assert "quantized (qlora_models.Int8Weight" in hint and "'scale'" in hint, hint
+    assert "absmax scale of an all-zero block" in hint and "clamp_min(eps)" in hint, hint
+    assert "momentum/EMA target" not in hint and "loop's own update" not in hint, hint
+    assert ("first step the recorder saw" if plant == 0 else "between steps") in hint, hint
