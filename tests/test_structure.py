@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
 import re
 from pathlib import Path
 
@@ -138,6 +139,33 @@ def test_every_module_has_a_layout_row(package):
     assert not twice, f"modules with more than one row in README.md's layout table: {twice}"
 
 
+TEXT_SUFFIXES = {".py", ".md", ".toml", ".txt", ".cfg", ".yaml", ".yml", ".sh", ".html", ".js"}
+SKIPPED_DIRS = {".git", ".venv", "node_modules", "__pycache__", ".ruff_cache", ".pytest_cache"}
+MARKER = re.compile(r"^(<<<<<<<|>>>>>>>) ", re.M)
+
+
+def _conflict_markers(root: Path) -> list[str]:
+    """Files under ``root`` (the project's text files: sources, docs, CI) holding a line that
+    a merge left as a conflict marker, ``<<<<<<< `` or ``>>>>>>> ``."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in SKIPPED_DIRS)  # (not walked into)
+        for name in sorted(files):
+            path = Path(folder, name)
+            rel = path.relative_to(root)
+            if (path.suffix in TEXT_SUFFIXES or rel.parts[0] == ".ci") \
+                    and MARKER.search(path.read_text(errors="replace")):
+                found.append(str(rel))
+    return found
+
+
+def test_no_merge_conflict_markers():
+    """A merge resolved by hand leaves no conflict marker behind: two README rows for one
+    module between ``<<<<<<< HEAD`` and ``>>>>>>> branch`` read as a table still, so the other
+    checks do not see them (two were committed so, in stops 60 and 61)."""
+    assert not _conflict_markers(ROOT)
+
+
 def test_the_checks_catch_what_they_look_for(tmp_path, monkeypatch):
     """Control: a package breaking every limit is caught by each check."""
     bad = tmp_path / "badpkg"
@@ -146,6 +174,8 @@ def test_the_checks_catch_what_they_look_for(tmp_path, monkeypatch):
                               + "    t = t + 1\n" * 70
                               + "    torch._foreach_norm([t])\n    return other._secret\n")
     (bad / "b.py").write_text("from .a import big\nx = 1\n")
+    (tmp_path / "README.md").write_text("| a |\n<<<<<<< HEAD\n| b |\n=======\n>>>>>>> fix-x\n")
+    assert _conflict_markers(tmp_path) == ["README.md"]
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     for check in (test_sizes, test_private_torch_only_in_compat, test_no_foreign_private_reads,
                   test_no_import_cycle):
