@@ -17,6 +17,7 @@ update. Importing this module needs ``lightning``; nothing else in ``recorder`` 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -70,6 +71,7 @@ class FlightRecorderCallback(Callback):
             lr_scheduler=configs[0].scheduler if len(configs) == 1 else None,
             start_step=trainer.global_step, **self.options)
         self.recorder.integration = "lightning"
+        self.recorder.target.scheduler = _running_scheduler(trainer)
         self.recorder.target.unrooted_advice = (
             "Name the submodule your training_step calls with the callback's module= argument: "
             "FlightRecorderCallback(module=\"model\") for a training_step calling "
@@ -100,6 +102,21 @@ class FlightRecorderCallback(Callback):
     def detach(self) -> None:
         if self.recorder is not None:
             self.recorder.detach()
+
+
+def _running_scheduler(trainer):
+    """A getter of the one scheduler the Trainer runs when it is called, not when the recorder
+    attached: a callback may swap it mid-fit (``StochasticWeightAveraging`` puts its ``SWALR``
+    in place of the module's own at ``swa_epoch_start``), and the bundle describes the one
+    that set the event's learning rates. The Trainer is held weakly, as the recorder holds
+    the objects it was given."""
+    trainer_ref = weakref.ref(trainer)
+
+    def scheduler():
+        trainer = trainer_ref()
+        configs = trainer.lr_scheduler_configs if trainer is not None else []
+        return configs[0].scheduler if len(configs) == 1 else None
+    return scheduler
 
 
 def _detached(loss, pl_module) -> float | None:
