@@ -38,6 +38,7 @@ from .update_domain import (
 )
 from .zero_grad import zero_gradient_text
 from .zero_input_columns import zero_input_columns_text
+from .zero_rate import finite_at_a_rate, zero_rate_why
 
 
 def report_optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
@@ -52,6 +53,7 @@ def report_optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
     _own_copies(step.model, step.optimizer)
     stale = stale_state(step.model, step.optimizer)
     quantised = zero_scale_why(step.model, step.optimizer)  # (before the update rewrites it)
+    rate = finite_at_a_rate(step.model, step.optimizer)  # (every lr 0: finite at one > 0?)
     finder = OpFinder()
     with per_parameter(step.optimizer), finder:  # (a fused kernel shows no op)
         step.optimizer.step()
@@ -64,6 +66,8 @@ def report_optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
                            chain=finder.chain(), made=made)
     domain = update_domain(hit)
     origin["domain"] = domain
+    if zero_rate_why(domain, rate):  # (the rate --try auto proposes)
+        origin["zero_rate"] = rate
     # (the batch is the update's own here: the ids an embedding took, its rows looked up)
     rows, where = updated_rows(bad[0], params[bad[0]], owner_type(step.meta, bad[0]),
                                step.model, looked_up_rows(step, bad[0])) if bad else ({}, "")
@@ -71,20 +75,23 @@ def report_optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
     origin.update(rows)  # (an embedding's entities: which the update broke)
     hint = optimizer_hint(step, hit.op if hit else None, made, bad, step.event.get("step"),
                           "re-run from the copies taken before the update",
-                          stale=stale, domain=domain, stale_why=quantised) + where if bad else None
+                          stale=stale, domain=domain, stale_why=quantised,
+                          rate=rate) + where if bad else None
     return finish(report, origin, "optimizer", reproduced=bool(bad), hint=hint)
 
 
 def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[str], at,
                    rerun_from: str, stale: tuple[str, str, str] | None = None,
-                   domain: str | None = None, stale_why: str | None = None) -> str:
+                   domain: str | None = None, stale_why: str | None = None,
+                   rate: float | None = None) -> str:
     """The hint of an update re-run under the op finder that made ``made`` in ``params``: a
     guard bundle's (:func:`report_optimizer`) or a rewind window's
     (``replay.window_report``). An Adam-style update with ``eps=0`` in the bundle's
     hyper-parameters that made NaN is the 0/0 of gradients that have all been exactly 0; one
     whose eps is 0 in the weights' dtype (1e-8 in float16) divides by 0 where v rounded to 0.
     ``domain``: the update's op left its domain (``replay.update_domain``); ``stale_why``: what
-    made the stale state non-finite, when known (``replay.quantised_state``)."""
+    made the stale state non-finite, when known (``replay.quantised_state``); ``rate``: where
+    every lr was 0, a positive one the update is finite at (``replay.zero_rate``)."""
     opt = step.meta.get("optimizer") or {}
     cls = opt.get("class", "the optimizer").rpartition(".")[2]
     groups = opt.get("param_groups", [])
@@ -102,6 +109,7 @@ def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[st
            # a negative input (a rounded eigenvalue under Shampoo's -1/4 power) is no eps's
            (None if negative_input(domain)
             else _eps_why(step, own, params, made))
+           or zero_rate_why(domain, rate)
            or (domain and domain_why(domain) + zero_gradient_text(step, params, at))
            or half_overflow_why(step, made, params) or optimizer_advice(step, own))
     return (f"{op + ' in ' if op else ''}{cls}'s update at step {at} made {made} in "

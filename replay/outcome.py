@@ -32,10 +32,13 @@ class Outcome:
     chain: list[dict[str, Any]] = field(default_factory=list)
     domain: str | None = None  # an update's op out of its domain (replay.update_domain)
     stale_why: str | None = None  # what made its stale state non-finite (hint only, no JSON)
+    zero_rate: float | None = None  # every lr 0: one the update is finite at (replay.zero_rate)
 
     def as_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out.pop("stale_why")
+        if out["zero_rate"] is None:
+            out.pop("zero_rate")
         return out
 
 

@@ -222,7 +222,8 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
     # optimizer's is at fault: any rate, any clip, makes the same value
     if cause == "optimizer" and o.get("domain") and step.optimizer is not None \
             and not _eps_tries(step, o.get("params") or []):
-        return out
+        # (but a division a rate of 0 made: the rate the update is finite at, replay.zero_rate)
+        return out + ([f"lr={o['zero_rate']:g}"] if o.get("zero_rate") else [])
     if step.optimizer is not None and fits_update:
         bad_lr, relative = _lr_kinds(step.optimizer.param_groups)
         # (a rate the weights' dtype cannot hold, ASGD's lr=1e39: no fraction of it is usable)

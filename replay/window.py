@@ -30,9 +30,8 @@ from typing import Any
 
 import torch
 
-from recorder.capture import map_tensors
 from recorder.finite import finite
-from recorder.inner_optim import clear_state, put_state, state_items
+from recorder.inner_optim import clear_state, put_state
 from recorder.seq_state import load_seq
 
 from .began import precursors_began  # noqa: F401  (the window report's, re-exported)
@@ -55,7 +54,9 @@ from .recorded import scale_of_the_step
 from .rerun import Runner, restorable
 from .sharded_optim import as_rebuilt
 from .update_domain import update_domain
+from .update_start import restore_start, saved_start
 from .weight_scale import WeightScales
+from .zero_rate import finite_at_a_rate
 
 
 @dataclass
@@ -419,23 +420,13 @@ def _sub_step(step: Step, win: Window, record: dict[str, Any], change: Change) -
     return dataclasses.replace(step, meta=meta, tensors=tensors, problems=[])
 
 
-def _state(model, opt) -> dict[str, Any]:
-    """Weights and optimizer state before an update, to re-run it under the op finder."""
-    return {"weights": {id(p): p.detach().clone() for p in model.parameters()},
-            "state": {id(p): map_tensors(dict(st), lambda t: t.clone())
-                      for p, st in state_items(opt)},
-            # (copies: an update may write into p.grad, as schedule-free's grad.div_(denom) does)
-            "grads": {id(p): None if p.grad is None else p.grad.clone()
-                      for p in model.parameters()}}
-
-
 def _checked_update(step: Step, opt, at: int, unchanged: bool, out: WindowRun,
                     stats: dict[str, Any]) -> bool:
     """Step ``opt``, checked as the recorder checks an update: its weights. True when it left
     them non-finite (``out.first`` is then that update's outcome). An optimizer state it left
     non-finite with the weights finite (Adam's exp_avg_sq of a gradient past float32's range)
     is no event in training, which trained on: the unchanged re-run notes it once."""
-    before = _state(step.model, opt)
+    before = saved_start(step.model, opt)
     scales = WeightScales(step.model)
     with scales if unchanged else contextlib.nullcontext():
         opt.step()
@@ -458,13 +449,9 @@ def _update_outcome(k: int, step: Step, opt, before, bad: list[str]) -> Outcome:
     """Re-run the bad update from its starting state under the op finder, with the
     per-parameter implementation (fused and foreach kernels make many values in one op)."""
     model = step.model
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(before["weights"][id(p)])
-            p.grad = before["grads"][id(p)]
-    for p, _ in state_items(opt):
-        put_state(opt, p, before["state"].get(id(p), {}))
+    restore_start(model, opt, before)
     why = zero_scale_why(model, opt)  # (a quantised state's NaN codes, before the update)
+    rate = finite_at_a_rate(model, opt)  # (every lr 0: finite at one > 0?)
     finder = OpFinder()
     with per_parameter(opt), finder:
         opt.step()
@@ -472,7 +459,8 @@ def _update_outcome(k: int, step: Step, opt, before, bad: list[str]) -> Outcome:
     params = dict(model.named_parameters())
     return Outcome(k, "update", params=bad, kind=kinds_of([params[n] for n in bad]),
                    op=hit.op if hit else None, source=hit.source if hit else None,
-                   chain=finder.chain(), domain=update_domain(hit), stale_why=why)
+                   chain=finder.chain(), domain=update_domain(hit), stale_why=why,
+                   zero_rate=rate)
 
 
 def _stats(record: dict[str, Any], run, change: Change) -> dict[str, Any]:

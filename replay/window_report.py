@@ -23,6 +23,7 @@ from .update_domain import owner_type, updated_rows
 from .weight_readers import bad_row_fields, rows_text
 from .weight_scale import scale_text, scaled_update
 from .window import matches_event, precursors_began, run_window, window_of
+from .zero_rate import zero_rate_why
 
 
 def add_window(step: Step, report: dict[str, Any]) -> bool:
@@ -193,7 +194,8 @@ def _optimizer_origin(step: Step, report: dict[str, Any], o, ok: bool) -> None:
     _update_rerun(report)
     origin = {**report["origin"], "phase": "optimizer", "params": o.params,
               "param": o.params[0], "op": o.op, "source": o.source, "chain": o.chain,
-              "made": o.kind, "step": o.step, "domain": o.domain}
+              "made": o.kind, "step": o.step, "domain": o.domain,
+              **({"zero_rate": o.zero_rate} if zero_rate_why(o.domain, o.zero_rate) else {})}
     # (the rows it broke, from the weights and gradients the re-run's update left, as the
     # event step's own re-run says them)
     p = dict(step.model.named_parameters()).get(o.params[0])
@@ -203,4 +205,4 @@ def _optimizer_origin(step: Step, report: dict[str, Any], o, ok: bool) -> None:
     finish(report, origin, "optimizer", reproduced=ok,
            hint=optimizer_hint(step, o.op, o.kind, o.params, o.step,
                                "re-run from the rewind window", domain=o.domain,
-                               stale_why=o.stale_why) + where)
+                               stale_why=o.stale_why, rate=o.zero_rate) + where)
