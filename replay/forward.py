@@ -71,6 +71,7 @@ from .signed_weights import signed_weights_hint
 from .singular_inverse import singular_inverse_hint
 from .source import is_torch_file, node_tracebacks, user_source
 from .storages import state_of
+from .summed_inputs import summed_inputs_note
 from .taken_fill import note_taken_fill
 from .transforms import outside_transforms
 from .zero_id_rows import zero_id_rows_hint
@@ -357,8 +358,8 @@ def _reproduced(report, step: Step, origin, named: tuple, o) -> bool:
     if _matches(step, origin) or _matches(step, {"module": recorded.module}) \
             or (trigger is not None and _matches(step, {"module": trigger.module})):
         return True
-    if note := written_into_input(step, o):  # (the same event, seen closer)
-        report["problems"].append(note)
+    if note := written_into_input(step, o) or summed_inputs_note(step, origin):
+        report["problems"].append(note)  # (the same event, seen closer)
         return True
     return False
 

@@ -89,8 +89,8 @@ class OpFinder:
         self.first_reduced: OpHit | None = None
         self.allowed_depth = 0
         self.samples = samples  # name the samples of the first offender's output
-        self.pooled = Pooled(samples)  # and not the rows of a value that pools the batch
         self.reordered = Reordered(samples.size if samples and samples.size else 0)  # x[order]
+        self.pooled = Pooled(samples, self.reordered.order)  # no samples: pools (its tokens)
         self.moved = Moved(samples)  # and their samples in another dim (stack(per_scale))
         self.counts: dict[str, int] = {}  # calls of each op so far, to find the same call again
         self.seen = 0  # calls of every op so far

@@ -34,8 +34,10 @@ _DIM_AT = {"sum": 1, "mean": 1, "nansum": 1, "nanmean": 1, "amax": 1, "amin": 1,
 class Pooled:
     """The tensors an op finder saw made from the whole batch pooled (see the module)."""
 
-    def __init__(self, samples: Samples | None):
+    def __init__(self, samples: Samples | None,
+                 order: Callable[[torch.Tensor], torch.Tensor | None] = lambda t: None):
         self.samples = samples
+        self.order = order  # the sample of each row, for rows not the batch's own
         self._made = TensorSet()
 
     def __contains__(self, t: torch.Tensor) -> bool:
@@ -46,7 +48,8 @@ class Pooled:
         """Mark ``outs`` when op ``name`` pooled the samples of its first input, or took only
         pooled tensors and ``held`` ones (the weights, and values made from them alone)."""
         s = self.samples
-        if not (s and s.size) or not ins:
+        # (``ins`` leaves empty tensors out: a mean over no token pools no sample's either)
+        if not (s and s.size) or not ins and not (args and isinstance(args[0], torch.Tensor)):
             return
         try:  # (a named dimension, "N", or a tensor without a shape: no pooling said)
             dims = _dims(name, args, kwargs) if name in _DIM_AT else False
@@ -54,8 +57,8 @@ class Pooled:
             return
         if dims is not False and args and isinstance(args[0], torch.Tensor):
             pooled = self._pools(args[0], dims)
-        else:
-            tensors = [t for t in ins if t.dim()]
+        else:  # (scalars alone: a stack of per-expert means)
+            tensors = [t for t in ins if t.dim()] or ins
             pooled = any(t in self._made for t in tensors) \
                 and all(t in self._made or held(t) for t in tensors)
         if pooled:
@@ -64,6 +67,10 @@ class Pooled:
 
     def _pools(self, x: torch.Tensor, dims: list[int] | None) -> bool:
         d = self.samples.dim(x)
+        if d is None and x.dim() and (order := self.order(x)) is not None:
+            # (tokens or picks of several samples, or of none: a sum over no record)
+            return (dims is None or 0 in [k % x.dim() for k in dims]) \
+                and len(set(order.flatten().tolist())) != 1
         if d is None or x.dim() == 2 and x.shape[0] == x.shape[1]:
             return False
         return dims is None or d in [k % x.dim() for k in dims]
