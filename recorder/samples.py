@@ -49,6 +49,7 @@ from .finite import bad_rows
 from .objects import described
 from .padded_ids import padded_ids
 from .record_lists import listed_records, tensor_records
+from .target_inputs import named_target, untargeted
 from .time_major import carried_batch
 
 # the modules whose ``batch_first=False`` puts the batch in dim 1
@@ -179,8 +180,9 @@ def packed_in(obj: Any) -> dict[int, PackedSequence | Bags | Segments]:
     walk(obj, ())
     for t in broadcast_fields(rowed):
         found.setdefault(id(t), FIELD)
-    # (a graph batch's assignment vector also reads as offsets, into its longer edge tensors)
-    if (segments := assignment(t for _, t in flat)) is not None:
+    # (a graph batch's assignment vector also reads as offsets, into its longer edge tensors;
+    # a `labels=` vector is neither, whatever its values)
+    if (segments := assignment(t for p, t in flat if not named_target(p))) is not None:
         ids = segments.ids
         for t in [t for _, t in flat] + rowed:
             if shape_of(t)[0] == ids.numel():
@@ -385,7 +387,7 @@ def of_micro_batch(mb, sequence_first: bool, rnn: bool = False) -> Samples:
         return Samples(n, True, rnn)
     among = compared(targets, outputs, sequence_first) or (
         set() if sequence_first or not targets else _rows_kept(inputs, outputs))
-    segments = assignment(inputs)
+    segments = assignment(untargeted([list(mb.args), mb.kwargs]))  # (not `labels=`)
     if not among and segments is not None:  # (no loss target says it: an evaluation forward)
         return Samples(_graphs(segments, outputs), sequence_first, rnn, segments)
     return replace(infer(inputs, targets + outputs, sequence_first, rnn, among),
