@@ -190,6 +190,15 @@ class Alarm:
         else:
             self._write_and_report(tape, event, guard=guard)
 
+    def update_linalg_event(self, tape: Tape | None, event: Event, guard) -> None:
+        """A decomposition that failed inside ``optimizer.step()`` (recorder.update_linalg):
+        its bundle, from the guard's copies before the update when kept."""
+        if not self._claim():
+            self._take_part(event.step)
+            return
+        self.renamed = self.target.rename()
+        self._write_and_report(tape, event, guard=guard)
+
     def state_event(self, optimizer, step: int) -> None:
         """The update of ``step`` after one whose norms overflowed: its optimizer state, read
         now (see recorder.state_check); a non-finite entry is an ``optimizer`` event."""

@@ -46,6 +46,7 @@ from .slots import GRAD, LOOSE, NAN_ONLY, STRICT, Slots
 from .tape import Tape
 from .target import Target
 from .unhooked_call import UNROOTED_WHY, unrooted_reason
+from .update_linalg import update_raised
 
 log = logging.getLogger("nanreplay")
 
@@ -372,8 +373,10 @@ class StepCycle:
         if not isinstance(exc, Exception) or isinstance(exc, NonFiniteError):
             return
         tape = self.tape
-        if not self.health.active or tape is None or self.alarm.fired:
+        if not self.health.active or self.alarm.fired:
             return
+        if tape is None:  # (the pre-hook closed it: raised inside optimizer.step()?)
+            return update_raised(self, exc)
         try:
             if not tape.evaluation:  # gradients backward wrote, which no optimizer hook read
                 reread_changed_grads(tape, self.target, self.settings.param_norms)

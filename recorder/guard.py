@@ -147,6 +147,7 @@ class OptimizerGuard:
         if self.settings.guard_optimizer and not self.alarm.fired:
             self.copies = _copy_for_guard(optimizer, self.target.params)
             self.last_tape = tape
+            cycle.update_guard = self  # (read only if the update raises: update_linalg)
 
     def _grads_written(self) -> bool:
         """Some parameter holds a gradient: the loop wrote one (an update without any, as the

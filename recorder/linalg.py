@@ -78,16 +78,21 @@ def linalg_detail(tape: Tape) -> str:
     return f"{error}; the step's statistics up to there were finite"
 
 
-def note_error(tape: Tape, exc: BaseException, loss: nn.Module | None = None) -> None:
-    """Keep the error's type and first line on the tape, for the event's detail, and the
-    phase it was raised in: a Function's backward, the loss (``loss``, or the recorder's
-    wrapper of a plain loss function) or else the model's forward."""
+def error_text(exc: BaseException) -> str:
+    """The error's type and first line, for an event's detail."""
     text = str(exc).strip().splitlines()
     name = ("torch.linalg.LinAlgError" if isinstance(exc, torch.linalg.LinAlgError)
             else type(exc).__name__)
     if text and (illegal := _ILLEGAL.search(text[0])):  # (not the "internal assert" around it)
         text = [f"torch.{illegal.group(0)} (LAPACK's refusal of a NaN or Inf in the matrix)"]
-    tape.linalg_error = f"{name}: {text[0].rstrip('.') if text else ''}".rstrip(": ")
+    return f"{name}: {text[0].rstrip('.') if text else ''}".rstrip(": ")
+
+
+def note_error(tape: Tape, exc: BaseException, loss: nn.Module | None = None) -> None:
+    """Keep the error's type and first line on the tape, for the event's detail, and the
+    phase it was raised in: a Function's backward, the loss (``loss``, or the recorder's
+    wrapper of a plain loss function) or else the model's forward."""
+    tape.linalg_error = error_text(exc)
     tape.linalg_phase, tb = "forward", exc.__traceback__
     while tb is not None:
         local = tb.tb_frame.f_locals
@@ -104,7 +109,12 @@ def linalg_summary(event: dict, path) -> str:
     """The :class:`~recorder.NonFiniteError` message of a ``"linalg"`` event."""
     head = (f"nanreplay: a matrix decomposition failed at step {event['step']} "
             f"({event.get('detail') or 'torch.linalg raised'}).")
+    if event.get("phase") == "optimizer":
+        head = head.replace("failed at", "failed inside optimizer.step() at", 1)
     if path is None:
         return head
+    if event.get("phase") == "optimizer":
+        return (f"{head} Bundle: {path}; run `nanreplay {path}` to re-run the update and find "
+                "the parameter, the op and whether the matrix was non-finite or singular.")
     return (f"{head} Bundle: {path}; run `nanreplay {path}` to find the module, the op and "
             "whether the matrix was singular, positive-definite in float64 only, or non-finite.")

@@ -93,6 +93,7 @@ from .trained_input import trained_input_hint
 from .unrecorded_steps import report_unrecorded
 from .unset_state import unset_state_or_raise
 from .unwritten_rerun import disagreeing, note_unwritten
+from .update_linalg import report_update_linalg
 from .update_params import others_note, update_params
 from .whatif import run_tries
 from .window_report import add_window
@@ -114,8 +115,8 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     if (late := sorted(_late(step))) and not step.event.get("before_update"):
         report["problems"].append(written_notes.late_note(late, step))
     known = Known()  # (the plain re-run: what a report keeps when a later stage fails)
-    report = state_report(report, step) or _from_bundle(report, step) or kept_going(
-        report, step, known, lambda: _from_rerun(report, step, known))
+    report = report_update_linalg(report, step) or state_report(report, step) or _from_bundle(
+        report, step) or kept_going(report, step, known, lambda: _from_rerun(report, step, known))
     report["problems"] += module_hooks.notes(step, report)  # (the script's forward hooks)
     tied_names.annotate(step, report)  # (a tied parameter's other names)
     if note := statistics_note(step, report) or written_statistic_note(step, report):

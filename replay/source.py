@@ -25,11 +25,12 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIRS = tuple(os.path.dirname(os.path.dirname(__file__)) + os.sep + d + os.sep
                   for d in ("replay", "recorder"))
 # modes of the replay's that pass every torch call on (grad_hooks' watch of register_hook,
-# lost_eps' watch of guards, below_one's of softmaxes) sit among torch's frames, between the
+# lost_eps' watch of guards, below_one's of softmaxes, update_linalg's of an update) sit among torch's frames, between the
 # user's call and the op: read them as torch's; so is the wrapper every mode's dispatch runs in
 # (compat's, handing it real zeros for autograd's efficient ones)
 _PASS_THROUGH = tuple(os.path.join(os.path.dirname(__file__), f)
-                      for f in ("grad_hooks.py", "lost_eps.py", "below_one.py", "compat.py"))
+                      for f in ("grad_hooks.py", "lost_eps.py", "below_one.py", "compat.py",
+                                 "update_linalg.py"))
 _DIST_DIR = os.path.join(_TORCH_DIR, "distributed") + os.sep
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
