@@ -15,8 +15,9 @@ while it ran) and a re-run of the step in float64 tell the causes apart:
     float64 holds a value below the dtype's smallest normal number underflowed, ``underflow``;
     any other move (a cancelled variance below 0, a difference rounded to 0): ``precision``;
   - non-finite in float64 too: an input that is 0 and came from exp, softmax or sigmoid of a
-    finite argument (directly, or gathered, sliced, divided) is positive in exact arithmetic,
-    ``underflow``; else exact arithmetic makes the value too, ``invalid`` (log(0), x/0,
+    finite argument (directly, or gathered, sliced, divided, picked by top-k), or from a
+    product of factors > 0 or a power of a base > 0, is positive in exact arithmetic,
+    ``underflow`` (the hint: that op's log-space form; no wider type fixes it); else exact arithmetic makes the value too, ``invalid`` (log(0), x/0,
     log of a negative, 0/0, a CTC target that cannot be aligned);
 - the op was given infinities (a ``-inf`` mask) and made NaN (inf - inf, softmax of an all
   ``-inf`` row): ``invalid``.
@@ -79,6 +80,7 @@ from .past_edge import rounded_past_edge
 from .picked_fill import folded_pick_hint
 from .plus_inf_row import row_hint
 from .positive import POSITIVE_OPS as _POSITIVE_OPS
+from .positive_maker import WIDER as BELOW_FLOAT64
 from .rerun import Runner
 from .scaled_log import INNER_EXP, log_advice
 from .selected_fill import selected_fill_hint
@@ -213,8 +215,8 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
     if moved is not None and moved[0] == "underflow":
         return _underflow(name, what, ev, moved)
     if zero_from_exp:  # (or from a square of a non-zero value: re² + im²)
-        src, fix = zero_source(ev, zero_from_exp, _POSITIVE_OPS, DO["log_space"])
-        also = "" if rounded else ", and below float64's range as well"
+        src, fix = zero_source(ev, zero_from_exp, _POSITIVE_OPS, DO["log_space"], name)
+        also = "" if rounded else BELOW_FLOAT64
         return Cause("underflow", f"{what}: that 0 came from {src}; it underflowed in "
                      f"{_type(ev.input_dtypes[zero_from_exp[0]])}{also}: " + fix)
     if rounded or (rounded is None and not still):

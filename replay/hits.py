@@ -122,6 +122,8 @@ class Evidence:
     radii: list = field(default_factory=list)
     # a positive op's result plus a number, per input (replay.shifted_positive)
     shifted: list[str | None] = field(default_factory=list)
+    # the op that made it positive in exact arithmetic, per input (replay.positive_maker)
+    positive_by: list[str | None] = field(default_factory=list)
     # exp of a model parameter (name, lowest value) per input (replay.exp_param)
     exp_param: list = field(default_factory=list)
     # a pole's 0 that a matrix product's all-0 column or row made (replay.zero_operand)

@@ -12,13 +12,21 @@ import torch
 from recorder.finite import finite
 
 from .pole_hints import zero_divisor_off_graph
-from .positive import PASS_ON, POSITIVE, REDUCTIONS, SUMS, positive_result
+from .positive import (
+    OF_POSITIVE_VALUES,
+    PASS_ON,
+    POSITIVE,
+    REDUCTIONS,
+    SELECTS,
+    SUMS,
+    positive_result,
+)
 
 # Python-level names of the ops replay.positive's aten rule knows
 _ALIASES = {"__getitem__": "select", "__truediv__": "div", "__mul__": "mul", "__rmul__": "mul",
             "__add__": "add", "__radd__": "add", "__pow__": "pow", "div_": "div"}
 
-_KNOWN = POSITIVE | PASS_ON | REDUCTIONS | SUMS | {"mul"}
+_KNOWN = POSITIVE | PASS_ON | REDUCTIONS | SUMS | SELECTS | OF_POSITIVE_VALUES | {"mul"}
 
 
 def _key(t: torch.Tensor):

@@ -18,6 +18,7 @@ from .hits import Evidence, OpHit
 from .op_inputs import values_at
 from .operator_power import radii
 from .own_ops import made_by as made_by_op
+from .positive_maker import positive_maker
 from .shifted_positive import shifted_maker
 from .source import user_source
 from .underflow_advice import made_by_exp
@@ -83,6 +84,7 @@ def op_evidence(func, given, outs: list[torch.Tensor], f,
                     trig=[f.cancellation.trig.of(t) for t in ins],
                     chained=[chain_length(t) for t in ins],
                     shifted=[f.shifted.get(t) or shifted_maker(t) for t in ins],
+                    positive_by=[positive_maker(t) for t in ins],
                     exp_param=[f.exp_param.of(t) for t in ins],
                     local64=local,
                     complement=[f.saturation.complement(t) for t in ins],

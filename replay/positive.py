@@ -2,8 +2,10 @@
 positive value that underflowed (``underflow``, not ``invalid``).
 
 exp, softmax, sigmoid and softplus make them; ops that pass values on unchanged keep them
-(a gathered probability, a view), and so do a power of one (``std ** 2``: a Gaussian's
-variance from ``log_std.exp()``), a product of them with positive factors (``2 * var``), and
+(a gathered probability, a view; a top-k, a sort or a max picks entries of them: a sigmoid
+router's top-k scores), and so do a ``prod`` of factors > 0 and a power of a base > 0,
+whatever made those values (a likelihood of many probabilities), a power of one
+(``std ** 2``: a Gaussian's variance from ``log_std.exp()``), a product of them with positive factors (``2 * var``), and
 a sum of them: a reduction, or a matrix product with a tensor whose values are all > 0
 (Sinkhorn's ``K @ v`` with ``K = exp(-C / eps)``, whose row of zeros is an underflow) or
 with one >= 0 with a positive term in every entry (a demapper's ``exp(-d / no) @ labels``).
@@ -35,6 +37,15 @@ PASS_ON = {"gather", "index_select", "select", "slice", "view", "_unsafe_view", 
 # exp, K @ v of a positive kernel and positive scalings)
 SUMS = {"add", "mm", "bmm", "mv", "dot", "vdot"}
 REDUCTIONS = {"sum", "mean", "cumsum"}  # (their numbers are dims)
+# ops each of whose result entries is one of their inputs' entries (a router's top-k scores,
+# a row max): positive where every floating input is (a binary minimum needs both)
+SELECTS = {"topk", "sort", "msort", "kthvalue", "median", "nanmedian", "mode", "max", "amax",
+           "min", "amin", "maximum", "minimum", "fmax", "fmin", "cummax", "cummin", "flip",
+           "roll", "repeat", "tile", "movedim", "sort_stable"}
+# ops whose exact result is positive where their floating inputs' values all are (any
+# finite exponent of a base > 0; a product of factors > 0, however many: a likelihood of
+# independent probabilities), whatever made those values
+OF_POSITIVE_VALUES = {"prod", "pow", "cumprod"}
 
 
 def node_name(op: str) -> str:
@@ -46,7 +57,8 @@ def node_name(op: str) -> str:
 # The same rule on the autograd graph, for a value made before the watched code ran (a
 # model's softplus variance that the loss takes the log of); a reshape's node is ReshapeAlias
 _POSITIVE_NODES = {node_name(op) for op in POSITIVE}
-_PASS_ON_NODES = {node_name(op) for op in PASS_ON | REDUCTIONS} | {"ReshapeAlias"}
+_PASS_ON_NODES = {node_name(op) for op in PASS_ON | REDUCTIONS} | {"ReshapeAlias"} | {
+    node_name(op) for op in SELECTS - {"maximum", "minimum", "fmax", "fmin"}}  # (one input)
 # matrix products, with the names their nodes save their factors under
 _PRODUCT_NODES = {"Bmm": ("self", "mat2"), "Mm": ("self", "mat2"), "Mv": ("self", "vec")}
 
@@ -61,6 +73,12 @@ def positive_result(name: str, ins: list[torch.Tensor], leaves: list, positive) 
     a value positive in exact arithmetic; ``positive(t)`` says it of an input."""
     if name in POSITIVE or (name in PASS_ON and ins and positive(ins[0])):
         return True
+    if name in SELECTS:
+        return bool(ins) and all(positive(t) for t in ins)
+    if name in OF_POSITIVE_VALUES and leaves:  # (pow's base only: its exponent may be < 0)
+        factors = leaves[:1] if name == "pow" else ins
+        return all(positive(t) or bool((t > 0).all()) if isinstance(t, torch.Tensor)
+                   else isinstance(t, (int, float)) and t > 0 for t in factors)
     if (name in REDUCTIONS or name in SUMS) and any(t.numel() == 0 for t in ins):
         return False  # (a sum of no terms is an exact 0: exp(x).sum(-1) of an empty set)
     if name in REDUCTIONS and ins and positive(ins[0]):

@@ -12,20 +12,23 @@ and this module words the cause.
 from __future__ import annotations
 
 from .exp_normalised import normalised
+from .positive_maker import source as made_source
 
 __all__ = ["source"]
 
 
-def source(ev, zeros: list[int], positive_ops: str, log_space: str) -> tuple[str, str]:
-    """(where the op's 0 came from, what to do) for its inputs ``zeros`` holding an underflowed
-    0 that exact arithmetic keeps positive: a square's, else an exponential's."""
+def source(ev, zeros: list[int], positive_ops: str, log_space: str,
+           name: str = "") -> tuple[str, str]:
+    """(where op ``name``'s 0 came from, what to do) for its inputs ``zeros`` holding an
+    underflowed 0 that exact arithmetic keeps positive: a square's, a hand-written softmax's,
+    else the log-space form of the op that made it (replay.positive_maker)."""
     if all(i < len(ev.squared) and ev.squared[i] for i in zeros):
         return ("a square of a non-zero value (x ** 2, x * x; a power spectrum re² + im² of a "
                 "near-silent clip), positive in exact arithmetic, or what sums and roots made "
                 "of it",
                 "floor it before the op (power.clamp_min(eps): parallel_wavegan's STFT "
                 "magnitude clamps re² + im² at 1e-7), or scale the values up before squaring")
-    if (own := normalised(ev, zeros)) is not None:
+    if (own := normalised(ev, zeros) or made_source(name, ev, zeros)) is not None:
         return own
     return (f"{positive_ops} of a finite argument (or a sum or matrix product of such values: a "
             "softmin's sum(exp(-r / gamma)), Sinkhorn's K @ v with K = exp(-C / eps); or a "
