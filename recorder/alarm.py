@@ -47,6 +47,7 @@ from .stale_grads import held_first, unused_grads
 from .state_check import non_finite_state, state_detail
 from .tape import Tape
 from .target import Target
+from .target_inputs import forward_names
 from .tied import aliases_of
 from .user_hooks import rewriting_pre_hooks
 from .validate import why_unwritable, write_remedy
@@ -117,6 +118,7 @@ class Alarm:
                 strict_inf=self.settings.strict_inf, params_from_update=tape.params_from_update,
                 changed=set(target.changed_in_step(tape)) | set(target.written_in_step(tape)),
                 seq_first=target.seq_first, recurrent=target.recurrent,
+                arg_names=forward_names(target.model()),
                 constants=target.constants, stale=unused_grads(target),
                 rewritten=rewriting_pre_hooks([(s.name, s.module) for s in target.sites]),
                 # (no optimizer: the loop's own update may have run, unless the step closed

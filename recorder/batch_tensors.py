@@ -27,7 +27,7 @@ def first_bad_tensor(obj: Any, samples: Samples, skip=(), nan_only: bool = False
         if nan_only and not has_nan(t):
             continue
         if not finite(t):
-            return paths[key], samples.rows(t, packed_in(obj)), kind_of(t)
+            return paths[key], samples.rows(t, packed_in(obj, samples.targets)), kind_of(t)
     return None
 
 

@@ -113,9 +113,8 @@ class StepEvidence:
     changed: set[int] = field(default_factory=set)
     rewritten: set[int] = field(default_factory=set)  # see chain.chain_origin
     overflowed: bool = False  # some non-finite norm was an overflow of finite values
-    # an evaluation forward returned +-Inf (no NaN anywhere) to the caller: its intended
-    # output (a filtered ranking's -inf scores), no event (see chain.returned_infinity)
-    returned_inf: bool = False
+    returned_inf: bool = False  # an evaluation's intended +-Inf output (chain.returned_infinity)
+    arg_names: tuple = ()  # the root forward's positional parameters (see target_inputs)
     seq_first: bool = False  # the model takes sequences first (see recorder.samples)
     recurrent: bool = False  # it holds a recurrent module (hidden states: batch in dim 1)
     # no optimizer (the step is open through the loop's own update), or the weights moved
@@ -128,7 +127,8 @@ class StepEvidence:
 
     def samples(self, mb: int) -> Samples:
         """Where micro-batch ``mb``'s tensors hold their samples."""
-        return of_micro_batch(self.tape.micro_batches[mb], self.seq_first, self.recurrent)
+        return of_micro_batch(self.tape.micro_batches[mb], self.seq_first, self.recurrent,
+                              self.arg_names)
 
     def really_bad(self, pairs: list[tuple[int, int]], grads: bool) -> list[int]:
         """The parameters of ``pairs`` (index, row entry) whose norm is non-finite and whose

@@ -43,13 +43,14 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
+from .bag_offsets import Bags, bag_offsets
 from .capture import tensor_leaves
 from .edge_rows import edge_graphs, edge_samples
 from .finite import bad_rows
 from .objects import described
 from .padded_ids import padded_ids
 from .record_lists import listed_records, tensor_records
-from .target_inputs import named_target, untargeted
+from .target_inputs import named_args, named_target, target_ids, untargeted
 from .time_major import carried_batch
 
 # the modules whose ``batch_first=False`` puts the batch in dim 1
@@ -82,6 +83,8 @@ class Samples:
     # the root inputs' assignment vector of a graph batch: a value any module computed per node
     # (an atom's energy, its force) names the graphs its rows are in
     segments: Segments | None = field(default=None, compare=False, repr=False)
+    # the ids of the root inputs that are loss targets (see recorder.target_inputs)
+    targets: frozenset = field(default=frozenset(), compare=False, repr=False)
 
     def dim(self, t: torch.Tensor, stacked: bool = False) -> int | None:
         """The dimension of ``t`` that holds the samples; None when ``t`` has none (a 0-d
@@ -150,13 +153,15 @@ class Samples:
         return []
 
 
-def packed_in(obj: Any) -> dict[int, PackedSequence | Bags | Segments]:
+def packed_in(obj: Any, targets: frozenset = frozenset()
+              ) -> dict[int, PackedSequence | Bags | Segments]:
     """The ``PackedSequence`` objects in a nested structure of tuples, lists and dicts, by the
     ``id`` of their ``data`` (as :meth:`Samples.rows` looks them up); and, for an
     ``EmbeddingBag``'s flat inputs (ids, ``per_sample_weights``) given beside their
     ``offsets``, the :class:`Bags` that says which sample each of their rows is in; for the
-    tensors whose rows a graph batch's assignment vector covers, its :class:`Segments`; for
-    each tensor of a list of per-sample entries, its :class:`Record`."""
+    tensors whose rows a graph batch's assignment vector covers, its :class:`Segments` (a
+    loss target is none: held under a target's name, or by id in ``targets``); for each
+    tensor of a list of per-sample entries, its :class:`Record`."""
     found: dict[int, PackedSequence | Bags | Segments] = {}
     flat: list[tuple[tuple, torch.Tensor]] = []  # (path, tensor)
     rowed: list[torch.Tensor] = []
@@ -182,7 +187,8 @@ def packed_in(obj: Any) -> dict[int, PackedSequence | Bags | Segments]:
         found.setdefault(id(t), FIELD)
     # (a graph batch's assignment vector also reads as offsets, into its longer edge tensors;
     # a `labels=` vector is neither, whatever its values)
-    if (segments := assignment(t for p, t in flat if not named_target(p))) is not None:
+    if (segments := assignment(t for p, t in flat if not named_target(p)
+                               and id(t) not in targets)) is not None:
         ids = segments.ids
         for t in [t for _, t in flat] + rowed:
             if shape_of(t)[0] == ids.numel():
@@ -191,27 +197,6 @@ def packed_in(obj: Any) -> dict[int, PackedSequence | Bags | Segments]:
     for i, j in bag_offsets(flat):
         found.setdefault(id(flat[i][1]), Bags(flat[j][1]))
     return found
-
-
-def bag_offsets(flat: list[tuple[tuple, torch.Tensor]]) -> list[tuple[int, int]]:
-    """(i, j): flat tensor ``i`` (an ``EmbeddingBag``'s ids or ``per_sample_weights``) is
-    bagged by the offsets ``flat[j]``, among 1-D ``(path, tensor)`` pairs. With several
-    tables (DLRM's ``ids[k]``, ``offsets[k]``, ``weights[k]``; a dict per feature) each
-    tensor takes the offsets whose path differs from its own in one place, the nearest in
-    order (``emb(ids, offsets, weights)``), and that fit it (its last offset within it);
-    a table's offsets do not bag another table's ids."""
-    tensors = [t for _, t in flat]
-    offsets = [j for j, t in enumerate(tensors) if are_offsets(t, tensors)]
-    last = {j: int(tensors[j][-1]) for j in offsets}  # (host reads: the event's slow path)
-    out = []
-    for i, (path, t) in enumerate(flat):
-        fit = [j for j in offsets if j != i and t.numel() > tensors[j].numel()
-               and last[j] <= t.numel()]
-        near = [j for j in fit if len(flat[j][0]) == len(path)
-                and sum(a != b for a, b in zip(flat[j][0], path)) == 1] or fit
-        if near:
-            out.append((i, min(near, key=lambda j: (abs(j - i), j > i))))
-    return out
 
 
 @dataclass(frozen=True)
@@ -307,36 +292,6 @@ def is_assignment(t: torch.Tensor) -> bool:
     return int(v[0]) == 0 and bool((v[1:] >= v[:-1]).all()) and int(v[-1]) + 1 < v.numel()
 
 
-@dataclass(frozen=True)
-class Bags:
-    """An ``EmbeddingBag``'s ``offsets``: bag ``b`` holds the flat rows from ``offsets[b]``
-    to the next bag's start (``include_last_offset``'s final entry is the end)."""
-
-    offsets: torch.Tensor
-
-    def samples(self, rows: list[int]) -> list[int]:
-        if not rows:
-            return []
-        return sorted(set(self.bag_of(torch.tensor(rows, dtype=self.offsets.dtype)).tolist()))
-
-    def bag_of(self, rows: torch.Tensor) -> torch.Tensor:
-        """The bag of each flat row in ``rows`` (on the offsets' device)."""
-        o = self.offsets
-        return torch.searchsorted(o, rows.to(o.device, o.dtype), right=True) - 1
-
-
-def are_offsets(t: torch.Tensor, flat: list[torch.Tensor]) -> bool:
-    """``t`` reads as the offsets of bags over a longer 1-D tensor beside it: integers from 0,
-    never decreasing, each within that tensor (one host read, on the event's slow path)."""
-    if t.dtype not in (torch.int64, torch.int32) or not t.numel():
-        return False
-    longest = max(u.numel() for u in flat)
-    if longest <= t.numel():
-        return False
-    o = t.detach().cpu()
-    return int(o[0]) == 0 and bool((o[1:] >= o[:-1]).all()) and int(o[-1]) <= longest
-
-
 def packed_samples(seq: PackedSequence, rows: list[int]) -> list[int]:
     """The samples (indices into the batch as it was packed) that ``rows`` of ``seq.data``
     belong to. Time step ``t`` holds rows ``sum(batch_sizes[:t])`` onwards, one for each of the
@@ -362,11 +317,18 @@ def packed_samples(seq: PackedSequence, rows: list[int]) -> list[int]:
     return sorted(set(picked.tolist()))
 
 
-def of_micro_batch(mb, sequence_first: bool, rnn: bool = False) -> Samples:
+def of_micro_batch(mb, sequence_first: bool, rnn: bool = False, names: tuple = ()) -> Samples:
     """The :class:`Samples` of a recorded micro-batch (a :class:`~recorder.tape.MicroBatch`):
     from its inputs, its loss targets (the loss's tensors not computed from the output) and
-    its outputs; from its first input ``PackedSequence`` when it has one. Stored in the bundle,
-    so the replay names the same samples."""
+    its outputs; from its first input ``PackedSequence`` when it has one. ``names``: the root
+    forward's positional parameters (``targets`` of ``model(idx, targets)``). Stored in the
+    bundle, so the replay names the same samples."""
+    given = named_args(mb.args, mb.kwargs, names)
+    return replace(_of_micro_batch(mb, sequence_first, rnn, given), targets=target_ids(given))
+
+
+def _of_micro_batch(mb, sequence_first: bool, rnn: bool, given: list) -> Samples:
+    """:func:`of_micro_batch`, ``given`` its root call's arguments by name (named_args)."""
     seq = next((v for v in packed_in([list(mb.args), mb.kwargs]).values()
                 if isinstance(v, PackedSequence)), None)
     if seq is not None:  # (pack_padded_sequence refuses empty sequences: all have a step 0)
@@ -387,7 +349,7 @@ def of_micro_batch(mb, sequence_first: bool, rnn: bool = False) -> Samples:
         return Samples(n, True, rnn)
     among = compared(targets, outputs, sequence_first) or (
         set() if sequence_first or not targets else _rows_kept(inputs, outputs))
-    segments = assignment(untargeted([list(mb.args), mb.kwargs]))  # (not `labels=`)
+    segments = assignment(untargeted(given))  # (no loss target: `labels=`, `targets`)
     if not among and segments is not None:  # (no loss target says it: an evaluation forward)
         return Samples(_graphs(segments, outputs), sequence_first, rnn, segments)
     return replace(infer(inputs, targets + outputs, sequence_first, rnn, among),

@@ -41,6 +41,7 @@ from .shards import class_name, localize, mixed_precision
 from .stock_model import describe_stock
 from .tape import Tape
 from .target import Target
+from .target_inputs import forward_names
 from .tied import tied_params
 from .user_hooks import module_hooks_meta, user_grad_hooks
 from .wrapped import store_wrapped
@@ -104,7 +105,7 @@ def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
                                                                 named_params(target.params))
                                               for i, mb in enumerate(mbs)])
         for entry, mb in zip(meta["micro_batches"], tape.micro_batches):
-            s = of_micro_batch(mb, target.seq_first, target.recurrent)  # (for the replay)
+            s = of_micro_batch(mb, target.seq_first, target.recurrent, forward_names(model))
             entry["samples"] = {"size": s.size, "seq_first": s.seq_first,
                                 "recurrent": s.recurrent}
             # (only those made from the model's weights: not a peer network's output)

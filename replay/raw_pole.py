@@ -151,7 +151,8 @@ class RawPole:
         if bool(at_zero.any()) and not (
                 name == "div" and x in self._summed and _zero_by_zero(args[0], at_zero)):
             self.op, self.blank, self.diffed = f"aten.{name}", x in self._normed, x in self._diffed
-            self.complex, self.scalar = x.is_complex(), x.dim() == 0
+            # (a 0-d norm of one record, torchvision's list of images, is a record's own)
+            self.complex, self.scalar = x.is_complex(), x.dim() == 0 and x not in self._normed
             self.input, self.part = self._name_of(x), x in self._part
             self.padding = padding_mask(at_zero, self._masks)
             self.legal = legal_zero(x, at_zero)  # (samples along dim 0: a t ~ U[0, 1] at 0)

@@ -22,6 +22,7 @@ from recorder.samples import (
     recurrent,
     seq_first,
 )
+from recorder.target_inputs import input_targets
 
 from .env_observations import env_observation_hint
 from .findings import origin_fields
@@ -210,7 +211,8 @@ def _input_origin(step: Step) -> dict[str, Any]:
             continue
         args, kwargs = micro_batch_inputs(step, i)
         _, tensors, paths = flatten_tree([list(args), kwargs], "x")
-        rows, packed = samples(step, i).rows, packed_in([args, kwargs])
+        rows = samples(step, i).rows
+        packed = packed_in([args, kwargs], input_targets(args, kwargs, step.model))
         for key, t in tensors.items():
             soft = nan or _allowed(step, root_input_name(paths[key]))
             if soft and not has_nan(t):
