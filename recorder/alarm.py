@@ -24,7 +24,7 @@ from .abandoned import clear_abandoned
 from .capture import distributed_rank
 from .compiled import compiled_loss
 from .errors import NonFiniteError, first_line
-from .events import Event, StepEvidence
+from .events import Event
 from .finite import tensors_kind
 from .holders import holders_of
 from .hooks import Health
@@ -45,6 +45,7 @@ from .skipped_batch import skipped_note
 from .slots import GRAD
 from .stale_grads import held_first, unused_grads
 from .state_check import non_finite_state, state_detail
+from .step_evidence import StepEvidence
 from .tape import Tape
 from .target import Target
 from .target_inputs import forward_names

@@ -18,9 +18,10 @@ from collections.abc import Callable
 import torch
 
 from .compat import is_norm_layer
-from .events import Event, StepEvidence
+from .events import Event
 from .finite import finite, kind_of
 from .slots import STRICT, Slots
+from .step_evidence import StepEvidence
 
 _CHECKED = (torch.float32, torch.bfloat16, torch.float16)
 
