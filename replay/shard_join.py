@@ -13,6 +13,7 @@ import torch
 from recorder.bundle import read_bundle
 from recorder.errors import BundleError
 
+from .shard_norms import full_norms
 from .shards import missing, ranks_of, shard_set
 
 
@@ -54,6 +55,10 @@ def resolve(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
     for key in base_meta["shards"]:
         full[key] = _assemble(key, {r: (m.get("shards", {}).get(key), t.get(key))
                                     for r, (m, t) in bundles.items()}, found)
+    # (each rank's ring measured its own shards: the full model's norms from all of them)
+    full.update(full_norms(base_meta, [bundles[first][1], *(t for r, (_, t) in
+                                       sorted(bundles.items()) if r != first)],
+                           int(ranks["world_size"])))
     out = {k: v for k, v in base_meta.items() if k != "shards"}
     out["shard_set"] = {"ranks": {str(r): str(p) for r, p in sorted(found.items())},
                         "replayed_rank": first, "assembled": len(base_meta["shards"])}

@@ -96,7 +96,20 @@ TP_MODES = ("bare", "healthy", "input", "shard", "slice", "update", "sp")  # (te
 def sharded(tmp_path_factory) -> dict[str, Run]:
     """FSDP2's update modes and tensor parallelism's, in one launch (a launch costs seconds)."""
     return _launch_modes(tmp_path_factory, "fsdp_update_train.py", "default", "guard", "exit",
-                         *(f"tp_train:{m}" for m in TP_MODES))
+                         *(f"tp_train:{m}" for m in TP_MODES),
+                         *(f"options_train:{m}" for m in OPTION_MODES))
+
+
+# DDP's and FSDP2's options of real scripts (tests/dist/options_train.py), healthy without and
+# with the recorder, and planted NaNs
+OPTIONS = ("ddp-bucketview", "ddp-unused", "fsdp-accum", "fsdp-mp", "fsdp-dcp")
+OPTION_MODES = (*(f"{o}-{w}" for o in OPTIONS for w in ("bare", "rec")), "fsdp-accum-rw",
+                "fsdp-dcp-nan")
+
+
+@pytest.fixture(scope="module")
+def options(sharded) -> dict[str, Run]:
+    return {m: sharded[f"options_train:{m}"] for m in OPTION_MODES}
 
 
 @pytest.fixture(scope="module")
@@ -747,3 +760,74 @@ def test_a_nan_of_one_ranks_backward_under_a_comm_hook_replays_that_rank(commhoo
             1, True, "invalid")
         assert (o["op"], o["samples"], o["source"]) == (
             "SqrtBackward0", [1], f"ddp_commhook_train.py:{line}")
+
+
+def _plant():
+    """options_train's plant: (step, row) of rank 1's blank record, and the steps."""
+    sys.path.insert(0, str(HERE))
+    try:
+        import options_train
+    finally:
+        sys.path.remove(str(HERE))
+    return options_train.BAD_STEP, options_train.BAD_ROW, options_train.STEPS
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_ddp_and_fsdp2_options_train_bit_identically_with_the_recorder(options, option):
+    """gradient_as_bucket_view, find_unused_parameters with a branch skipped at odd steps,
+    FSDP2's no_sync accumulation (set_requires_gradient_sync(False)), its bf16
+    MixedPrecisionPolicy, and a DCP save and load mid-run: every rank's losses and weights are
+    bit-identical with the recorder, which says nothing."""
+    bare, rec = options[f"{option}-bare"], options[f"{option}-rec"]
+    assert rec.stdout.count("no event losses=") == 2, rec.stdout + rec.stderr[-3000:]
+    assert rec.stdout == bare.stdout
+    assert "nanreplay" not in rec.stderr and "Traceback" not in rec.stderr, rec.stderr[-3000:]
+
+
+def test_fsdp2_no_sync_accumulation_window_rerun_uses_the_full_gradient_norm(options, nanreplay):
+    """FSDP2 accumulation (rank 1's blank record in the first, unsynced micro-batch), rewind=2:
+    each rank's ring holds the norm of its own gradient shards. The window re-run took that
+    smaller norm for the loop's clip_grad_norm_, scaled the re-run's gradients down to it (the
+    window no longer trained as training had) and said "the loop's gradient clipping to norm
+    0.2499 re-applied" of a loop that never clips; now the set's norms are the full model's."""
+    bad, row, _ = _plant()
+    out, proc = options["fsdp-accum-rw"].out, options["fsdp-accum-rw"]
+    events = dict(re.findall(r"rank (\d) event (step=\d+ phase=\w+ module=\S+ first=\S+)",
+                             proc.stdout))
+    assert events == {"1": f"step={bad} phase=forward module=norm first=[1]",
+                      "0": f"step={bad} phase=backward module=None first=[1]"}, proc.stdout
+    names = sorted(p.name for p in out.iterdir())
+    rings = [read_bundle(out / n)[1] for n in names]
+    local = torch.stack([t["ring/grad_norm"] for t in rings])
+    report = json.loads(nanreplay("--json", out / names[0]).stdout)
+    assert (report["event"]["step"], report["bundle"]["rank"], report["cause"]) == (bad, 1,
+                                                                                     "invalid")
+    o = report["origin"]
+    assert (o["module"], o["op"], o["samples"], o["micro_batch"]) == ("norm", "aten.div", [row], 0)
+    w = report["window"]
+    assert (w["steps"][1], w["reproduced"], w["loop_clip"]) == (bad, True, None), w
+    full = local.double().pow(2).sum(0).sqrt()  # (the shards of every parameter, once each)
+    for s in w["per_step"][:-1]:
+        assert s["grad_norm"] == pytest.approx(float(full[s["step"]]), rel=1e-5), s
+        assert s["grad_norm"] > float(local[:, s["step"]].max()) * 1.1
+
+
+def test_fsdp2_nan_after_a_dcp_resume_replays_the_resumed_step(options, nanreplay):
+    """A sharded model and optimizer saved with torch.distributed.checkpoint mid-run (the
+    recorder attached), loaded into fresh ones, a new recorder at start_step: rank 1's blank
+    record one step after the resume stops both ranks there, and either bundle replays it."""
+    _, row, steps = _plant()
+    bad = steps // 2 + 1
+    out, proc = options["fsdp-dcp-nan"].out, options["fsdp-dcp-nan"]
+    events = dict(re.findall(r"rank (\d) event (step=\d+ phase=\w+ module=\S+ first=\S+)",
+                             proc.stdout))
+    assert events == {"1": f"step={bad} phase=forward module=norm first=[1]",
+                      "0": f"step={bad} phase=backward module=None first=[1]"}, proc.stdout
+    assert sorted(p.name for p in out.iterdir()) == [f"step{bad:08d}-rank0.nan",
+                                                     f"step{bad:08d}-rank1.nan"]
+    report = json.loads(nanreplay("--json", out / f"step{bad:08d}-rank0.nan").stdout)
+    assert (report["event"]["step"], report["bundle"]["rank"], report["reproduced"]) == \
+        (bad, 1, True)
+    o = report["origin"]
+    assert (o["module"], o["op"], o["samples"], report["cause"]) == ("norm", "aten.div", [row],
+                                                                     "invalid")
