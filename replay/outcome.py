@@ -72,6 +72,10 @@ def kinds_of(tensors) -> str | None:
 
 
 def loss_value(run) -> float | None:
+    """A re-run step's loss as the recorder's ring records it (``ring/loss``): the mean over the
+    step's loss calls, which is what a loop accumulating ``loss_fn(...) / n`` over n
+    micro-batches logs; their sum read n times training's loss (a 10x "jump" where a batch-size
+    ramp doubled the micro-batches per step)."""
     vals = [t for loss in run.losses if (t := loss if isinstance(loss, torch.Tensor) else
                                          scalar_loss(loss)) is not None and t.numel() == 1]
-    return float(sum(float(t.detach()) for t in vals)) if vals else None
+    return sum(float(t.detach()) for t in vals) / len(vals) if vals else None
