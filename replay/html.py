@@ -148,6 +148,10 @@ def _origin_words(origin: dict, event: dict, what: str) -> str:
     (of several) whose rows the samples are."""
     op, module, call = _get(origin, "op"), _get(origin, "module"), _get(origin, "call")
     param, phase = _get(origin, "param"), _get(origin, "phase")
+    if isinstance(phase, str) and isinstance(_get(origin, "detail"), str) and origin["detail"]:
+        # a sentence instead of an op (replay.outside: a failed decomposition, a gradient
+        # entering from the loop): the text report's origin line, not an op or a parameter
+        return f"{_e(phase.capitalize())}: {_e(origin['detail'].rstrip('.'))}"
     at = f" in <code>{_e(module_label(module))}</code>" if isinstance(module, str) else ""
     at += f" (call {_e(call)})" if call is not None else ""
     mb, several = _get(origin, "micro_batch"), (_num(_get(event, "micro_batches")) or 0) > 1
