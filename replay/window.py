@@ -32,6 +32,7 @@ import torch
 
 from recorder.finite import finite
 from recorder.inner_optim import clear_state, put_state
+from recorder.linalg import error_text, linalg_reason
 from recorder.seq_state import load_seq
 
 from .began import precursors_began  # noqa: F401  (the window report's, re-exported)
@@ -428,8 +429,15 @@ def _checked_update(step: Step, opt, at: int, unchanged: bool, out: WindowRun,
     is no event in training, which trained on: the unchanged re-run notes it once."""
     before = saved_start(step.model, opt)
     scales = WeightScales(step.model)
-    with scales if unchanged else contextlib.nullcontext():
-        opt.step()
+    try:
+        with scales if unchanged else contextlib.nullcontext():
+            opt.step()
+    except Exception as e:  # (a decomposition the update raised, as training's did: its event)
+        if linalg_reason(e) is None:
+            raise
+        restore_start(step.model, opt, before)
+        out.first = Outcome(at, "update", kind="linalg", domain=error_text(e))
+        return True
     if scales.found is not None:  # (a factor >= 1 in magnitude: see replay.weight_scale)
         stats["weight_scale"] = scales.found
     stats["param_norm"] = total_norm(step.model.parameters())

@@ -69,7 +69,9 @@ def add_window(step: Step, report: dict[str, Any]) -> bool:
             f"re-running the window, the first non-finite value is at step {o.step} "
             f"({where(o.as_json())}), not the recorded {ev.get('phase')} event at step "
             f"{ev.get('step')}")
-    if ev.get("phase") == "optimizer" and o is not None and o.phase == "update":
+    # (an update that raised, a failed decomposition, names no weights: its origin is the
+    # re-run update's, replay.update_linalg)
+    if ev.get("phase") == "optimizer" and o is not None and o.phase == "update" and o.params:
         if (bad := _bad_in_copy(step, win, o.params)):
             _weights_origin(step, report, o, ok, bad, win.copy_step)
         else:

@@ -54,8 +54,11 @@ def make_damped_shampoo():
             "optimizer": lambda params: CholeskyShampoo(params, eps=1e-3)}
 
 
+HUGE_ROW = 4  # the corrupt record's row
+
+
 def batches(n: int = 6, dead: int | None = None, huge_at: int | None = None,
-            huge_row: int = 4, scale: float = 1e22):
+            huge_row: int = HUGE_ROW, scale: float = 1e22):
     """``n`` batches of 16 records; ``dead``: a feature that is 0 in every record;
     ``huge_at``: the batch whose record ``huge_row`` is scaled by ``scale`` (a corrupt one)."""
     g = torch.Generator().manual_seed(1)

@@ -88,6 +88,15 @@ def test_gradient_overflow_in_the_preconditioner(out_dir):
     assert (o["op"], o["made"], o["params"]) == ("aten.mm", "+inf", ["0.weight"]), o
     assert o["source"] == source_line("optimizer_linalg_models.py", "grad @ grad.T"), o
     assert "clip the gradients" in rep["hint"], rep["hint"]
+    # what-ifs re-run that update too: the decomposition it raises again is the event's
+    # outcome, not a replay stage that failed; without the corrupt record it trains on
+    tries = nanreplay_json(bundle, "--try", "dtype=float64", "--try", f"drop={OL.HUGE_ROW}",
+                           code=None)
+    assert "failed_stage" not in tries, tries["failed_stage"]
+    wide, dropped = tries["what_if"]
+    assert (wide["finite"], wide["origin"]["step"], wide["origin"]["kind"]) == \
+        (False, at, "linalg"), wide
+    assert dropped["finite"] and dropped["event_step"] is None, dropped
 
 
 @pytest.mark.parametrize("guard", [True, False], ids=["guard", "no-guard"])
