@@ -29,7 +29,7 @@ from .anomaly import anomaly_reason
 from .buffers import BufferSnapshots
 from .compat import scaler_scale, scaler_token, version_of
 from .constraints import constraint_detail, constraint_reason
-from .errors import NonFiniteError
+from .errors import NonFiniteError, add_note
 from .finite_step_note import finite_step_note
 from .foreign import ForeignUpdates
 from .grads import output_grad_norms, reread_changed_grads, weight_step_norms
@@ -385,15 +385,15 @@ class StepCycle:
             self.close_tape(at="exception", forced=_forced(tape, exc, self.target),
                             skipped_by_loop=raised_by_scaler(exc))
         except NonFiniteError as e:
-            _add_note(exc, str(e))
+            add_note(exc, str(e))
             return
         except Exception as e:
             self.health.internal_error(e)
             return
         if self.alarm.fired and self.alarm.event is not None:  # warn mode: noted here too
-            _add_note(exc, self.alarm.summary())
+            add_note(exc, self.alarm.summary())
         elif not self.alarm.fired and (note := finite_step_note(exc, self.step - 1, tape)):
-            _add_note(exc, note)
+            add_note(exc, note)
 
     def check_last_update(self) -> None:
         """At detach after a clean exit: the last update's evidence (one host read)."""
@@ -450,11 +450,3 @@ def _host_float(x) -> float | torch.Tensor:
         return float(x)
     except (TypeError, ValueError):
         return math.nan
-
-
-def _add_note(exc: BaseException, text: str) -> None:
-    """``exc.add_note(text)`` (Python 3.11+), else a warning in the log."""
-    if hasattr(exc, "add_note"):
-        exc.add_note(text)
-    else:
-        log.warning(text)

@@ -1,7 +1,9 @@
 """The two exceptions of the project, one for training-time events, one for bad bundles; and
-how an exception of another kind is cut to one line."""
+how an exception of another kind is cut to one line, or given the recorder's summary."""
 
 from __future__ import annotations
+
+import logging
 
 
 class NonFiniteError(RuntimeError):
@@ -18,6 +20,15 @@ class NonFiniteError(RuntimeError):
         self.bundle_path = bundle_path
         self.event = event or {}
         self.write_error = write_error
+
+
+def add_note(exc: BaseException, text: str) -> None:
+    """``exc.add_note(text)`` (Python 3.11+: the loop's exception goes on, with the recorder's
+    summary under its traceback), else a warning in the log."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(text)
+    else:
+        logging.getLogger("nanreplay").warning(text)
 
 
 def first_line(e: BaseException, limit: int) -> str:

@@ -11,14 +11,11 @@ says so). The exception goes on unchanged, with the summary as a note.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
-from .errors import NonFiniteError
+from .errors import NonFiniteError, add_note
 from .events import Event
 from .linalg import error_text, linalg_reason
-
-log = logging.getLogger("nanreplay")
 
 
 @dataclass
@@ -71,18 +68,10 @@ def update_raised(cycle, exc: Exception) -> None:
                              getattr(cycle, "update_guard", None)):
             return
     except NonFiniteError as e:
-        _note(exc, str(e))
+        add_note(exc, str(e))
         return
     except Exception as e:
         cycle.health.internal_error(e)
         return
     if cycle.alarm.event is not None:  # warn mode: noted here too
-        _note(exc, cycle.alarm.summary())
-
-
-def _note(exc: BaseException, text: str) -> None:
-    """``exc.add_note(text)`` (Python 3.11+), else a warning in the log."""
-    if hasattr(exc, "add_note"):
-        exc.add_note(text)
-    else:
-        log.warning(text)
+        add_note(exc, cycle.alarm.summary())
