@@ -37,8 +37,9 @@ def positive_maker(t, depth: int = 12) -> str | None:
 
 
 # what made it, and the log of it that no underflow reaches, by maker
-_MADE = {"sigmoid": ("sigmoid of a finite argument (a router's or a gate's scores)",
-                     "F.logsigmoid(z) for log(sigmoid(z))"),
+_MADE = {"sigmoid": ("sigmoid of a finite argument (a gate's or a router's scores, a "
+                     "probability)", "F.logsigmoid(z) for log(sigmoid(z)): logsigmoid or "
+                     "BCEWithLogitsLoss on the logits in a loss"),
          "softmax": ("softmax of a finite row", "F.log_softmax(z, dim) for log(softmax(z))"),
          "exp": ("exp of a finite argument", "the exponent itself for log(exp(x))"),
          "softplus": ("softplus of a finite argument",
