@@ -18,7 +18,9 @@ from torch import nn
 from .capture import as_called, data_arguments, output_leaves
 from .compat import (
     at_backward_end,
+    forward_hooks,
     func_transform,
+    global_forward_hooks,
     in_backward,
     version,
     version_of,
@@ -74,7 +76,7 @@ class CallHooks:
                 continue
             if not idx or self.param_norms:  # (stats="full": means and spreads too)
                 fn = self.post_hook
-            elif type(site.module) is nn.ReLU:
+            elif type(site.module) is nn.ReLU and not rewritten_output(site.module):
                 fn = self.relu_hook
             else:  # (a container's output is usually an inner call's, passed through)
                 fn = self.leaf_hook if next(site.module.children(), None) is None \
@@ -414,3 +416,10 @@ def _on_meta(args, kwargs) -> bool:
     if type(a) is torch.Tensor:
         return a.is_meta
     return any(t.is_meta for t in leaves(args, kwargs))
+
+
+def rewritten_output(module: nn.Module) -> bool:
+    """A forward hook registered before the recorder's (the module's own, or a global one)
+    may return another output (a pruning mask, fake quantization, activation patching), so the
+    output's statistics are not those derived from the input's (see ``relu_hook``)."""
+    return global_forward_hooks() or any(kind == "forward" for kind, _ in forward_hooks(module))

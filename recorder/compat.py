@@ -123,6 +123,11 @@ def forward_hooks(m: nn.Module) -> list[tuple[str, Any]]:
         for h in d.values()]
 
 
+def global_forward_hooks() -> bool:
+    """Some forward hook is registered for every module (``register_module_forward_hook``)."""
+    return bool(torch.nn.modules.module._global_forward_hooks)
+
+
 def version_of(t: torch.Tensor) -> int | None:
     """``t._version``, or None for an inference-mode tensor, which keeps no version counter (so
     whether it changed in place is unknown: it is measured again, its buffer copied again)."""
