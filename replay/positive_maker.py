@@ -55,10 +55,12 @@ _DIVISIONS = {"div", "div_", "true_divide"}
 WIDER = ", and below float64's range as well, so a wider type does not fix it"
 
 
-def source(name: str, ev, zeros: list[int]) -> tuple[str, str] | None:
-    """(where op ``name``'s underflowed 0s came from, what to do) when one op named in
-    :data:`MAKERS` made them all (``ev.positive_by``), else None: the log-space form of
-    that op, and for a 0/0 of weights over their own sum, a softmax of their logs."""
+def source(name: str, ev, zeros: list[int]) -> tuple[str, str, bool] | None:
+    """(where op ``name``'s underflowed 0s came from, what to do, whether the general log-space
+    advice applies too) when one op named in :data:`MAKERS` made them all
+    (``ev.positive_by``), else None: the log-space form of that op (a log of a sum of such
+    values wants logsumexp, which the general advice names), and for a 0/0 of weights over
+    their own sum, a softmax of their logs."""
     makers = {ev.positive_by[i] if i < len(ev.positive_by) else None for i in zeros}
     if len(makers) != 1 or (maker := makers.pop()) not in _MADE:
         return None
@@ -68,9 +70,9 @@ def source(name: str, ev, zeros: list[int]) -> tuple[str, str] | None:
         return src, ("normalise in log space: w / w.sum(dim) is torch.softmax(log_w, dim), "
                      f"with log_w computed directly ({log_form}), which subtracts the row's "
                      "max so its largest weight is 1; an eps added to the sum would leave "
-                     "every weight of the row at 0")
+                     "every weight of the row at 0"), False
     if name in _DIVISIONS:
         return src, (f"keep the divisor as its log ({log_form}) and divide in log space "
                      "(exp(log_a - log_w), torch.logsumexp for a sum of such terms), or "
-                     "bound it away from 0 where it is made")
-    return src, f"compute in log space: {log_form}, which no underflow reaches"
+                     "bound it away from 0 where it is made"), False
+    return src, f"compute in log space: {log_form}, which no underflow reaches", True

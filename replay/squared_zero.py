@@ -28,8 +28,10 @@ def source(ev, zeros: list[int], positive_ops: str, log_space: str,
                 "of it",
                 "floor it before the op (power.clamp_min(eps): parallel_wavegan's STFT "
                 "magnitude clamps re² + im² at 1e-7), or scale the values up before squaring")
-    if (own := normalised(ev, zeros) or made_source(name, ev, zeros)) is not None:
+    if (own := normalised(ev, zeros)) is not None:
         return own
+    if (made := made_source(name, ev, zeros)) is not None:  # (its own form, then the rest)
+        return made[0], f"{made[1]}; else {log_space}" if made[2] else made[1]
     return (f"{positive_ops} of a finite argument (or a sum or matrix product of such values: a "
             "softmin's sum(exp(-r / gamma)), Sinkhorn's K @ v with K = exp(-C / eps); or a "
             "product of one with factors > 0: a density written out, y ** (a - 1) * "
