@@ -32,7 +32,7 @@ PASS_ON = {"gather", "index_select", "select", "slice", "view", "_unsafe_view", 
            "contiguous", "alias", "narrow", "take_along_dim", "index", "unbind", "split",
            "split_with_sizes", "detach", "masked_select", "flatten", "unflatten", "diagonal",
            "as_strided", "div",  # div: a positive value over a finite one stays non-zero
-           "pow", "sqrt"}  # a positive base to any power stays positive
+           "sqrt"}  # (pow: OF_POSITIVE_VALUES, by its base, which may be a number: (-2) ** t)
 # sums of products of their inputs' elements: positive when every term is (a row sum of
 # exp, K @ v of a positive kernel and positive scalings)
 SUMS = {"add", "mm", "bmm", "mv", "dot", "vdot"}
@@ -57,7 +57,8 @@ def node_name(op: str) -> str:
 # The same rule on the autograd graph, for a value made before the watched code ran (a
 # model's softplus variance that the loss takes the log of); a reshape's node is ReshapeAlias
 _POSITIVE_NODES = {node_name(op) for op in POSITIVE}
-_PASS_ON_NODES = {node_name(op) for op in PASS_ON | REDUCTIONS} | {"ReshapeAlias"} | {
+# (a node keeps no number: Pow's first input is its base, or a number base's exponent)
+_PASS_ON_NODES = {node_name(op) for op in PASS_ON | REDUCTIONS} | {"ReshapeAlias", "Pow"} | {
     node_name(op) for op in SELECTS - {"maximum", "minimum", "fmax", "fmin"}}  # (one input)
 # matrix products, with the names their nodes save their factors under
 _PRODUCT_NODES = {"Bmm": ("self", "mat2"), "Mm": ("self", "mat2"), "Mv": ("self", "vec")}

@@ -19,6 +19,7 @@ from bundles import nanreplay_json
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
+from replay.positive import positive_result
 
 pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
@@ -117,3 +118,18 @@ def test_a_healthy_sigmoid_router_trains_bit_identically_under_the_recorder(tmp_
     recorded = train("make_sigmoid_moe", tmp_path, None)
     assert plain == recorded and all(map(torch.isfinite, map(torch.tensor, plain)))
     assert not list(tmp_path.glob("*.nan"))
+
+
+def test_a_power_is_positive_by_its_base_not_its_exponent():
+    """``(-2) ** t`` of a positive ``t`` (an exp's output) is not positive in exact arithmetic,
+    so a 0 made of it is no underflow: pow's sign is its base's (a number base too, which the
+    op's tensor inputs leave out), never its exponent's."""
+    t = torch.exp(torch.tensor([0.5, 1.0]))
+    marked = {id(t)}
+
+    def positive(x):
+        return id(x) in marked
+    assert not positive_result("pow", [t], [-2.0, t], positive)
+    assert positive_result("pow", [t], [2.0, t], positive)
+    assert positive_result("pow", [t], [t, -3], positive)
+    assert not positive_result("pow", [-t], [-t, 3], positive)
