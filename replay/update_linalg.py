@@ -25,6 +25,7 @@ from .findings import finish, origin_fields
 from .load import Step
 from .ops import OpFinder
 from .source import user_source
+from .storages import storage_of
 
 _CHECK = "_linalg_check_errors"  # raises for the op dispatched just before it
 _PARTLY = ("no copy from before the update was kept (guard_optimizer=False): the bundle holds "
@@ -51,30 +52,23 @@ class _Watch(TorchDispatchMode):
         name = func.overloadpacket.__name__
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         for t in ins:
-            if (owner := self.owners.get(_storage(t))) is not None:
+            if (owner := self.owners.get(storage_of(t))) is not None:
                 self.current = owner
+        mats = [t for t in ins if t.is_floating_point() and t.dim() >= 2]
         try:  # (not run_op: a frame of it would end the op finder's walk to the user's line)
             out = func(*args, **kwargs)
         except Exception as e:
             setattr(e, OP_ERROR, True)  # (the update's own op failing, as run_op marks it)
             if self.failed is None and linalg_reason(e):
-                mats = [t for t in ins if t.is_floating_point() and t.dim() >= 2]
                 self.failed = self.last if name == _CHECK and self.last is not None else (
                     name, mats[0].detach().clone() if mats else None, user_source(),
                     self.current)
             raise
-        if name != _CHECK:
-            mats = [t for t in ins if t.is_floating_point() and t.dim() >= 2]
-            self.last = (name, mats[0].detach().clone() if mats and "linalg" in name
-                         or mats and "cholesky" in name else None, user_source(), self.current)
+        if name != _CHECK:  # (a decomposition's matrix kept, for its check's error after it)
+            kept = mats and ("linalg" in name or "cholesky" in name)
+            self.last = (name, mats[0].detach().clone() if kept else None, user_source(),
+                         self.current)
         return out
-
-
-def _storage(t: torch.Tensor) -> int | None:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return None
 
 
 def report_update_linalg(report, step: Step) -> dict[str, Any] | None:
@@ -119,7 +113,7 @@ def _prepare(step: Step) -> dict[int, str]:
         if (n := names.get(id(p))) is None:
             continue
         for t in [p, p.grad, *st.values()]:
-            if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None:
+            if isinstance(t, torch.Tensor) and (s := storage_of(t)) is not None:
                 owners[s] = n
     return owners
 
