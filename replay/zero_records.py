@@ -170,7 +170,8 @@ def _legal_said(report: dict[str, Any], step: Step, rows: list[int], names: list
         if name not in names or t.numel() != t.shape[d]:  # (one number per sample: a time)
             continue
         zero = torch.zeros(t.shape, dtype=torch.bool)
-        zero.index_fill_(d, torch.tensor([r for r in rows if r < t.shape[d]]), True)
+        zero.index_fill_(d, torch.tensor([r for r in rows if r < t.shape[d]],
+                                        dtype=torch.long), True)
         if (spread := legal_zero(t.cpu(), zero, d)) is not None:
             check = f"; {how.strip(' ()')}, a check that nothing else in them is wrong" \
                 if how else ""
