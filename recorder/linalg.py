@@ -107,13 +107,12 @@ def note_error(tape: Tape, exc: BaseException, loss: nn.Module | None = None) ->
 
 def linalg_summary(event: dict, path) -> str:
     """The :class:`~recorder.NonFiniteError` message of a ``"linalg"`` event."""
-    head = (f"nanreplay: a matrix decomposition failed at step {event['step']} "
-            f"({event.get('detail') or 'torch.linalg raised'}).")
-    if event.get("phase") == "optimizer":
-        head = head.replace("failed at", "failed inside optimizer.step() at", 1)
+    update = event.get("phase") == "optimizer"  # (raised by the update: recorder.update_linalg)
+    head = (f"nanreplay: a matrix decomposition failed{' inside optimizer.step()' * update} at "
+            f"step {event['step']} ({event.get('detail') or 'torch.linalg raised'}).")
     if path is None:
         return head
-    if event.get("phase") == "optimizer":
+    if update:
         return (f"{head} Bundle: {path}; run `nanreplay {path}` to re-run the update and find "
                 "the parameter, the op and whether the matrix was non-finite or singular.")
     return (f"{head} Bundle: {path}; run `nanreplay {path}` to find the module, the op and "
