@@ -1,5 +1,6 @@
 """A micro-batch the loop skipped after its forward (``if not torch.isfinite(loss):
-continue`` before ``backward()``, no ``step()``): its step stays open, so its event is found
+continue`` before ``backward()``, no ``step()``; an ``except`` around a loss that raised, which
+goes on to the next batch): its step stays open, so its event is found
 when the *next* batch's ``optimizer.step()`` closes the step, and is raised there, where a loop
 that catches ``NonFiniteError`` to skip the bad batch drops a good one. Said in the event's
 message, with the call that closes the step at the skipped batch. A micro-batch run in eval mode
@@ -28,9 +29,22 @@ def skipped_note(tape: Any, micro_batch: int | None) -> str:
     if mb.out_grads or not mb.grad_enabled or mb.loss_args is None \
             or not any(m.out_grads for m in mbs[micro_batch + 1:]):
         return ""
+    if not any(m == micro_batch for m, _, _ in getattr(tape, "loss", ())):
+        return _raised_note(micro_batch)  # (its loss call took arguments and never returned)
     return (f" Micro-batch {micro_batch}'s loss went through no backward while a later "
             "micro-batch's did: the loop skipped that batch after its loss (`if not "
             "torch.isfinite(loss): continue` before backward()), which leaves the step open, so "
             "the event was found at a later batch's step(), and the recorder's step numbers "
             "fall behind the loop's. Call rec.end_step() before the `continue`: the skipped "
             "batch is then a step of its own, and its event comes there.")
+
+
+def _raised_note(micro_batch: int) -> str:
+    """The note when micro-batch ``micro_batch``'s loss call raised (a target out of range, a
+    masked loss refusing an empty mask) and the loop's ``except`` went on to the next batch."""
+    return (f" Micro-batch {micro_batch}'s loss call raised and never returned, and a later "
+            "micro-batch's backward ran: the loop caught that exception and went on to the "
+            "next batch, which leaves the step open, so the event was found at a later "
+            "batch's step(), and the recorder's step numbers fall behind the loop's. Call "
+            "rec.end_step() in the `except` before going on: the skipped batch is then a step "
+            "of its own, and its event comes there.")

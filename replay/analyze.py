@@ -41,6 +41,7 @@ from .fed_back import report_fed_back
 from .findings import base_report, finish, origin_fields, recorded_origin
 from .forward import report_forward
 from .given_loss import report_given_loss
+from .handled_loss import handled_notes
 from .hidden import report_hidden_forward
 from .imputed import RERUN, made_from_imputed
 from .input_grad import made_by_input_gradient
@@ -396,7 +397,7 @@ def _from_rerun(report, step: Step, known: Known) -> dict[str, Any]:
     if run1.signature() != run2.signature() and not rounding_only(report, run1, run2, runner):
         return disagreeing(report, step, runner)  # (a torch.empty's garbage: unwritten_rerun)
     report["fidelity"] = fid = fidelity.compare(step, run1, runner.frozen_written())
-    report["problems"] += fidelity.notes(fid, step)  # (a path or weights the run had not)
+    report["problems"] += fidelity.notes(fid, step) + handled_notes(run1)  # (what each says)
     if fid is not None and not fid["matches"]:
         if (second := report_second_order(report, step, runner, fid)) is not None:
             return second  # (a MAML outer backward through an earlier micro-batch's gradient)

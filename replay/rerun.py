@@ -31,6 +31,7 @@ from .float64_run import default_dtype as _default_dtype
 from .float64_run import loss_own as _loss_own
 from .float64_run import to_float64 as _to_float64
 from .frozen import FrozenParams
+from .handled_loss import handled_by_loop
 from .instrument import CallRecorder
 from .kept_aside import kept_hooks, with_kept
 from .kept_generators import own_generators, restore_generators
@@ -124,6 +125,7 @@ class Runner:
         self.loss_factors: dict[int, list[float]] | None = None
         self.step_factors: list[float] = []  # (this runner's: one step's, replay.clip)
         self.last_loss = None
+        self.loop_handled: dict | None = None  # (the first whole run's: replay.handled_loss)
         self.cut: list[torch.Tensor] | None = None  # stand-ins for outputs: replay.direct_grads
         # back-propagate the recorded output gradients even when non-finite: no loss to re-run
         # (computed in the loop), so they are what entered the model (a window's faithful run)
@@ -223,11 +225,10 @@ class Runner:
                     result.objects.append(out)
                     if began is not None:  # (the loss drew before its own forward)
                         restore_generators(began, self._generators)
-                    with _enter(forward_ctx):  # the loss's nodes too
-                        loss = self._loss(i, outs, result)
-                    if backward and mb.get("grad_enabled", True):
-                        with _enter(backward_ctx):
-                            self._linalg_backward(i, outs, loss)
+                    self._loss_and_backward(i, outs, result, backward and mb.get(
+                        "grad_enabled", True), forward_ctx, backward_ctx)
+                if backward and self.loop_handled is None:  # (a whole run's: handled_loss)
+                    self.loop_handled = result.handled
         except StopRun:
             pass
         except Exception as e:  # the model's code raising (an assert on NaN, an op refusing
@@ -250,6 +251,18 @@ class Runner:
         rng = self.loss_state.put_back(result.loss_micro_batches, result.loss_finite)
         if rng is not None:
             restore_generators(rng, self._generators)
+
+    def _loss_and_backward(self, i: int, outs, result: Run, backward: bool, forward_ctx,
+                           backward_ctx) -> None:
+        """Micro-batch ``i``'s loss (its nodes under ``forward_ctx`` too) and, when
+        ``backward``, its backward; a raise the loop caught in training is passed over
+        (replay.handled_loss)."""
+        loss = None
+        with _enter(forward_ctx), handled_by_loop(self, i, result, "loss"):
+            loss = self._loss(i, outs, result)
+        if backward and i not in result.handled:
+            with _enter(backward_ctx), handled_by_loop(self, i, result, "backward"):
+                self._linalg_backward(i, outs, loss)
 
     def _loss_began(self, i: int) -> dict | None:
         """The RNG as micro-batch ``i`` begins, when its forward ran inside its own loss."""

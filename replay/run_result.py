@@ -73,6 +73,9 @@ class Run:
     # each micro-batch's input tensors as the model took them, by bundle key (a loss's $in)
     inputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
     error: Exception | None = None  # what the model's own code raised, ending the run there
+    # micro-batch -> (phase, error) of a loss or backward that raised where the loop went on
+    # past it in training (replay.handled_loss)
+    handled: dict[int, tuple[str, str]] = field(default_factory=dict)
     strict_inf: bool = True  # the recording's policy (see FlightRecorder's strict_inf)
     allowed: frozenset = frozenset()  # modules allowed to hold +-Inf (allow_inf)
     # micro-batches whose inputs' infinities are all additive -inf masks (intended)
