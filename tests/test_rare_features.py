@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import rare_features_models as M
 import torch
-from bundles import nanreplay_json
+from bundles import nanreplay_json, source_line
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
@@ -88,7 +88,8 @@ def test_a_nan_record_is_an_input_event_at_its_step_and_row(tmp_path, kind):
 def test_an_exported_module_fine_tuned_replays_its_0_by_0(tmp_path):
     """A blank record (row 37) standardised by its std of 0 in the exported graph, whose ops
     run in the root (no submodule calls). The replay crashed: it called the exported module's
-    train(), which torch.export refuses (``Calling train() is not supported yet.``)."""
+    train(), which torch.export refuses (``Calling train() is not supported yet.``); its source
+    line is the traced model's, not the graph's generated ``<eval_with_key>`` code."""
     row = 37
     err = _run("exported", M.data(n=BATCH * STEPS, constant_row=row), tmp_path)
     assert isinstance(err, NonFiniteError), err
@@ -97,6 +98,7 @@ def test_an_exported_module_fine_tuned_replays_its_0_by_0(tmp_path):
     assert (rep["event"]["step"], o["phase"], o["module"], o["op"], o["samples"],
             rep["cause"], rep["reproduced"]) == (
         row // BATCH, "forward", "", "aten.div", [row % BATCH], "invalid", True), rep
+    assert o["source"] == source_line("rare_features_models.py", "return (x - mean) / x.std")
 
 
 @pytest.mark.parametrize("teacher_first", [True, False])
