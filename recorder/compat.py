@@ -10,7 +10,8 @@ mark for a function it must run and not trace, and
 the autocast regions a decorated ``forward`` enters, torch.distributions' default
 ``validate_args``, an ``nn.Module``'s own slots (what its ``named_*`` methods leave out: ``None`` entries and the
 non-persistent buffer names), whether a backward is running (checkpointing's recomputation),
-where a DTensor's local shard sits (the checkpoint protocol), and
+where a DTensor's local shard sits (the checkpoint protocol), whether a torch.func
+``functional_call`` is running (its parameters the call's own), and
 a process group's key-value store (where the ranks meet at attach).
 """
 
@@ -441,3 +442,19 @@ def ddp_comm_hooks(ddp: nn.Module) -> list[tuple[Any, Any]]:
     except (AttributeError, RuntimeError):
         name = None
     return [(str(name), None)] if name else []
+
+
+def in_functional_call() -> bool:
+    """Whether this runs inside ``torch.func.functional_call`` (or the deprecated
+    ``torch.nn.utils.stateless.functional_call``), whose private ``_functional_call`` holds the
+    module's parameter names bound to the call's own tensors while the module runs (a mean
+    teacher's EMA copy, MAML's adapted ``p - lr * g``), put back as it returns. Slow path."""
+    tail = ("torch", "nn", "utils", "stateless.py")
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_functional_call" \
+                and tuple(code.co_filename.replace("\\", "/").split("/")[-4:]) == tail:
+            return True
+        frame = frame.f_back
+    return False

@@ -22,6 +22,7 @@ from .attributes import AttributeWatch, trained_tensors
 from .bundle import FORMAT, VERSION
 from .capture import environment, flatten_tree
 from .comm_hooks import comm_hooks_meta
+from .compat import in_functional_call
 from .compiled import forward_compiled_alone, hook_sites
 from .config_args import describe_init
 from .constants import unchanged
@@ -161,7 +162,9 @@ def _model(src: Sources, tape: Tape | None, guard, meta, tensors) -> None:
     if model is not None and (added := added_after_attach(model, params)):
         meta["after_attach"] = added  # (a block grown, weight_norm applied: not recorded)
     if src.target.replaced:  # swapped for new tensors (densified): shapes the factory lacks
-        meta["replaced_params"] = sorted(src.target.replaced)
+        # (or, at an event inside functional_call, the call's own tensors: not the loop's)
+        meta["functional_call_params" if in_functional_call() else "replaced_params"] = \
+            sorted(src.target.replaced)
     if hooked := user_grad_hooks(params):  # (the script's own: the factory's model lacks them)
         meta["user_grad_hooks"] = hooked
     for name, p in params:

@@ -314,3 +314,12 @@ def written_places(func) -> list[tuple[int, str]]:
 def returns_values(func) -> bool:
     """Whether op ``func`` returns anything (a custom op writing into ``out`` returns none)."""
     return bool(func._schema.returns)
+
+
+def fx_node_at(gm: nn.Module, line: int):
+    """The node of torch.fx ``GraphModule`` ``gm`` whose generated code is line ``line`` of
+    its ``forward`` (its private line map, offset by the code's prologue), else None."""
+    lines, start = getattr(gm, "_lineno_map", None), getattr(gm, "_prologue_start", 0)
+    index = lines.get(line - start) if isinstance(lines, dict) else None
+    nodes = list(gm.graph.nodes) if index is not None else []
+    return nodes[index] if 0 <= (index or 0) < len(nodes) else None

@@ -63,7 +63,7 @@ from .product_underflow import loss_lineage_hint
 from .rerun import Runner
 from .run_result import Run
 from .self_pairs import self_pair_hint
-from .swapped_in import swapped_in_hint
+from .swapped_in import passed_in_note, swapped_in_hint
 from .term_args import report_term_arg
 from .weight_readers import bad_row_fields, first_reader, rows_text
 from .written_forward import report_forward_wrote
@@ -100,7 +100,9 @@ def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
     report["cause"] = "optimizer" if by_update(step, report["hint"]) else report["cause"]
     if (where := rows_text(bad[0], rows)) is not None and report.get("hint"):
         report["hint"] = f"{report['hint']}; {where}"
-    if last is not None:
+    if (passed := passed_in_note(step, bad)) is not None:
+        report["problems"].append(passed)
+    elif last is not None:
         report["problems"].append(
             f"{bad[0]} was first seen non-finite at step {seen}; the last update (step {last}) "
             "left it finite, so it was written outside optimizer.step() since: an in-place "

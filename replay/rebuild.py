@@ -17,6 +17,7 @@ from .config_args import init_factory, missing_note
 from .errors import FactoryRefused, ReplayError, one_line
 from .factory import recorded_argv, resolve_factory
 from .factory_params import taken_kwargs
+from .fx_lines import remember
 from .kept_generators import (
     model_generators,
     other_kinds,
@@ -208,7 +209,7 @@ def _build_with(step: Step, fn, spec: str, factory_kwargs: dict[str, Any] | None
         made = _call_factory(fn, spec, kwargs, on_meta=False)
     model = decompile(made["model"])  # a compiled model's layers re-run one by one
     check_patched_forwards(meta, model)  # (a trainer's patch the factory did not apply)
-    step.rebuild = lambda: _call_factory(fn, spec, kwargs, on_meta=False)["model"]
+    step.rebuild = lambda: remember(_call_factory(fn, spec, kwargs, on_meta=False)["model"])
     load_weights(step, model)
     step.written = [n for n in meta.get("written_in_step") or () if isinstance(n, str)]
     if refilled := refill_written(step, model, step.written):  # (NaN the step's code wrote)
@@ -217,7 +218,7 @@ def _build_with(step: Step, fn, spec: str, factory_kwargs: dict[str, Any] | None
         step.problems.append(restored_note(restored))
     step.trained = restore_trained(meta, step.tensors, model)  # (another optimizer's tensors)
     step.built_otherwise = built_otherwise(meta, model)
-    step.model = model
+    step.model = remember(model)  # (an exported GraphModule's lines: replay.fx_lines)
     step.loss_fn = made.get("loss_fn")
     if step.loss_fn is None:
         try:

@@ -54,6 +54,7 @@ from .raised_note import IN_BACKWARD
 from .refit_in_forward import trained_copies, written_note, written_since
 from .run_result import Run, dropped_non_finite
 from .source import OP_ERROR, raised_by_model
+from .train_mode import set_training
 
 __all__ = ["Runner", "StopRun"]
 
@@ -75,7 +76,7 @@ def _mode(model: nn.Module, training: bool | None):
         yield
         return
     modes = [(m, m.training) for m in model.modules()]
-    model.train(training)
+    set_training(model, training)
     try:
         yield
     finally:

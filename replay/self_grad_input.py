@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .load import Step, micro_batch_inputs
+from .train_mode import set_training
 
 
 def model_made_grad(step: Step, i: int, key: str) -> bool:
@@ -31,11 +32,11 @@ def model_made_grad(step: Step, i: int, key: str) -> bool:
         if key not in made or not made[key].is_leaf:
             return False
         made[key].requires_grad_(False)
-        model.eval()
+        set_training(model, False)
         with torch.enable_grad():
             model(*args, **kwargs)
     except Exception:  # (said as before: only a forward that ran can tell it)
         return False
     finally:
-        model.train(training)
+        set_training(model, training)
     return made[key].requires_grad

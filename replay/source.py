@@ -3,7 +3,8 @@ exception came from the model's own code or from the replay.
 
 A frame is the user's when it is neither torch's nor nanreplay's (nor Python's own glue:
 ``<string>``, ``contextlib``, ``threading``); code generated with its source in ``linecache``
-(a torch.fx ``GraphModule``'s ``<eval_with_key>``) is the model's own.
+(a torch.fx ``GraphModule``'s ``<eval_with_key>``) is the model's own, named by the line it
+was traced from where its node keeps one (:mod:`replay.fx_lines`: an exported model).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import warnings
 import torch
 
 from .compat import OP_ERROR, no_process_group
+from .fx_lines import traced_line
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIRS = tuple(os.path.dirname(os.path.dirname(__file__)) + os.sep + d + os.sep
@@ -149,6 +151,8 @@ def _first_user(frames, skip: tuple[str, ...] = ()) -> str | None:
                 return None
             continue
         left_own = True
+        if (traced := traced_line(f, line)) is not None:  # (an exported model's code)
+            return f"{short_path(traced[0])}:{traced[1]}"
         if f.startswith(_TORCH_DIR) or any(d in f for d in skip) or f.startswith("<") and (
                 f.startswith("<frozen") or not linecache.getline(f, line)):
             continue  # (code generated with its source kept is the user's: torch.fx's)

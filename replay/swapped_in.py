@@ -79,3 +79,16 @@ def swapped_in_hint(step, bad: list[str]) -> str | None:
             "the op's domain first, as gsplat clamps opacities to [eps, 1 - eps] before its "
             "logit; a division by a count of 0: Net2Net's replication counts must count the "
             "unit itself)")
+
+
+def passed_in_note(step, bad: list[str]) -> str | None:
+    """For weights the event found inside ``torch.func.functional_call``
+    (``meta["functional_call_params"]``): the tensors that call passed in under the model's
+    names, not parameters the loop replaced; the bundle holds them as the weights."""
+    passed = set(step.meta.get("functional_call_params") or ())
+    if not bad or not all(n in passed for n in bad):
+        return None
+    return (f"{bad[0]} here is the tensor torch.func.functional_call passed in under that name "
+            "for the forward that found it (a mean teacher's EMA copy, MAML's adapted "
+            "p - lr * g), not the model's own parameter: the bundle holds the passed-in "
+            "tensors as the weights; the code that made them is where it was written")

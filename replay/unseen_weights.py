@@ -8,7 +8,8 @@ loss scale makes those weights overflow. The recorded origin is kept (not reprod
 guessed) and the hint names the code that made the weights instead of state outside the model.
 An earlier micro-batch the loop differentiated itself (``autograd.grad``) is
 :mod:`replay.second_order`'s ``report_made_weights``; weights moved in place between forwards
-(SAM) :mod:`replay.moved_weights`'s, which calls this one last.
+(SAM) :mod:`replay.moved_weights`'s, which calls this one last. A forward with gradients off
+(a mean teacher's ``functional_call`` on its EMA copy) names that copy's update instead.
 """
 
 from __future__ import annotations
@@ -48,19 +49,41 @@ def report_unseen_weights(report, step: Step, runner: Runner) -> dict[str, Any] 
     if after := added.after_attach(step):  # (what it ran with: the tensors added since)
         report["problems"] = [p for p in report["problems"] if p != added.text(after)]
         return other_weights_report(report, ev, added.text(after), added.HINT)
+    no_grad = _without_grad(step, m)
     return other_weights_report(report, ev, (
         f"'{label}' took finite inputs and made {ev.get('kind')} in training, but re-run on "
         "the bundle's weights it is finite: that forward most likely ran with weights the "
         f"bundle does not hold ({', '.join(own[:2])}), passed in by "
-        "torch.func.functional_call (a MAML inner loop's p - lr * g, its own forwards run "
-        "under torch.func.grad, which are not recorded) or edited and put back within the "
-        "step"), (
-        f"the weights '{label}' ran with were most likely not the model's own, and they were "
-        "non-finite or large enough to overflow it: check the loop's code that made them at "
-        "this step (an inner learning rate too large for this task's loss scale, an "
-        "unnormalised task, too many inner steps, a learned per-parameter rate whose exp "
-        "overflows: bound it, clip the inner gradient); the replay cannot re-run code outside "
-        "the recorded forward"))
+        "torch.func.functional_call (" + (_TEACHER if no_grad else _MAML) + ") or edited and "
+        "put back within the step"), _TEACHER_HINT.format(label=label) if no_grad
+        else _MAML_HINT.format(label=label))
+
+
+_MAML = ("a MAML inner loop's p - lr * g, its own forwards run under torch.func.grad, which "
+         "are not recorded")
+_TEACHER = ("its forward ran with gradients off: a mean teacher's or EMA model's copy of the "
+            "weights, a target network's")
+_MAML_HINT = (
+    "the weights '{label}' ran with were most likely not the model's own, and they were "
+    "non-finite or large enough to overflow it: check the loop's code that made them at "
+    "this step (an inner learning rate too large for this task's loss scale, an "
+    "unnormalised task, too many inner steps, a learned per-parameter rate whose exp "
+    "overflows: bound it, clip the inner gradient); the replay cannot re-run code outside "
+    "the recorded forward")
+_TEACHER_HINT = (
+    "the weights '{label}' ran with in this forward without gradients were most likely a "
+    "copy the loop keeps and passes in (a mean teacher's or EMA model's), and non-finite: "
+    "check the loop's update of that copy (t.mul_(m).add_(s, alpha=1 - m), "
+    "torch._foreach_lerp_(t, s, 1 - m)) for a non-finite decay m from its schedule, guard it "
+    "(math.isfinite(m)), and check the copy as it is made (torch.isfinite(t).all()); the "
+    "replay cannot re-run code outside the recorded forward")
+
+
+def _without_grad(step: Step, m: int) -> bool:
+    """Whether micro-batch ``m``'s forward ran with gradients off (a teacher's, under
+    ``torch.no_grad()``)."""
+    mbs = step.meta.get("micro_batches") or ()
+    return 0 <= m < len(mbs) and mbs[m].get("grad_enabled") is False
 
 
 def other_weights_report(report, ev: dict[str, Any], note: str, hint: str) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from .errors import ReplayError
 from .held_params import rebind_holders
 from .param_store import forget_replaced
 from .retie import held_apart, tie_as_recorded
+from .train_mode import set_training
 from .wrapped_load import as_recorded
 
 
@@ -156,7 +157,7 @@ def load_weights(step, model: nn.Module) -> None:
     _say_regrown(step, regrown)
     forget_replaced(set(done))  # (Pyro's store would hand the factory's back: param_store)
     _load_buffers(step, model)
-    model.train(meta.get("model", {}).get("training", True))
+    set_training(model, meta.get("model", {}).get("training", True))
     flags = {m["name"]: m.get("training") for m in meta.get("modules", [])}
     for name, m in model.named_modules():
         if flags.get(name) is not None:
