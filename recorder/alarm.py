@@ -33,6 +33,7 @@ from .late_writes import moved_in_step
 from .loss_forwards import ran_in_loss
 from .notebook import replay_advice
 from .pre_update import written_before_update_event
+from .received_input import received_input
 from .replaced import swapped_in_event
 from .rewind import rename_window
 from .ring import StepLayout
@@ -138,9 +139,7 @@ class Alarm:
             evidence, event = None, _unfound(tape.step, reason, e)
         agreement = target.ranks
         if agreement is not None and agreement.seen is not None:  # every rank is here
-            event = agreement.settle(event, tape.step, own_backward=evidence is not None
-                                     and events.output_grad_bad(evidence),
-                                     order=ranks.completion_order(evidence, event))
+            event = _settled(agreement, event, tape, evidence)
         elif agreement is not None and event is not None:  # a cut-short step: this rank alone
             event.ranks = agreement.alone()
         if event is None:  # false alarm: norms of huge but finite tensors overflowed
@@ -359,6 +358,14 @@ def _mark_changed_inputs(tape: Tape) -> None:
         if not mb.inputs_written and mb.inputs_moved():
             mb.inputs_changed = True
         mb.targets_changed = mb.targets_moved()
+
+
+def _settled(agreement, event: Event | None, tape: Tape, evidence) -> Event | None:
+    """``event`` as the ranks agreed on it (see ``recorder.ranks.Agreement.settle``)."""
+    return agreement.settle(event, tape.step, own_backward=evidence is not None
+                            and events.output_grad_bad(evidence),
+                            order=ranks.completion_order(evidence, event),
+                            received=received_input(tape, event))
 
 
 def _unfound(step: int, reason: str, e: Exception) -> Event:

@@ -167,12 +167,14 @@ class Agreement:
         return host[:n]
 
     def settle(self, event: Event | None, step: int, own_backward: bool = False,
-               order: int | None = None) -> Event | None:
+               order: int | None = None, received: bool = False) -> Event | None:
         """Slow path, every rank: which ranks saw the event first, by the step (an update's
         event is its step's), then the phase, micro-batch and call each rank's own event
         names; among backward events, the ranks whose own loss sent a NaN/Inf into the
         model output (``own_backward``) first; ``order``: the event's call's place in the step's
-        completion order (:func:`completion_order`). Sets ``event.ranks``; a rank whose own values
+        completion order (:func:`completion_order`); ``received``: an input event of
+        activations another rank's stage sent (``recorder.received_input``), ordered after the
+        forward events. Sets ``event.ranks``; a rank whose own values
         were finite gets a ``peer`` event of the first ranks' step, naming them. One more
         all-reduce, which every rank runs as every rank entered the slow path together."""
         seen = self.seen or []
@@ -180,7 +182,7 @@ class Agreement:
         if self.rank not in seen and event is not None and event.reason == "non_finite":
             event = None  # only the others failed: what the finder made of finite values
         row = torch.zeros(self.world, 5, dtype=torch.int64, device=self.device)
-        key = _order_key(event, own_backward, order) if event is not None \
+        key = _order_key(event, own_backward, order, received) if event is not None \
             else (step, _LATE, 0, 0, 0)
         row[self.rank] = torch.tensor(key, dtype=torch.int64)
         self._all_reduce(row)
@@ -276,17 +278,20 @@ def _timeout() -> float:
     return value if value > 0 else _TIMEOUT_S
 
 
-def _order_key(event: Event, own_backward: bool = False, order: int | None = None
-               ) -> tuple[int, int, int, int, int]:
+def _order_key(event: Event, own_backward: bool = False, order: int | None = None,
+               received: bool = False) -> tuple[int, int, int, int, int]:
     """(step, phase order, received, micro-batch, call) of an event: smaller saw it earlier.
     ``received`` is 1 for a backward event whose rank's output gradients were finite: its
     parameters' NaN may be another rank's, spread by the gradient all-reduce, so a rank whose
     own loss made one (``own_backward``) saw it first (every rank's event is backward then).
-    ``call`` is the call's ``order`` in the step where known, else its module's call index."""
+    ``call`` is the call's ``order`` in the step where known, else its module's call index.
+    A pipeline stage's ``received`` input event counts as a forward one received: the rank
+    whose module made the NaN its input holds saw it first."""
     mb = event.micro_batch
     call = order if order is not None else event.call
-    received = int(event.phase == "backward" and not own_backward)
-    return (int(event.step), PHASE_ORDER.get(event.phase, _LATE - 1), received,
+    phase = "forward" if received else event.phase
+    received = received or event.phase == "backward" and not own_backward
+    return (int(event.step), PHASE_ORDER.get(phase, _LATE - 1), int(received),
             mb if isinstance(mb, int) else 0, call if isinstance(call, int) else 0)
 
 

@@ -126,11 +126,17 @@ HOOKS = ("fp16", "powersgd", "allreduce")  # DDP communication hooks (ddp_commho
 HOOK_MODES = (*HOOKS, *(f"{h}-bare" for h in HOOKS), "overflow", "own", "nan")
 
 
+# torch.distributed.pipelining's two stages (tests/dist/pipeline_train.py)
+PIPE_MODES = ("gpipe-bare-w", "gpipe-healthy-w", "gpipe-first-w", "1f1b-last-w")
+
+
 @pytest.fixture(scope="module")
 def frames(tmp_path_factory) -> dict[str, Run]:
-    """ddp_frames_train's modes, and ddp_commhook_train's (``ddp_commhook_train:MODE``)."""
+    """ddp_frames_train's modes, ddp_commhook_train's (``ddp_commhook_train:MODE``) and
+    pipeline_train's."""
     return _launch_modes(tmp_path_factory, "ddp_frames_train.py", "plain", "clip",
-                         *(f"ddp_commhook_train:{m}" for m in HOOK_MODES))
+                         *(f"ddp_commhook_train:{m}" for m in HOOK_MODES),
+                         *(f"pipeline_train:{m}" for m in PIPE_MODES))
 
 
 @pytest.fixture(scope="module")
@@ -831,3 +837,71 @@ def test_fsdp2_nan_after_a_dcp_resume_replays_the_resumed_step(options, nanrepla
     o = report["origin"]
     assert (o["module"], o["op"], o["samples"], report["cause"]) == ("norm", "aten.div", [row],
                                                                      "invalid")
+
+
+@pytest.fixture(scope="module")
+def pipeline(frames) -> dict[str, Run]:
+    return {m: frames[f"pipeline_train:{m}"] for m in PIPE_MODES}
+
+
+@pytest.fixture
+def pp_plant(monkeypatch):
+    """tests/dist/pipeline_train.py's plant, read from the script."""
+    monkeypatch.syspath_prepend(str(HERE))
+    import pipeline_train
+
+    yield pipeline_train
+    for name in ("pipeline_train", "modes"):
+        sys.modules.pop(name, None)
+
+
+def _pp_events(run: Run) -> dict[str, str]:
+    return dict(re.findall(r"rank (\d) event ([^\n]*?) bundle=", run.stdout))
+
+
+def test_pipeline_healthy_run_is_bit_identical_with_the_recorder(pipeline):
+    """ScheduleGPipe over two stages: the last stage's micro-batch losses are the same bits
+    with and without the recorder on every rank's stage, and nothing is written."""
+    bare, run = pipeline["gpipe-bare-w"], pipeline["gpipe-healthy-w"]
+    losses = re.findall(r"rank 1 step \d+ losses ([^\n]*)", run.stdout)
+    assert len(losses) == 6 and losses == re.findall(r"rank 1 step \d+ losses ([^\n]*)",
+                                                      bare.stdout), run.stdout
+    assert "rank 0 no event" in run.stdout and "rank 1 no event" in run.stdout, run.stdout
+    assert not run.out.exists() or not list(run.out.iterdir())
+
+
+def test_pipeline_nan_made_in_stage_0_is_first_seen_on_rank_0(pipeline, pp_plant, nanreplay):
+    """Stage 0's UnsafeNorm divides 0 by 0 on the zero row; stage 1 receives the NaN as its
+    input. Before, the ranks' agreement put rank 1's input event first (an input event
+    precedes any forward one) and both bundles replayed rank 1's step: 'the batch itself
+    holds NaN/Inf: check the data pipeline'. A stage's received activations (leaves that
+    require grad) now count as received: rank 0 is first, and either bundle replays its op."""
+    run, p = pipeline["gpipe-first-w"], pp_plant
+    size = p.BATCH // p.MICRO
+    mb, row = divmod(p.BAD_ROW, size)
+    assert _pp_events(run) == {
+        "0": f"step={p.BAD_STEP} phase=forward module=1 samples=[{row}] first=[0]",
+        "1": f"step={p.BAD_STEP} phase=input module= samples=[{row}] first=[0]"}, run.stdout
+    for rank in (0, 1):
+        report = json.loads(nanreplay("--json", run.out / f"step{p.BAD_STEP:08d}-rank{rank}.nan"
+                                      ).stdout)
+        assert report["bundle"]["rank"] == 0 and report["reproduced"] is True
+        origin = report["origin"]
+        assert (origin["module"], origin["op"], origin["micro_batch"], origin["samples"],
+                report["cause"]) == ("1", "aten.div", mb, [row], "invalid"), report
+
+
+def test_pipeline_nan_made_in_the_last_stage_replays_it_from_rank_0s_bundle(pipeline, pp_plant,
+                                                                           nanreplay):
+    """Schedule1F1B: stage 1's LogAct takes the log of a negative number on every row; rank 0
+    sees the NaN gradient stage 1's backward sends back. Rank 1 is first, and rank 0's bundle
+    replays rank 1's forward event."""
+    run, p = pipeline["1f1b-last-w"], pp_plant
+    rows = list(range(p.BATCH // p.MICRO))
+    assert _pp_events(run) == {
+        "0": f"step={p.BAD_STEP} phase=backward module=None samples=[] first=[1]",
+        "1": f"step={p.BAD_STEP} phase=forward module=1 samples={rows} first=[1]"}, run.stdout
+    report = json.loads(nanreplay("--json", run.out / f"step{p.BAD_STEP:08d}-rank0.nan").stdout)
+    assert report["bundle"]["rank"] == 1 and report["reproduced"] is True
+    assert (report["origin"]["module"], report["origin"]["op"], report["origin"]["samples"],
+            report["cause"]) == ("1", "aten.log", rows, "invalid"), report
