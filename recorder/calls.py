@@ -32,6 +32,7 @@ from .finite import ANY, checkable, real_view, stored
 from .hand_steps import awaits_backward, step_end_hooks
 from .hooks import Health, Hook
 from .out_grads import keep_grad, keep_out_grad
+from .pipeline_stage import in_shape_inference
 from .refs import (
     input_refs,
     leaves,
@@ -113,9 +114,10 @@ class CallHooks:
         if func_transform() is not None:  # see _outside
             self.cycle.transformed = True
             return None
-        if _on_meta(args, kwargs):
-            # a pass with no data (Keras's symbolic build, a shape inference on the meta device):
-            # no step, and nothing to measure, until the root returns (see _outside)
+        if _on_meta(args, kwargs) or in_shape_inference():
+            # a pass with no data (Keras's symbolic build, a shape inference on the meta device
+            # or on a pipeline stage's empty buffers): no step, and nothing to measure, until
+            # the root returns (see _outside)
             self.shape_pass, self.health.active = True, False
             return None
         try:
@@ -323,6 +325,8 @@ class CallHooks:
     # the loss and the gradients
 
     def loss_post_hook(self, module, args, kwargs, output):
+        if in_shape_inference():  # (the last pipeline stage's loss of its empty buffers)
+            return None
         self.loss_seen, cycle = True, self.cycle
         tape = cycle.tape
         if func_transform() is not None:  # (see _outside)

@@ -11,7 +11,8 @@ the autocast regions a decorated ``forward`` enters, torch.distributions' defaul
 ``validate_args``, an ``nn.Module``'s own slots (what its ``named_*`` methods leave out: ``None`` entries and the
 non-persistent buffer names), whether a backward is running (checkpointing's recomputation),
 where a DTensor's local shard sits (the checkpoint protocol), whether a torch.func
-``functional_call`` is running (its parameters the call's own), and
+``functional_call`` is running (its parameters the call's own), whether a caller of a given
+name is on the stack, the base class of pipeline stages, and
 a process group's key-value store (where the ranks meet at attach).
 """
 
@@ -458,3 +459,25 @@ def in_functional_call() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def called_within(names: frozenset[str], depth: int) -> bool:
+    """Whether a function of one of ``names`` is among the caller's ``depth`` callers."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_name in names:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def pipeline_stage_class() -> type | None:
+    """The base class of ``torch.distributed.pipelining``'s stages (``PipelineStage`` and the
+    ``pipeline()`` split's), or None."""
+    try:
+        from torch.distributed.pipelining.stage import _PipelineStageBase
+    except ImportError:
+        return None
+    return _PipelineStageBase

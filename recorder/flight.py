@@ -63,14 +63,15 @@ class _CallableLoss(nn.Module):
         return self.fn(*args, **kwargs)
 
 
-def _loss_watch(given, loss_fn: nn.Module | None, calls: CallHooks, integration) -> LossWatch:
+def _loss_watch(given, loss_fn: nn.Module | None, calls: CallHooks, integration,
+                model) -> LossWatch:
     """What says, once, that the first training step's loss went unwatched."""
     if isinstance(loss_fn, _CallableLoss):
         fn = getattr(given, "func", given)  # (a functools.partial: its function's name)
         name = getattr(fn, "__qualname__", None) or type(fn).__name__
-        return LossWatch("function", name, bool, integration)
+        return LossWatch("function", name, bool, integration, model)
     return LossWatch("none" if loss_fn is None else "module", type(given).__name__,
-                     partial(getattr, calls, "loss_seen"), integration)
+                     partial(getattr, calls, "loss_seen"), integration, model)
 
 
 class FlightRecorder:
@@ -180,7 +181,8 @@ class FlightRecorder:
                                self.settings.param_norms)
         self.guard = OptimizerGuard(self.target, self.cycle, self.health, self.alarm)
         self.guard.loss_watch = _loss_watch(loss_fn, self.loss_fn, self.calls,
-                                            partial(getattr, self, "integration"))
+                                            partial(getattr, self, "integration"),
+                                            self.target.model)
         self._handles: list = []
         self._ddp = weakref.ref(ddp) if (ddp := ddp_in(model)) is not None else None
         self._attached = False

@@ -14,15 +14,18 @@ checked):
   GradCache's no-grad pass first) was called;
 - no ``loss_fn`` at all, no ``rec.record_loss`` and no loss in the model's output (a scalar
   there, as a Hugging Face model returns it): not said where an integration records the
-  model, whose trainer computes the loss where the user cannot hand it over.
+  model, whose trainer computes the loss where the user cannot hand it over, nor for a
+  pipeline stage before the last, whose output's gradient comes from the next stage.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from .capture import tensor_leaves
+from .pipeline_stage import feeds_next_stage
 from .tape import Tape
 
 log = logging.getLogger("nanreplay")
@@ -49,8 +52,9 @@ class LossWatch:
     ``integration``: the name of the integration recording the model, if any."""
 
     def __init__(self, kind: str, name: str, seen: Callable[[], bool],
-                 integration: Callable[[], str | None]):
+                 integration: Callable[[], str | None], model: Callable[[], Any]):
         self.kind, self.name, self.seen, self.integration = kind, name, seen, integration
+        self.model = model  # (a pipeline stage before the last has no loss to give)
         self.armed = True
 
     def step_closed(self, tape: Tape) -> None:
@@ -63,7 +67,8 @@ class LossWatch:
         elif self.kind == "module":
             if not self.seen():  # (called, if outside the step: GradCache's no-grad pass first)
                 log.warning(_MODULE, self.name, tape.step)
-        elif self.integration() is None and not _loss_in_output(tape):
+        elif self.integration() is None and not _loss_in_output(tape) \
+                and not feeds_next_stage(self.model()):
             log.warning(_NONE, tape.step)
 
 

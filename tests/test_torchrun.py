@@ -127,7 +127,7 @@ HOOK_MODES = (*HOOKS, *(f"{h}-bare" for h in HOOKS), "overflow", "own", "nan")
 
 
 # torch.distributed.pipelining's two stages (tests/dist/pipeline_train.py)
-PIPE_MODES = ("gpipe-bare-w", "gpipe-healthy-w", "gpipe-first-w", "1f1b-last-w")
+PIPE_MODES = ("gpipe-bare", "gpipe-healthy", "gpipe-first", "1f1b-last-w")
 
 
 @pytest.fixture(scope="module")
@@ -860,14 +860,19 @@ def _pp_events(run: Run) -> dict[str, str]:
 
 
 def test_pipeline_healthy_run_is_bit_identical_with_the_recorder(pipeline):
-    """ScheduleGPipe over two stages: the last stage's micro-batch losses are the same bits
-    with and without the recorder on every rank's stage, and nothing is written."""
-    bare, run = pipeline["gpipe-bare-w"], pipeline["gpipe-healthy-w"]
+    """ScheduleGPipe over two stages, the recorder attached before the first step: the last
+    stage's micro-batch losses are the same bits with and without the recorder on every rank's
+    stage, and nothing is written or said. Before, the first step's shape inference (each
+    stage's forward of torch.empty buffers) was a step-0 event on rank 1, 'reproduced' from its
+    garbage as aten.log of a negative number, and rank 0, whose output's gradient comes from the
+    next stage, was told to pass a loss_fn."""
+    bare, run = pipeline["gpipe-bare"], pipeline["gpipe-healthy"]
     losses = re.findall(r"rank 1 step \d+ losses ([^\n]*)", run.stdout)
     assert len(losses) == 6 and losses == re.findall(r"rank 1 step \d+ losses ([^\n]*)",
                                                       bare.stdout), run.stdout
     assert "rank 0 no event" in run.stdout and "rank 1 no event" in run.stdout, run.stdout
     assert not run.out.exists() or not list(run.out.iterdir())
+    assert "nanreplay" not in run.stderr, run.stderr
 
 
 def test_pipeline_nan_made_in_stage_0_is_first_seen_on_rank_0(pipeline, pp_plant, nanreplay):
@@ -876,7 +881,7 @@ def test_pipeline_nan_made_in_stage_0_is_first_seen_on_rank_0(pipeline, pp_plant
     precedes any forward one) and both bundles replayed rank 1's step: 'the batch itself
     holds NaN/Inf: check the data pipeline'. A stage's received activations (leaves that
     require grad) now count as received: rank 0 is first, and either bundle replays its op."""
-    run, p = pipeline["gpipe-first-w"], pp_plant
+    run, p = pipeline["gpipe-first"], pp_plant
     size = p.BATCH // p.MICRO
     mb, row = divmod(p.BAD_ROW, size)
     assert _pp_events(run) == {

@@ -3,10 +3,10 @@ writes it: an ``nn.Sequential`` split by hand into two stages, each rank holding
 ``PipelineStage``, ``ScheduleGPipe`` or ``Schedule1F1B`` over 2 micro-batches, the loss on the
 last stage only.
 
-Modes ``<schedule>-<plant>[-w]``. ``-w`` runs the schedule's first step bare, then attaches the
-recorder (``start_step=1``): that first step's shape inference forwards uninitialised
-``torch.empty`` buffers through the later stage, whose NaN the recorder would take for an
-event (its hooks cannot tell; a fix in recorder/calls.py is described in the branch's report).
+Modes ``<schedule>-<plant>[-w]``. The recorder is attached before the first step, whose
+shape inference forwards uninitialised ``torch.empty`` buffers through each stage (and the last
+stage's loss): no step, paused through (recorder.pipeline_stage); ``-w`` runs that first step
+bare and attaches after it (``start_step=1``).
 Plant ``bare`` (no recorder) and ``healthy`` print each step's losses on the last rank;
 ``last``: one unit of stage 1's first linear layer gets a bias of -50 at step BAD_STEP, so
 ``LogAct`` takes the log of negative numbers on every row; ``first``: row BAD_ROW of step
