@@ -36,6 +36,7 @@ from .samples import packed_in
 from .self_written import WRITTEN_DETAIL, self_written
 from .shards import local
 from .step_evidence import StepEvidence
+from .superseded_norms import only_superseded_overflow
 from .tape import fed_to
 
 __all__ = ["Event", "find_event", "optimizer_event", "output_grad_bad"]
@@ -126,7 +127,7 @@ def find_event(ev: StepEvidence, reason: str) -> Event | None:
         if ev.late:
             event.written_after_forward = [ev.param_names[i] for i in ev.late]
         return event
-    if ev.overflowed or ev.returned_inf:
+    if ev.overflowed or ev.returned_inf or only_superseded_overflow(ev):
         return None  # only norms of huge but finite weights or gradients overflowed
     return _written_event(ev) or _raised_root_input(ev) or Event(
         ev.tape.step, phase="forward", detail=UNIDENTIFIED)

@@ -28,8 +28,11 @@ def loop_clip(step, win, record: dict[str, Any], change, norm: float | None,
     A norm larger by the very factor the loop put on the loss (``factors``, this step's:
     ``(loss * scale).backward()``) is the loop's own unscaling (``p.grad.div_(scale)``, a loss
     scaler written by hand): the gradients are divided by it, as the loop did, and so are a
-    what-if's, by the factor it puts on its loss. Returns the norm the update then used, for
-    an unscaling (the window's statistics show that one, as the ring does), else None."""
+    what-if's, by the factor it puts on its loss. A recorded norm of 0 where the re-run's
+    overflows its dtype (the loop's clip zeroed such gradients, its max_norm unseen) makes a
+    what-if zero its own gradients whose norm overflows (``win.loop_zeroes``). Returns the
+    norm the update then used, for an unscaling (the window's statistics show that one, as
+    the ring does), else None."""
     params = [p for p in step.model.parameters() if p.grad is not None]
     grads = [p.grad for p in params]
     if change.clip is not None:
@@ -39,6 +42,9 @@ def loop_clip(step, win, record: dict[str, Any], change, norm: float | None,
         if rec is None or norm is None or not norm > rec * (1 + 1e-3) \
                 or not _same_loss(step, record["step"], loss):
             return None
+        # (0 where the norm in the gradients' own dtype overflowed: clip_grad_norm_'s
+        # coefficient max_norm / inf, whatever max_norm, or the loop's own skip of such a step)
+        win.loop_zeroes = win.loop_zeroes or rec == 0 and not norm_finite(grads)
         for g in grads:
             g.mul_(rec / norm)
         if (k := _one(factors)) is not None and k > 1 + 1e-3 and abs(norm / rec / k - 1) < 1e-3:
@@ -48,6 +54,9 @@ def loop_clip(step, win, record: dict[str, Any], change, norm: float | None,
             win.loop_clip = max(win.loop_clip or 0.0, rec)
     elif win.loop_clip is not None:
         clip_grads(params, win.loop_clip)
+    elif win.loop_zeroes and not norm_finite(grads):  # (a what-if's: as the loop zeroed them)
+        for g in grads:
+            g.zero_()
     if change.clip is None and change != type(change)() and win.loop_unscale \
             and (k := _one(win.loss_factors or ())) is not None:
         for g in grads:
@@ -82,6 +91,13 @@ def ring_loss(run) -> float | None:
     vals = [float(t.detach().max()) for loss in run.losses for t in tensor_leaves(loss)
             if t.is_floating_point() and t.numel()]
     return sum(vals) / len(vals) if vals else None
+
+
+def norm_finite(grads) -> bool:
+    """Whether the gradients' total norm, taken as ``clip_grad_norm_`` takes it (in their own
+    dtype: float32 overflows above ~1.8e19 per tensor's norm squared), is finite."""
+    grads = [stored(g.detach()) for g in grads if g.numel() and not g.is_meta]
+    return not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
 
 
 def clip_grads(params: list[torch.Tensor], max_norm: float) -> None:

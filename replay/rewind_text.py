@@ -37,7 +37,9 @@ def window_lines(report: dict[str, Any]) -> list[str]:
            f"first non-finite at step {w['event_step']}, not the recorded event"
            if w["event_step"] is not None else "every value finite: the event did NOT come back")
     clip = w.get("loop_clip")  # (the re-run applies the loop's own gradient clipping too)
-    got += f" (the loop's gradient clipping to norm {clip:.4g} re-applied)" if clip else ""
+    got += f" (the loop's gradient clipping to norm {clip:.4g} re-applied)" if clip else \
+        " (the loop's zeroing of gradients whose norm overflowed re-applied)" \
+        if w.get("loop_zeroes") else ""
     lines = [f"  window     steps {first}-{last} re-run from the copy at step {w['copy_step']}: "
              f"{got}"]
     f = w.get("first_non_finite")

@@ -302,7 +302,7 @@ def _from_the_copy(win: Window, report: dict[str, Any]) -> None:
 def _as_the_window_found(win: Window, w: dict[str, Any]) -> None:
     """The loop's clip, loss factors and unscaling the window's re-run found, for its tries."""
     win.loop_clip, win.loss_factors = w.get("loop_clip"), w.get("loss_factors")
-    win.loop_unscale = bool(w.get("loop_unscale"))
+    win.loop_unscale, win.loop_zeroes = bool(w.get("loop_unscale")), bool(w.get("loop_zeroes"))
 
 
 def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict[str, Any]]:

@@ -73,6 +73,7 @@ class Window:
     # the max_norm of the loop's own clip_grad_norm_, as the unchanged re-run found it
     loop_clip: float | None = None
     loop_unscale: bool = False  # the loop divides its gradients by its loss's factor (clip)
+    loop_zeroes: bool = False  # the loop zeroed gradients whose norm overflowed (clip)
     # the loop's factor on each micro-batch's loss (accumulation's 1/k), by its index in the
     # step, as the unchanged re-run found them
     loss_factors: list[float] | None = None

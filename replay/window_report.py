@@ -50,7 +50,7 @@ def add_window(step: Step, report: dict[str, Any]) -> bool:
         "first_non_finite": o.as_json() if o else None,
         "precursors_began": precursors_began(res.per_step),
         "per_step": res.per_step, "loop_clip": win.loop_clip, "loss_factors": win.loss_factors,
-        "loop_unscale": win.loop_unscale,
+        "loop_unscale": win.loop_unscale, "loop_zeroes": win.loop_zeroes,
     }
     report["problems"] += res.problems
     if (departed := departure(step, res.per_step, win.loop_clip,
