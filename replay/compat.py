@@ -28,13 +28,15 @@
   hands one to the mode as one call, run in :func:`_run_hop` by its dense kernel
   (``HigherOrderOperator.dispatch``) with the mode pushed again by torch's own ``__enter__``;
   the mode's ``__enter__`` sets ``torch.compiler.set_stance("force_eager")``, since the eager
-  flex_attention and cond compile themselves, which dynamo refuses under such a mode;
+  flex_attention and cond compile themselves, which dynamo refuses under such a mode, and runs
+  cond and while_loop by their Python definitions (:func:`eager_torch`);
 - ``FOREACH_MUL_``: ``aten._foreach_mul_.Scalar``, the foreach kernels' in-place product of
   many tensors with one number (a foreach optimizer's weight decay, :mod:`replay.weight_scale`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -48,9 +50,10 @@ from torch.utils._pytree import tree_leaves, tree_map
 # the torch.func transform a call runs under, None outside any)
 from recorder.compat import func_transform, version_of
 
+from .eager_control_flow import EagerControlFlow
 from .wrapper_subclass import passes_to_subclass
 
-__all__ = ["TorchDispatchMode", "tree_leaves", "tree_map", "version", "version_of", "sequence_nr",
+__all__ = ["TorchDispatchMode", "eager_torch", "tree_leaves", "tree_map", "version", "version_of", "sequence_nr",
            "func_transform",
            "running_node", "saved_value", "writes_arguments",
            "set_parameter", "set_buffer", "OP_ERROR", "remove_member", "FOREACH_MUL_", "custom_op_kernel",
@@ -77,16 +80,16 @@ class TorchDispatchMode(_TorchDispatchMode):
         # torch.compile'd code under the mode runs eagerly, its ops watched: dynamo skips
         # frames under a non-infra mode, and flex_attention's eager path compiles itself with
         # fullgraph=True, which then raises (and leaves dynamo refusing it for the process)
-        stances = self.__dict__.setdefault("_nanreplay_stances", [])
-        stances.append(_force_eager())
+        eager = eager_torch()
+        eager.__enter__()
+        self.__dict__.setdefault("_nanreplay_stances", []).append(eager)
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            if (stance := self._nanreplay_stances.pop()) is not None:
-                stance.__exit__(None, None, None)
+            self._nanreplay_stances.pop().__exit__(None, None, None)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -113,6 +116,20 @@ class TorchDispatchMode(_TorchDispatchMode):
                 # runs another path unwatched and the failure goes unseen
                 raise RuntimeError(f"{type(self).__name__} failed on {func}: {e}") from e
         cls.__torch_dispatch__ = __torch_dispatch__
+
+
+@contextlib.contextmanager
+def eager_torch():
+    """torch.compile's stance set to force_eager, and ``torch.cond``, ``torch.while_loop`` run
+    by their Python definitions (:mod:`replay.eager_control_flow`): the model's every op runs
+    eagerly, as its own aten op with its own autograd node."""
+    stance = _force_eager()
+    try:
+        with EagerControlFlow():
+            yield
+    finally:
+        if stance is not None:
+            stance.__exit__(None, None, None)
 
 
 def _force_eager():
