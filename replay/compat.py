@@ -29,7 +29,8 @@
   (``HigherOrderOperator.dispatch``) with the mode pushed again by torch's own ``__enter__``;
   the mode's ``__enter__`` sets ``torch.compiler.set_stance("force_eager")``, since the eager
   flex_attention and cond compile themselves, which dynamo refuses under such a mode, and runs
-  cond and while_loop by their Python definitions (:func:`eager_torch`);
+  cond and while_loop by their Python definitions, put in place of their autograd kernels
+  (``HigherOrderOperator.py_kernels``, ``_dispatch_cache``) while it is on (:func:`eager_torch`);
 - ``FOREACH_MUL_``: ``aten._foreach_mul_.Scalar``, the foreach kernels' in-place product of
   many tensors with one number (a foreach optimizer's weight decay, :mod:`replay.weight_scale`).
 """
@@ -50,7 +51,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 # the torch.func transform a call runs under, None outside any)
 from recorder.compat import func_transform, version_of
 
-from .eager_control_flow import EagerControlFlow
+from .eager_control_flow import definitions
 from .wrapper_subclass import passes_to_subclass
 
 __all__ = ["TorchDispatchMode", "eager_torch", "tree_leaves", "tree_map", "version", "version_of", "sequence_nr",
@@ -122,14 +123,41 @@ class TorchDispatchMode(_TorchDispatchMode):
 def eager_torch():
     """torch.compile's stance set to force_eager, and ``torch.cond``, ``torch.while_loop`` run
     by their Python definitions (:mod:`replay.eager_control_flow`): the model's every op runs
-    eagerly, as its own aten op with its own autograd node."""
+    eagerly, as its own aten op with its own autograd node. The definitions replace the
+    operators' autograd kernels (``py_kernels``), which run first and would keep the user's
+    callables for the backward; as kernels, not a TorchFunctionMode, no frame of the replay's
+    sits between the model's code and its ops (a warning of torch's names the model's line)."""
     stance = _force_eager()
+    kept = {op: op.py_kernels.get(DispatchKey.Autograd) for op in _DEFINED}
     try:
-        with EagerControlFlow():
-            yield
+        for op, fn in _DEFINED.items():
+            _set_autograd_kernel(op, _positional(fn, kept[op]))
+        yield
     finally:
+        for op, kernel in kept.items():
+            _set_autograd_kernel(op, kernel)
         if stance is not None:
             stance.__exit__(None, None, None)
+
+
+_DEFINED = definitions()
+
+
+def _positional(fn, kernel):
+    """``fn`` for the call forms it defines (positional), torch's ``kernel`` for the others."""
+    def run(*args, **kwargs):
+        if kwargs and kernel is not None:
+            return kernel(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return run
+
+
+def _set_autograd_kernel(op, kernel) -> None:
+    if kernel is None:
+        op.py_kernels.pop(DispatchKey.Autograd, None)
+    else:
+        op.py_kernels[DispatchKey.Autograd] = kernel
+    op._dispatch_cache.clear()  # (the kernel each dispatch key resolved to)
 
 
 def _force_eager():

@@ -1,5 +1,5 @@
-"""``torch.cond`` and ``torch.while_loop`` run by their Python definitions under the replay's
-dispatch modes.
+"""``torch.cond`` and ``torch.while_loop`` by their Python definitions, which the replay runs
+them by (:func:`replay.compat.eager_torch`).
 
 In training, dynamo traces each branch or loop body into a graph taking and returning flat
 tuples of tensors, the form the operators' own autograd and schema code expect. Under a
@@ -15,10 +15,11 @@ branch, as for any other line of the model.
 
 from __future__ import annotations
 
-import torch
-from torch.overrides import TorchFunctionMode
+from collections.abc import Callable
 
-__all__ = ["EagerControlFlow"]
+import torch
+
+__all__ = ["definitions"]
 
 
 def _cond(pred, true_fn, false_fn, operands):
@@ -34,26 +35,12 @@ def _while_loop(cond_fn, body_fn, carried_inputs, additional_inputs):
                                   for v in vals)
 
 
-def _definitions() -> dict:
+def definitions() -> dict[object, Callable]:
+    """Each operator (``torch.ops.higher_order.cond``, ``.while_loop``) this torch has, with
+    the function defining it, called as the operator is (positional, no keyword)."""
     found = {}
     for name, fn in (("cond", _cond), ("while_loop", _while_loop)):
         op = getattr(torch.ops.higher_order, name, None)  # (a torch without it: left alone)
         if op is not None:
             found[op] = fn
     return found
-
-
-_DEFINED = _definitions()
-
-
-class EagerControlFlow(TorchFunctionMode):
-    """Sees each higher-order op before autograd does (which would keep the raw callables for
-    the backward): cond and while_loop called with no keyword (the eager entry's form) run by
-    their definitions; every other call passes on unchanged."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        run = _DEFINED.get(func) if not kwargs else None
-        if run is None:
-            return func(*args, **(kwargs or {}))
-        with self:  # (a cond inside a branch is met again)
-            return run(*args)

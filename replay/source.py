@@ -27,8 +27,8 @@ _OWN_DIRS = tuple(os.path.dirname(os.path.dirname(__file__)) + os.sep + d + os.s
 # modes of the replay's that pass every torch call on (grad_hooks' watch of register_hook,
 # lost_eps' watch of guards, below_one's of softmaxes, update_linalg's of an update) sit among torch's frames, between the
 # user's call and the op: read them as torch's; so is the wrapper every mode's dispatch runs in
-# (compat's, handing it real zeros for autograd's efficient ones), and the mode every one of
-# them pushes to run torch.cond and torch.while_loop eagerly
+# (compat's, handing it real zeros for autograd's efficient ones), and the definitions
+# torch.cond and torch.while_loop run by there (an op of their own: the user's call is the line)
 _PASS_THROUGH = tuple(os.path.join(os.path.dirname(__file__), f)
                       for f in ("grad_hooks.py", "lost_eps.py", "below_one.py", "compat.py",
                                  "update_linalg.py", "eager_control_flow.py"))
