@@ -28,13 +28,16 @@
   hands one to the mode as one call, run in :func:`_run_hop` by its dense kernel
   (``HigherOrderOperator.dispatch``) with the mode pushed again by torch's own ``__enter__``;
   the mode's ``__enter__`` sets ``torch.compiler.set_stance("force_eager")``, since the eager
-  flex_attention and cond compile themselves, which dynamo refuses under such a mode;
+  flex_attention and cond compile themselves, which dynamo refuses under such a mode, and runs
+  cond and while_loop by their Python definitions, put in place of their autograd kernels
+  (``HigherOrderOperator.py_kernels``, ``_dispatch_cache``) while it is on (:func:`eager_torch`);
 - ``FOREACH_MUL_``: ``aten._foreach_mul_.Scalar``, the foreach kernels' in-place product of
   many tensors with one number (a foreach optimizer's weight decay, :mod:`replay.weight_scale`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -48,9 +51,10 @@ from torch.utils._pytree import tree_leaves, tree_map
 # the torch.func transform a call runs under, None outside any)
 from recorder.compat import func_transform, version_of
 
+from .eager_control_flow import definitions
 from .wrapper_subclass import passes_to_subclass
 
-__all__ = ["TorchDispatchMode", "tree_leaves", "tree_map", "version", "version_of", "sequence_nr",
+__all__ = ["TorchDispatchMode", "eager_torch", "tree_leaves", "tree_map", "version", "version_of", "sequence_nr",
            "func_transform",
            "running_node", "saved_value", "writes_arguments",
            "set_parameter", "set_buffer", "OP_ERROR", "remove_member", "FOREACH_MUL_", "custom_op_kernel",
@@ -77,16 +81,16 @@ class TorchDispatchMode(_TorchDispatchMode):
         # torch.compile'd code under the mode runs eagerly, its ops watched: dynamo skips
         # frames under a non-infra mode, and flex_attention's eager path compiles itself with
         # fullgraph=True, which then raises (and leaves dynamo refusing it for the process)
-        stances = self.__dict__.setdefault("_nanreplay_stances", [])
-        stances.append(_force_eager())
+        eager = eager_torch()
+        eager.__enter__()
+        self.__dict__.setdefault("_nanreplay_stances", []).append(eager)
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            if (stance := self._nanreplay_stances.pop()) is not None:
-                stance.__exit__(None, None, None)
+            self._nanreplay_stances.pop().__exit__(None, None, None)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -113,6 +117,47 @@ class TorchDispatchMode(_TorchDispatchMode):
                 # runs another path unwatched and the failure goes unseen
                 raise RuntimeError(f"{type(self).__name__} failed on {func}: {e}") from e
         cls.__torch_dispatch__ = __torch_dispatch__
+
+
+@contextlib.contextmanager
+def eager_torch():
+    """torch.compile's stance set to force_eager, and ``torch.cond``, ``torch.while_loop`` run
+    by their Python definitions (:mod:`replay.eager_control_flow`): the model's every op runs
+    eagerly, as its own aten op with its own autograd node. The definitions replace the
+    operators' autograd kernels (``py_kernels``), which run first and would keep the user's
+    callables for the backward; as kernels, not a TorchFunctionMode, no frame of the replay's
+    sits between the model's code and its ops (a warning of torch's names the model's line)."""
+    stance = _force_eager()
+    kept = {op: op.py_kernels.get(DispatchKey.Autograd) for op in _DEFINED}
+    try:
+        for op, fn in _DEFINED.items():
+            _set_autograd_kernel(op, _positional(fn, kept[op]))
+        yield
+    finally:
+        for op, kernel in kept.items():
+            _set_autograd_kernel(op, kernel)
+        if stance is not None:
+            stance.__exit__(None, None, None)
+
+
+_DEFINED = definitions()
+
+
+def _positional(fn, kernel):
+    """``fn`` for the call forms it defines (positional), torch's ``kernel`` for the others."""
+    def run(*args, **kwargs):
+        if kwargs and kernel is not None:
+            return kernel(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return run
+
+
+def _set_autograd_kernel(op, kernel) -> None:
+    if kernel is None:
+        op.py_kernels.pop(DispatchKey.Autograd, None)
+    else:
+        op.py_kernels[DispatchKey.Autograd] = kernel
+    op._dispatch_cache.clear()  # (the kernel each dispatch key resolved to)
 
 
 def _force_eager():

@@ -2,8 +2,9 @@
 
 The replay's watched re-runs (the op finder's dispatch mode, hooks on autograd's nodes, anomaly
 mode, the float64 re-run, the bisection) run torch under modes the training step did not:
-torch's own code may fail there (``torch.cond``'s autograd wrapper under a dispatch mode:
-``TypeError: object of type 'bool' has no len()``) where the plain step ran. Such a failure
+torch's own code may fail there (as ``torch.cond``'s backward did, given the user's branch
+under a dispatch mode: ``TypeError: object of type 'bool' has no len()``) where the plain step
+ran. Such a failure
 costs what that stage would have added, not the report: the recorder's step, phase, module and
 samples stay, ``reproduced`` is what the plain re-run showed, the cause is left unknown with
 the reason, and a note names the stage, the error and what to do. The model's own code raising

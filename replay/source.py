@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from .compat import OP_ERROR, no_process_group
+from .compat import OP_ERROR, eager_torch, no_process_group
 from .fx_lines import traced_line
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -29,10 +29,11 @@ _OWN_DIRS = tuple(os.path.dirname(os.path.dirname(__file__)) + os.sep + d + os.s
 # modes of the replay's that pass every torch call on (grad_hooks' watch of register_hook,
 # lost_eps' watch of guards, below_one's of softmaxes, update_linalg's of an update) sit among torch's frames, between the
 # user's call and the op: read them as torch's; so is the wrapper every mode's dispatch runs in
-# (compat's, handing it real zeros for autograd's efficient ones)
+# (compat's, handing it real zeros for autograd's efficient ones), and the definitions
+# torch.cond and torch.while_loop run by there (an op of their own: the user's call is the line)
 _PASS_THROUGH = tuple(os.path.join(os.path.dirname(__file__), f)
                       for f in ("grad_hooks.py", "lost_eps.py", "below_one.py", "compat.py",
-                                 "update_linalg.py"))
+                                 "update_linalg.py", "eager_control_flow.py"))
 _DIST_DIR = os.path.join(_TORCH_DIR, "distributed") + os.sep
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
@@ -126,10 +127,11 @@ def _node_frames(fn) -> list[tuple[str, int]]:
 @contextlib.contextmanager
 def node_tracebacks():
     """A forward under anomaly mode without its NaN check: each node keeps its forward's
-    traceback (:func:`node_source`), and a NaN raises nothing."""
+    traceback (:func:`node_source`), and a NaN raises nothing; a torch.cond's branch makes its
+    own ops' nodes, not one node for the whole op (:func:`replay.compat.eager_torch`)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with torch.autograd.detect_anomaly(check_nan=False):
+        with torch.autograd.detect_anomaly(check_nan=False), eager_torch():
             yield
 
 

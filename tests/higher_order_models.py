@@ -4,7 +4,7 @@
   table, or Gemma-2's tanh soft-capping) under a causal ``create_block_mask``, and a trained
   head (flex_attention has no backward on CPU);
 - ``torch.cond`` choosing, from a batch statistic, a standardisation without eps, or a centred
-  square root (NaN in backward only; the replay's backward finder fails inside torch on it);
+  square root (NaN in backward only);
 - a standardisation run on activations viewed as a pass-through ``__torch_function__``
   subclass, and a parameter subclass made with ``Tensor._make_subclass`` carrying a scale;
   one on a wrapper subclass (``__torch_dispatch__``), which the replay's op finder cannot read.

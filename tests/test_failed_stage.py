@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import replay.analyze as analyze
+import replay.backward_report as backward_report
 from recorder import FlightRecorder, NonFiniteError
 from replay import replay
 from replay.failed_stage import Known, kept_going
@@ -36,17 +37,18 @@ def train(out_dir, factory: str, plant=None) -> NonFiniteError:
     return info.value
 
 
-def test_cond_branch_backward_nan_keeps_the_recorded_origin_when_the_finder_fails(tmp_path):
+def test_backward_finder_failing_keeps_the_recorded_origin(tmp_path, monkeypatch):
     err = train(tmp_path, "make_cond_root")
     # every row has a minimum: sqrt's gradient at 0 is NaN in the first step's backward
     assert (err.event["step"], err.event["phase"]) == (0, "backward"), err.event
+    monkeypatch.setattr(backward_report, "find_backward_origin", _RAISE)
     rep = replay(err.bundle_path, factory=M.make_cond_root)
     assert rep["reproduced"] is True and rep["cause"] is None, rep
     o = rep["origin"]
     assert (o["phase"], o["params"]) == ("backward", err.event["params"]), rep
     failed = rep["failed_stage"]
-    assert failed["stage"].startswith("the backward op finder"), failed
-    assert failed["error"].startswith("TypeError"), failed
+    assert failed["stage"].startswith("the analysis replay.backward_report"), failed
+    assert failed["error"].startswith("TypeError: linalg_cholesky()"), failed
     assert "the plain re-run made the event again" in rep["hint"], rep["hint"]
     assert any("--debug" in p and "issue" in p for p in rep["problems"]), rep["problems"]
 
