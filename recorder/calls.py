@@ -60,6 +60,7 @@ class CallHooks:
         self.shape_pass = False  # the root runs on meta tensors; the recorder paused
         self.mask_at: dict[int, tuple[int, ...]] = {}  # site -> its forward's mask positions
         self.loss_seen = False  # the loss module's hook ran (see recorder.unwatched_loss)
+        self.inner_hooked = False  # a module under the root has a hook (see _end_micro_batch)
 
     def register(self) -> list:
         """Hook every site of the bound target (and the loss module, and the gradients of the
@@ -67,6 +68,7 @@ class CallHooks:
         target = self.target
         sites = target.sites
         root = sites[0]
+        self.inner_hooked = False
         # (the root's and the loss's hooks run eagerly where dynamo traces the call, a compiled
         # region's own or a compiled training step's, see recorder.compiled; the modules inside
         # a region are not hooked)
@@ -91,6 +93,7 @@ class CallHooks:
             hook = (Hook(disabled(partial(fn, idx, allowed, intended))) if site.disable or not idx
                     else Hook(fn, idx, allowed, intended))
             handles.append(site.target.register_forward_hook(hook, with_kwargs=True))
+            self.inner_hooked = self.inner_hooked or bool(idx)
         if self.loss_fn is not None:
             handles.append(self.loss_fn.register_forward_hook(
                 Hook(disabled(self.loss_post_hook)), with_kwargs=True, always_call=True))
@@ -198,7 +201,8 @@ class CallHooks:
         """Keep the root output, and the gradient backward brings to each of its tensors."""
         mb = tape.micro_batches[tape.micro_batch]
         mb.outputs = output
-        if self.cycle.traced:  # its calls ran in a compiled caller's graph: one region
+        # its calls ran in a compiled caller's graph, which traced their hooks: one region
+        if self.cycle.traced or (self.inner_hooked and not _inner_recorded(tape)):
             self.cycle.traced = False
             self.target.compiled.add("")
         if not self.copy_inputs and mb.inputs_moved():
@@ -316,8 +320,13 @@ class CallHooks:
         root hooks run eagerly), the call is part of the root's compiled region."""
         if not idx and self.shape_pass:  # (the root returned from its shape pass)
             self.shape_pass, self.health.active = False, True
-        elif torch.compiler.is_compiling():  # (dynamo replays it at each run of the graph)
-            self.cycle.traced = True
+        elif torch.compiler.is_compiling():
+            # (dynamo replays it at each run of the graph) no root call opened the step: the
+            # loop runs a compiled forward, which skips the root's hooks. (With a step open the
+            # root's post-hook sees its inner calls missing; a write here, inside a torch.cond
+            # branch or while_loop body, is a side effect dynamo refuses, failing the step)
+            if tape is None:
+                self.cycle.traced = True
         elif func_transform() is None:
             self.cycle.outside_step(idx, tape)
 
@@ -412,6 +421,20 @@ def _grads_dropped(earlier: list[MicroBatch], params) -> bool:
                   if earlier[i].grads_dropped), 0)
     return any(m.out_grads for m in earlier[since:]) and \
         all(p.grad is None for _, p in params)
+
+
+def _inner_recorded(tape: Tape) -> bool:
+    """Whether a call under the root was recorded in the micro-batch the root's own call, the
+    last entry, closes (found among the entries before it; another thread's may interleave)."""
+    calls, mb = tape.calls, tape.calls[-1][1]
+    for k in range(len(calls) - 2, -1, -1):
+        c = calls[k]
+        if c[1] == mb:
+            if c[0]:
+                return True
+        elif tape.by_thread is None:  # (an earlier micro-batch's: none of this one before)
+            return False
+    return False
 
 
 def _on_meta(args, kwargs) -> bool:

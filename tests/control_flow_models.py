@@ -34,11 +34,12 @@ class CentredRoot(nn.Module):
 
 
 class Gate(nn.Module):
-    """``torch.cond(h.mean() > -1e3, self.pos.forward, self.neg, (h,))``: the branch a statistic picks."""
+    """``torch.cond(h.mean() > -1e3, self.pos.forward, self.neg, (h,))``: the branch a statistic
+    picks; ``modules``: the submodule itself as the branch (its hooks run inside the cond)."""
 
-    def __init__(self, pos: nn.Module, ckpt: bool = False):
+    def __init__(self, pos: nn.Module, ckpt: bool = False, modules: bool = False):
         super().__init__()
-        self.pos, self.ckpt = pos, ckpt
+        self.pos, self.ckpt, self.modules = pos, ckpt, modules
 
     def neg(self, h):
         return h.clone()
@@ -46,7 +47,8 @@ class Gate(nn.Module):
     def branch(self, h):
         with warnings.catch_warnings():  # (dynamo's tracing of cond reads a non-leaf's .grad)
             warnings.simplefilter("ignore", UserWarning)
-            return torch.cond(h.mean() > -1e3, self.pos.forward, self.neg, (h,))
+            return torch.cond(h.mean() > -1e3, self.pos if self.modules else self.pos.forward,
+                              self.neg, (h,))
 
     def forward(self, h):
         if self.ckpt:
@@ -86,6 +88,25 @@ class RootRefine(nn.Module):
             return torch.while_loop(more, step, (torch.zeros((), dtype=torch.long), h))[1]
 
 
+class LinearRefine(nn.Module):
+    """``torch.while_loop`` whose body calls a submodule: z <- tanh(f(z)), twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h):
+        def more(i, z):
+            return i < 2
+
+        def step(i, z):
+            return i + 1, torch.tanh(self.f(z))
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.while_loop(more, step, (torch.zeros((), dtype=torch.long), h))[1]
+
+
 class Net(nn.Module):
     def __init__(self, mid: nn.Module, squash: bool = False):
         super().__init__()
@@ -102,6 +123,14 @@ class Net(nn.Module):
 
 def make_cond_log():
     return Net(Gate(LogScale()))
+
+
+def make_cond_log_modules():
+    return Net(Gate(LogScale(), modules=True))
+
+
+def make_linear_refine():
+    return Net(LinearRefine())
 
 
 def make_cond_log_ckpt():

@@ -60,6 +60,9 @@ def _zero(x):
 
 @pytest.mark.parametrize("factory, plant, op, line", [
     ("make_cond_log_ckpt", _far_negative, "aten.log", "no clamp: branch log"),
+    # the submodule itself as the branch: the recorder's hooks ran inside the cond's trace,
+    # where writing the recorder's state was a side effect dynamo refused, failing training
+    ("make_cond_log_modules", _far_negative, "aten.log", "no clamp: branch log"),
     ("make_newton", _zero, "aten.div", "no eps: loop body")])
 def test_forward_nan_inside_a_branch_or_loop_body_names_the_op_its_line_and_sample(
         tmp_path, factory, plant, op, line):
@@ -92,9 +95,12 @@ def test_backward_only_nan_inside_a_branch_or_loop_body_names_the_sqrt_node(
     assert not o.get("also") and not rep["problems"], rep
 
 
-# (a compiled model: the recorder's hooks outside its graph, the cond traced inside it)
+# (a compiled model: the recorder's hooks outside its graph, the cond traced inside it; a
+# submodule as the branch or called in the loop body: its hooks traced inside the operator,
+# where a write to the recorder's state made dynamo refuse the step: training failed)
 @pytest.mark.parametrize("factory", ["make_cond_log_ckpt", "make_root_refine",
-                                     "make_compiled_cond_log"])
+                                     "make_compiled_cond_log", "make_cond_log_modules",
+                                     "make_linear_refine"])
 def test_healthy_runs_are_bit_identical_and_silent(tmp_path, factory):
     recorded, err = train(tmp_path, factory)
     assert err is None and not list(tmp_path.iterdir())
