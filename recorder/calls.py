@@ -28,7 +28,7 @@ from .compat import (
 from .compiled import disabled
 from .cycle import StepCycle
 from .errors import NonFiniteError
-from .finite import ANY, checkable, real_view, stored
+from .finite import checkable, stored
 from .hand_steps import awaits_backward, step_end_hooks
 from .hooks import Health, Hook
 from .out_grads import keep_grad, keep_out_grad
@@ -37,13 +37,13 @@ from .refs import (
     input_refs,
     leaves,
     mask_positions,
-    named_leaves,
     output_ref,
     output_refs,
     produced,
+    root_input_refs,
 )
 from .shards import local
-from .slots import FLOAT32, GRAD, LOOSE, NAN_ONLY, RELU_OF, STRICT
+from .slots import FLOAT32, GRAD, LOOSE, NAN_ONLY, STRICT
 from .tape import MicroBatch, Tape
 from .target import Target, autocast_state
 
@@ -60,7 +60,6 @@ class CallHooks:
         self.shape_pass = False  # the root runs on meta tensors; the recorder paused
         self.mask_at: dict[int, tuple[int, ...]] = {}  # site -> its forward's mask positions
         self.loss_seen = False  # the loss module's hook ran (see recorder.unwatched_loss)
-        self.inner_hooked = False  # a module under the root has a hook (see _end_micro_batch)
 
     def register(self) -> list:
         """Hook every site of the bound target (and the loss module, and the gradients of the
@@ -68,7 +67,7 @@ class CallHooks:
         target = self.target
         sites = target.sites
         root = sites[0]
-        self.inner_hooked = False
+        self.inner_hooked = False  # a module under the root has a hook (see _end_micro_batch)
         # (the root's and the loss's hooks run eagerly where dynamo traces the call, a compiled
         # region's own or a compiled training step's, see recorder.compiled; the modules inside
         # a region are not hooked)
@@ -154,8 +153,8 @@ class CallHooks:
                 cycle.copy_targets = True  # (likewise for the loss's targets: sy.copy_(y))
             if self.copy_inputs:  # a forward that writes into its inputs: keep them as they came
                 args, kwargs = mb.keep_copies(args, kwargs)  # (measured in their place)
-            mb.input_refs = self._root_input_refs(
-                tape, args, kwargs, [] if self.copy_inputs else mb.input_versions)
+            mb.input_refs = root_input_refs(tape, self.target, self.strict_inf, args, kwargs,
+                                            [] if self.copy_inputs else mb.input_versions)
             # (a forward run inside backward, a checkpointed model's recomputation, comes before
             # that backward wrote any gradient: no zero_grad dropped them)
             if tape.micro_batches and training and not self.target.sharded \
@@ -164,38 +163,6 @@ class CallHooks:
             if tape.micro_batches and not tape.evaluation:  # (the first has the step's)
                 mb.rng = cycle.capture_rng()
             tape.add_micro_batch(mb, self.target.watched)
-
-    def _root_input_refs(self, tape: Tape, args, kwargs, versions: list) -> tuple:
-        """(min, max, allowed) refs of each floating (or complex: its real view) root input:
-        NaN always; +-Inf only with ``strict_inf``, outside ``allow_inf`` (the argument's name,
-        ``args[i]`` or a keyword, or an allowed buffer), else an infinity that comes in (a float
-        mask) is an event only where it leads. Cached for the first layers that take it;
-        ``versions`` gets (input, version). An ``allow_nan`` input is kept, never checked."""
-        refs, target = [], self.target
-        one = not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor  # the usual batch
-        for name, t in (("args[0]", args[0]),) if one else named_leaves(args, kwargs):
-            view = None
-            if not t.is_floating_point() or t.numel() == 0:
-                if not t.is_complex() or t.numel() == 0:
-                    if t.numel():  # (token ids, masks: not checked, but a reused buffer is seen)
-                        versions.append((t, version_of(t)))
-                    continue
-                view = real_view(t)  # (a complex batch, k-space or a spectrum: both parts)
-            nan_ok = target.nan_allowed(name)
-            hit = produced(tape, t) if tape.cache else None  # (none at a step's start)
-            if hit is not None:  # (checked as it was)
-                refs.append((hit[1], hit[2], ANY if nan_ok else hit[1][0] % RELU_OF == NAN_ONLY))
-                continue
-            intended = target.allowed_buffer(t) or target.is_allowed(name)
-            soft = not self.strict_inf or intended
-            a, b = tape.slots.minmax(t.detach() if view is None else view,
-                                     LOOSE if nan_ok else NAN_ONLY if soft else STRICT)
-            refs.append((a, b, ANY if nan_ok else soft))
-            # (for the calls that take it, only an allow_inf input's +-Inf is finite)
-            version = version_of(t)
-            tape.cache[id(t)] = (weakref.ref(t), a, b, intended, version)
-            versions.append((t, version))
-        return tuple(refs)
 
     def _end_micro_batch(self, tape: Tape, output) -> None:
         """Keep the root output, and the gradient backward brings to each of its tensors."""
@@ -317,14 +284,14 @@ class CallHooks:
         transform (``vmap(grad(...))`` of a ``functional_call``: per-sample gradients, an
         ensemble), whose wrapped tensors are no part of the step and no reduction into a slot
         takes. Traced by dynamo (the model called from a compiled training step, whose
-        root hooks run eagerly), the call is part of the root's compiled region."""
+        root hooks run eagerly), the call is part of the root's compiled region: said by the
+        root's post-hook, which finds no inner call (:func:`_inner_recorded`), or, with no step
+        open (a compiled ``model.forward`` skips the root's hooks), by the flag written here,
+        which dynamo replays at each run of its graph. (Not with a step open: inside a
+        torch.cond branch or a while_loop body, a side effect dynamo refuses, failing it.)"""
         if not idx and self.shape_pass:  # (the root returned from its shape pass)
             self.shape_pass, self.health.active = False, True
         elif torch.compiler.is_compiling():
-            # (dynamo replays it at each run of the graph) no root call opened the step: the
-            # loop runs a compiled forward, which skips the root's hooks. (With a step open the
-            # root's post-hook sees its inner calls missing; a write here, inside a torch.cond
-            # branch or while_loop body, is a side effect dynamo refuses, failing the step)
             if tape is None:
                 self.cycle.traced = True
         elif func_transform() is None:

@@ -13,7 +13,7 @@ from torch import nn
 
 from .capture import output_leaves, tensor_leaves
 from .compat import version, version_of, view_base
-from .finite import real_view
+from .finite import ANY, real_view
 from .slots import LOOSE, NAN_ONLY, RELU_OF, STRICT, flat_view
 from .tape import Tape
 from .target import Target
@@ -40,6 +40,40 @@ def produced(tape: Tape, t: torch.Tensor, made_here=None) -> tuple | None:
             and dense(t) and dense(base):
         return hit
     return None
+
+
+def root_input_refs(tape: Tape, target: Target, strict_inf: bool, args, kwargs,
+                    versions: list) -> tuple:
+    """(min, max, allowed) refs of each floating (or complex: its real view) root input:
+    NaN always; +-Inf only with ``strict_inf``, outside ``allow_inf`` (the argument's name,
+    ``args[i]`` or a keyword, or an allowed buffer), else an infinity that comes in (a float
+    mask) is an event only where it leads. Cached for the first layers that take it;
+    ``versions`` gets (input, version). An ``allow_nan`` input is kept, never checked."""
+    refs = []
+    one = not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor  # the usual batch
+    for name, t in (("args[0]", args[0]),) if one else named_leaves(args, kwargs):
+        view = None
+        if not t.is_floating_point() or t.numel() == 0:
+            if not t.is_complex() or t.numel() == 0:
+                if t.numel():  # (token ids, masks: not checked, but a reused buffer is seen)
+                    versions.append((t, version_of(t)))
+                continue
+            view = real_view(t)  # (a complex batch, k-space or a spectrum: both parts)
+        nan_ok = target.nan_allowed(name)
+        hit = produced(tape, t) if tape.cache else None  # (none at a step's start)
+        if hit is not None:  # (checked as it was)
+            refs.append((hit[1], hit[2], ANY if nan_ok else hit[1][0] % RELU_OF == NAN_ONLY))
+            continue
+        intended = target.allowed_buffer(t) or target.is_allowed(name)
+        soft = not strict_inf or intended
+        a, b = tape.slots.minmax(t.detach() if view is None else view,
+                                 LOOSE if nan_ok else NAN_ONLY if soft else STRICT)
+        refs.append((a, b, ANY if nan_ok else soft))
+        # (for the calls that take it, only an allow_inf input's +-Inf is finite)
+        version = version_of(t)
+        tape.cache[id(t)] = (weakref.ref(t), a, b, intended, version)
+        versions.append((t, version))
+    return tuple(refs)
 
 
 def output_ref(tape: Tape, t: torch.Tensor, allowed: bool, intended: bool, reuse: bool
