@@ -23,6 +23,8 @@ import torch
 import zstandard
 
 from .bundle_header import CHUNK, FORMAT, VERSION, HeaderReader, jsonable
+from .bundle_header import physical_memory as _physical_memory
+from .bundle_keys import Tensors
 
 SUFFIX = ".nan"
 _DTYPES: dict[torch.dtype, str] = {
@@ -241,12 +243,4 @@ def read_bundle(path: str | os.PathLike, want=None) -> tuple[dict[str, Any], dic
             raise r.error(f"its tensors claim {total} bytes, more than this machine's memory "
                           f"({mem} bytes)", "the file is corrupted, or read it on a larger "
                           "machine")
-        return r.meta, dict(r.tensors(want))
-
-
-def _physical_memory() -> int | None:
-    """Bytes of RAM on this machine (``None`` where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
+        return r.meta, Tensors(r.tensors(want))

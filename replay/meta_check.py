@@ -37,8 +37,8 @@ def check_meta(meta: dict[str, Any], path: str | os.PathLike) -> None:
     def check(where: str, value: Any, types: tuple[type, ...]) -> None:
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             want = " or ".join(_JSON_NAMES[t] for t in types)
-            raise bad(f"{where} is {_JSON_NAMES.get(type(value), type(value).__name__)}, "
-                      f"not {want}")
+            kind = dict if isinstance(value, dict) else type(value)  # (the reader's Metadata)
+            raise bad(f"{where} is {_JSON_NAMES.get(kind, kind.__name__)}, not {want}")
 
     if "event" not in meta:
         raise bad("lacks 'event'")

@@ -12,6 +12,8 @@ import torch
 
 from recorder.wrapped import PREFIX, is_wrapper
 
+from .errors import ReplayError
+
 __all__ = ["as_recorded", "finite_parts", "non_finite_inner", "plain_parts", "rebuilt",
            "wrapped_entry"]
 
@@ -108,4 +110,10 @@ def as_recorded(step, key: str, like: torch.Tensor) -> torch.Tensor:
     """Bundle tensor ``key`` as the replay loads it into ``like``'s place: rebuilt as its
     wrapper subclass when it was one (:func:`rebuilt`), else the bundle's tensor."""
     new = rebuilt(step, key, like)
-    return step.tensors[key] if new is None else new
+    t = step.tensors[key] if new is None else new
+    if like.requires_grad and not (t.is_floating_point() or t.is_complex()):
+        # (a trained parameter cannot hold integers: torch would refuse it deep in the load)
+        raise ReplayError(f"{key} is {t.dtype} in the bundle but a trained {like.dtype} "
+                          "parameter in the model from the factory; the file is corrupted or "
+                          "was written for another model: pass the bundle the recorder wrote")
+    return t

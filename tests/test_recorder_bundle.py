@@ -590,7 +590,13 @@ def test_not_a_zstd_file(tmp_path, content):
 
 
 def test_missing_file(tmp_path):
-    _reject(tmp_path / "nope.nan", "cannot open (No such file or directory)")
+    _reject(tmp_path / "nope.nan", "cannot open (No such file or directory)",
+            "pass the path of the .nan file the recorder wrote")
+
+
+def test_a_directory_given_to_the_reader(tmp_path):
+    """(The CLI finds the bundle in a run's out_dir; replay.replay(dir) reads the path given.)"""
+    _reject(tmp_path, "cannot open (Is a directory); pass the path of the .nan file")
 
 
 def test_newer_format_version(tmp_path, monkeypatch):
