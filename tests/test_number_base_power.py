@@ -18,10 +18,9 @@ pytestmark = pytest.mark.usefixtures("in_tests_dir")
 PLANT_STEP, BAD_ROW, BATCH = 2, 3, 8
 
 
-def train(out_dir, factory: str, exponent: float | None):
-    """Train until the event; at the plant step, row ``BAD_ROW`` of the batch drives the
-    variance head's output to the exponent wanted (``exponent``, or the rate's log for the
-    decay form) through a record in a wrong unit."""
+def train(out_dir, factory: str, exponent: float) -> None:
+    """Train until the recorder raises; at the plant step, row ``BAD_ROW`` of the batch drives the
+    variance head's exponent ``s`` to ``exponent`` through a record in a wrong unit."""
     model = getattr(M, factory)()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(0)
@@ -36,7 +35,6 @@ def train(out_dir, factory: str, exponent: float | None):
             loss = r.loss_fn(model(x), y)
             loss.backward()
             opt.step()
-    return None
 
 
 @pytest.mark.parametrize("factory, exponent", [
