@@ -136,7 +136,7 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
         cause = Cause("invalid", picked_hint(hit) if picked else negated_hint(hit.op))
     # (the recorder names the chain's start as module statistics show it, ``recorded``, or the
     # event's call: older ones did when a call enclosing it made the infinity its inputs held)
-    reproduced = _reproduced(report, step, origin, (recorded, trigger), o)
+    reproduced = _reproduced(report, step, origin, (recorded, trigger), o, run)
     hint = _hint(step, runner, finder, o, cause, (hit, node), origin, run)
     return add_line_note(finish(report, origin, cause.name, reproduced=reproduced, hint=hint), vals)
 
@@ -350,13 +350,16 @@ def _log2_ceil(n: int) -> int:
     return max(0, (n - 1).bit_length())
 
 
-def _reproduced(report, step: Step, origin, named: tuple, o) -> bool:
-    """The re-run's origin is the event's call, the recorded chain's start or its trigger
-    (``named``), or ``o``, inside the event's call, returned the container it was given with
+def _reproduced(report, step: Step, origin, named: tuple, o, run: Run) -> bool:
+    """The re-run's origin is the event's call, the recorded chain's start, its trigger or
+    the first call inside the trigger that made one (``named``), or ``o``, inside the event's call, returned the container it was given with
     its output written into it (replay.input_container: said in a note)."""
     recorded, trigger = named
-    if _matches(step, origin) or _matches(step, {"module": recorded.module}) \
-            or (trigger is not None and _matches(step, {"module": trigger.module})):
+    # (or the first call inside the trigger, where the recorder's chain starts: it reads no
+    # call's start, so it passes over an infinity made before the trigger began)
+    inner = trigger and run.made_inside(trigger)
+    if _matches(step, origin) or any(_matches(step, {"module": c.module})
+                                     for c in (recorded, trigger, inner) if c is not None):
         return True
     if note := written_into_input(step, o) or summed_inputs_note(step, origin):
         report["problems"].append(note)  # (the same event, seen closer)

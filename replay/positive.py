@@ -183,6 +183,8 @@ def made_sign(fn, depth: int = 8) -> int:
                 return sign * _product_sign(node, depth - 1)
             elif op == "Add":  # (a mixture's pi1 * N1 + pi2 * N2, both terms positive)
                 return sign * _sum_sign(node, depth - 1)
+            elif op == "Pow":  # (its first input: a number base's exponent, 2 ** t)
+                return sign * _power_sign(node, depth - 1)
             elif op in _PRODUCT_NODES:  # (Sinkhorn's K^T @ u)
                 return sign * _product_sign(node, depth - 1, _PRODUCT_NODES[op], saved=True)
             elif op not in _PASS_ON_NODES:
@@ -250,6 +252,21 @@ def _product_sign(fn, depth: int, names=("self", "other"), saved: bool = False) 
             return 0
         sign *= s
     return sign
+
+
+def _power_sign(fn, depth: int) -> int:
+    """The sign of a power's node: positive for every exponent when its base is (a number
+    base's ``2 ** t``, ``torch.pow(0.5, t)``: the node's one input is the exponent, whose sign
+    says nothing); a negative base's by an integral exponent's parity; else unknown."""
+    if fn.name() == "PowBackward2":  # (number ** tensor)
+        base = saved_value(fn, "self")
+        return 1 if isinstance(base, (int, float)) and base > 0 else 0
+    nxt = fn.next_functions[0][0]  # (the base; None: a constant base, tensor ** tensor)
+    sign = made_sign(nxt, depth) if nxt is not None else _sign_of(saved_value(fn, "self"))
+    exponent = saved_value(fn, "exponent")
+    if sign >= 0 or not isinstance(exponent, (int, float)) or not float(exponent).is_integer():
+        return max(sign, 0)
+    return 1 if exponent % 2 == 0 else -1
 
 
 def _sum_sign(fn, depth: int) -> int:

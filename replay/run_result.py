@@ -142,8 +142,11 @@ class Run:
                   if c.micro_batch == trigger.micro_batch and not c.outputs_finite
                   and c.inputs_finite and c.module not in allowed]  # (a mask's -inf: finite)
         if trigger.inputs_all_finite:  # made inside it: by it, or by a call it encloses
-            inside = [c for c in before if trigger.call_id in c.parents]
-            return (inside[0] if inside else trigger), trigger, False
+            # unless a call that ended before it began made an infinity first, which the
+            # code enclosing both turned into NaN (an MoE router's overflowed logits, a
+            # softmax's NaN, before the expert that completed first overflowed on that record)
+            earlier = [c for c in before if c.call_id < trigger.call_id]
+            return (earlier or [self.made_inside(trigger)])[0], trigger, False
         infs = [c for c in before if not c.nan]
         if infs:  # it consumed an infinity made earlier (an overflow)
             return infs[0], trigger, False
@@ -157,6 +160,15 @@ class Run:
         if root is None and self._from_loss_data(trigger):  # (the loss's targets held it)
             return trigger, trigger, True
         return (root or trigger), trigger, root is not None
+
+    def made_inside(self, trigger: Call) -> Call:
+        """The first call inside ``trigger`` (or itself) that made a non-finite value from
+        finite inputs: where the recorder's chain starts when ``trigger``'s inputs were all
+        finite, which :meth:`chain` passes over for an infinity made before ``trigger`` began."""
+        return next((c for c in self.calls[:self.calls.index(trigger)]
+                     if c.micro_batch == trigger.micro_batch and not c.outputs_finite
+                     and c.inputs_finite and c.module not in self.allowed
+                     and trigger.call_id in c.parents), trigger)
 
     def _from_loss_data(self, call: Call) -> bool:
         """``call`` ran outside its micro-batch's root forward (a module the loss called: a

@@ -33,7 +33,8 @@ def source(ev, zeros: list[int], positive_ops: str, log_space: str,
     if (made := made_source(name, ev, zeros)) is not None:  # (its own form, then the rest)
         return made[0], f"{made[1]}; else {log_space}" if made[2] else made[1]
     return (f"{positive_ops} of a finite argument (or a sum or matrix product of such values: a "
-            "softmin's sum(exp(-r / gamma)), Sinkhorn's K @ v with K = exp(-C / eps); or a "
+            "softmin's sum(exp(-r / gamma)), Sinkhorn's K @ v with K = exp(-C / eps); a "
+            "power of a base > 0 of any finite exponent, 2 ** t, torch.pow(0.5, t); or a "
             "product of one with factors > 0: a density written out, y ** (a - 1) * "
             "exp(-y / b), whose log is the sum of its factors' logs, or log_prob), positive "
             "in exact arithmetic", log_space)

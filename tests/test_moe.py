@@ -94,10 +94,14 @@ def test_router_overflow_of_a_huge_record_is_reproduced_on_its_sample(tmp_path):
     rep = nanreplay_json(err.bundle_path)
     o = rep["origin"]
     # (was "NOT reproduced": the recorder named the root, reading the record's inner inputs
-    # as non-finite from their float32 sums)
-    assert (rep["reproduced"], rep["cause"], o["op"], o["made"], o["samples"]) == (
-        True, "overflow", "aten.addmm", "+inf", [HUGE_ROW]), rep
-    assert o["module"] == "moe.router" or o["module"].startswith("moe.experts."), o
+    # as non-finite from their float32 sums; then moe.experts.0.fc1, the expert that completed
+    # first, while the bisection named the router, whose logits overflowed before any expert
+    # ran: the first op in execution order is the router's product, said by both)
+    op = "aten.mm" if M.make_moe().moe.router.bias is None else "aten.addmm"
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "overflow", "moe.router", op, "+inf", [HUGE_ROW]), rep
+    assert rep["bisection"]["agrees"] and o["chain"][0]["op"] == op, rep
+    assert o["source"] == source_line("moe_models.py", "logits = self.router(h)")
     assert f"sample(s) {HUGE_ROW} of" in rep["hint"], rep["hint"]
     assert any("float32 sum" in p for p in rep["problems"]), rep["problems"]
 
