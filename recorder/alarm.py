@@ -25,6 +25,8 @@ from .capture import distributed_rank
 from .compiled import compiled_loss
 from .errors import NonFiniteError, first_line
 from .events import Event
+from .factory_home import run_there
+from .factory_needed import factory_advice
 from .finite import tensors_kind
 from .holders import holders_of
 from .hooks import Health
@@ -279,7 +281,9 @@ class Alarm:
         self.bundle_path = path
         msg = _message(as_dict, path, raising)
         if (model := self.target.model()) is not None:  # (a class a notebook cell defined)
-            msg = replay_advice(msg, path, meta, type(model))
+            msg = factory_advice(replay_advice(msg, path, meta, type(model)), path, meta,
+                                 type(model))
+        msg = run_there(msg, path, meta)  # (the factory's module imported from elsewhere)
         if tape is not None and not tape.evaluation and not tape.cut_short:
             msg += _loss_not_called(meta)  # (else the loss may simply not have run yet)
             msg += skipped_note(tape, as_dict.get("micro_batch"))

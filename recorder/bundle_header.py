@@ -173,6 +173,11 @@ class HeaderReader:
             raise self.error("empty (0 bytes)", CUT_SHORT)
         magic = self._file.read(4)
         if magic != _ZSTD_MAGIC:
+            if (kind := {".py": "a Python script", ".ipynb": "a notebook"}.get(
+                    Path(self.path).suffix)) is not None:  # (the training code given)
+                raise self.error(f"{kind}, not a nanreplay bundle",
+                                 "pass the .nan file the recorder wrote in its out_dir "
+                                 "(nan-bundles/ unless the run gave another)")
             raise self.error("not a nanreplay bundle (no zstd frame at the start)",
                              "pass the .nan file the recorder wrote")
         self._file.seek(0)

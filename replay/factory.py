@@ -14,11 +14,13 @@ from .errors import FactoryRefused, ReplayError
 from .trust import defined_in, module_origin, trusted_path
 
 
-def resolve_factory(spec: str, *, explicit: bool) -> Any:
+def resolve_factory(spec: str, *, explicit: bool, where: str | None = None) -> Any:
     """The callable named by ``module:function``.
 
     A recorded (not ``explicit``) factory is refused unless its top-level module is found
     under the current directory, so a bundle from elsewhere cannot make us import code.
+    ``where``: the advice naming the directory the run imported it from (``run_home``), for
+    a refusal or a failed import.
     """
     mod_name, _, attr = spec.partition(":")
     if not mod_name or not attr:
@@ -30,8 +32,9 @@ def resolve_factory(spec: str, *, explicit: bool) -> Any:
     if not explicit and not trusted_path(module_origin(mod_name), [Path(cwd)]):
         raise FactoryRefused(
             f"the bundle's factory {spec!r} is not a module under the current directory "
-            f"({cwd}); nanreplay imports a recorded factory only from there. Run from the "
-            f"directory that holds the factory's module, or pass --factory {spec} to trust it")
+            f"({cwd}); nanreplay imports a recorded factory only from there"
+            + (f"; {where}" if where else ". Run from the directory that holds the factory's "
+               f"module, or pass --factory {spec} to trust it"))
     try:
         obj = import_object(mod_name, attr)
     except TrainsOnImport:
@@ -42,8 +45,9 @@ def resolve_factory(spec: str, *, explicit: bool) -> Any:
             "builds the model") from None
     except Exception as e:
         raise ReplayError(f"factory {spec!r} cannot be imported ({type(e).__name__}: {e}); "
-                          + (_shadowed(mod_name, attr, Path(cwd)) or "run from the directory "
-                             "that holds it or pass --factory MOD:FN")) from None
+                          + (_shadowed(mod_name, attr, Path(cwd)) or where
+                             or "run from the directory that holds it or pass --factory MOD:FN")
+                          ) from None
     if not callable(obj):
         raise ReplayError(f"factory {spec!r} is not callable; pass --factory MOD:FN naming a "
                           "function that returns the model")

@@ -29,6 +29,7 @@ from .loss_params import attach_loss_params
 from .losses import Unrebuildable, kept_defaults, rebuild_loss
 from .optim import build_optimizer
 from .patched_forward import check_patched_forwards
+from .run_home import where_advice
 from .spawned_class import spawned_advice
 from .stock_model import stock_factory
 from .weights import load_weights
@@ -143,7 +144,8 @@ def _build_init(step: Step, init: dict[str, Any], how: str, trusted: bool) -> No
     try:
         with recorded_argv(step.meta, spec):
             try:
-                cls = resolve_factory(spec, explicit=trusted)
+                cls = resolve_factory(spec, explicit=trusted,
+                                      where=where_advice(step.meta, spec, step.path))
             except ReplayError as e:  # (not under the current directory, not importable:
                 # our own one line, whose end says what to pass; a long path must not cut it)
                 raise FactoryRefused(
@@ -189,7 +191,9 @@ def _build(step: Step, spec, explicit: bool, factory_kwargs: dict[str, Any] | No
     if callable(spec):  # replay.replay(path, factory=Net) in the notebook that defines it
         name = f"{getattr(spec, '__module__', '?')}:{getattr(spec, '__qualname__', spec)}"
         return _build_with(step, spec, name, factory_kwargs)
-    _build_with(step, resolve_factory(spec, explicit=explicit), spec, factory_kwargs)
+    where = where_advice(step.meta, spec, step.path)  # (the run imported it elsewhere)
+    _build_with(step, resolve_factory(spec, explicit=explicit, where=where), spec,
+                factory_kwargs)
 
 
 def _build_with(step: Step, fn, spec: str, factory_kwargs: dict[str, Any] | None) -> None:

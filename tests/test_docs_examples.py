@@ -79,7 +79,8 @@ def test_the_example_ends_with_the_report_in_readme_guide_and_golden(first_run):
 
 def test_the_guides_first_run_is_what_the_example_prints(first_run):
     """Line for line, except the three lines that name this machine: the bundle's absolute
-    path, the Python version and the script's path and commit."""
+    path, the Python version and the script's path and commit; and the message's command,
+    which leads from the directory the script ran in to examples/ and the bundle."""
     cwd, proc = first_run
     out = proc.stdout.rstrip("\n").splitlines()
     guide = console_block(GUIDE, "python examples/train_toy.py")
@@ -95,6 +96,13 @@ def test_the_guides_first_run_is_what_the_example_prints(first_run):
             assert got == machine[key]
         elif key == "run":
             assert re.fullmatch(r"run {8}\S*examples/train_toy\.py \(commit \S+\)", got), got
+        elif (cd := re.search(r"run `cd (\S+) && nanreplay (\S+)`", got)) is not None:
+            # (the command goes from where the script ran, here not the repository root, to
+            # examples/, whence the factory's module imports, and on to the bundle)
+            assert (cwd / cd[1]).resolve() == EXAMPLES.resolve(), got
+            assert (cwd / cd[1] / cd[2]).resolve() == (cwd / BUNDLE).resolve(), got
+            assert got.replace(cd[0], "") == re.sub(r"run `cd \S+ && nanreplay \S+`", "",
+                                                    want), got
         else:
             assert got == want
     assert "Traceback" not in proc.stderr, proc.stderr
