@@ -19,6 +19,7 @@ __all__ = ["written_note", "written_weights", "written_weights_hint"]
 
 _APART = 1e-3  # as replay.departure: an update's reordered sums move a norm by far less
 _REACH = 1e3  # the written weight's largest value times this reaches the op's scale
+_GREW = 10.0  # and the write grew its norm this much: a clamp_ or a restore is no such write
 
 
 def written_weights(step: Step) -> list[tuple[str, float, float, float]]:
@@ -77,7 +78,7 @@ def written_weights_hint(report: dict[str, Any], step: Step) -> None:
     if report.get("cause") != "overflow" or o.get("phase") != "forward" or len(span) != 2:
         return
     top = max(abs(float(v)) for v in span)
-    found = [f for f in written_weights(step) if f[3] * _REACH >= top]
+    found = [f for f in written_weights(step) if f[3] * _REACH >= top and f[2] >= _GREW * f[1]]
     if not math.isfinite(top) or not found:
         return
     name, was, now, big = max(found, key=lambda f: f[3])
