@@ -20,7 +20,7 @@ def precursors_began(per_step: list[dict[str, Any]], factor: float = JUMP
     rise whose first growth shows at or after a jump, or that crept up before it and exploded
     after, is that jump's doing (a learning-rate spike or one bad batch makes the weights
     that follow it grow), so the jump is named."""
-    jumps, rises = [], []
+    jumps, rises = _added_group_jumps(per_step, factor), []
     for key, name, pairs, group in _series(per_step):
         # a measured series (a norm, the loss) needs two earlier values, as the recorded
         # precursors do: against one, a run already diverging "jumps" at the window's second
@@ -42,6 +42,28 @@ def precursors_began(per_step: list[dict[str, Any]], factor: float = JUMP
                      if not any(_jump_did_it(j, shows, r["step"], pairs, factor)
                                 for j in jumps)]
     return min(found, key=lambda f: f["step"]) if found else None
+
+
+def _added_group_jumps(per_step: list[dict[str, Any]], factor: float) -> list[dict[str, Any]]:
+    """A parameter group added inside the window (``add_param_group`` for a block unfrozen
+    mid-run) whose first rate is ``factor`` times the other groups' median at that step: a
+    jump its own series cannot show, having no rate before it. ``before`` is that median, the
+    rate a try gives the group back."""
+    out = []
+    for i, s in enumerate(per_step[1:], 1):
+        now, was = s.get("group_lrs") or [], per_step[i - 1].get("group_lrs") or []
+        for j in range(len(was), len(now)):
+            others = [v for k, v in enumerate(now) if k != j and _rate(v)]
+            if _rate(v := now[j]) and others and v >= factor * (m := statistics.median(others)):
+                out.append({"step": s["step"], "kind": "lr_jump", "group": j, "before": m,
+                            "detail": f"the learning rate (parameter group {j}) {v:.3g}, of a "
+                                      f"group added at step {s['step']}, is {v / m:.3g}x the "
+                                      f"other groups' median {m:.3g}"})
+    return out
+
+
+def _rate(v: Any) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v) and v > 0
 
 
 def _series(per_step: list[dict[str, Any]]

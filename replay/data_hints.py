@@ -49,6 +49,7 @@ from typing import Any
 from .absent_channels import absent_channels_hint
 from .batch_overflow import data_alone_hint
 from .began_batch import began_batch_note
+from .between_writes import written_weights_hint
 from .causal_buffer import causal_buffer_hint
 from .chunk_rows import chunk_note
 from .column_scale import column_scale_hint
@@ -117,6 +118,7 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     huge_output_hint(report, step)  # (mse of traces a CFL-unstable simulation made 1e35)
     squared_data_hint(report, step)  # (a GP's squared residual of outcomes of 1e25, float32)
     outlier_weight_hint(report, step)  # (a checkpoint's weight of 2e38: a flipped exponent bit)
+    written_weights_hint(report, step)  # (a head re-initialised mid-run with a std of 1e38)
     grown_argument_hint(report, step)  # (an EMA teacher's logits of 1e9 with decay > 1)
     grouped_arg_hint(report, step)  # (a preference pair's NaN rating gap: the pair's rows)
     single_sample_hint(report, step)  # (InfoLOOB's negatives of a last batch of one)

@@ -50,7 +50,7 @@ def departure(step: Step, per_step: list[dict[str, Any]], loop_clip,
     says so, or None. ``per_step``: the window's statistics, step by step; ``weight_norms``:
     each parameter's norm after the re-run's update of a step."""
     recorded, event = _recorded(step), step.event.get("step", 0)
-    after = _after_updates(step)
+    after = after_updates(step)
     if _moved(step):  # (SAM's: a re-run of the base optimizer alone, which a note says)
         after = {}
     norms = loop_clip is None and not (step.meta.get("rewind") or {}).get("grad_scaler") \
@@ -97,7 +97,7 @@ def param_norms(model) -> dict[str, float]:
             if not p.is_meta}
 
 
-def _after_updates(step: Step) -> dict[int, dict[str, float]]:
+def after_updates(step: Step) -> dict[int, dict[str, float]]:
     """Per step, each parameter's norm right after training's update of it: the ring's
     ``update_norms`` of the next step's row (the recorder takes them in ``step()``'s
     post-hook, before anything the loop writes next). Unsharded weights only."""

@@ -82,6 +82,8 @@ def lr_before_jump(report: dict[str, Any]) -> str | None:
     g, at = began.get("group"), began["step"]
     rows = [s for s in w.get("per_step") or [] if s.get("step") is not None]
     rates = [v for s in rows if s["step"] < at and _number(v := _rate(s, g)) and v > 0]
+    if began.get("before") is not None:  # (a group added at the jump: the others' rate)
+        rates = [began["before"]]
     if not rates:
         return None
     value = f"{statistics.median(rates):.3g}"

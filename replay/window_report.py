@@ -11,6 +11,7 @@ from typing import Any
 
 from recorder.finite import finite
 
+from .between_writes import written_note
 from .cause_text import DO
 from .coupled_decay import coupled_decay, coupled_text
 from .departure import departure
@@ -63,7 +64,8 @@ def add_window(step: Step, report: dict[str, Any]) -> bool:
             f"re-running the window from the copy at step {win.copy_step} reached step {last} "
             "with every value finite: the event does not come back from the window"
             + ("; the loop replaced parameters since attach (replaced_params), which the "
-               "window's steps do not redo" if step.meta.get("replaced_params") else ""))
+               "window's steps do not redo" if step.meta.get("replaced_params") else "")
+            + (f"; {note}" if (note := written_note(step)) else ""))
     elif not ok:
         report["problems"].append(
             f"re-running the window, the first non-finite value is at step {o.step} "
