@@ -165,6 +165,22 @@ def _check_not_replicated(model: nn.Module) -> None:
                              "(one process per device), or record on one device")
 
 
+def out_dir_path(out_dir) -> Path:
+    """``out_dir`` as the directory the user meant: a ``str``, ``bytes`` or ``PathLike`` with
+    ``~`` expanded (Python's file functions do not: ``"~/runs"`` was a directory named ``~``
+    in the working directory); anything else refused in one line."""
+    try:
+        path = Path(os.fsdecode(out_dir))
+    except TypeError:
+        raise TypeError(f"FlightRecorder: out_dir must be a directory path (a str or "
+                        f"pathlib.Path), got {type(out_dir).__name__}; pass where bundles go, "
+                        f"or leave it out for 'nan-bundles'") from None
+    try:
+        return path.expanduser()
+    except RuntimeError:  # (no home directory to expand '~' to: check_writable names it)
+        return path
+
+
 def check_writable(out_dir: Path) -> None:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
