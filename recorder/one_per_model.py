@@ -5,10 +5,17 @@ longer reachable from the notebook (its variable now holds the second), stays at
 sets of hooks, two host reads a step, two bundles of one event, and a recorder the user can no
 longer detach. Attaching a recorder to a model another one records detaches that one, with a
 warning that says so.
+
+A recorder whose own ``with`` block is still open is different: the code around it counts on
+it (two nested ``with FlightRecorder(model, ...)`` blocks, or a Trainer callback's recorder
+attached inside one), and detaching it would leave the rest of that block unrecorded with no
+word at its end but a misleading "saw no forward". The second recorder is refused instead, in
+one line, before it registers anything.
 """
 
 from __future__ import annotations
 
+import inspect
 import warnings
 import weakref
 
@@ -16,6 +23,8 @@ from torch import nn
 
 # the model -> its attached recorder (weak both ways: neither is kept alive by this)
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
+# the attached recorders that their own `with` statement attached (until they detach)
+_IN_WITH: weakref.WeakSet = weakref.WeakSet()
 
 
 def take_over(model: nn.Module | None, recorder) -> None:
@@ -23,6 +32,12 @@ def take_over(model: nn.Module | None, recorder) -> None:
     if model is None:
         return
     old = (ref := _ATTACHED.get(model)) and ref()
+    if old is not None and old is not recorder and old in _IN_WITH:
+        raise ValueError(
+            f"FlightRecorder: {type(model).__name__} is already recorded by a FlightRecorder "
+            f"whose `with` block is still open (out_dir '{old.settings.out_dir}'); one recorder "
+            "records a model at a time: leave out this one (or the outer one), or attach it "
+            "after that block ends")
     if old is not None and old is not recorder:
         warnings.warn(
             f"nanreplay: {type(model).__name__} already had a FlightRecorder attached (a "
@@ -31,9 +46,28 @@ def take_over(model: nn.Module | None, recorder) -> None:
             "recorder.detach() when done", stacklevel=4)
         old.detach()
     _ATTACHED[model] = weakref.ref(recorder)
+    if _entering(recorder):
+        _IN_WITH.add(recorder)
+
+
+def _entering(recorder) -> bool:
+    """Whether ``recorder.attach()`` runs for its own ``__enter__`` (a frame or two up: a
+    subclass's ``__enter__`` calling ``super().__enter__()`` counts too)."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(6):
+            if frame is None:
+                return False
+            if frame.f_code.co_name == "__enter__" and frame.f_locals.get("self") is recorder:
+                return True
+            frame = frame.f_back
+        return False
+    finally:
+        del frame  # (a frame held in its own locals is a reference cycle: inspect's advice)
 
 
 def let_go(model: nn.Module | None, recorder) -> None:
     """``recorder`` detached: ``model`` has no recorder attached."""
     if model is not None and (ref := _ATTACHED.get(model)) is not None and ref() is recorder:
         del _ATTACHED[model]
+    _IN_WITH.discard(recorder)

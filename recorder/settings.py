@@ -14,7 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from .lossdesc import factory_path
-from .validate import check_factory, check_factory_kwargs, check_loss_fn, check_writable
+from .validate import (
+    check_factory,
+    check_factory_kwargs,
+    check_loss_fn,
+    check_writable,
+    out_dir_path,
+)
 
 ON_EVENT = ("raise", "warn")
 STATS = ("minmax", "full")
@@ -50,8 +56,8 @@ class Settings:
             path, kwargs = factory_path(self.factory, self.factory_kwargs)
             put(self, "factory", path)
             put(self, "factory_kwargs", kwargs)
+        put(self, "out_dir", out_dir_path(self.out_dir))
         self._check()
-        put(self, "out_dir", Path(self.out_dir))
         put(self, "allow_inf", tuple(self.allow_inf))
         put(self, "allow_nan", tuple(self.allow_nan))
         put(self, "min_scale", float(self.min_scale))
@@ -77,7 +83,7 @@ class Settings:
             if isinstance(allow, str) or not all(isinstance(p, str) for p in allow):
                 raise TypeError(f"FlightRecorder: {name} must be a list of name patterns such "
                                 f"as {example}")
-        check_writable(Path(self.out_dir))
+        check_writable(self.out_dir)
         if self.factory is not None:
             check_factory(self.factory)
         for name, low in _COUNTS.items():

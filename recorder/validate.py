@@ -7,6 +7,7 @@ and what to do, never at the first event. The settings' own checks are in
 from __future__ import annotations
 
 import ast
+import difflib
 import errno
 import importlib
 import importlib.util
@@ -165,6 +166,22 @@ def _check_not_replicated(model: nn.Module) -> None:
                              "(one process per device), or record on one device")
 
 
+def out_dir_path(out_dir) -> Path:
+    """``out_dir`` as the directory the user meant: a ``str``, ``bytes`` or ``PathLike`` with
+    ``~`` expanded (Python's file functions do not: ``"~/runs"`` was a directory named ``~``
+    in the working directory); anything else refused in one line."""
+    try:
+        path = Path(os.fsdecode(out_dir))
+    except TypeError:
+        raise TypeError(f"FlightRecorder: out_dir must be a directory path (a str or "
+                        f"pathlib.Path), got {type(out_dir).__name__}; pass where bundles go, "
+                        f"or leave it out for 'nan-bundles'") from None
+    try:
+        return path.expanduser()
+    except RuntimeError:  # (no home directory to expand '~' to: check_writable names it)
+        return path
+
+
 def check_writable(out_dir: Path) -> None:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -248,10 +265,25 @@ def check_factory(factory: str) -> None:
             obj = import_object(mod, fn)
     except Exception as e:
         raise ValueError(f"FlightRecorder: factory {factory!r} cannot be imported "
-                         f"({type(e).__name__}: {e}); pass 'module:function' importable from "
-                         "this process") from None
+                         f"({type(e).__name__}: {e}); pass {_near_name(mod, fn, e)}'module:function' "
+                         "importable from this process") from None
     if not callable(obj):
         raise ValueError(f"FlightRecorder: factory {factory!r} is not callable")
+
+
+def _near_name(mod: str, fn: str, e: Exception) -> str:
+    """For a misspelt function of a module that imported (``train:make_modle``,
+    ``train:make_model()``), its closest name as the factory to pass (Python's own "Did you
+    mean" is printed only with a traceback, and this error is one line)."""
+    if not isinstance(e, AttributeError):
+        return ""
+    module = sys.modules.get(mod) or _running_script(mod)
+    head, dot, rest = fn.partition(".")
+    if module is None or hasattr(module, head):  # (misspelt deeper: an attribute's attribute)
+        return ""
+    near = difflib.get_close_matches(head, [n for n in dir(module) if not n.startswith("__")],
+                                     n=1, cutoff=0.6)
+    return f"'{mod}:{near[0]}{dot}{rest}' (the closest name it has), or " if near else ""
 
 
 def _running_script(module: str):

@@ -99,6 +99,22 @@ def test_factory_not_importable(out_dir, factory, error):
     assert f"factory {factory!r} cannot be imported ({error}" in msg
 
 
+@pytest.mark.parametrize("factory, meant", [
+    ("models:mlpp", "models:mlp"),  # a typo
+    ("models:mlp()", "models:mlp"),  # the call written out
+    ("models:Logof.forward", "models:LogOf.forward"),  # the case of a class's name
+    ("models:zzzz_qqqq", None),  # nothing close: no guess
+])
+def test_a_misspelt_factory_names_the_closest_function(out_dir, factory, meant):
+    """Python's own "Did you mean" comes only with a traceback; the one line says it."""
+    with pytest.raises(ValueError) as info:
+        FlightRecorder(M.mlp(), out_dir=out_dir, factory=factory)
+    msg = _one_line(info)
+    assert ("closest name" in msg) is (meant is not None), msg
+    if meant is not None:
+        assert f"; pass {meant!r} (the closest name it has), or 'module:function'" in msg, msg
+
+
 def test_factory_not_callable(out_dir):
     with pytest.raises(ValueError) as info:
         FlightRecorder(M.mlp(), out_dir=out_dir, factory="models:D_IN")
