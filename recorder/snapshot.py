@@ -21,6 +21,7 @@ from .added_params import added_after_attach
 from .attributes import AttributeWatch, trained_tensors
 from .bundle import FORMAT, VERSION
 from .capture import environment, flatten_tree
+from .code_identity import code_identity
 from .comm_hooks import comm_hooks_meta
 from .compat import in_functional_call
 from .compiled import forward_compiled_alone, hook_sites
@@ -188,7 +189,7 @@ def _model(src: Sources, tape: Tape | None, guard, meta, tensors) -> None:
 
 def _training_objects(src: Sources, guard, meta, tensors) -> None:
     """The optimizer, scheduler, GradScaler and loss; DDP's communication hooks, which made
-    the gradients the optimizer was given."""
+    the gradients the optimizer was given; the fingerprints of the model's and loss's code."""
     target = src.target
     if (ddp := comm_hooks_meta(target.ddp)) is not None:
         meta["ddp"] = ddp
@@ -212,6 +213,8 @@ def _training_objects(src: Sources, guard, meta, tensors) -> None:
             meta["loss"]["attrs_at_attach"] = target.attributes.loss_at_attach()  # (the window's)
     elif src.loss_recorded:  # given to record_loss: checked, but nothing to re-run it with
         meta["loss"] = {"kind": "recorded"}
+    if code := code_identity(target.model(), src.loss_fn):  # (the code the replay is checked
+        meta["code"] = code  # against: an edit since the run, replay.edited_code)
 
 
 def _inner_scheduler(sched):

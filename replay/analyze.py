@@ -34,6 +34,7 @@ from .data_hints import data_hints
 from .derived_input import derived_input_hint
 from .diverging_hint import diverging_hint
 from .diverging_op import rounding_only
+from .edited_rerun import edited_not_reproduced
 from .eps_checked import checked_eps
 from .errors import FactoryRefused
 from .failed_stage import Known, kept_going, survived
@@ -454,6 +455,8 @@ def _not_reproduced(report, step: Step, runner: Runner, phase: str) -> dict[str,
     if phase in ("backward", "loss") and (hidden := report_hidden_forward(
             report, step, runner)) is not None:
         return hidden
+    if step.code_edits:  # (the user's edit since the run, not what the bundle lacks)
+        return edited_not_reproduced(report, step)
     if phase == "backward" and ((kept := report_kept_aside(report, step, runner)) is not None
                                 or (kept := report_graph_args(report, step)) is not None):
         return kept

@@ -70,7 +70,9 @@ def compare(step: Step, run: Run, written: list[str] = ()) -> dict[str, Any] | N
     if (found["changed"] or step.trained or found["micro_batch"] in reused
             or _moved(step) is not None) and not found["matches"] and rows:
         found = _after_change(step, run, rows[-1], names, fields, found)
-    if not found["matches"] and (after := added.after_attach(step)):  # (first: not recorded)
+    if not found["matches"] and step.code_edits:  # (first: the user's edit, see the note)
+        found["code_edited"] = step.code_edits
+    elif not found["matches"] and (after := added.after_attach(step)):  # (not recorded)
         found["added"] = after
     elif not found["matches"] and step.built_otherwise:  # (the re-run took another path)
         found["built_otherwise"] = step.built_otherwise
@@ -258,6 +260,8 @@ def _differs(module: str, call: int, mb: int, recorded, rerun, compared: int,
 
 def mismatch(fid: dict[str, Any]) -> str:
     """Why the re-run is not the recorded step, in a few words for the cause."""
+    if fid.get("code_edited"):
+        return CODE_EDITED_WHY
     if fid.get("added"):
         return added.WHY
     if fid.get("built_otherwise"):
@@ -295,6 +299,8 @@ def describe(fid: dict[str, Any]) -> str:
         what = "ran in the re-run but is not in the recorded model"
     after = f", after {fid['calls']} call(s) that agree" if fid["calls"] else ""
     head = f"'{name}' (call {fid['call']}, micro-batch {fid['micro_batch']}) {what}{after}: "
+    if fid.get("code_edited"):
+        return head + CODE_EDITED
     if fid.get("added"):
         return head + added.text(fid["added"])
     if built := fid.get("built_otherwise"):
@@ -322,6 +328,11 @@ def describe(fid: dict[str, Any]) -> str:
                    "run-time configuration: command-line flags, globals, config files); record "
                    "with FlightRecorder(..., factory_kwargs={...}) or pass --factory-kwargs "
                    "'{...}' so it builds the same one")
+
+
+CODE_EDITED_WHY = "the model's code was edited since the run"
+CODE_EDITED = ("the model's code was edited since the run (see the note): replay with the "
+               "code the run ran, its commit if the bundle names one")
 
 
 def rebuilt_otherwise(step: Step) -> str:

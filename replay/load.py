@@ -69,6 +69,8 @@ class Step:
     default_args: bool = False
     # buffers whose infinity a division made as the factory built them (replay.pole_buffers)
     pole_buffers: set[str] | None = None
+    # the model's or the loss's code edited since the run (replay.edited_code)
+    code_edits: list[str] = field(default_factory=list)
 
     @property
     def event(self) -> dict[str, Any]:

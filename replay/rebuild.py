@@ -14,6 +14,7 @@ from recorder.compiled import decompile
 
 from .attributes import built_otherwise, restore_attributes, restore_trained, restored_note
 from .config_args import init_factory, missing_note
+from .edited_code import code_edits, edits_text
 from .errors import FactoryRefused, ReplayError, one_line
 from .factory import recorded_argv, resolve_factory
 from .factory_params import taken_kwargs
@@ -214,6 +215,9 @@ def _build_with(step: Step, fn, spec: str, factory_kwargs: dict[str, Any] | None
     model = decompile(made["model"])  # a compiled model's layers re-run one by one
     check_patched_forwards(meta, model)  # (a trainer's patch the factory did not apply)
     step.rebuild = lambda: remember(_call_factory(fn, spec, kwargs, on_meta=False)["model"])
+    if edits := code_edits(meta):  # (said first: it explains what follows)
+        step.code_edits = edits
+        step.problems.append(edits_text(step))
     load_weights(step, model)
     step.written = [n for n in meta.get("written_in_step") or () if isinstance(n, str)]
     if refilled := refill_written(step, model, step.written):  # (NaN the step's code wrote)

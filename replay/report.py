@@ -7,6 +7,7 @@ from typing import Any
 from recorder.loss_forwards import forward_in_loss_phrase
 
 from .cause_text import module_label
+from .edited_rerun import NOT_MADE
 from .event_when import event_when
 from .fidelity import describe
 from .rewind_text import what_if_lines, window_lines
@@ -61,6 +62,7 @@ def to_text(report: dict[str, Any]) -> str:
     ev = report["event"]
     state = ("reproduced" if report["reproduced"] else
              f"not re-run ({report['not_rerun']})" if report.get("not_rerun") else
+             NOT_MADE if report.get("edited_code") else  # (an edit's what-if)
              "NOT reproduced")
     lines = [f"nanreplay: {event_when(ev)}, {ev.get('phase') or 'unlocated'} event — {state}"]
     lines += rank_lines(report)

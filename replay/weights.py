@@ -14,6 +14,7 @@ from torch.nn.parameter import is_lazy
 from recorder.target import LOSS_PREFIX
 
 from .compat import grad_hooks, non_persistent, parameter_like, set_buffer, set_parameter
+from .edited_code import edits_text
 from .errors import ReplayError
 from .held_params import rebind_holders
 from .param_store import forget_replaced
@@ -26,6 +27,8 @@ def other_model(step) -> str:
     """What to do when the factory's model does not hold the bundle's weights. Mostly it was
     called without the run-time configuration (a --dim flag) that sized the trained model:
     the recorded command line shows it, and --factory-kwargs hands it over."""
+    if step.code_edits:  # (not the run's arguments: the run's code)
+        return edits_text(step)
     argv = (step.meta.get("env") or {}).get("argv")
     ran = (f"; the run's command line was {' '.join(map(str, argv))!r}"
            if isinstance(argv, list) and argv else "")

@@ -1,0 +1,102 @@
+"""The code the recorded step ran, by fingerprint: at an event only (never per step), a hash
+of each class of the model's modules and of the loss, and of the functions of their own files
+their methods call by name (a ``safe_div`` helper). The hash is of the source's syntax tree
+without docstrings, so a comment, a blank line or a reformatting is no edit; torch's own
+classes are left out (the bundle names the torch version). The replay compares it with the
+code it imports (``replay.edited_code``): an eps added since the run is told from a
+nondeterministic step, and a renamed module from a factory built with other arguments."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import inspect
+import sys
+import textwrap
+import types
+from typing import Any
+
+from torch import nn
+
+_MAX = 64  # classes and functions fingerprinted at most (a large library model: its first)
+
+
+def fingerprint(obj: Any) -> str | None:
+    """The hash of a class's or function's source, docstrings and comments left out; None
+    when it has no source to read (a builtin, a class made at run time)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
+    except (OSError, TypeError, SyntaxError, ValueError):
+        return None
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:16]
+
+
+def key_of(obj: Any) -> str | None:
+    mod, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if not isinstance(mod, str) or not isinstance(qual, str) or "<" in qual:
+        return None
+    return f"{mod}.{qual}"
+
+
+def is_own(obj: Any) -> bool:
+    """Code the bundle's torch version does not already name: not torch's, not the recorder's."""
+    mod = getattr(obj, "__module__", None) or ""
+    top = mod.partition(".")[0]
+    return top not in ("torch", "builtins", "recorder", "functools", "__main__")
+
+
+def _called_functions(cls_or_fn: Any) -> list[Any]:
+    """The plain functions of the same file that the code calls by a global name."""
+    mod = sys.modules.get(getattr(cls_or_fn, "__module__", None) or "")
+    if mod is None:
+        return []
+    fns = list(vars(cls_or_fn).values()) if isinstance(cls_or_fn, type) else [cls_or_fn]
+    codes = [f.__code__ for f in (getattr(f, "__func__", f) for f in fns)
+             if isinstance(f, types.FunctionType)]
+    names: set[str] = set()
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    found = (getattr(mod, n, None) for n in sorted(names))
+    return [f for f in found if isinstance(f, types.FunctionType)
+            and f.__module__ == mod.__name__]
+
+
+def _objects(model: nn.Module | None, loss_fn: Any) -> list[Any]:
+    seen: dict[int, Any] = {}
+    if isinstance(loss_fn, nn.Module) and not is_own(type(loss_fn)) \
+            and callable(getattr(loss_fn, "fn", None)):  # (the recorder's wrapper of a function)
+        loss_fn = loss_fn.fn
+    loss_fn = getattr(loss_fn, "_orig_mod", loss_fn)  # (a compiled loss module: its own)
+    roots = [type(m) for m in model.modules()] if model is not None else []
+    if isinstance(loss_fn, nn.Module):
+        roots += [type(m) for m in loss_fn.modules()]
+    elif loss_fn is not None:
+        fn = getattr(loss_fn, "func", loss_fn)  # (a functools.partial's function)
+        roots.append(getattr(fn, "__func__", fn))  # (a bound method's)
+    for obj in roots:
+        if len(seen) < _MAX and id(obj) not in seen and is_own(obj):
+            seen[id(obj)] = obj
+            for f in _called_functions(obj):
+                seen.setdefault(id(f), f)
+    return list(seen.values())[:_MAX]
+
+
+def code_identity(model: nn.Module | None, loss_fn: Any) -> dict[str, dict[str, str]]:
+    """{"mod.Qualname": {"hash", "file"}} of the model's and the loss's own code."""
+    out: dict[str, dict[str, str]] = {}
+    try:
+        for obj in _objects(model, loss_fn):
+            key, digest = key_of(obj), fingerprint(obj)
+            if key is not None and digest is not None:
+                file = inspect.getsourcefile(obj) or "?"
+                out[key] = {"hash": digest, "file": file}
+    except Exception:  # noqa: BLE001 - a fingerprint must never stop the bundle's writing
+        return out
+    return out
