@@ -18,12 +18,14 @@ update. Importing this module needs ``lightning``; nothing else in ``recorder`` 
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import Callback
 
 from .flight import FlightRecorder
+from .pause import is_paused, pause, resume
 from .settings import check_callback_options
 
 
@@ -45,6 +47,7 @@ class FlightRecorderCallback(Callback):
         self.module, self.loss_fn, self.options = module, loss_fn, options
         self.recorder: FlightRecorder | None = None
         self.detached_loss: float | None = None  # the step's loss, when it held no graph
+        self._tuning_hook = None  # (see _tuning_check)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self._attach(trainer, pl_module)  # so the sanity-check validation is watched too
@@ -77,6 +80,14 @@ class FlightRecorderCallback(Callback):
             "FlightRecorderCallback(module=\"model\") for a training_step calling "
             "self.model(x)")
         self.recorder.attach()
+        self._tuning_hook = model.register_forward_pre_hook(
+            partial(_tuning_check, weakref.ref(self), weakref.ref(trainer)), prepend=True)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # back from a tuner (see _tuning_check) before the step's optimizer.step(closure),
+        # whose hook must wrap the closure for the step to close before its update
+        if self.recorder is not None and is_paused(self.recorder):
+            resume(self.recorder)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         # The training_step's loss, whatever computed it: without loss_fn (an inline F.* loss)
@@ -100,8 +111,30 @@ class FlightRecorderCallback(Callback):
         self.detach()
 
     def detach(self) -> None:
+        if self._tuning_hook is not None:
+            self._tuning_hook.remove()
+            self._tuning_hook = None
         if self.recorder is not None:
             self.recorder.detach()
+            resume(self.recorder)  # (forgets a pause; a detached recorder stays off)
+
+
+def _tuning_check(callback_ref, trainer_ref, module, args) -> None:
+    """Before each forward of the recorded model (ahead of the recorder's own hook): pause the
+    recorder while a tuner runs inside the fit, resume it after. Lightning's learning-rate
+    finder and batch-size finder, run from a callback hook (the docs' ``LearningRateFinder``
+    subclass that calls ``lr_find`` at chosen epochs), swap ``trainer.callbacks`` for their own
+    during their throwaway steps, then restore the weights, the optimizer and global_step: the
+    finder's loss diverges to Inf/NaN on purpose, which was an event that stopped the fit, and
+    its steps shifted the recorder's numbering past global_step."""
+    callback, trainer = callback_ref(), trainer_ref()
+    if callback is None or trainer is None or (rec := callback.recorder) is None:
+        return
+    tuning = callback not in trainer.callbacks
+    if tuning and not is_paused(rec):
+        pause(rec)
+    elif not tuning and is_paused(rec):
+        resume(rec)
 
 
 def _running_scheduler(trainer):

@@ -26,9 +26,10 @@ def skipped_note(tape: Any, micro_batch: int | None) -> str:
                      bool(mb.out_grads or mb.differentiated)):
         note = eval_with_grad_note(micro_batch, getattr(tape, "step", None))
         return f" {note[0].upper()}{note[1:]}."
-    if mb.out_grads or not mb.grad_enabled or mb.loss_args is None \
-            or not any(m.out_grads for m in mbs[micro_batch + 1:]):
+    if mb.out_grads or not mb.grad_enabled or mb.loss_args is None:
         return ""
+    if not any(m.out_grads for m in mbs[micro_batch + 1:]):
+        return _rewound_note(micro_batch) if getattr(tape, "updated_elsewhere", False) else ""
     if not any(m == micro_batch for m, _, _ in getattr(tape, "loss", ())):
         return _raised_note(micro_batch)  # (its loss call took arguments and never returned)
     return (f" Micro-batch {micro_batch}'s loss went through no backward while a later "
@@ -48,3 +49,18 @@ def _raised_note(micro_batch: int) -> str:
             "batch's step(), and the recorder's step numbers fall behind the loop's. Call "
             "rec.end_step() in the `except` before going on: the skipped batch is then a step "
             "of its own, and its event comes there.")
+
+
+def _rewound_note(micro_batch: int) -> str:
+    """The note when micro-batch ``micro_batch``'s loss went through no backward and the
+    weights were then written outside ``step()`` before the next forward: the loop stopped at
+    that loss and put saved weights back (``load_state_dict``), as a learning-rate range test
+    does when its loss diverges on purpose."""
+    return (f" Micro-batch {micro_batch}'s loss went through no backward, and the weights were "
+            "then written outside optimizer.step() before the next forward (a load_state_dict "
+            "restoring saved weights?): the loop stopped at that loss and rewound, as a "
+            "learning-rate range test does when its loss diverges. Run a loop that drives the "
+            "loss to Inf/NaN on purpose unrecorded, inside `with paused(rec):` (from "
+            "recorder.pause import paused; the steps after it are numbered on from the last "
+            "recorded one); a loop that skips a bad batch calls rec.end_step() before going "
+            "on.")
