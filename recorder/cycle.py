@@ -99,6 +99,8 @@ class StepCycle:
         self.buffers.clear()
         self.slots = None
         self.pending_update = None
+        # (attached again, the weights may have been written meanwhile: no update since)
+        self.updated = self.ever_updated = False
         if self.rewind is not None:
             self.rewind.clear()
 

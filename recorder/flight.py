@@ -33,7 +33,7 @@ from .joined import ddp_in, join_along
 from .lazy_init import AttachWhenInitialized, uninitialized
 from .one_per_model import let_go, take_over
 from .scripted import is_scripted
-from .settings import SETTINGS, Settings
+from .settings import OBJECTS, SETTINGS, Settings, unknown_options
 from .snapshot import Sources, build_bundle
 from .tape import Tape
 from .target import Target
@@ -150,7 +150,10 @@ class FlightRecorder:
                  guard_optimizer: bool = False, stats: str = "minmax", start_step: int = 0,
                  max_micro_batches: int = 1024, factory_kwargs: dict[str, Any] | None = None,
                  strict_inf: bool = False, rewind: int | None = None,
-                 allow_nan: list[str] | tuple[str, ...] = ()):
+                 allow_nan: list[str] | tuple[str, ...] = (), **unknown: Any):
+        if unknown:  # (Python's own TypeError names the slip, not what was meant)
+            raise TypeError(unknown_options("FlightRecorder", sorted(unknown),
+                                            [*OBJECTS, *SETTINGS]))
         check_not_importing()  # (nanreplay importing a factory whose module trains)
         optimizer = torch_optimizer(optimizer)  # (a Lightning or accelerate wrapper's inner)
         check_model(model, optimizer, loss_fn)
@@ -186,6 +189,7 @@ class FlightRecorder:
         self._handles: list = []
         self._ddp = weakref.ref(ddp) if (ddp := ddp_in(model)) is not None else None
         self._attached = False
+        self._entered = 0  # the open ``with`` blocks on this recorder
         self._deferred: AttachWhenInitialized | None = None  # (lazy modules: see attach)
         self._commit = git_commit()
 
@@ -198,10 +202,14 @@ class FlightRecorder:
     # public surface
 
     def __enter__(self) -> FlightRecorder:
+        self._entered += 1  # (a block inside its own block: only the outer one detaches)
         self.attach()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        self._entered -= 1
+        if self._entered and self._attached:
+            return
         try:
             if exc_type is None:
                 self.cycle.close_open_step(at="detach")

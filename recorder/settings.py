@@ -8,6 +8,7 @@ when they are built, reading the same fields, so a mistake surfaces before train
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +119,24 @@ OBJECTS = ("loss_fn", "scaler", "lr_scheduler")
 FROM_TRAINER = ("optimizer", "scaler", "lr_scheduler", "start_step")
 
 
+# what other tools call FlightRecorder's keyword arguments (difflib finds spelling slips)
+_ALIASES = {"loss": "loss_fn", "criterion": "loss_fn", "loss_func": "loss_fn",
+            "outdir": "out_dir", "output_dir": "out_dir", "save_dir": "out_dir",
+            "scheduler": "lr_scheduler", "grad_scaler": "scaler", "mode": "on_event"}
+
+
+def unknown_options(owner: str, unknown: list[str], known: list[str]) -> str:
+    """The one line for keyword arguments ``owner`` does not take: each with the known name
+    it most likely means (``loss=`` for ``loss_fn=``), else the list of known ones."""
+    meant = {k: _ALIASES.get(k) or next(iter(difflib.get_close_matches(k, known, 1, 0.6)), None)
+             for k in unknown}
+    if all(meant.values()):
+        return (f"{owner}: unknown keyword argument(s) {', '.join(unknown)}; did you mean "
+                f"{', '.join(f'{m}=' for m in meant.values())}?")
+    return (f"{owner}: unknown keyword argument(s) {', '.join(unknown)}; it takes "
+            f"{', '.join(known)}")
+
+
 def check_callback_options(loss_fn, options: dict[str, Any]) -> None:
     """A training-framework callback's options, checked when it is built: the Trainer supplies
     the optimizer, scheduler, scaler and first step; the rest are FlightRecorder's."""
@@ -126,9 +145,8 @@ def check_callback_options(loss_fn, options: dict[str, Any]) -> None:
         raise TypeError(f"FlightRecorderCallback: {', '.join(taken)} come(s) from the Trainer; "
                         "leave them out")
     known = set(SETTINGS) | set(OBJECTS)
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise TypeError(f"FlightRecorderCallback: unknown option(s) {', '.join(unknown)}; it "
-                        f"takes FlightRecorder's: {', '.join(sorted(known - set(FROM_TRAINER)))}")
+    if unknown := sorted(set(options) - known):
+        raise TypeError(unknown_options("FlightRecorderCallback", unknown,
+                                        sorted(known - set(FROM_TRAINER))))
     check_loss_fn(loss_fn)
     Settings(**{k: v for k, v in options.items() if k in SETTINGS})
