@@ -11,6 +11,14 @@ optimizer: SAM perturbs them to ``w + e`` for a second forward and backward, res
 steps its base optimizer. The first move closes the step as another optimizer's would; once the
 recorded optimizer steps after such a move, moves are the loop's own edits and close nothing
 more. The warning waits for a second move with no recorded step between.
+
+A loop that accumulates gradients may write the weights between two micro-batches of a step (a
+bit flip, a clamp, a checkpoint load). The step before had more micro-batches than this one
+has yet, all closed by the recorded optimizer, and the ones this step ran left their gradients
+held: such a move is the loop's write, not another optimizer's update (which comes after as
+many micro-batches as the step before had, and is seldom seen with gradients still held:
+``zero_grad()`` drops them before the next forward). It is absorbed, the step stays open, and
+its weights are those after the write, as a write into a weight not watched would leave them.
 """
 
 from __future__ import annotations
@@ -41,10 +49,14 @@ class ForeignUpdates:
         self._warned = False
         self._moved = False  # a move closed a step since the recorded optimizer's last step()
         self._own_edits = False  # the recorded optimizer stepped after one: the loop's edits
+        self._open: Tape | None = None  # the training step opened last, until it is stepped
+        self._micro_batches = 0  # how many the step the recorded optimizer closed last had
 
     def opened(self, tape: Tape, watched: torch.Tensor | None) -> None:
         if watched is not None:
             tape.held_version = version_of(watched)
+            if not tape.evaluation:
+                self._open = tape
 
     def stepped(self, tape: Tape | None, watched: torch.Tensor | None) -> None:
         """The recorded step() returned: its own updates moved the weights of a step its
@@ -53,18 +65,32 @@ class ForeignUpdates:
         self.stepping = False
         self._own_edits = self._own_edits or self._moved  # (SAM's perturbation)
         self._moved = False
+        if self._open is not None:  # (the step it closed; let go of its batches)
+            self._micro_batches = len(self._open.micro_batches)
+            self._open = None
         if tape is not None:
             self.opened(tape, watched)
 
     def moved(self, tape: Tape, watched: torch.Tensor | None) -> bool:
         """Another optimizer updated the weights since ``tape`` opened (said once); the tape
         is marked: the weights a bundle of it holds are not those its forward used."""
-        if watched is None or tape.held_version is None or self.stepping or self._own_edits \
-                or version_of(watched) == tape.held_version:
+        if watched is None or tape.held_version is None or self.stepping \
+                or version_of(watched) == tape.held_version or self._absorbs(tape, watched) \
+                or self._own_edits:
             return False
         tape.updated_elsewhere = True
+        self._open = None  # (it closes now, not by the recorded optimizer)
         if self._moved and not self._warned:
             self._warned = True
             log.warning(WARNING)
         self._moved = True
+        return True
+
+    def _absorbs(self, tape: Tape, watched: torch.Tensor) -> bool:
+        """The move is the loop's write between micro-batches of a step (see the module's
+        docstring): the step's weights are now those after it."""
+        if self._moved or watched.grad is None or tape.evaluation \
+                or len(tape.micro_batches) >= self._micro_batches:
+            return False
+        tape.held_version = version_of(watched)
         return True
