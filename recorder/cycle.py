@@ -75,9 +75,8 @@ class StepCycle:
         self.lock = threading.RLock()
         self.updated = False  # an optimizer step ran since the last step opened
         self.ever_updated = False  # the recorded optimizer's step() ran since attach
-        # no optimizer: a step with gradients on has closed at the end of its backward or at
-        # end_step() (the loop trains by gradient), so a forward with gradients off is an
-        # evaluation between steps, not a step of its own
+        # no optimizer: a step with gradients on closed at its backward's end or end_step() (the
+        # loop trains by gradient): a forward with gradients off is an evaluation between steps
         self.trains_by_gradient = False
         self.skips = 0  # skipped steps in a row (a GradScaler's, or the loop's own scaler's)
         self.eval_tail: Tape | None = None  # the last evaluation forward, until its loss runs
@@ -94,13 +93,12 @@ class StepCycle:
         self.copy_targets = False  # the loop wrote into the loss's targets: see Tape.targets_moved
 
     def release(self) -> None:
-        """Let go of the open step, the copies and the evidence (at detach)."""
-        self.tape = self.eval_tail = None
-        self.buffers.clear()
-        self.slots = None
-        self.pending_update = None
-        # (attached again, the weights may have been written meanwhile: no update since)
+        """Let go of the open step, the copies and the evidence (at detach); attached again, no
+        update has run since (the loop may have written the weights meanwhile)."""
+        self.tape = self.eval_tail = self.slots = self.pending_update = None
         self.updated = self.ever_updated = False
+        self.buffers.clear()
+        self.foreign.release()
         if self.rewind is not None:
             self.rewind.clear()
 

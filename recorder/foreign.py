@@ -52,6 +52,10 @@ class ForeignUpdates:
         self._open: Tape | None = None  # the training step opened last, until it is stepped
         self._micro_batches = 0  # how many the step the recorded optimizer closed last had
 
+    def release(self) -> None:
+        """Let go of the open step (at detach)."""
+        self._open = None
+
     def opened(self, tape: Tape, watched: torch.Tensor | None) -> None:
         if watched is not None:
             tape.held_version = version_of(watched)

@@ -3,7 +3,9 @@
 Before, the inner one took the model over (detaching the outer with the notebook warning);
 when it ended, the rest of the outer block ran unrecorded (a NaN there was never caught) and
 the outer's exit said it "saw no forward" and blamed a model built again. Now the inner one
-is refused in one line before it registers anything, and the outer records on."""
+is refused in one line before it registers anything, and the outer records on. The recorder's
+own ``with`` block inside its block, and a recorder attached again after epochs unrecorded,
+record on as the outer block and the new epochs need."""
 
 from __future__ import annotations
 
@@ -72,3 +74,40 @@ def test_after_the_block_ends_another_recorder_attaches(tmp_path):
         M.train(model, opt, crit, 3, make_batch=_nan_at(1))
     check_event(info.value.event, step=1, phase="input")
     assert rec.bundle_path.parent == tmp_path / "c"
+
+
+def test_the_recorders_own_block_inside_its_block_leaves_it_recording(tmp_path):
+    """``with rec:`` again inside ``with rec:`` (a helper that enters the recorder it is
+    given). Before, the inner block's end detached it: the rest of the outer block ran
+    unrecorded and the NaN of step 3 was never caught."""
+    torch.manual_seed(0)
+    model, crit = M.mlp(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path)
+    with pytest.raises(NonFiniteError) as raised:
+        with rec:
+            with rec:
+                M.train(model, opt, crit, 2)
+            assert rec.step == 2 and _hooks(model, opt) != (0, 0)
+            M.train(model, opt, crit, NAN_STEP, make_batch=lambda s: _nan_at(NAN_STEP)(s + 2))
+    check_event(raised.value.event, step=NAN_STEP, phase="input", samples=[1])
+    assert _hooks(model, opt) == (0, 0)
+
+
+def test_weights_written_while_detached_are_a_weights_event_when_attached_again(tmp_path):
+    """Recording only some epochs: the weights went NaN while the recorder was detached.
+    Before, attached again it still held that an update had run since its last step, and
+    named that finite update: 'step 1, phase optimizer'."""
+    torch.manual_seed(0)
+    model, crit = M.mlp(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path)
+    with rec:
+        M.train(model, opt, crit, 2)
+    M.train(model, opt, crit, 2)  # (an epoch not recorded)
+    with torch.no_grad():
+        model[2].weight[0, 0] = float("nan")
+    with pytest.raises(NonFiniteError) as raised:
+        with rec:
+            M.train(model, opt, crit, 1)
+    check_event(raised.value.event, step=2, phase="weights", params=["2.weight"])

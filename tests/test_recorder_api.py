@@ -797,3 +797,15 @@ def test_a_loop_calling_forward_itself_is_told_to_call_the_model(out_dir, caplog
     assert len(said) == 1 and rec.step == 0, said
     assert ("the loop calls its forward itself (model.forward(x))" in said[0]) is direct, said
     assert ("submodule 'relu' ran on its own" in said[0]) is not direct, said
+
+
+@pytest.mark.parametrize("slip, meant", [("loss", "loss_fn"), ("criterion", "loss_fn"),
+                                         ("outdir", "out_dir"), ("histroy", "history")])
+def test_a_keyword_slip_names_the_argument_meant(slip, meant):
+    model = M.mlp()
+    with pytest.raises(TypeError) as info:
+        FlightRecorder(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                       **{slip: nn.CrossEntropyLoss()})
+    assert str(info.value) == (f"FlightRecorder: unknown keyword argument(s) {slip}; did you "
+                               f"mean {meant}=?")
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
