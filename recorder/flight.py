@@ -32,6 +32,7 @@ from .hooks import Health
 from .joined import ddp_in, join_along
 from .lazy_init import AttachWhenInitialized, uninitialized
 from .one_per_model import let_go, take_over
+from .pause import paused
 from .scripted import is_scripted
 from .settings import OBJECTS, SETTINGS, Settings, unknown_options
 from .snapshot import Sources, build_bundle
@@ -288,6 +289,12 @@ class FlightRecorder:
         self.guard.release()
         self.target.release()
         self._attached = self.health.active = False
+
+    def paused(self):
+        """``with rec.paused():`` a block whose steps are neither recorded nor counted (a
+        learning-rate range test that diverges on purpose and restores the weights): see
+        :mod:`recorder.pause`."""
+        return paused(self)
 
     def end_step(self, skipped: bool = False) -> None:
         """Close the current step now: for loops without an optimizer that update by hand, and

@@ -60,7 +60,6 @@ def _rewound_note(micro_batch: int) -> str:
             "then written outside optimizer.step() before the next forward (a load_state_dict "
             "restoring saved weights?): the loop stopped at that loss and rewound, as a "
             "learning-rate range test does when its loss diverges. Run a loop that drives the "
-            "loss to Inf/NaN on purpose unrecorded, inside `with paused(rec):` (from "
-            "recorder.pause import paused; the steps after it are numbered on from the last "
-            "recorded one); a loop that skips a bad batch calls rec.end_step() before going "
+            "loss to Inf/NaN on purpose unrecorded, inside `with rec.paused():` (the steps "
+            "after it are numbered on from the last recorded one); a loop that skips a bad batch calls rec.end_step() before going "
             "on.")

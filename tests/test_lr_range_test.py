@@ -2,7 +2,7 @@
 exponentially until the loss is no longer finite, then the saved weights and optimizer state
 are put back) run before the real training under the same ``FlightRecorder``.
 
-Its divergence is the point of the test: run inside ``recorder.pause.paused(rec)`` it is not
+Its divergence is the point of the test: run inside ``rec.paused()`` it is not
 recorded, and the training after it is numbered from step 0; run recorded, the event the
 restore closes says what happened and names ``paused``.
 """
@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
-from recorder.pause import paused
 from replay import replay
 
 STEPS, K, ROW = 6, 4, 5
@@ -75,7 +74,7 @@ def test_a_paused_range_test_is_not_recorded_and_training_is_unchanged(tmp_path)
     bare = _train(model, opt, crit, _batches())
     model, opt, crit = _setup()
     with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path) as rec:
-        with paused(rec):
+        with rec.paused():
             updates = _range_test(model, opt, crit, _batches())
         assert rec.step == 0  # (the range test's updates are no steps of the run)
         losses = _train(model, opt, crit, _batches())
@@ -88,7 +87,7 @@ def test_a_bad_batch_after_a_paused_range_test_is_an_event_at_its_training_step(
     model, opt, crit = _setup()
     with pytest.raises(NonFiniteError) as info:
         with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path) as rec:
-            with paused(rec):
+            with rec.paused():
                 _range_test(model, opt, crit, _batches())
             _train(model, opt, crit, _batches(plant=True))
     ev = info.value.event
@@ -109,4 +108,4 @@ def test_an_unpaused_range_test_says_what_stopped_and_how_to_pause(tmp_path):
     assert (ev["step"], ev["phase"], ev["micro_batch"]) == (updates, "loss", 0)
     msg = str(info.value)
     assert "went through no backward, and the weights were then written outside" in msg
-    assert "with paused(rec):" in msg
+    assert "with rec.paused():" in msg
