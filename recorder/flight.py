@@ -204,7 +204,11 @@ class FlightRecorder:
 
     def __enter__(self) -> FlightRecorder:
         self._entered += 1  # (a block inside its own block: only the outer one detaches)
-        self.attach()
+        try:
+            self.attach()
+        except BaseException:  # (refused: no block was entered, no __exit__ comes)
+            self._entered -= 1
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -243,7 +247,8 @@ class FlightRecorder:
         if self._attached:
             return self
         target = self.target
-        take_over(target.model(), self)  # (a notebook cell run again: the old one detached)
+        # (a notebook cell run again: the old one detached; refused inside another's with)
+        take_over(target.model(), self, in_with=self._entered > 0)
         if (model := target.model()) is not None \
                 and (names := uninitialized(model, target.optimizer())):
             self._deferred = AttachWhenInitialized(model, target.optimizer(),

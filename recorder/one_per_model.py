@@ -15,7 +15,6 @@ one line, before it registers anything.
 
 from __future__ import annotations
 
-import inspect
 import warnings
 import weakref
 
@@ -27,7 +26,7 @@ _ATTACHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDi
 _IN_WITH: weakref.WeakSet = weakref.WeakSet()
 
 
-def take_over(model: nn.Module | None, recorder) -> None:
+def take_over(model: nn.Module | None, recorder, in_with: bool = False) -> None:
     """Make ``recorder`` the one recording ``model``: detach the one attached before."""
     if model is None:
         return
@@ -46,24 +45,8 @@ def take_over(model: nn.Module | None, recorder) -> None:
             "recorder.detach() when done", stacklevel=4)
         old.detach()
     _ATTACHED[model] = weakref.ref(recorder)
-    if _entering(recorder):
+    if in_with:  # (attached by its own ``with`` statement)
         _IN_WITH.add(recorder)
-
-
-def _entering(recorder) -> bool:
-    """Whether ``recorder.attach()`` runs for its own ``__enter__`` (a frame or two up: a
-    subclass's ``__enter__`` calling ``super().__enter__()`` counts too)."""
-    frame = inspect.currentframe()
-    try:
-        for _ in range(6):
-            if frame is None:
-                return False
-            if frame.f_code.co_name == "__enter__" and frame.f_locals.get("self") is recorder:
-                return True
-            frame = frame.f_back
-        return False
-    finally:
-        del frame  # (a frame held in its own locals is a reference cycle: inspect's advice)
 
 
 def let_go(model: nn.Module | None, recorder) -> None:
