@@ -6,6 +6,11 @@ samples and cause of its first non-finite value. The command line is ``nanreplay
 >>> report["origin"]["op"], report["cause"]
 ('aten.log', 'invalid')
 
+``replay(path, factory=, factory_kwargs=, device=, tries=, html=, debug=)`` is ``nanreplay``'s
+options as arguments (``path`` may be the run's out_dir); ``bundle_info`` is ``--info``,
+``strip_bundle`` is ``--strip``, ``report_text`` / ``report_json`` the command's outputs
+(:mod:`replay.api`). Its errors are ``ReplayError`` / ``BundleError``, one line each.
+
 Layout, in the order a replay goes (each module imports only those before it):
 
 - ``compat``: every private PyTorch API used here (dispatch mode, pytree, version counters,
@@ -30,24 +35,16 @@ Layout, in the order a replay goes (each module imports only those before it):
   reports; the ``--try`` what-ifs; the report's ``window`` part;
 - ``analyze``: the analysis that picks the phase, then the window and the what-ifs;
 - ``report``, ``html``, ``cli``: the text/JSON report and ``--info``, the HTML page, the
-  ``nanreplay`` command.
+  ``nanreplay`` command; ``bundle_dir``, ``api_words``, ``api``: a run's out_dir given as the
+  bundle; the options' words in the Python API; the Python API.
 """
 
 from __future__ import annotations
 
+from recorder.errors import BundleError
+
+from .api import bundle_info, replay, report_json, report_text, strip_bundle
 from .errors import ReplayError
 
-
-def replay(path, *, factory=None, device: str | None = None,
-           factory_kwargs: dict | None = None, tries: list[str] | None = None) -> dict:
-    """The report for one bundle, as ``nanreplay --json`` prints it (plus ``history``);
-    ``factory``: ``"module:function"``, or the function (or model class) itself, called with
-    ``factory_kwargs`` (a notebook's own ``make_model``: trusted, as the caller passes it);
-    ``factory_kwargs`` replace the recorded ones; ``tries`` are ``--try`` what-ifs
-    (``["lr=0.1x", "auto"]``)."""
-    from .analyze import analyze_bundle
-
-    return analyze_bundle(path, factory, device, factory_kwargs, tries or ())
-
-
-__all__ = ["replay", "ReplayError"]
+__all__ = ["replay", "bundle_info", "strip_bundle", "report_text", "report_json", "ReplayError",
+           "BundleError"]

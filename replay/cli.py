@@ -6,7 +6,6 @@ Exit codes: 0 reproduced and localised, 1 replayed but not reproduced, 2 bad usa
 from __future__ import annotations
 
 import contextlib
-import re
 import sys
 import traceback
 import warnings
@@ -81,7 +80,12 @@ def main(bundle: Path, as_json: bool, html_path: Path | None, info: bool, factor
     out_dir) when that holds one event's bundle."""
     _check_tries(tries)
     if bundle.is_dir():
-        bundle = _bundle_in(bundle)
+        from .bundle_dir import bundle_in
+
+        try:
+            bundle = bundle_in(bundle)
+        except ReplayError as e:  # (said as a usage error: a path to pass)
+            raise click.UsageError(str(e)) from None
     try:
         # the step's code warns at each of the many re-runs ("std(): degrees of freedom is
         # <= 0"): each one once (the registry the "default" action keeps per location is cleared
@@ -104,48 +108,6 @@ def main(bundle: Path, as_json: bool, html_path: Path | None, info: bool, factor
         _fail(f"replay failed ({type(e).__name__}: {one_line(e)}); re-run with --debug for "
               "the traceback")
     sys.exit(code)
-
-
-def _bundle_in(directory: Path) -> Path:
-    """The bundle of the one event in ``directory`` (a run's ``out_dir``: one file per rank
-    that saw it, ``stepNNNNNNNN-rankR.nan``), its lowest rank's; a usage error naming them when
-    it holds none or several events' (the earliest step's first: the run's first event)."""
-    files = sorted(directory.glob("*.nan"), key=_written_order)
-    events: dict[str, list[Path]] = {}
-    for f in files:
-        events.setdefault(re.sub(r"-rank\d+", "", f.name), []).append(f)
-    if len(events) == 1:
-        return min(files, key=lambda f: int(m.group(1)) if (
-            m := re.search(r"-rank(\d+)", f.name)) else 0)
-    if not events:
-        raise click.UsageError(f"{directory} is a directory with no *.nan bundle in it"
-                               f"{_unfinished(directory)}; pass the bundle file the recorder "
-                               "wrote (its out_dir holds them)")
-    names = [group[0] for group in events.values()]
-    listed = ", ".join(f.name for f in names[:4]) + (f" (+{len(names) - 4} more)"
-                                                     if len(names) > 4 else "")
-    raise click.UsageError(f"{directory} holds the bundles of {len(names)} events ({listed}); "
-                           f"name one: the earliest step's is {names[0]}")
-
-
-def _written_order(f: Path) -> tuple[int, int, int, str]:
-    """``stepNNNNNNNN-rankR[-K].nan`` by step, then by K (the writer's ``-1``, ``-2``... for a
-    name an earlier run's bundle had: written after it), then rank; others by name last."""
-    m = re.fullmatch(r"step(\d+)-rank(\d+)(?:-(\d+))?\.nan", f.name)
-    if m is None:
-        return (1 << 62, 0, 0, f.name)
-    return (int(m.group(1)), int(m.group(3) or 0), int(m.group(2)), f.name)
-
-
-def _unfinished(directory: Path) -> str:
-    """The temporary files of bundles whose write has not finished (recorder.bundle names them
-    ``.<stem>.<pid>.<thread>.tmp``: a write in progress, or one whose process was killed)."""
-    left = sorted(f.name for f in directory.glob(".step*.tmp"))
-    if not left:
-        return ""
-    return (f", only {len(left)} unfinished one(s) ({left[0]}{', ...' if len(left) > 1 else ''}"
-            ": still being written, or its writer was killed before it finished; it holds no "
-            "step to replay, delete it once no run writes to this directory)")
 
 
 def _kwargs(text: str | None) -> dict | None:

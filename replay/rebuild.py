@@ -266,7 +266,7 @@ def _call_factory(fn, spec: str, kwargs: dict[str, Any], on_meta: bool) -> dict[
     except Exception as e:
         if on_meta:
             raise _MetaUnsupported from None
-        given = f" with factory_kwargs {json.dumps(kwargs)}" if kwargs else ""
+        given = f" with factory_kwargs {json.dumps(kwargs, default=repr)}" if kwargs else ""
         raise ReplayError(f"factory {spec!r} failed{given} ({type(e).__name__}: {e}); pass "
                           "--factory MOD:FN (and --factory-kwargs) that builds the recorded "
                           "model") from None

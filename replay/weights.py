@@ -32,7 +32,7 @@ def other_model(step) -> str:
     argv = (step.meta.get("env") or {}).get("argv")
     ran = (f"; the run's command line was {' '.join(map(str, argv))!r}"
            if isinstance(argv, list) and argv else "")
-    given = (f" (it was called with {json.dumps(step.factory_kwargs)})"
+    given = (f" (it was called with {json.dumps(step.factory_kwargs, default=repr)})"
              if step.factory_kwargs else "")
     return (f"the factory builds a different model{given}: it cannot see the run's "
             f"configuration (command-line flags, config files){ran}. Pass --factory-kwargs "

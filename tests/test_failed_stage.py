@@ -50,7 +50,7 @@ def test_backward_finder_failing_keeps_the_recorded_origin(tmp_path, monkeypatch
     assert failed["stage"].startswith("the analysis replay.backward_report"), failed
     assert failed["error"].startswith("TypeError: linalg_cholesky()"), failed
     assert "the plain re-run made the event again" in rep["hint"], rep["hint"]
-    assert any("--debug" in p and "issue" in p for p in rep["problems"]), rep["problems"]
+    assert any("debug=True" in p and "issue" in p for p in rep["problems"]), rep["problems"]
 
 
 def _zero_record(x):

@@ -101,7 +101,7 @@ def test_an_empty_sequence_is_named_at_the_pooling_div_and_dropped(tmp_path):
     assert "/ lengths" in rep["source_lines"][o["source"]]
     # (the bundle keeps each sequence's size: the empty one is named as such)
     assert f"Sample(s) {BAD_SEQ} are empty records: the lengths of batch" in rep["hint"]
-    assert f"--try drop={BAD_SEQ}" in rep["hint"] and rep["what_if"][0]["finite"] is True
+    assert f'tries=["drop={BAD_SEQ}"]' in rep["hint"] and rep["what_if"][0]["finite"] is True
 
 
 def test_a_zero_sequence_is_named_at_its_jagged_div(tmp_path):
