@@ -19,7 +19,9 @@ MOVED = 1e-5
 
 def unheld_trained(step) -> list[str]:
     """The model's trained parameters the recorded optimizer's groups do not hold."""
-    groups = (step.meta.get("optimizer") or {}).get("param_groups") or []
+    if (named := step.meta.get("unheld_trained")) is not None:  # (the recorder's own list)
+        return list(named)
+    groups = (step.meta.get("optimizer") or {}).get("param_groups") or []  # (older bundles)
     held = {n for g in groups for n in g.get("params") or ()}
     frozen = set(step.meta.get("frozen") or ())
     return [n for n in step.meta.get("params") or [] if n not in held and n not in frozen] \

@@ -18,6 +18,7 @@ from bundles import invoke_cli
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
+from recorder.bundle import read_bundle
 
 pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
@@ -60,6 +61,8 @@ def test_head_grown_by_an_unrecorded_optimizer_is_named_in_the_hint(out_dir):
         _train(HEAD_LR, out_dir)
     ev = info.value.event
     assert (ev["step"], ev["phase"]) == (at, "forward"), ev
+    meta, _ = read_bundle(info.value.bundle_path)
+    assert meta["unheld_trained"] == ["2.weight", "2.bias"]  # (the head's: head_opt's)
     rep = json.loads(invoke_cli(info.value.bundle_path, "--json", "--try", "lr=0.1x").stdout)
     o = rep["origin"]
     assert (rep["reproduced"], rep["cause"], o["op"], o["module"], o["samples"]) == \
@@ -86,6 +89,7 @@ def test_head_in_the_recorded_optimizer_keeps_the_rate_advice(out_dir):
             x, y = R.batch(step)
             crit(model(x), y).backward()
             opt.step()
+    assert "unheld_trained" not in read_bundle(info.value.bundle_path)[0]
     rep = json.loads(invoke_cli(info.value.bundle_path, "--json").stdout)
     assert rep["origin"]["module"] == "2", rep
     assert "not given" not in rep["hint"] and "learning rate" in rep["hint"], rep["hint"]
