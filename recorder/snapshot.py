@@ -148,6 +148,8 @@ def _model(src: Sources, tape: Tape | None, guard, meta, tensors) -> None:
     if constants := [params[i][0] for i in src.target.constants
                      if unchanged(src.target.constants, i, params[i][1])]:
         meta["inf_constants"] = constants  # (frozen ±inf mask values: recorder.constants)
+    if src.target.unowned:  # (trained, not the recorded optimizer's: another one updates them)
+        meta["unheld_trained"] = [params[i][0] for i, _ in src.target.unowned]
     changed = src.target.changed_in_step(tape) if tape is not None else []
     if changed:  # (not by the recorded optimizer, whose step has not run): their new values
         meta["changed_in_step"] = [params[i][0] for i in changed]

@@ -5,6 +5,7 @@ its built value; the hint says a wider type only postpones it, and what to do in
 from __future__ import annotations
 
 from .batch_overflow import said_of_data
+from .foreign_update import foreign_advice
 from .grown_state import grown_state_advice
 from .load import Step
 from .precursors import transient
@@ -40,7 +41,10 @@ def diverging_hint(report, step: Step) -> None:
     at, cause = report["event"].get("step"), report.get("cause")
     if cause not in ("overflow", "underflow") or at is None or said_of_data(report):
         return
-    jump = growth_jump(report)
+    jump, foreign = growth_jump(report), foreign_advice(step, report)
+    if jump is None and foreign:  # (the event's weights, updated by an unrecorded optimizer)
+        report["hint"] = f"{report['hint']}. But {foreign}"
+        return
     if jump is None:
         # (no jump in the window's loss or weights, yet a buffer the model carries across
         # steps had grown far past its built value: FORCE's P under a forgetting factor
@@ -55,4 +59,4 @@ def diverging_hint(report, step: Step) -> None:
             "only moves the failure on")
     report["hint"] = (f"{report['hint']}. But the {_GROWTH[jump['kind']]} had jumped "
                       f"{when} (see precursors): the run was diverging, and {then}; "
-                      + diverging_advice(step, window_of(step) is not None))
+                      + (foreign or diverging_advice(step, window_of(step) is not None)))

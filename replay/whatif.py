@@ -29,6 +29,7 @@ from .departure import tries_note
 from .diverging import beyond_run_type, still_diverging
 from .drop import compared_with, left_by, undroppable
 from .errors import ReplayError, one_line
+from .foreign_update import try_note
 from .group_lr import (
     check_group,
     every_group_note,
@@ -326,10 +327,8 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
     unchanged_finite = _unchanged_finite(step, report, win)
     out = []
     for label, change in parsed:
-        if _update_only(change) and not _update_before_event(step, win):
-            out.append({"try": label, "finite": None, "inconclusive": None, "event_step": None,
-                        "origin": None, "note": NO_UPDATE_BEFORE.format(
-                            key=label.partition("=")[0], step=step.event.get("step"))})
+        if _update_only(change) and (note := _update_untestable(step, report, win, label)):
+            out.append(_no_verdict(label, note=note))
             continue
         if change.drop:
             change.drop_step = step.event.get("step")
@@ -413,6 +412,16 @@ def _update_only(change: Change) -> bool:
     return change.dtype is None and not change.drop and (bool(change.hyper) or any(
         v is not None for v in (change.lr, change.lr_factor, change.eps, change.weight_decay,
                                 change.clip)))
+
+
+def _update_untestable(step: Step, report: dict[str, Any], win: Window, label: str) -> str | None:
+    """Why an update-only try cannot test a fix: the event's weights were updated by an
+    optimizer the recorder was not given (replay.foreign_update), or no update runs before
+    the event in the re-run; None when it can."""
+    if note := try_note(step, report):
+        return note
+    return None if _update_before_event(step, win) else NO_UPDATE_BEFORE.format(
+        key=label.partition("=")[0], step=step.event.get("step"))
 
 
 def _update_before_event(step: Step, win: Window) -> bool:
