@@ -2,7 +2,8 @@
 ``__main__``), edited before the replay (recorder.code_identity keys them by the name the
 replay imports the script as): an eps added after the crash is a what-if naming the class and
 the file, a renamed module is the code's change, an edit of the training loop below the model
-is no edit of the model. A notebook's class (a ``__main__`` without a file) gets no key, so no
+is no edit of the model, an eps in the script's own loss function is that function's
+edit (and the +Inf it made is called so, not a NaN). A notebook's class (a ``__main__`` without a file) gets no key, so no
 note."""
 
 import importlib
@@ -77,17 +78,34 @@ EPS = SCRIPT.replace("/ std", "/ (std + 1e-5)")
 RENAMED = SCRIPT.replace("self.norm", "self.normalize")
 LOOP_EDITED = SCRIPT.replace("            opt.step()\n",
                              "            opt.step()\n            print(step, loss.item())\n")
+# the loss of the script's own: a sum over the labels' sum, planted all 0 at BAD_STEP (+Inf)
+LOSS_SCRIPT = SCRIPT.replace("def make_model():", """def my_loss(out, y):
+    return nn.functional.cross_entropy(out, y, reduction="sum") / y.sum()
+
+
+def make_model():""").replace("loss_fn=nn.CrossEntropyLoss()", "loss_fn=my_loss").replace(
+    f"x[{BAD_ROW}] = 1.5", "y[:] = 0")
+LOSS_EPS = LOSS_SCRIPT.replace("/ y.sum()", "/ (y.sum() + 1e-5)")
 
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    """`python train_x.py` run to its NaN, as Python runs a script (runpy: its classes are
+    yield from _run(tmp_path_factory, SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def recorded_loss(tmp_path_factory):
+    yield from _run(tmp_path_factory, LOSS_SCRIPT)
+
+
+def _run(tmp_path_factory, script: str):
+    """`python train_x.py` run to its event, as Python runs a script (runpy: its classes are
     ``__main__``'s, its directory first on the path), and its bundle; the replays import the
     script as ``train_x`` from there."""
     root = tmp_path_factory.mktemp("run")
     mod = f"train_{uuid.uuid4().hex[:8]}"
     path = root / f"{mod}.py"
-    path.write_text(SCRIPT.replace("__FACTORY__", repr(f"{mod}:make_model")))
+    path.write_text(script.replace("__FACTORY__", repr(f"{mod}:make_model")))
     mp = pytest.MonkeyPatch()
     mp.chdir(root)
     mp.syspath_prepend(str(root))
@@ -136,6 +154,16 @@ def test_an_edit_of_the_scripts_training_loop_is_no_edit_of_the_model(recorded):
     assert (r["event"]["step"], o["module"], o["op"], o["samples"]) == (
         BAD_STEP, "norm", "aten.div", [BAD_ROW])
     assert not any("code differs" in p for p in r["problems"])
+
+
+def test_an_eps_added_to_the_scripts_loss_function_names_it_and_the_inf(recorded_loss):
+    mod, path, _ = recorded_loss
+    r = _replay_with(recorded_loss, LOSS_EPS)
+    assert not r["reproduced"] and r["cause"] == "not_reproduced"
+    assert r["edited_code"] == [f"{mod}.my_loss edited ({path.name})"]
+    assert (r["event"]["step"], r["origin"]["module"], r["origin"]["made"]) == (
+        BAD_STEP, "<loss>", "+inf")
+    assert "the edit (see the note) removes the +Inf at this step" in r["hint"]
 
 
 def test_a_notebook_class_has_no_key_and_no_note(tmp_path, monkeypatch):
