@@ -2,9 +2,9 @@
 ``__main__``), edited before the replay (recorder.code_identity keys them by the name the
 replay imports the script as): an eps added after the crash is a what-if naming the class and
 the file, a renamed module is the code's change, an edit of the training loop below the model
-is no edit of the model, an eps in the script's own loss function is that function's
-edit (and the +Inf it made is called so, not a NaN). A notebook's class (a ``__main__`` without a file) gets no key, so no
-note."""
+is no edit of the model, an eps in the script's own loss function is that function's edit
+(and the +Inf it made is called so, not a NaN). A notebook's class (a ``__main__`` without a
+file) gets no key, so no note."""
 
 import importlib
 import runpy
