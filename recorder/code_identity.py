@@ -4,19 +4,25 @@ their methods call by name (a ``safe_div`` helper). The hash is of the source's 
 without docstrings, so a comment, a blank line or a reformatting is no edit; torch's own
 classes are left out (the bundle names the torch version). The replay compares it with the
 code it imports (``replay.edited_code``): an eps added since the run is told from a
-nondeterministic step, and a renamed module from a factory built with other arguments."""
+nondeterministic step, and a renamed module from a factory built with other arguments. A class
+of the training script run as ``python train.py`` (module ``__main__``) is keyed by the name
+the replay imports that script as (``train.Net``, ``validate.script_module``); one of a
+notebook (a ``__main__`` without a file) has no such name, and no key."""
 
 from __future__ import annotations
 
 import ast
 import hashlib
 import inspect
+import os
 import sys
 import textwrap
 import types
 from typing import Any
 
 from torch import nn
+
+from .validate import SCRIPT_MODULES, script_module
 
 _MAX = 64  # classes and functions fingerprinted at most (a large library model: its first)
 
@@ -36,18 +42,34 @@ def fingerprint(obj: Any) -> str | None:
     return hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:16]
 
 
-def key_of(obj: Any) -> str | None:
+def key_of(obj: Any, script: str | None = None) -> str | None:
+    """``module.Qualname``; for the training script's code, ``script`` (the name the replay
+    imports it as) for its module, None without one (a notebook, a script without the guard)."""
     mod, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
     if not isinstance(mod, str) or not isinstance(qual, str) or "<" in qual:
         return None
+    if mod in SCRIPT_MODULES:
+        if script is None or not _in_script(obj):
+            return None
+        mod = script
     return f"{mod}.{qual}"
+
+
+def _in_script(obj: Any) -> bool:
+    """``obj``'s source is the file run as ``__main__`` (not a class given that module name
+    by hand, which another file or an exec'd string defines)."""
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    try:
+        return isinstance(main, str) and os.path.samefile(inspect.getsourcefile(obj) or "", main)
+    except (OSError, TypeError, ValueError):
+        return False
 
 
 def is_own(obj: Any) -> bool:
     """Code the bundle's torch version does not already name: not torch's, not the recorder's."""
     mod = getattr(obj, "__module__", None) or ""
     top = mod.partition(".")[0]
-    return top not in ("torch", "builtins", "recorder", "functools", "__main__")
+    return top not in ("torch", "builtins", "recorder", "functools")
 
 
 def _called_functions(cls_or_fn: Any) -> list[Any]:
@@ -92,8 +114,10 @@ def code_identity(model: nn.Module | None, loss_fn: Any) -> dict[str, dict[str, 
     """{"mod.Qualname": {"hash", "file"}} of the model's and the loss's own code."""
     out: dict[str, dict[str, str]] = {}
     try:
+        script = script_module()  # (read once: it parses the script for its guard)
         for obj in _objects(model, loss_fn):
-            key, digest = key_of(obj), fingerprint(obj)
+            key = key_of(obj, script)
+            digest = fingerprint(obj) if key is not None else None
             if key is not None and digest is not None:
                 file = inspect.getsourcefile(obj) or "?"
                 out[key] = {"hash": digest, "file": file}

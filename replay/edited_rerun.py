@@ -14,9 +14,11 @@ NOT_MADE = "not made again by the edited code"
 
 
 def edited_not_reproduced(report, step: Step) -> dict[str, Any]:
+    made = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf"}.get(
+        step.event.get("kind"), "non-finite value")  # (what the run made: an Inf is no NaN)
     report = recorded_origin(report, step, (
         "the edited code re-ran the step from the run's weights and batch and made no "
-        "non-finite value: the edit (see the note) removes the NaN at this step, a what-if, "
+        f"non-finite value: the edit (see the note) removes the {made} at this step, a what-if, "
         "not nondeterminism; the origin above is what the recorder saw, with the code the run "
         "ran"))
     report["cause"] = "not_reproduced"
