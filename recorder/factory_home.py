@@ -18,8 +18,11 @@ from typing import Any
 
 def needs_model(meta: dict[str, Any]) -> bool:
     """The replay must build the model to show the event: not an ``input`` or ``weights``
-    event, which the bundle's batch or weights show alone."""
-    return (meta.get("event") or {}).get("phase") not in ("input", "weights")
+    event, which the bundle's batch or weights show alone (under torch.distributed, the event
+    of the rank that saw it first, which every rank's bundle replays)."""
+    event = meta.get("event") or {}
+    phase = (event.get("ranks") or {}).get("first_phase") or event.get("phase")
+    return phase not in ("input", "weights")
 
 
 def factory_spec(meta: dict[str, Any]) -> str | None:

@@ -36,6 +36,7 @@ from .events import Event
 # the order in which a step's phases run: an earlier phase saw the event first
 PHASE_ORDER = {"weights": 0, "input": 1, "forward": 2, "loss": 3, "backward": 4,
                "optimizer": 5}
+_PHASE_NAMES = {v: k for k, v in PHASE_ORDER.items()}
 _LATE = len(PHASE_ORDER)  # a rank whose own values were finite, or an unknown phase
 STOPPED = 2.0  # a rank's flag when its recorder stopped after an error of its own
 
@@ -195,7 +196,8 @@ class Agreement:
                 return None
             event = peer_event(keys[first[0]][0], first)
         event.ranks = {"rank": self.rank, "world_size": self.world, "run_id": self.run_id,
-                          "seen_by": seen, "first": first}
+                          "seen_by": seen, "first": first,
+                          "first_phase": _PHASE_NAMES.get(best[1])}  # (what every bundle shows)
         return event
 
     def shadow(self) -> tuple[list[int], list[int], int | None]:
