@@ -206,9 +206,10 @@ def from_positive(node, depth: int = 8) -> bool:
         nexts = [fn for fn, _ in node.next_functions]  # (None: an input without a gradient)
     except Exception:  # not an autograd node, or one that cannot say
         return False
-    # (a quotient's pole: y = 0)
-    return any(made_positive(fn, depth) for fn in
-               (nexts[1:2] if node_op(node) == "Div" else nexts))
+    # (the input at the pole: a quotient's y = 0, a power's base, xlogy's y)
+    op = node_op(node)
+    at_pole = nexts[1:2] if op in ("Div", "Xlogy") else nexts[:1] if op == "Pow" else nexts
+    return any(made_positive(fn, depth) for fn in at_pole)
 
 
 def _exp_of(node):

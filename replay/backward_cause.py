@@ -52,13 +52,6 @@ def backward(node: str | None, still: bool, dtype: torch.dtype,
         return _unit_pole(op, name, fn, dtype, still, None if still else edge_gap())
     if inner and not (name and domains.derivative_pole(name)):
         fn = f"its backward's {inner}"
-    if still and at_pole == "0" and underflowed and name and domains.derivative_pole(name):
-        # exact arithmetic keeps exp's value positive, past float64's range too (a softmax of
-        # logits 1e4 apart): underflow, as the forward rule says of a log(0) of it, not a pole
-        return Cause("underflow", f"{op} made a non-finite gradient, in float64 too: the op's "
-                     f"input came from {_POSITIVE_OPS} of a finite argument, positive in exact "
-                     f"arithmetic, and underflowed to 0 (in float64 as well), the pole where "
-                     f"{fn} is infinite; " + DO["log_space"])
     if still:  # (sqrt at 0: mostly a distance written out, TransE's sqrt(((h + r - t)**2)...))
         return Cause("invalid", f"{op} made a non-finite gradient from finite incoming "
                      f"gradients, in float64 too: {fn} has a pole at the op's input (sqrt or "

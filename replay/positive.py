@@ -152,12 +152,15 @@ def segment_sum_of_positive(node, depth: int = 8) -> bool:
 
 def first_inputs(fn, depth: int = 8):
     """(op, node) of autograd node ``fn`` and the nodes of its first input after it, at most
-    ``depth``: the path a value took from the op that made it, through views and selections."""
+    ``depth``: the path a value took from the op that made it, through views and selections.
+    A first input without a node (data, a constant: the ``y`` of ``y / mu``, the base of
+    ``conc ** hill``) ends it: what made the value is not in the graph, not the next input."""
     for _ in range(depth):
         if fn is None:
             return
         yield node_op(fn), fn
-        fn = next((f for f, _ in fn.next_functions if f is not None), None)
+        nexts = fn.next_functions
+        fn = nexts[0][0] if nexts else None
 
 
 def made_positive(fn, depth: int = 8) -> bool:
