@@ -14,7 +14,8 @@ import torch
 from .memo import TensorSet
 from .positive import PASS_ON, SELECTS, made_nonzero
 
-NONZERO_KEPT = PASS_ON | SELECTS | {"neg", "reciprocal"}
+NONZERO_KEPT = PASS_ON | SELECTS | {"reciprocal"}  # (not neg: -d2 of a positive d2 stays
+# what it was, a negative value the cause rules read as such)
 # ops of a non-zero value that are > 0 wherever it is non-zero
 MADE_POSITIVE = {"abs", "square"}
 _FOLLOWED = NONZERO_KEPT | MADE_POSITIVE | {"mul", "pow"}
