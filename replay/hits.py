@@ -77,6 +77,7 @@ class Evidence:
     input_dtypes: list[torch.dtype]
     elementwise: list[bool]  # whether inputs[i] is taken at ``bad`` (same positions)
     exp_made: list[bool]  # inputs[i] came from exp/softmax/sigmoid of a finite argument
+    # (or is else non-zero in exact arithmetic: replay.nonzero)
     local64: torch.Tensor | None  # the op's float64 result at ``bad`` (same shape as ``bad``)
     others: list[torch.Tensor]  # the op's other outputs (nll_loss's total weight)
     output: int = 0  # which floating output ``bad`` is over
@@ -100,6 +101,7 @@ class Evidence:
     of_weights: bool = False  # every input a parameter or buffer, or made of them alone
     made_of: list[str] = field(default_factory=list)  # and those (replay.made_of_params)
     squared: list[bool] = field(default_factory=list)  # exp_made[i] by a square (re² + im²)
+    signed: list[bool] = field(default_factory=list)  # exp_made[i] of either sign (nonzero)
     of_exp: list[bool] = field(default_factory=list)  # inputs[i] is exp's own result
     trig: list[bool] = field(default_factory=list)  # a cos or sin result (replay.trig_root)
     chained: list[int] = field(default_factory=list)  # its products (replay.chain_product)

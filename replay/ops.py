@@ -18,6 +18,7 @@ The float64 re-run's own modes are in :mod:`replay.dispatch`.
 from __future__ import annotations
 
 import math
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from .made_of_params import made_of
 from .masked_product import nan_times_mask, nan_times_zero
 from .memo import TensorMarks, TensorSet
 from .moved import Moved
+from .nonzero import NonZero
 from .op_watch import Watch
 from .param_names import ParamNames
 from .picked_fill import note_pick
@@ -144,12 +146,17 @@ class OpFinder:
         autograd graph (not where exp here had -inf: partly positive, whose graph says all)."""
         return t in self._positive or self.partly.mask(t) is None and made_sign(t.grad_fn) > 0
 
+    @cached_property
+    def nonzero(self) -> NonZero:  # (and != 0 of either sign: exp(s) * polarity)
+        return NonZero(self)
+
     def mark_made_by(self, fn, t: torch.Tensor) -> None:
         """``t`` stands for a value autograd node ``fn`` made, where no graph says so (a
         detached copy): one exp/softmax made stays positive, one tanh/sigmoid made stays
         strictly inside (-1, 1) (its ``1 - y`` cannot be 0 in exact arithmetic)."""
         if made_sign(fn) > 0:
             self._positive.add(t)
+        self.nonzero.mark(fn, t)
         self.partly.mark_filled(fn, t)  # (a softmax over a fill: positive where non-zero)
         if made_by_exp(t, fn=fn):
             self.exps.add(t)
@@ -198,7 +205,8 @@ class OpFinder:
             return
         if any(isinstance(t, torch.Tensor) and t.is_complex() for t in leaves):
             return  # (exp of a complex number is no positive real: its parts, real views here)
-        if positive_result(name, ins, leaves, self.positive):
+        if positive_result(name, ins, leaves, self.positive) or self.nonzero.track(
+                name, ins, leaves, outs) == 1:  # (or > 0 of a value != 0: amp ** 2)
             for t in outs:
                 self._positive.add(t)
         self.exp_param.track(name, ins, outs, leaves, self.names)

@@ -21,6 +21,7 @@ import weakref
 import torch
 
 from .compat import saved_value, tree_leaves, tree_map
+from .kept_signs import recall, remember
 
 # Ops whose result is positive in exact arithmetic for every finite argument: a 0 they return
 # is an underflow. Ops that pass values on unchanged keep that mark (a gathered probability).
@@ -175,23 +176,61 @@ def made_positive(fn, depth: int = 8) -> bool:
 def made_sign(fn, depth: int = 8) -> int:
     """1 (-1) when autograd node ``fn`` made a value positive (negative) in exact arithmetic
     for every finite argument (see :func:`made_positive`), 0 when it cannot say."""
-    sign = 1
+    sign = _walk(fn, depth)
+    return sign if sign in (1, -1) else 0
+
+
+def made_nonzero(fn, depth: int = 8) -> bool:
+    """Whether autograd node ``fn`` made a value non-zero in exact arithmetic, of one sign or
+    of either (a signed amplitude ``exp(s) * polarity`` of a +-1 buffer): a 0 it holds
+    underflowed, and a division by it or a log of its square has no pole there."""
+    return _walk(fn, depth) != 0
+
+
+def keep_signs(tensors) -> list:
+    """Verdicts on the nodes that made ``tensors``, taken now, before a backward frees the
+    values the rules read (:mod:`replay.kept_signs`); the caller keeps them alive."""
+    return [remember(t.grad_fn, _walk(t.grad_fn, 8)) for t in tensors
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+
+
+# a value non-zero in exact arithmetic whose entries are of either sign (no one sign)
+NONZERO = 2
+# pass-on nodes that add entries up: a sum of values of either sign may be an exact 0
+_SUM_NODES = {node_name(op) for op in REDUCTIONS}
+
+
+def _times(a: int, b: int) -> int:
+    """The sign of a product of factors of signs ``a`` and ``b`` (:data:`NONZERO` included)."""
+    return 0 if 0 in (a, b) else NONZERO if NONZERO in (a, b) else a * b
+
+
+def _walk(fn, depth: int) -> int:
+    """1, -1, :data:`NONZERO` or 0 (unknown) for the value autograd node ``fn`` made."""
+    sign, summed = 1, False
     try:
         for op, node in first_inputs(fn, depth):
-            if op in _POSITIVE_NODES:
-                return 0 if _masked_input(node, depth) else sign
-            if op == "Neg":
+            if (kept := recall(node)) is not None:  # (taken before a backward freed the node)
+                made = kept
+            elif op in _POSITIVE_NODES:
+                made = 0 if _masked_input(node, depth) else 1
+            elif op == "Neg":
                 sign = -sign
+                continue
             elif op == "Mul":
-                return sign * _product_sign(node, depth - 1)
+                made = _product_sign(node, depth - 1)
             elif op == "Add":  # (a mixture's pi1 * N1 + pi2 * N2, both terms positive)
-                return sign * _sum_sign(node, depth - 1)
+                made = _sum_sign(node, depth - 1)
             elif op == "Pow":  # (its first input: a number base's exponent, 2 ** t)
-                return sign * _power_sign(node, depth - 1)
+                made = _power_sign(node, depth - 1)
             elif op in _PRODUCT_NODES:  # (Sinkhorn's K^T @ u)
-                return sign * _product_sign(node, depth - 1, _PRODUCT_NODES[op], saved=True)
-            elif op not in _PASS_ON_NODES:
+                made = _product_sign(node, depth - 1, _PRODUCT_NODES[op], saved=True)
+            elif op in _PASS_ON_NODES:
+                summed = summed or op in _SUM_NODES
+                continue
+            else:
                 return 0
+            return 0 if summed and made == NONZERO else _times(sign, made)
     except Exception:  # not an autograd node, or one that cannot say
         return 0
     return 0
@@ -232,7 +271,13 @@ def filled_mask(t: torch.Tensor, fn=None) -> torch.Tensor | None:
 def _sign_of(t) -> int:
     if not isinstance(t, torch.Tensor) or t.numel() == 0:
         return 0  # (an empty tensor is all > 0 vacuously, of no sign)
-    return 1 if bool((t > 0).all()) else -1 if bool((t < 0).all()) else 0
+    return 1 if bool((t > 0).all()) else -1 if bool((t < 0).all()) else (
+        NONZERO if bool((t != 0).all()) else 0)  # (a +-1 polarity: no 0 among its values)
+
+
+# nodes of step functions, constant where they have a gradient: their values are exact (a
+# sign(w) factor's +-1 is a constant's, saved for the other factor's gradient)
+_STEP_NODES = {"Sign", "Sgn"}
 
 
 def _product_sign(fn, depth: int, names=("self", "other"), saved: bool = False) -> int:
@@ -248,12 +293,12 @@ def _product_sign(fn, depth: int, names=("self", "other"), saved: bool = False) 
     sign = 1
     for i, f in enumerate(nexts[:2]):
         # (values[i]: factor i's value, saved for the other factor's gradient)
-        s = made_sign(f, depth) if f is not None else 0
-        if s == 0 and (f is None or saved):
+        s = _walk(f, depth) if f is not None else 0
+        if s == 0 and (f is None or saved or node_op(f) in _STEP_NODES):
             s = _sign_of(values[i])
-        if s == 0 or (saved and s < 0):
+        if s == 0 or (saved and s != 1):  # (a matrix product's terms add up: all > 0)
             return 0
-        sign *= s
+        sign = _times(sign, s)
     return sign
 
 
@@ -265,8 +310,11 @@ def _power_sign(fn, depth: int) -> int:
         base = saved_value(fn, "self")
         return 1 if isinstance(base, (int, float)) and base > 0 else 0
     nxt = fn.next_functions[0][0]  # (the base; None: a constant base, tensor ** tensor)
-    sign = made_sign(nxt, depth) if nxt is not None else _sign_of(saved_value(fn, "self"))
+    sign = _walk(nxt, depth) if nxt is not None else _sign_of(saved_value(fn, "self"))
     exponent = saved_value(fn, "exponent")
+    if sign == NONZERO:  # (either sign: an integral power keeps it non-zero, an even one > 0)
+        integral = isinstance(exponent, (int, float)) and float(exponent).is_integer()
+        return 0 if not integral else 1 if exponent % 2 == 0 else NONZERO
     if sign >= 0 or not isinstance(exponent, (int, float)) or not float(exponent).is_integer():
         return max(sign, 0)
     return 1 if exponent % 2 == 0 else -1
@@ -279,8 +327,8 @@ def _sum_sign(fn, depth: int) -> int:
     nexts = [f for f, _ in fn.next_functions]
     if (isinstance(alpha, (int, float)) and alpha <= 0) or len(nexts) != 2 or None in nexts:
         return 0
-    a, b = made_sign(nexts[0], depth), made_sign(nexts[1], depth)
-    return a if a == b else 0
+    a, b = _walk(nexts[0], depth), _walk(nexts[1], depth)
+    return a if a == b and a in (1, -1) else 0
 
 
 def exp_of_parameter(fn, depth: int = 10):

@@ -49,6 +49,7 @@ from .loopscale import loss_factor
 from .loss_forward import forward_in_loss, loss_runs_model
 from .loss_params import trained_loss_params
 from .module_state import LossState, ModuleState
+from .positive import keep_signs
 from .precision import precision_hooks
 from .raised_note import IN_BACKWARD
 from .refit_in_forward import trained_copies, written_note, written_since
@@ -258,6 +259,8 @@ class Runner:
         """Micro-batch ``i``'s loss (its nodes under ``forward_ctx`` too) and, when
         ``backward``, its backward; a raise the loop caught in training is passed over
         (replay.handled_loss)."""
+        if backward:  # (the graph rules' verdicts on the outputs, before backward frees them)
+            result.kept_signs += keep_signs(outs)
         loss = None
         with _enter(forward_ctx), handled_by_loop(self, i, result, "loss"):
             loss = self._loss(i, outs, result)

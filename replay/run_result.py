@@ -58,6 +58,8 @@ class Run:
     loss_finite: list[bool] = field(default_factory=list)
     loss_micro_batches: list[int] = field(default_factory=list)
     loss_values: list[str] = field(default_factory=list)
+    # the sign verdicts on its outputs' nodes, taken before its backward (replay.kept_signs)
+    kept_signs: list = field(default_factory=list)
     # whether entry j's recorded loss arguments (targets, not the model output) were finite
     loss_args_finite: list[bool] = field(default_factory=list)
     # the micro-batches whose loss arguments held a non-finite value, known before the loss

@@ -16,12 +16,22 @@ from .positive_maker import source as made_source
 
 __all__ = ["source"]
 
+# a value of either sign that exact arithmetic keeps non-zero (replay.nonzero)
+SIGNED = ("a signed value non-zero in exact arithmetic, {} of a finite argument times factors "
+          "of either sign that are never 0 (a signed amplitude exp(s) * polarity, "
+          "sign(w) * softplus(v))")
+SIGNED_FIX = ("keep its magnitude in log space (a division by exp(s) * p as a product by "
+              "exp(-s) * p, log(amp ** 2) as 2 * s) or floor the magnitude before the sign is "
+              "applied (exp(s).clamp_min(eps) * p, softplus(v).clamp_min(eps) * sign(w))")
+
 
 def source(ev, zeros: list[int], positive_ops: str, log_space: str,
            name: str = "") -> tuple[str, str]:
     """(where op ``name``'s 0 came from, what to do) for its inputs ``zeros`` holding an
     underflowed 0 that exact arithmetic keeps positive: a square's, a hand-written softmax's,
     else the log-space form of the op that made it (replay.positive_maker)."""
+    if all(i < len(ev.signed) and ev.signed[i] for i in zeros):
+        return SIGNED.format(positive_ops), SIGNED_FIX
     if all(i < len(ev.squared) and ev.squared[i] for i in zeros):
         return ("a square of a non-zero value (x ** 2, x * x; a power spectrum re² + im² of a "
                 "near-silent clip), positive in exact arithmetic, or what sums and roots made "
