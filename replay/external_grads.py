@@ -28,11 +28,8 @@ def external(pairs: list[tuple[torch.Tensor, torch.Tensor]], through_nonfinite: 
         ready = [j for j in range(len(outs)) if j not in ext and all(k in ext for k in below[j])]
         if not ready:  # (a cycle cannot happen; be safe)
             return pairs
-        for j in ready:
+        for j, sent in _sent(outs, ready, below, ext):
             g = pairs[j][1].to(outs[j].dtype)
-            ks = [k for k in below[j] if ext[k] is not None]
-            sent = torch.autograd.grad([outs[k] for k in ks], outs[j], [ext[k] for k in ks],
-                                       retain_graph=True, allow_unused=True)[0] if ks else None
             if sent is not None:
                 if through_nonfinite:
                     g = torch.where(torch.isfinite(g), g, sent.to(g.dtype))
@@ -44,6 +41,22 @@ def external(pairs: list[tuple[torch.Tensor, torch.Tensor]], through_nonfinite: 
             if g is not None:
                 keep.append(j)
     return [(outs[j], ext[j]) for j in sorted(keep)] or pairs
+
+
+def _sent(outs, ready, below, ext):
+    """``(j, what the outputs computed from output j sent it)`` for each ``j`` in ``ready``:
+    one backward per set of senders, not one per output (a Hugging Face model's logits are
+    computed from each layer's cached keys and values: one pass, not one per tensor)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for j in ready:
+        groups.setdefault(tuple(k for k in below[j] if ext[k] is not None), []).append(j)
+    sent: dict[int, torch.Tensor | None] = {}
+    for ks, js in groups.items():
+        got = torch.autograd.grad([outs[k] for k in ks], [outs[j] for j in js],
+                                  [ext[k] for k in ks], retain_graph=True,
+                                  allow_unused=True) if ks else [None] * len(js)
+        sent.update(zip(js, got))
+    return [(j, sent[j]) for j in ready]
 
 
 def computed_from(b: torch.Tensor, a: torch.Tensor) -> bool:
