@@ -53,6 +53,7 @@ from .local_shards import unsharded_hint
 from .loop_grads import finite_gradients_reached_the_output as _finite_gradients_reached_the_output
 from .loop_grads import gradients_from_the_loop as _gradients_from_the_loop
 from .loop_grads import no_backward_reached_the_output as _no_backward_reached_the_output
+from .loop_written import report_loop_written
 from .loss_grad import loop_differentiation, not_rerun_term
 from .loss_own import settle_loss_started
 from .masked_targets import masked_loss_hint
@@ -236,9 +237,8 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
         if not hint and (before := nan_before_update(report, step, params)) is not None:
             return before  # (NaN the loop wrote after the update before: a renorm's 0/0)
         mark_update_not_rerun(report, step)
-        return finish(report, origin_fields(phase="optimizer", params=params,
-                                            param=(params or [None])[0]), "optimizer",
-                      reproduced=False, hint=hint)
+        o = origin_fields(phase="optimizer", params=params, param=(params or [None])[0])
+        return finish(report, o, "optimizer", reproduced=False, hint=hint)
     inputs, targets = ([i for i, mb in enumerate(step.micro_batches) if mb.get(k)]
                        for k in ("inputs_changed", "targets_changed"))
     if targets and (not inputs or step.event.get("phase") == "loss"):  # (what the loss took)
@@ -256,6 +256,8 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
     if bad_weights and not after_update and set(bad_weights) <= changed:
         return _weights_written_late(report, step)
     written = set(step.meta.get("written_in_step") or ())
+    if not after_update and (loop := report_loop_written(report, step, bad_weights, written)):
+        return loop  # (written between micro-batches by the loop, not by a forward)
     if bad_weights and not after_update and set(bad_weights) <= written:
         # written by the step's own code before any update (a data-dependent init in the
         # forward): the re-run runs that code again from the step's pre-step buffers
@@ -274,8 +276,7 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
             "the recorder saw; replay the full bundle where its factory can be imported to name "
             "the op"))
         parts = sorted(set(step.stripped))
-        report["not_rerun"] = (f"{' and '.join(parts)} stripped" if parts
-                               else "factory not imported")
+        report["not_rerun"] = f"{' and '.join(parts)} stripped" if parts else "factory not imported"
         return report
     return statistic_came_in(report, step)  # (a BatchNorm statistic bad as the step began)
 

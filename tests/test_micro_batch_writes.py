@@ -97,3 +97,30 @@ def test_a_clamp_between_micro_batches_trains_unchanged_at_the_loops_steps(out_d
     assert [r.getMessage() for r in caplog.records if r.name == "nanreplay"] == []
     assert seen == [1, 2, 3, 4]
     assert all(torch.equal(a, b) for a, b in zip(base, got)) and len(base) == len(got) == 8
+
+
+def test_a_nan_written_between_micro_batches_of_the_first_step_is_the_loops_write(
+        out_dir):
+    """Step 0, before the optimizer's first update: the recorder names the weight the step
+    made non-finite (``written_in_step``), as a forward writing its own weights (ActNorm)
+    leaves it, and the replay re-ran it from the factory's values; no forward writes it, so
+    the event's forward was finite and the report said the weights were 'most likely not the
+    model's own' (not reproduced). Now the bundle's values, those the forward of micro-batch 1
+    ran with, are re-run: the weights and the loop's write between micro-batches."""
+    model, opt = _log_net_sgd()
+    param, acc = "head.weight", 2  # (not the watched one: at step 0 that one closes the step)
+
+    def write(model, step, micro):
+        if step == 0 and micro == acc - 1:
+            model.get_parameter(param)[ROW, COL] = float("nan")
+
+    with pytest.raises(NonFiniteError) as info:
+        _train(model, opt, acc, write, out_dir=out_dir)
+    ev = info.value.event
+    assert (ev["step"], ev["micro_batch"], ev["module"]) == (0, acc - 1, "head"), ev
+    rep = json.loads(invoke_cli(info.value.bundle_path, "--json").stdout)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["param"], o["module"], o["micro_batch"],
+            o.get("rows")) == (True, "weights", param, "head", acc - 1, [ROW]), rep
+    assert "the loop wrote it between the step's micro-batches" in rep["hint"], rep["hint"]
+    assert not any("model's own code" in p for p in rep["problems"]), rep["problems"]
