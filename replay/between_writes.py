@@ -83,11 +83,22 @@ def written_weights_hint(report: dict[str, Any], step: Step) -> None:
         return
     name, was, now, big = max(found, key=lambda f: f[3])
     at = step.event["step"]
+    said = (f"{name} is not what step {at - 1}'s update left (norm {was:.3g}) but what the loop "
+            f"wrote into it before step {at}'s forward (norm {now:.3g}, values up to {big:.3g}), "
+            "and the overflow is of that scale")
+    if _own_advice(report, o):  # (a half type's limit, a parametrization's range: kept)
+        report["hint"] = f"{said}; check that write. {report.get('hint') or ''}".rstrip()
+        return
     report["hint"] = (
-        f"{name} is not what step {at - 1}'s update left (norm {was:.3g}) but what the loop "
-        f"wrote into it before step {at}'s forward (norm {now:.3g}, values up to {big:.3g}), "
-        "and the overflow is of that scale: not the data's, nor a type's limit to widen. "
+        f"{said}: not the data's, nor a type's limit to widen. "
         "Check that write: a re-initialisation (reset_parameters() followed by an init whose "
         "std or bound is not 1/sqrt(fan_in)'s scale), a load_state_dict of another run's or "
         "a corrupted checkpoint, an in-place edit; the weights it writes should be of the "
         "scale the layer's own reset_parameters() gives")
+
+
+def _own_advice(report: dict[str, Any], o: dict[str, Any]) -> bool:
+    """The hint already says what the op's own limit is: a half type's (float16 autocast,
+    where float32 holds the written scale) or a parametrization's, whose range to keep."""
+    dtypes = {o.get("dtype"), *(c.get("dtype") for c in o.get("chain") or ())}
+    return bool(dtypes & {"float16", "bfloat16"}) or "parametrization" in (report.get("hint") or "")

@@ -103,9 +103,12 @@ def test_the_trainer_supplies_optimizer_and_schedule(tmp_path):
         FlightRecorderCallback(stats="everything")
     with pytest.raises(ValueError, match="max_micro_batches must be an int >= 1, got 0"):
         FlightRecorderCallback(max_micro_batches=0)
-    with pytest.raises(TypeError, match="unknown option.s. out_dri; it takes FlightRecorder's: "
-                                        "allow_inf, allow_nan, factory"):
+    with pytest.raises(TypeError, match="^FlightRecorderCallback: unknown keyword argument.s. "
+                                        "out_dri; did you mean out_dir=.$"):
         FlightRecorderCallback(out_dri=tmp_path)
+    with pytest.raises(TypeError, match="unknown keyword argument.s. zzz; it takes allow_inf, "
+                                        "allow_nan, factory"):
+        FlightRecorderCallback(zzz=1)
     with pytest.raises(ValueError, match="factory 'nope:make' cannot be imported"):
         FlightRecorderCallback(out_dir=tmp_path, factory="nope:make")
 
