@@ -14,6 +14,7 @@ import uuid
 
 import pytest
 import torch
+from edited_source import MODEL
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
@@ -23,32 +24,6 @@ from replay.report import to_text
 
 BAD_ROW, BAD_STEP = 2, 3  # the constant row the loop plants (0/0 in Norm), and its step
 
-MODEL = '''import torch
-from torch import nn
-
-
-class Norm(nn.Module):
-    def forward(self, x):
-        mean = x.mean(dim=1, keepdim=True)
-        std = x.std(dim=1, keepdim=True)
-        return (x - mean) / std
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.norm = Norm()
-        self.fc2 = nn.Linear(16, 3)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(self.norm(x))))
-
-
-def make_model():
-    torch.manual_seed(0)
-    return Net()
-'''
 
 LOOP = f'''
 
