@@ -12,7 +12,6 @@ notebook (a ``__main__`` without a file) has no such name, and no key."""
 from __future__ import annotations
 
 import ast
-import copy
 import functools
 import hashlib
 import inspect
@@ -42,49 +41,41 @@ def fingerprint(obj: Any) -> str | None:
         return None
     if stat is None or not isinstance(qual, str):
         return None
-    return _digest(path, stat.st_mtime_ns, stat.st_size, qual)
+    return _digests(path, stat.st_mtime_ns, stat.st_size).get(qual)
 
 
-@functools.lru_cache(maxsize=32)
-def _definitions(path: str, mtime_ns: int, size: int) -> dict[str, ast.AST]:
-    """{qualname: syntax tree} of every class and function defined in the file (nested ones
-    by their dotted names; a later definition of a name replaces an earlier one, as it does
-    when the module runs)."""
+@functools.lru_cache(maxsize=256)
+def _digests(path: str, mtime_ns: int, size: int) -> dict[str, str]:
+    """{qualname: hash} of every class and function defined in the file (nested ones by their
+    dotted names; a later definition of a name replaces an earlier one, as it does when the
+    module runs). The hash is of the definition's syntax tree with its docstrings left out
+    (positions are not dumped: a line added above it is no edit). Only the hashes are kept:
+    cached trees (a few hundred thousand objects for 32 files) slowed every garbage collection
+    and ``gc.get_referrers`` of the process, the training's too."""
     try:
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read())
-    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError, RecursionError):
         return {}
-    out: dict[str, ast.AST] = {}
+    for n in ast.walk(tree):
+        body = getattr(n, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            n.body = body[1:] or [ast.Pass()]
+    out: dict[str, str] = {}
     defs = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
     def visit(node: ast.AST, prefix: str) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, defs):
                 qual = prefix + child.name
-                out[qual] = child
+                out[qual] = hashlib.sha256(ast.dump(child).encode()).hexdigest()[:16]
                 visit(child, qual + ("." if isinstance(child, ast.ClassDef) else ".<locals>."))
             elif not isinstance(child, ast.expr):  # (the if/try blocks of a module)
                 visit(child, prefix)
 
     visit(tree, "")
     return out
-
-
-@functools.lru_cache(maxsize=1024)
-def _digest(path: str, mtime_ns: int, size: int, qual: str) -> str | None:
-    """The hash of a definition's syntax tree, its docstrings left out (on a copy: the tree
-    is cached), its positions too (a line added above it is no edit)."""
-    node = _definitions(path, mtime_ns, size).get(qual)
-    if node is None:
-        return None
-    node = copy.deepcopy(node)
-    for n in ast.walk(node):
-        body = getattr(n, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
-                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
-            n.body = body[1:] or [ast.Pass()]
-    return hashlib.sha256(ast.dump(node).encode()).hexdigest()[:16]
 
 
 def key_of(obj: Any, script: str | None = None) -> str | None:
