@@ -26,7 +26,7 @@ from recorder.samples import Samples
 
 from .below_one import BelowOneNodes
 from .centred_root import centred_root
-from .compat import saved_value
+from .compat import frame_tracebacks, saved_value
 from .copied_rows import CopiedRow, copied_row
 from .exact_edge import edge_input
 from .exp_factor import huge_exp_factor
@@ -128,7 +128,7 @@ class BackwardOrigin:
 def _anomaly():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled..."
-        with torch.autograd.detect_anomaly(check_nan=True):
+        with torch.autograd.detect_anomaly(check_nan=True), frame_tracebacks():
             yield
 
 

@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from .compat import OP_ERROR, eager_torch, no_process_group
+from .compat import OP_ERROR, eager_torch, frame_tracebacks, no_process_group
 from .fx_lines import traced_line
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -131,7 +131,7 @@ def node_tracebacks():
     own ops' nodes, not one node for the whole op (:func:`replay.compat.eager_torch`)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with torch.autograd.detect_anomaly(check_nan=False), eager_torch():
+        with torch.autograd.detect_anomaly(check_nan=False), eager_torch(), frame_tracebacks():
             yield
 
 
