@@ -49,7 +49,7 @@ def resolve_factory(spec: str, *, explicit: bool, where: str | None = None) -> A
                              or "run from the directory that holds it or pass --factory MOD:FN")
                           ) from None
     if not callable(obj):
-        raise ReplayError(f"factory {spec!r} is not callable; pass --factory MOD:FN naming a "
+        raise ReplayError(f"factory {spec!r} is not callable; pass --factory MOD:FN, a "
                           "function that returns the model")
     if not explicit:
         # The attribute path may lead out of the trusted module ('mod:os.fork', 'mod:torch.x'):

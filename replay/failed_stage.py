@@ -38,7 +38,7 @@ _STAGES = {
     "bisection": ("the bisection", "re-runs stopped at a module call"),
     "float64": ("the float64 re-run", ""), "float64_step": ("the float64 re-run", ""),
     "window": ("the rewind window", ""), "window_report": ("the rewind window", ""),
-    "whatif": ("the --try what-ifs", ""),
+    "whatif": ("the what-ifs (--try)", ""),
     "diverging_op": ("the re-runs fingerprinting every op", ""),
     "rerun": ("the plain re-run of the step", ""),
 }

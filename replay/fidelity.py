@@ -348,16 +348,18 @@ def rebuilt_otherwise(step: Step) -> str:
 BUILT_OTHERWISE = (
     "the factory builds a different model than the one recorded: it builds {attrs}, which the "
     "run had when the recorder attached, so the re-run's forward took another path. Built with "
-    "other arguments: pass them (factory_kwargs, --factory-kwargs '{{...}}'); set after building "
-    "(a data-dependent initialisation pass, as Glow's ActNorm runs on a first batch): attach the "
-    "recorder before setting them (it then bundles them and the replay sets them)")
+    "other arguments: pass them (--factory-kwargs '{{...}}', or record them with "
+    "FlightRecorder(..., factory_kwargs=)); set after building (a data-dependent "
+    "initialisation pass, as Glow's ActNorm runs on a first batch): attach the recorder "
+    "before setting them (it then bundles them and the replay sets them)")
 
 OTHER_PATH = (
     "when the recorder attached, the run's modules differed from what the factory builds: "
     "{attrs}; the re-run agrees with the recording call by call, but it ran the code the "
     "factory's values select, which may not be the run's (the source line may be another "
     "branch's); pass "
-    "the run's values (factory_kwargs, --factory-kwargs '{{...}}'), or set them after "
+    "the run's values (--factory-kwargs '{{...}}', or record them with FlightRecorder(..., "
+    "factory_kwargs=)), or set them after "
     "attaching the recorder (it then bundles them and the replay sets them)")
 
 EDITED = (" from what the last optimizer.step() left: written outside it during the "

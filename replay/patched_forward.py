@@ -36,4 +36,4 @@ def unpatched(name: str, patch: str) -> str:
            f"set the model's forward to {patch} in the factory, as the run's code did")
     return (f"the run's {who} ran a forward patched onto the instance ({patch}) in place of "
             f"its class's, and the factory's model does not: a re-run would compute another "
-            f"forward than training's; {how} (or pass --factory MOD:FN that builds it so)")
+            f"forward than training's; {how} (or pass --factory MOD:FN, a function that builds it so)")

@@ -28,7 +28,7 @@ GREW = 1e3
 # the growth hint's remedy for such a loop: no re-run can repeat its update with another rate
 OWN_UPDATE_ADVICE = (
     "lower the learning rate of the loop's own update (p -= lr * p.grad) or clip the "
-    "gradients before it; the recorder was given no optimizer, so no --try re-runs that "
+    "gradients before it; the recorder was given no optimizer, so no what-if (--try) re-runs that "
     "update: write it as a torch.optim optimizer given to FlightRecorder (torch.optim.SGD for "
     "p -= lr * p.grad) to have each update checked, and record with rewind=N so that --try "
     "lr=0.1x re-runs the steps that grew")
