@@ -34,6 +34,7 @@ from .kept_targets import settle_targets
 from .late_writes import moved_in_step
 from .loss_forwards import ran_in_loss
 from .notebook import replay_advice
+from .partial_writes import spare_futile
 from .pre_update import written_before_update_event
 from .received_input import received_input
 from .replaced import swapped_in_event
@@ -269,9 +270,9 @@ class Alarm:
                 rename_window(meta, tensors, self.renamed)
             path, moved = _write(out_dir, f"step{event.step:08d}-rank{rank}", meta, tensors)
         except Exception as e:
-            why = (why_unwritable(out_dir, e) + _FAILED_TOO.format(
-                out_dir=out_dir, remedy=write_remedy(e)) if isinstance(e, OSError)
-                else f"{type(e).__name__}: {first_line(e, 300)}")  # (a CUDA error: 3 lines)
+            why = (why_unwritable(out_dir, e) + _failed_where(out_dir, e)
+                   if isinstance(e, OSError)
+                   else f"{type(e).__name__}: {first_line(e, 300)}")  # (a CUDA error: 3 lines)
             msg = _message(as_dict, None, raising) + f" Writing the bundle failed: {why}"
             if raising:
                 self._raise_stopped(as_dict)
@@ -314,8 +315,13 @@ def _renamed(guard: dict[str, Any] | None, renamed: dict[str, str]) -> dict[str,
                 if k in ("weights", "grads", "state") else c) for k, c in guard.items()}
 
 
-# both out_dir and the temporary directory refused the bundle (a disk full for both)
-_FAILED_TOO = " (in out_dir '{out_dir}' and in a new temporary directory); {remedy}."
+def _failed_where(out_dir: Path, e: OSError) -> str:
+    """Where the bundle could not be written: out_dir and a new temporary directory (a disk
+    full for both), or out_dir alone where a second copy could not have succeeded."""
+    if (futile := spare_futile(out_dir, e)) is not None:
+        return (f" (in out_dir '{out_dir}'; not written again in the temporary directory: "
+                f"{futile}); {write_remedy(e)}.")
+    return f" (in out_dir '{out_dir}' and in a new temporary directory); {write_remedy(e)}."
 
 
 def _write(out_dir: Path, stem: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]
@@ -330,6 +336,8 @@ def _write(out_dir: Path, stem: str, meta: dict[str, Any], tensors: dict[str, to
         return bundle.write_bundle(out_dir, stem, meta, tensors), None
     except OSError as e:
         refused = e
+    if spare_futile(out_dir, refused) is not None:  # (a second full write, bound to fail)
+        raise refused
     try:
         spare = Path(tempfile.mkdtemp(prefix="nan-bundles-"))  # mode 0700: it holds the batch
     except OSError:

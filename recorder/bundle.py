@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import zstandard
 from .bundle_header import CHUNK, FORMAT, VERSION, HeaderReader, jsonable
 from .bundle_header import physical_memory as _physical_memory
 from .bundle_keys import Tensors
+from .partial_writes import temp_name
 
 SUFFIX = ".nan"
 _DTYPES: dict[torch.dtype, str] = {
@@ -112,9 +112,10 @@ def write_bundle(out_dir: str | os.PathLike, stem: str, meta: dict[str, Any],
             complex_keys.append(name)
     head, data_size = header_bytes(meta, entries, complex_keys)
     total = 8 + len(head) + data_size
-    # one temporary per process *and thread*: two threads writing the same stem at once
-    # (two recorders in one process) must not share, truncate or unlink each other's file
-    tmp = out_dir / f".{stem}.{os.getpid()}.{threading.get_ident()}.tmp"
+    # one temporary per host, process *and thread*: two threads writing the same stem at once
+    # (two recorders in one process) must not share, truncate or unlink each other's file;
+    # its name says whose it is if the write never finishes (see recorder.partial_writes)
+    tmp = out_dir / temp_name(stem)
     try:
         with open(tmp, "wb") as f:
             cctx = zstandard.ZstdCompressor(level=level, threads=-1, write_checksum=True,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .lossdesc import factory_path
+from .partial_writes import sweep
 from .validate import (
     check_factory,
     check_factory_kwargs,
@@ -85,6 +86,7 @@ class Settings:
                 raise TypeError(f"FlightRecorder: {name} must be a list of name patterns such "
                                 f"as {example}")
         check_writable(self.out_dir)
+        sweep(self.out_dir)  # (once, as the recorder is built: never on a step's path)
         if self.factory is not None:
             check_factory(self.factory)
         for name, low in _COUNTS.items():

@@ -7,13 +7,18 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from recorder.partial_writes import describe
+
 from .errors import ReplayError
 
 
 def bundle_path(path) -> Path:
     """``path`` as the bundle to read: itself, or the one event's bundle of a directory."""
     path = Path(path)
-    return bundle_in(path) if path.is_dir() else path
+    if path.is_dir():
+        return bundle_in(path)
+    check_finished(path)
+    return path
 
 
 def bundle_in(directory: Path) -> Path:
@@ -48,11 +53,17 @@ def _written_order(f: Path) -> tuple[int, int, int, str]:
 
 
 def _unfinished(directory: Path) -> str:
-    """The temporary files of bundles whose write has not finished (recorder.bundle names them
-    ``.<stem>.<pid>.<thread>.tmp``: a write in progress, or one whose process was killed)."""
-    left = sorted(f.name for f in directory.glob(".step*.tmp"))
+    """The temporary files of bundles whose write has not finished (a write in progress, or
+    one whose process was killed: see ``recorder.partial_writes``)."""
+    left = sorted(f.name for f in directory.glob(".*.tmp") if describe(f.name) is not None)
     if not left:
         return ""
     return (f", only {len(left)} unfinished one(s) ({left[0]}{', ...' if len(left) > 1 else ''}"
-            ": still being written, or its writer was killed before it finished; it holds no "
-            "step to replay, delete it once no run writes to this directory)")
+            f": {describe(left[0])})")
+
+
+def check_finished(path: Path) -> None:
+    """A ReplayError saying what ``path`` is when it is a bundle's unfinished temporary file
+    (its writer's name for it: read, it would only be called truncated)."""
+    if (what := describe(path.name)) is not None:
+        raise ReplayError(f"{path}: {what}")

@@ -87,6 +87,9 @@ def main(bundle: Path, as_json: bool, html_path: Path | None, info: bool, factor
         except ReplayError as e:  # (said as a usage error: a path to pass)
             raise click.UsageError(str(e)) from None
     try:
+        from .bundle_dir import check_finished
+
+        check_finished(bundle)  # (a bundle's unfinished temporary file: said for what it is)
         # the step's code warns at each of the many re-runs ("std(): degrees of freedom is
         # <= 0"): each one once (the registry the "default" action keeps per location is cleared
         # by every catch_warnings block the analysis enters)

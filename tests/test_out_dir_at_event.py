@@ -69,10 +69,13 @@ def train(out_dir: Path, break_out_dir, on_event: str = "raise") -> FlightRecord
 
 @pytest.fixture
 def temp_root(tmp_path, monkeypatch) -> Path:
-    """The system's temporary directory, here a fresh one of the test's."""
+    """The system's temporary directory, here a fresh one of the test's, on a file system of
+    its own as far as the recorder can tell (a full out_dir's disk is not the temporary
+    directory's: on the same one, the bundle is not written again there)."""
     root = tmp_path / "system-tmp"
     root.mkdir()
     monkeypatch.setattr("tempfile.tempdir", str(root))
+    monkeypatch.setattr("recorder.partial_writes.same_file_system", lambda a, b: False)
     return root
 
 
