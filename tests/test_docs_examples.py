@@ -182,6 +182,10 @@ def test_the_help_and_the_options_table_are_the_commands():
     rows = set(re.findall(r"^\| `(?:-\w, )?(--[\w-]+)", CLI_DOC, re.M)) - {"--help"}
     assert rows == {o for o, p in options.items() if not p.hidden}
     assert all(f"`{o}`" in CLI_DOC for o, p in options.items() if p.hidden)
+    from replay.whatif import KEYS
+
+    row = re.search(r"^\| `--try KEY=VALUE` \|.*$", CLI_DOC, re.M)[0]
+    assert not [k for k in KEYS if f"`{k}=" not in row], "--try keys the table does not name"
 
 
 def _flight_recorder_keywords() -> set[str]:
