@@ -182,6 +182,9 @@ def test_the_help_and_the_options_table_are_the_commands():
     rows = set(re.findall(r"^\| `(?:-\w, )?(--[\w-]+)", CLI_DOC, re.M)) - {"--help"}
     assert rows == {o for o, p in options.items() if not p.hidden}
     assert all(f"`{o}`" in CLI_DOC for o, p in options.items() if p.hidden)
+    said = {o for doc in (README, GUIDE, CLI_DOC) for cmd in re.findall(r"`nanreplay [^`]*`", doc)
+            for o in re.findall(r" (--[a-z][\w-]*)", cmd)}
+    assert said - {"--help"} <= set(options), said - set(options)
     from replay.whatif import KEYS
 
     row = re.search(r"^\| `--try KEY=VALUE` \|.*$", CLI_DOC, re.M)[0]
