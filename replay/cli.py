@@ -213,7 +213,7 @@ def _check_no_replay_options(info, strip, as_json, tries, factory, factory_kwarg
                                       ("--device", device), ("--json", strip and as_json))
              if value]
     if given:
-        mode = "--info" if info else "--strip"
+        mode = "--strip" if strip else "--info"  # (--strip takes precedence)
         raise click.UsageError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} "
                                f"for a replay, and {mode} replays nothing: run them "
                                "separately")

@@ -482,6 +482,8 @@ def test_html_needs_a_replay(toy, tmp_path, monkeypatch, args):
      "--factory, --device are", "--info"),
     (("--strip", "batch", "-o", "share.nan", "--try", "auto"), "--try is", "--strip"),
     (("--strip", "batch", "-o", "share.nan", "--json"), "--json is", "--strip"),
+    # (--strip takes precedence over --info: the --json it refuses is the copy's, not the summary's)
+    (("--info", "--json", "--strip", "batch", "-o", "share.nan"), "--json is", "--strip"),
 ])
 def test_replay_options_without_a_replay_are_refused(toy, tmp_path, monkeypatch, args, given,
                                                       mode):
