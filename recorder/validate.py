@@ -80,6 +80,9 @@ def check_model(model, optimizer, loss_fn=None) -> None:
             raise TypeError(f"FlightRecorder: optimizer must be a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}" + _wrapper_advice(optimizer))
         stray = stray_params(model, optimizer, loss_fn)
+        copies = master_copies(model, stray)
+        if copies:
+            raise ValueError(copies)
         if stray:
             shapes = ", ".join(str(list(p.shape)) for p in stray[:3])
             raise ValueError(f"FlightRecorder: {len(stray)} optimizer parameter(s) are not "
@@ -94,6 +97,34 @@ def stray_params(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn=Non
     if isinstance(loss_fn, nn.Module):
         own |= {id(p) for p in loss_fn.parameters()}
     return [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
+
+
+def master_copies(model: nn.Module, stray: list) -> str | None:
+    """The refusal of an optimizer that holds master copies of the model's weights (float32
+    copies of a bfloat16 or float16 model, updated there and copied back by the loop): each
+    stray parameter has a model parameter of its shape but another dtype. The recorder's way
+    for such a loop is no optimizer (the step checked as its backward ends, before the loop's
+    own update), not an optimizer built from the model's parameters, which trains in low
+    precision."""
+    if not stray:
+        return None
+    left: dict = {}
+    for p in model.parameters():
+        left.setdefault(tuple(p.shape), []).append(p.dtype)
+    kinds = set()
+    for p in stray:
+        dtypes = left.get(tuple(p.shape), [])
+        other = next((d for d in dtypes if d != p.dtype and d.is_floating_point), None)
+        if other is None or not p.dtype.is_floating_point:
+            return None
+        dtypes.remove(other)
+        kinds.add((str(p.dtype).removeprefix("torch."), str(other).removeprefix("torch.")))
+    said = ", ".join(f"{a} copies of its {b} parameters" for a, b in sorted(kinds))
+    return (f"FlightRecorder: the optimizer's {len(stray)} parameter(s) are not the model's but "
+            f"{said} (master weights the loop updates and copies back into the model); "
+            "record such a loop without the optimizer: FlightRecorder(model, None, ...) "
+            "checks each step as its backward ends, before the update, and writes the bundle "
+            "with the model's weights and gradients")
 
 
 def has_own_forward(model: nn.Module) -> bool:

@@ -229,6 +229,19 @@ def report_loss_not_in_bundle(report, step: Step) -> dict[str, Any]:
     return report
 
 
+def _unmatched_grads_note(step: Step, reproduced: bool) -> str | None:
+    """Why the model's backward of the recorded output gradient is not the recording's: no
+    gradients held to compare with, or other non-finite parameters than the recorded."""
+    if not outside.grads_held(step):
+        return ("the bundle holds no gradients (the step closed after the loop cleared them, "
+                "as a GradScaler's skipped update and the next zero_grad() do), so the "
+                "gradients the recorded output gradient gives were not compared")
+    if not reproduced and outside.loop_differentiated_forward(step) is None:
+        return ("feeding the recorded output gradient through the model's backward did not "
+                "give the recorded non-finite parameter gradients back")
+    return None
+
+
 def _sentence(text: str) -> str:
     return text[:1].upper() + text[1:]
 
@@ -269,10 +282,8 @@ def report_entering(report, step: Step, runner: Runner) -> dict[str, Any] | None
         report["problems"].append(_not_called(step))
     elif step.loss_fn is not None:
         report["problems"].append(outside.rerun_finite_note(step))
-    if not reproduced and outside.loop_differentiated_forward(step) is None:
-        report["problems"].append(
-            "feeding the recorded output gradient through the model's backward did not give "
-            "the recorded non-finite parameter gradients back")
+    if (unmatched := _unmatched_grads_note(step, reproduced)) is not None:
+        report["problems"].append(unmatched)
     elif (spread := outside.spread_after_backward(step, fields["params"])) is not None:
         mb = fields.get("micro_batch")  # (a derivative term's backward reaches them itself)
         report["problems"].append(spread_by_term(mb) if loop_differentiated(step, mb)

@@ -92,7 +92,9 @@ def entering_origin(step: Step, runner: Runner) -> tuple[dict[str, Any], bool] |
         return None
     got = feed(runner, grads, objects := [])
     recorded = recorded_bad_grads(step)
-    if recorded or step.event.get("params"):
+    if not grads_held(step):  # (nothing recorded to compare the re-run's gradients with)
+        reproduced = bool(got)
+    elif recorded or step.event.get("params"):
         # the recording may hold more: the loop can spread a NaN after backward (a
         # clip_grad_norm_ scales every gradient by the NaN total norm)
         reproduced = bool(got) and (set(got) <= set(recorded) if recorded else True)
@@ -156,6 +158,13 @@ def scrubbed_note(step: Step, got: list[str]) -> str | None:
         return None
     names = ", ".join(got[:3]) + (f" (+{len(got) - 3} more)" if len(got) > 3 else "")
     return SCRUBBED.format(names=names)
+
+
+def grads_held(step: Step) -> bool:
+    """Whether the bundle holds any parameter's gradient: none when the step closed after the
+    loop cleared them (a GradScaler skipped the update, and the next iteration's
+    ``zero_grad()`` ran before the forward that closed the step)."""
+    return any(k.startswith("grads/") for k in step.tensors)
 
 
 def recorded_bad_grads(step: Step) -> list[str]:
