@@ -481,3 +481,15 @@ def pipeline_stage_class() -> type | None:
     except ImportError:
         return None
     return _PipelineStageBase
+
+
+def join_entered(ddp: nn.Module) -> bool:
+    """Whether a ``torch.distributed.algorithms.join.Join`` was built over ``ddp`` (its join
+    config is enabled from then on)."""
+    config = getattr(ddp, "_join_config", None)
+    return bool(config is not None and config.enable)
+
+
+def join_parts(join: Any) -> tuple[list, list]:
+    """A ``Join``'s joinables and the hooks it built from them, index for index."""
+    return join._joinables, join._join_hooks

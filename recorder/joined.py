@@ -19,12 +19,14 @@ from the next step's: ``Join`` is refused there in one line instead of hanging.
 
 from __future__ import annotations
 
+import gc
 import logging
 import weakref
 
 from torch import nn
-from torch.distributed.algorithms.join import JoinHook
+from torch.distributed.algorithms.join import Join, JoinHook
 
+from .compat import join_entered, join_parts
 from .compiled import compiled_module, is_compile_wrapper
 from .errors import NonFiniteError
 
@@ -51,9 +53,14 @@ def ddp_in(model: nn.Module) -> nn.parallel.DistributedDataParallel | None:
 def join_along(ddp: nn.parallel.DistributedDataParallel | None, recorder) -> list:
     """Make ``ddp``'s ``Join`` hook shadow ``recorder``'s agreement too (see the module doc),
     when it runs under torch.distributed with more than one rank; returns the handles whose
-    ``remove()`` undoes it."""
-    if ddp is None or recorder.target.ranks is None:
+    ``remove()`` undoes it, and tells the other ranks at detach that this one's recorder
+    detached (``Agreement.depart``: a rank whose training ends first, a ``with`` block closed
+    inside ``Join``)."""
+    ranks = recorder.target.ranks
+    if ranks is None:
         return []
+    if ddp is None:
+        return [_Depart(ranks)]
     own = ddp.join_hook
 
     def join_hook(**kwargs) -> JoinHook:
@@ -62,7 +69,39 @@ def join_along(ddp: nn.parallel.DistributedDataParallel | None, recorder) -> lis
         return _Shadowed(own(**kwargs), recorder)
 
     ddp.join_hook = join_hook  # (the instance's: DDP's class and other instances unchanged)
-    return [_Restore(ddp, join_hook)]
+    within_join(ddp, recorder)
+    return [_Restore(ddp, join_hook), _Depart(ranks)]
+
+
+def within_join(ddp: nn.parallel.DistributedDataParallel, recorder) -> None:
+    """Attached inside ``with Join([ddp]):`` (built before the recorder, with DDP's own hook):
+    that Join's hook is made to shadow the recorder too, and the agreement's reads at the
+    recorder's exit are local, its departure said from the hook. A rank whose inputs ran out
+    left the recorder's block first: its exit's all-reduce met the others' Join
+    all-reduce in their next step (the run hung). The hook stays in that Join, which ends
+    with the block that holds the recorder's."""
+    if not join_entered(ddp):
+        return
+    for join in _joins_holding(ddp):
+        joinables, hooks = join_parts(join)
+        for i, joinable in enumerate(joinables):
+            if joinable is ddp and not isinstance(hooks[i], _Shadowed):
+                hooks[i] = _Shadowed(hooks[i], recorder)
+                recorder.target.ranks.in_join = True
+
+
+def _joins_holding(ddp: nn.Module) -> list[Join]:
+    """The live ``Join`` objects whose joinables list holds ``ddp`` (from its referrers)."""
+    found = []
+    for ref in gc.get_referrers(ddp):
+        if isinstance(ref, list):
+            for owner in gc.get_referrers(ref):
+                if isinstance(owner, dict):
+                    found += [o for o in gc.get_referrers(owner) if isinstance(o, Join)]
+                elif isinstance(owner, Join):
+                    found.append(owner)
+    return list({id(j): j for j in found
+                 if any(x is ddp for x in join_parts(j)[0])}.values())
 
 
 class _Restore:
@@ -75,17 +114,29 @@ class _Restore:
             del vars(ddp)["join_hook"]
 
 
+class _Depart:
+    def __init__(self, ranks):
+        self.ranks = ranks
+
+    def remove(self) -> None:
+        self.ranks.depart()
+
+
 class _Shadowed(JoinHook):
     """DDP's join hook, then the shadow of the recorder's step agreement."""
 
     def __init__(self, ddp_hook: JoinHook, recorder):
         self.ddp_hook, self.recorder = ddp_hook, recorder
+        self.ranks = recorder.target.ranks  # (kept: detach drops the target's)
         self.warned = False
 
     def main_hook(self) -> None:
         self.ddp_hook.main_hook()
-        rec = self.recorder
-        ranks = rec.target.ranks
+        rec, ranks = self.recorder, self.ranks
+        if ranks is not None and ranks.depart_pending:  # (its block ended inside Join)
+            ranks.depart_pending = ranks.in_join = False
+            ranks.depart()
+            return
         if ranks is None or not rec.health.active:
             return
         seen, first, step = ranks.shadow()

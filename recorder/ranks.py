@@ -39,6 +39,7 @@ PHASE_ORDER = {"weights": 0, "input": 1, "forward": 2, "loss": 3, "backward": 4,
 _PHASE_NAMES = {v: k for k, v in PHASE_ORDER.items()}
 _LATE = len(PHASE_ORDER)  # a rank whose own values were finite, or an unknown phase
 STOPPED = 2.0  # a rank's flag when its recorder stopped after an error of its own
+DEPARTED = 3.0  # a rank's flag when its recorder detached (see Agreement.depart)
 
 log = logging.getLogger("nanreplay")
 
@@ -65,6 +66,11 @@ class Agreement:
         self.seen: list[int] | None = None  # ranks whose checks failed, from the last read
         self.stopped: list[int] = []  # ranks whose recorders stopped, from the last read
         self.left = False  # this rank told the others its recorder stopped (see leave)
+        self.departed: list[int] = []  # ranks whose recorders detached, from the last read
+        self.solo = False  # a rank detached: no collective any more (see depart)
+        # attached inside an active Join: the exit's read and departure wait for its hooks
+        self.in_join = False
+        self.depart_pending = False
 
     @classmethod
     def join(cls, device: torch.device, group=None) -> Agreement | None:
@@ -88,6 +94,8 @@ class Agreement:
         one flag per rank after it: 1 where that rank's checks failed, 2 where its recorder
         stopped (``stopped``: this rank's, see :meth:`leave`). Device ops and one all-reduce,
         no host read: the caller's read of the result is the step's one sync."""
+        if self.departed and not self.solo:
+            self._go_solo()
         flags = self._flags
         if flags.device != probe.device:  # the model moved since attach
             flags = self._flags = torch.zeros(self.world, dtype=torch.float32,
@@ -109,6 +117,8 @@ class Agreement:
         thread, holding it, destroys the process group meanwhile (``destroy_process_group``,
         DDP's teardown at the end of an ``mp.spawn``ed function), it joins that thread forever
         (a hang at exit, seen after every rank had trained to its end)."""
+        if self.solo:  # (the tensor holds this rank's values alone: they are the sum)
+            return
         work = torch.distributed.all_reduce(tensor, group=self.group, async_op=True)
         work.wait()
         _last_work[0] = work
@@ -121,6 +131,36 @@ class Agreement:
     def _keep(self, flags: list[float]) -> None:
         self.seen = [r for r, f in enumerate(flags) if f == 1]
         self.stopped = [r for r, f in enumerate(flags) if f == STOPPED]
+        self.departed = sorted({*self.departed, *(r for r, f in enumerate(flags)
+                                                 if f == DEPARTED and r != self.rank)})
+
+    def depart(self) -> None:
+        """This rank's recorder detaches (its loop ended, the ``with`` block closed): said to
+        the others as the flag of one more exchange, which meets their next one (the same
+        point, when the ranks end together; a later step of theirs when this rank's training
+        ended first: each rank trains a model of its own, or its ``with`` block closed inside
+        ``Join``). Matched as a joined rank matches it (see :meth:`shadow`), slow path
+        included; from then on the ranks that read it check their steps alone, instead of
+        waiting at each step for a rank that no longer records (a hang until the process
+        group's timeout, or a collective of the user's met in its place)."""
+        if self.left or self.solo or self.departed:  # (others left first: none exchanges)
+            return
+        if self.in_join:  # (said by Join's hook, where the others' step meets it)
+            self.depart_pending = True
+            return
+        self.left = True
+        try:
+            self._shadow(DEPARTED)
+        except Exception as e:  # (logged: the recorder is detaching)
+            log.warning("nanreplay: could not tell the other ranks that this rank's recorder "
+                        "detached (%s: %s)", type(e).__name__, e)
+
+    def _go_solo(self) -> None:
+        self.solo = True
+        log.warning("nanreplay: the recorder of rank(s) %s detached while this rank (rank %d) "
+                    "records on: its steps are checked on this rank alone from here (an event "
+                    "no longer stops those ranks)", ", ".join(map(str, self.departed)),
+                    self.rank)
 
     def owes(self, health) -> bool:
         """An internal error stopped this rank's recorder (``health``) and the other ranks
@@ -159,6 +199,9 @@ class Agreement:
         """``values.tolist()`` (1-d, float, all must be finite: the update's weight norms) in
         one host read with the ranks' flags, for the reads outside the step's probe (guard
         mode's second read, the last update's at exit). Sets :attr:`seen`."""
+        if self.in_join:  # (see joined.within_join: the others may still train)
+            self.seen = None
+            return values.float().tolist()
         probe = torch.zeros(4, dtype=torch.float32, device=values.device)
         probe[0] = values.float().mul(0).sum()  # 0, or NaN when any is not finite
         out = self.exchange(probe)
@@ -205,9 +248,17 @@ class Agreement:
         others still step: their step's exchange is matched with a flag of 0 and, when a rank
         saw a non-finite value, their slow path's all-reduce with a row of no event (see
         ``recorder.joined``). Returns the ranks that saw it, the first ones and their step."""
-        if self.left:
+        if self.departed and not self.solo:  # (the ranks this one shadowed detached)
+            self._go_solo()
+        if self.left or self.solo:
             return [], [], None
+        return self._shadow(0.0)
+
+    def _shadow(self, flag: float) -> tuple[list[int], list[int], int | None]:
+        """One exchange with this rank's ``flag`` and no probe, and the slow path's all-reduce
+        with a row of no event when a rank saw a non-finite value (see :meth:`shadow`)."""
         flags = torch.zeros(self.world, dtype=torch.float32, device=self.device)
+        flags[self.rank] = flag
         self._all_reduce(flags)
         self._keep(flags.tolist())
         seen, self.seen = self.seen or [], None
@@ -230,12 +281,14 @@ class Agreement:
         ``mp.spawn``) ends every rank as soon as one raises: a peer raising first ended the
         first rank while it still wrote the bundle the replay needs (a large model's takes
         seconds). No device collective."""
-        if not ranks or ranks.get("alone"):
+        if not ranks or ranks.get("alone") or self.solo:
             return
         store, first = process_group_store(self.group), ranks.get("first") or []
         key = f"nanreplay/wrote/{self.run_id}/{step}/"
         store.set(f"{key}{self.rank}", "1")
-        for waited, limit in ((first, _FIRST_WAIT_S), (range(self.world), _PEERS_WAIT_S)):
+        # (not for a rank whose recorder detached: it writes no bundle)
+        peers = [r for r in range(self.world) if r not in self.departed]
+        for waited, limit in ((first, _FIRST_WAIT_S), (peers, _PEERS_WAIT_S)):
             try:
                 store.wait([f"{key}{r}" for r in waited], timedelta(seconds=limit))
             except RuntimeError:  # (a rank that never said: raise all the same)
