@@ -81,6 +81,16 @@ def extrema(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return zero, zero
 
 
+F32_MAX = torch.finfo(torch.float32).max
+
+
+def as_float32(v: torch.Tensor) -> torch.Tensor:
+    """A float64 statistic as a float32 slot can hold it without making a finite value
+    infinite: NaN and +-Inf as they are, a finite value beyond float32's range at float32's
+    largest (a float64 model's output of -2.7e117 is finite, no -Inf to stop the run for)."""
+    return torch.where(v.isinf(), v, v.clamp(-F32_MAX, F32_MAX))
+
+
 def pair_kind(lo: float, hi: float) -> str | None:
     """The kind an :func:`ends` pair shows, None when both are finite."""
     if math.isnan(lo) or math.isnan(hi):

@@ -35,7 +35,7 @@ from itertools import islice, repeat
 import torch
 
 from .compat import foreach_copy_, foreach_norm, foreach_square_
-from .finite import extrema, stored
+from .finite import F32_MAX, as_float32, extrema, stored
 from .shards import PLAIN
 
 STRICT, GRAD, NAN_ONLY, LOOSE = 0, 1, 2, 3
@@ -228,7 +228,10 @@ class Slots:
                 return (code, k), (code, k2)
             if k < r.size:  # a lone last slot: part of the row, so zeroed (it may be checked)
                 r.views[k].zero_()
-        lo, hi = self._put(code, extrema(t))
+        pair = extrema(t)
+        if pair[0].dtype is FLOAT64:  # (a float64 model's values beyond float32's range)
+            pair = tuple(map(as_float32, pair))
+        lo, hi = self._put(code, pair)
         return lo, hi
 
     def total(self, t: torch.Tensor, code: int) -> tuple[int, int]:
@@ -258,7 +261,10 @@ class Slots:
                     out.square_()
                 return code, k
         n = torch.linalg.vector_norm(t, dtype=dtype)
-        return self._put(code, [n.square() if square else n])[0]
+        v = n.square() if square else n
+        if n.dtype is FLOAT64:  # (finite in float64: finite in its slot; see as_float32)
+            v = torch.where(n.isinf(), n, v.clamp(max=F32_MAX))
+        return self._put(code, [v])[0]
 
     def sq_norm(self, t: torch.Tensor, code: int) -> tuple[int, int]:
         """Squared 2-norm in float32 (see :meth:`sq_norm_each`)."""
