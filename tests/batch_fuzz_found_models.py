@@ -1,6 +1,7 @@
 """A sequence tagger written time-major, ``(T, B, F)``, with no recurrent or attention module
 to say so: per-frame ``nn.Linear`` layers and a masked mean over time (dim 0)."""
 
+import torch
 from torch import nn
 
 
@@ -34,3 +35,19 @@ class Tagger(nn.Module):
 
 def make_model():
     return Tagger()
+
+
+class ClipList(nn.Module):
+    """Takes a list of clips of different lengths, ``(T_i, F)`` each, one per sample."""
+
+    def __init__(self, n_classes=5):
+        super().__init__()
+        self.frames = Frames()
+        self.head = nn.Linear(8, n_classes)
+
+    def forward(self, clips):
+        return self.head(torch.stack([self.frames(c).mean(0) for c in clips]))
+
+
+def make_clip_list():
+    return ClipList()

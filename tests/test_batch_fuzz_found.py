@@ -67,3 +67,23 @@ def test_an_overflow_of_a_time_major_clip_names_its_sample(tmp_path):
     o = rep["origin"]
     assert rep["cause"] == "overflow"
     assert (o["module"], o["op"], o["samples"]) == ("frames", "aten.mul", [3])
+
+
+def test_a_nan_in_two_clips_of_a_list_names_both(tmp_path):
+    """A list of per-sample clips: each is its own tensor, and the first one holding NaN
+    named one sample of two (``samples [1]``)."""
+    torch.manual_seed(0)
+    model, crit = M.make_clip_list(), nn.CrossEntropyLoss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ds = Clips([1, 3], float("nan"))
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path / "b",
+                            factory=M.make_clip_list):
+            for s in range(0, len(ds), B):
+                clips = [ds.x[i, :ds.n[i]] for i in range(s, s + B)]
+                opt.zero_grad()
+                crit(model(clips), ds.y[s:s + B]).backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["samples"]) == (BAD_STEP, [1, 3])
+    rep = replay(info.value.bundle_path, factory=M.make_clip_list)
+    assert rep["cause"] == "input" and rep["origin"]["samples"] == [1, 3]
