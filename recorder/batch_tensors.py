@@ -11,7 +11,7 @@ import torch
 from .capture import flatten_tree, object_tensors
 from .finite import finite, has_nan, kind_of
 from .graph_reach import from_model
-from .samples import Samples, packed_in
+from .samples import Record, Samples, packed_in
 
 
 def first_bad_tensor(obj: Any, samples: Samples, skip=(), nan_only: bool = False,
@@ -27,8 +27,21 @@ def first_bad_tensor(obj: Any, samples: Samples, skip=(), nan_only: bool = False
         if nan_only and not has_nan(t):
             continue
         if not finite(t):
-            return paths[key], samples.rows(t, packed_in(obj, samples.targets)), kind_of(t)
+            packed = packed_in(obj, samples.targets)
+            rows = samples.rows(t, packed)
+            if isinstance(packed.get(id(t)), Record):  # (its list's other samples too)
+                rows = record_rows(tensors.values(), packed, samples, packed[id(t)].of, rows)
+            return paths[key], rows, kind_of(t)
     return None
+
+
+def record_rows(tensors, packed, samples: Samples, of: int, rows: list[int]) -> list[int]:
+    """The samples of a list of per-sample entries (a model taking a list of clips of
+    different lengths) whose entries hold a non-finite value: each entry is its own
+    tensor, so the first one found names one sample of several."""
+    more = {r for t in tensors if isinstance(rec := packed.get(id(t)), Record)
+            and rec.of == of and not finite(t) for r in samples.rows(t, packed)}
+    return sorted(set(rows) | more)
 
 
 def data_tensors(obj):

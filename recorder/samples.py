@@ -51,7 +51,7 @@ from .objects import described
 from .padded_ids import padded_ids
 from .record_lists import listed_records, tensor_records
 from .target_inputs import named_args, named_target, target_ids, untargeted
-from .time_major import carried_batch
+from .time_major import carried_batch, time_major_inputs
 
 # the modules whose ``batch_first=False`` puts the batch in dim 1
 _SEQUENCE_MODULES = (nn.RNNBase, nn.MultiheadAttention, nn.Transformer,
@@ -352,8 +352,10 @@ def _of_micro_batch(mb, sequence_first: bool, rnn: bool, given: list) -> Samples
     segments = assignment(untargeted(given))  # (no loss target: `labels=`, `targets`)
     if not among and segments is not None:  # (no loss target says it: an evaluation forward)
         return Samples(_graphs(segments, outputs), sequence_first, rnn, segments)
-    return replace(infer(inputs, targets + outputs, sequence_first, rnn, among),
-                   segments=segments)
+    found = infer(inputs, targets + outputs, sequence_first, rnn, among)
+    if among and not sequence_first and time_major_inputs(inputs, found.size):
+        found = replace(found, seq_first=True)  # ((T, B, F) through Linears, pooled to (B, C))
+    return replace(found, segments=segments)
 
 
 def _graphs(segments: Segments, outputs: list[torch.Tensor]) -> int:

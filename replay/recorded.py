@@ -10,10 +10,12 @@ from typing import Any
 
 import torch
 
+from recorder.batch_tensors import record_rows
 from recorder.capture import batch_path, flatten_tree, loss_path, tree_refs
 from recorder.finite import bad_rows, finite, has_nan, kind_of, matches
 from recorder.missing import allow_nan_advice, root_input_name
 from recorder.samples import (
+    Record,
     Samples,
     assignment,
     broadcast_fields,
@@ -220,6 +222,8 @@ def _input_origin(step: Step) -> dict[str, Any]:
             if not finite(t):
                 name = batch_path(paths[key], len(args))
                 bad = rows(t, packed)  # (those of an allow_nan input that the event saw get by)
+                if isinstance(rec := packed.get(id(t)), Record):  # (a list of per-sample entries)
+                    bad = record_rows(tensors.values(), packed, samples(step, i), rec.of, bad)
                 missing = nan_allowed(step, root_input_name(paths[key]))
                 if missing and named and name != named and not bool(torch.isinf(t).any()):
                     continue  # missing values the model imputes; the event named another
