@@ -16,11 +16,11 @@ def holders_of(model: nn.Module | None, given: object = None) -> list[dict[str, 
     wrapper) nor torch's own wrappers."""
     if model is None:
         return []
+    dicts = [d for d in gc.get_referrers(model) if isinstance(d, dict)]
+    owners = _owners(dicts)
     found = []
-    for d in gc.get_referrers(model):
-        if not isinstance(d, dict):
-            continue
-        for owner in _owners(d):
+    for d in dicts:
+        for owner in owners[id(d)]:
             if owner is given or owner is model:
                 continue
             cls = type(owner)
@@ -32,13 +32,39 @@ def holders_of(model: nn.Module | None, given: object = None) -> list[dict[str, 
     return found
 
 
-def _owners(modules: dict) -> list[nn.Module]:
-    """The modules whose ``_modules`` is ``modules`` (referred to from the module, or from its
-    ``__dict__``, as the Python version keeps it)."""
-    out = []
-    for r in gc.get_referrers(modules):
-        if isinstance(r, nn.Module):
-            out.append(r)
-        elif isinstance(r, dict):
-            out += [o for o in gc.get_referrers(r) if isinstance(o, nn.Module)]
-    return list({id(o): o for o in out if getattr(o, "_modules", None) is modules}.values())
+def _owners(dicts: list[dict]) -> dict[int, list[nn.Module]]:
+    """By ``id`` of each of ``dicts``, the modules whose ``_modules`` it is (referred to from
+    the module, or from its ``__dict__``, as the Python version keeps it). Each look at the
+    referrers walks the whole heap: one walk for all the dicts, one for all their ``__dict__``s."""
+    refs = _referrers_of(dicts)
+    inner = _referrers_of([r for d in dicts for r in refs[id(d)] if isinstance(r, dict)])
+    owners = {}
+    for d in dicts:
+        out = []
+        for r in refs[id(d)]:
+            if isinstance(r, nn.Module):
+                out.append(r)
+            elif isinstance(r, dict):
+                out += [o for o in inner[id(r)] if isinstance(o, nn.Module)]
+        owners[id(d)] = list({id(o): o for o in out
+                              if getattr(o, "_modules", None) is d}.values())
+    return owners
+
+
+def _referrers_of(objs: list) -> dict[int, list]:
+    """``gc.get_referrers`` of each of ``objs`` (by ``id``, in the order it gives them), from
+    one walk of the heap."""
+    objs = list({id(o): o for o in objs}.values())
+    found: dict[int, list] = {id(o): [] for o in objs}
+    if not objs:
+        return found
+    for r in gc.get_referrers(*objs):
+        for o in objs:
+            if _refers_to(r, o):
+                found[id(o)].append(r)
+    return found
+
+
+def _refers_to(r, o) -> bool:
+    # (what gc.get_referrers(o) tests: o among the objects r's type traverses)
+    return any(x is o for x in gc.get_referents(r))

@@ -10,10 +10,12 @@ was traced from where its node keeps one (:mod:`replay.fx_lines`: an exported mo
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import linecache
 import os
 import re
+import sys
 import tokenize
 import traceback
 import warnings
@@ -41,9 +43,29 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 def user_source(stack=None) -> str | None:
     """``file:line`` of the innermost frame that is neither torch nor nanreplay (see
     :func:`_first_user`), from the current stack or ``stack``."""
-    frames = stack if stack is not None else traceback.extract_stack()
-    return _first_user((fr.filename, fr.lineno) for fr in reversed(frames)
-                       if not _subclass_handler(fr))
+    if stack is None:
+        return _first_user(_live_stack(inspect.currentframe()))
+    return _first_user((fr.filename, fr.lineno) for fr in reversed(stack)
+                       if not _subclass_handler(fr.name, fr.filename))
+
+
+def _live_stack(frame) -> list[tuple[str, int]]:
+    """``(file, line)`` of the frames ``traceback.extract_stack()`` lists from ``frame`` out
+    (``sys.tracebacklimit`` of them), innermost first, less a tensor subclass's handlers. Read
+    off the frames without its summaries and source lines: this runs at each op a watcher
+    keeps, dozens of frames deep. Its check of ``linecache`` is kept (an edited file's stale
+    lines dropped), as the report reads lines from there."""
+    limit = getattr(sys, "tracebacklimit", None)
+    frames, files = [], set()
+    while frame is not None and (limit is None or len(frames) < max(limit, 0)):
+        code = frame.f_code
+        files.add(code.co_filename)
+        linecache.lazycache(code.co_filename, frame.f_globals)
+        frames.append((code.co_filename, frame.f_lineno, code.co_name))
+        frame = frame.f_back
+    for f in files:
+        linecache.checkcache(f)
+    return [(f, line) for f, line, name in frames if not _subclass_handler(name, f)]
 
 
 # a tensor subclass's handler (a masked-activations wrapper's, a parameter subclass's) passes
@@ -51,8 +73,8 @@ def user_source(stack=None) -> str | None:
 _HANDLERS = ("__torch_function__", "__torch_dispatch__")
 
 
-def _subclass_handler(frame) -> bool:
-    return frame.name in _HANDLERS and not frame.filename.startswith(_OWN_DIRS)
+def _subclass_handler(name: str, filename: str) -> bool:
+    return name in _HANDLERS and not filename.startswith(_OWN_DIRS)
 
 
 def library_caller(source: str | None) -> str | None:
