@@ -19,8 +19,6 @@ held: such a move is the loop's write, not another optimizer's update (which com
 many micro-batches as the step before had, and is seldom seen with gradients still held:
 ``zero_grad()`` drops them before the next forward). It is absorbed, the step stays open, and
 its weights are those after the write, as a write into a weight not watched would leave them.
-In the first step, with no step before to count by, the gradients held must be non-zero: the
-loop's backward accumulated them since its last ``zero_grad()``.
 """
 
 from __future__ import annotations
@@ -95,24 +93,8 @@ class ForeignUpdates:
     def _absorbs(self, tape: Tape, watched: torch.Tensor) -> bool:
         """The move is the loop's write between micro-batches of a step (see the module's
         docstring): the step's weights are now those after it."""
-        if self._moved or watched.grad is None or tape.evaluation:
-            return False
-        if self._micro_batches:
-            if len(tape.micro_batches) >= self._micro_batches:
-                return False
-        elif not _accumulated(watched.grad):
+        if self._moved or watched.grad is None or tape.evaluation \
+                or len(tape.micro_batches) >= self._micro_batches:
             return False
         tape.held_version = version_of(watched)
         return True
-
-
-def _accumulated(grad: torch.Tensor) -> bool:
-    """Whether ``grad`` holds a gradient (any entry non-zero): in the first step, with no step
-    before to count micro-batches by, the sign that the loop wrote between two micro-batches
-    of one step; another optimizer's update is followed by ``zero_grad()``, which leaves None
-    or zeros. (A host read, taken at such a move only, once a run at most: a move that is not
-    absorbed ends the look.)"""
-    try:
-        return bool(grad.detach().ne(0).any())
-    except Exception:  # noqa: BLE001 - (a sparse or sharded gradient: not told apart)
-        return False
