@@ -159,6 +159,8 @@ class Alarm:
             return
         if tape.evaluation:
             event.evaluation = True
+            if any(mb.grad_enabled for mb in tape.micro_batches):
+                event.no_backward = True  # (see StepCycle.close_open_step)
         if event.module in target.compiled or (event.module == "<loss>"
                                                and compiled_loss(target.loss_module())):
             event.compiled = True  # its layers were not recorded (see recorder.compiled)

@@ -450,3 +450,19 @@ def _host_float(x) -> float | torch.Tensor:
         return float(x)
     except (TypeError, ValueError):
         return math.nan
+
+
+def close_at_detach(cycle: StepCycle) -> None:
+    """Close the step open as the recorder detaches. Forwards after the last update that no
+    backward followed (a metric taken outside no_grad) are checked as an evaluation, not
+    counted as a step nor agreed with the other ranks, whose exit reads do not include it (a
+    forward-only step of an evolution strategy, which trains by no gradient, is its step)."""
+    tape = cycle.tape
+    if tape is not None and cycle.health.active and tape.micro_batches and not tape.grad_norms \
+            and (cycle.target.has_optimizer or cycle.trains_by_gradient) \
+            and not any(mb.out_grads or mb.differentiated for mb in tape.micro_batches):
+        cycle.foreign.moved(tape, cycle.target.watched)  # (as a closing forward does)
+        tape.evaluation = True
+        cycle.close_tape(at="evaluation")
+    else:
+        cycle.close_open_step(at="detach")

@@ -2,9 +2,10 @@
 around the loop). Between steps, a forward with gradients on opens the next training step (the
 recorder cannot tell it from a training forward before a backward comes or none does), so the
 validation batches become micro-batches of that step and a NaN in one is found as the step
-closes: at the training loop's next ``optimizer.step()``, or as the recorder detaches, under
-that step's number. Said at such an event, in the recorder's message and in the report, so that
-neither the step nor the micro-batch is read as a training batch's."""
+closes, at the training loop's next ``optimizer.step()``, under that step's number (forwards
+that no step followed are checked as an evaluation as the recorder detaches:
+``StepCycle.close_open_step``). Said at such an event, in the recorder's message and in the
+report, so that neither the step nor the micro-batch is read as a training batch's."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def eval_with_grad_note(micro_batch: int, step: int | None) -> str:
             "and went through no backward: a validation forward run without torch.no_grad() "
             "(model.eval() alone leaves gradients on), which the recorder counts into the next "
             "training step like a training forward, so its event is found when that step "
-            "closes (its optimizer.step(), or the recorder's exit) and numbered as that step, "
+            "closes (its optimizer.step()) and numbered as that step, "
             "and its batch is the validation batch, not a training batch. Run validation "
             "under torch.no_grad() or torch.inference_mode(): each forward is then checked as "
             "it returns, as an evaluation forward, apart from the training steps")

@@ -54,8 +54,11 @@ def summary(event: dict[str, Any], path: Path | None) -> str:
         where += f" Parameters: {', '.join(named)}{more}."
     if event.get("state") or event.get("statistic"):  # (state_check; running_stats)
         where += f" {event['detail'][0].upper()}{event['detail'][1:]}."
-    when = (f"in an evaluation forward (gradients off) before step {event['step']}"
-            if event.get("evaluation") else f"at step {event['step']}")
+    when = (f"at step {event['step']}" if not event.get("evaluation")
+            else f"in a forward with gradients on that no backward followed, after the last "
+                 f"update (checked as the recorder detached), before step {event['step']}"
+            if event.get("no_backward")
+            else f"in an evaluation forward (gradients off) before step {event['step']}")
     head = (f"nanreplay: non-finite value ({label(event.get('kind')) or 'NaN/Inf'}) {when}, "
             f"phase {event['phase'] or 'unknown'}.{where}")
     if event["phase"] is None and event.get("detail"):

@@ -45,7 +45,7 @@ __all__ = ["Event", "find_event", "optimizer_event", "output_grad_bad"]
 UNIDENTIFIED = "non-finite statistic with no identifiable source"
 _OPTIONAL = ("after_update", "first_seen_step", "last_update_step", "evaluation", "compiled",
              "ranks", "written_after_forward", "before_update", "nan_handled", "loss_given",
-             "batch_size", "no_step_closed", "state", "statistic")
+             "batch_size", "no_step_closed", "state", "statistic", "no_backward")
 
 
 @dataclass
@@ -70,6 +70,9 @@ class Event:
     first_seen_step: int | None = None
     last_update_step: int | None = None
     evaluation: bool | None = None  # in an evaluation forward between steps
+    # ...one with gradients on that no backward followed: the loop's last forwards after its
+    # last update (a metric taken outside no_grad), checked as the recorder detached
+    no_backward: bool | None = None
     compiled: bool | None = None  # the module is a torch.compile'd region
     # under torch.distributed: run id, rank, world size, who saw it (recorder.ranks)
     ranks: dict[str, Any] | None = None

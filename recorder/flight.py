@@ -25,7 +25,7 @@ from .calls import CallHooks
 from .capture import git_commit
 from .compat import disabled_scaler
 from .compiled import compile_with_hooks
-from .cycle import StepCycle
+from .cycle import StepCycle, close_at_detach
 from .grads import reread_changed_grads
 from .guard import OptimizerGuard
 from .hooks import Health
@@ -217,7 +217,7 @@ class FlightRecorder:
             return
         try:
             if exc_type is None:
-                self.cycle.close_open_step(at="detach")
+                close_at_detach(self.cycle)
                 self.cycle.check_last_update()
                 self._said_unused()
             else:

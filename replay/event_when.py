@@ -24,4 +24,6 @@ def event_when(ev: dict[str, Any]) -> str:
         return f"step {step}"
     if ev.get("phase") == "optimizer":
         return f"step {step} (found by the evaluation forward after its update)"
+    if ev.get("no_backward"):
+        return f"forward after the last update that no backward followed, before step {step}"
     return f"evaluation forward before step {step}"

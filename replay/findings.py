@@ -61,7 +61,9 @@ def base_report(step: Step) -> dict[str, Any]:
                   "through_compiled": ev.get("phase") == "backward"
                   and bool(meta.get("compiled_regions")),
                   # (an update whose step() closed no recorded step: replay.unrecorded_update)
-                  **({"no_step_closed": True} if ev.get("no_step_closed") else {})},
+                  **({"no_step_closed": True} if ev.get("no_step_closed") else {}),
+                  # (the loop's last forwards, which no backward followed: recorder.events)
+                  **({"no_backward": True} if ev.get("no_backward") else {})},
         "reproduced": False,
         "not_rerun": None,  # why the step, or its loss, was not re-run ("weights stripped")
         "diverged": None,  # where two re-runs that disagree part ways (replay.diverging_op)

@@ -42,6 +42,15 @@ WHOLE_TENSOR_EVALUATING = (
     "; this forward ran with gradients off between steps, so the loop's code before it (a "
     "sampling loop feeding the model what it computed from the last output) is the first "
     "place to look")
+
+
+def evaluating(event: dict) -> str:
+    """WHOLE_TENSOR's last words: for an evaluation forward's batch, which ran with gradients
+    off (the loop's last forwards with gradients on, checked at the exit, are not one)."""
+    return WHOLE_TENSOR_EVALUATING if event.get("evaluation") \
+        and not event.get("no_backward") else ""
+
+
 SHARED_INPUT = ("{tensor} holds NaN/Inf and is not per sample: every sample of the batch goes "
                 "through it (a mask, a bias or a table passed to forward), so no sample is to "
                 "blame; check the code that makes it")

@@ -39,7 +39,7 @@ from .input_text import (
     SHARED_ROWS,
     WHOLE_COLUMNS,
     WHOLE_TENSOR,
-    WHOLE_TENSOR_EVALUATING,
+    evaluating,
 )
 from .laundered_nan import laundered_hint
 from .load import Step, micro_batch_inputs
@@ -266,8 +266,7 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
     if g := origin.get("grouped"):  # (one row per preference pair)
         return grouped_hint(tensor, g, batch_size(step, origin.get("micro_batch") or 0))
     if whole := _whole_tensor(step, origin, key):
-        evaluating = WHOLE_TENSOR_EVALUATING if step.event.get("evaluation") else ""
-        return WHOLE_TENSOR.format(tensor=tensor, kind=whole, evaluating=evaluating)
+        return WHOLE_TENSOR.format(tensor=tensor, kind=whole, evaluating=evaluating(step.event))
     if cols := _whole_columns(step, origin, key):
         return WHOLE_COLUMNS.format(tensor=tensor, cols=cols)
     if key and (gaps := masked_gaps(step.tensors.get(key), tensor, _named_batch(step, origin))):

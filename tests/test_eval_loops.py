@@ -66,8 +66,9 @@ def run(record, tmp_path, steps=6, **kw):
     with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
                         factory="eval_loops_models:Pooled") as rec:
         out = train(model, opt, crit, steps, **kw)
-    # (a validation with gradients on opens a step: the last one closes as the recorder exits)
-    assert rec.step == steps + (kw.get("grad_off") is contextlib.nullcontext)
+    # (a validation with gradients on opens a step; the last, which no backward followed, is
+    # checked as an evaluation as the recorder exits, not counted as a step)
+    assert rec.step == steps
     return out
 
 
@@ -104,6 +105,29 @@ def test_training_event_after_validations_keeps_its_step_and_batch(tmp_path, gra
     rep = replay(info.value.bundle_path)
     assert rep["reproduced"] is True and rep["event"]["step"] == k
     assert (rep["origin"]["op"], rep["origin"]["samples"]) == ("aten.div", [row])
+
+
+def test_last_validation_without_no_grad_is_checked_as_an_evaluation_at_exit(tmp_path):
+    """The same forgotten no_grad after the last step: no step follows those forwards, so the
+    recorder's exit checks them as an evaluation (before, it counted them as one more training
+    step, exchanged with the other ranks under torchrun): an evaluation event before step 6
+    that says no backward followed, and the replay re-runs validation batch i to the
+    division in row ``row``."""
+    steps, i, row = 6, 2, 1
+    with pytest.raises(NonFiniteError) as info:
+        run(True, tmp_path, steps=steps, grad_off=contextlib.nullcontext,
+            val_empty=(steps - 1, i, row))
+    err = info.value
+    check_event(err.event, step=steps, phase="forward", module="", micro_batch=i,
+                samples=[row])
+    assert err.event["evaluation"] is True and err.event["no_backward"] is True
+    assert "with gradients on that no backward followed" in str(err)
+    assert "validation forward run without torch.no_grad()" not in str(err)
+    rep = replay(err.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    assert rep["event"]["evaluation"] is True and rep["event"]["no_backward"] is True
+    o = rep["origin"]
+    assert (o["op"], o["micro_batch"], o["samples"]) == ("aten.div", i, [row])
 
 
 def test_validation_batch_without_no_grad_is_named_as_one(tmp_path):

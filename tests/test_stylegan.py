@@ -153,9 +153,10 @@ def test_healthy_training_raises_nothing_and_trains_the_same(record, tmp_path):
     for a, b in zip(plain[:3], recorded[:3]):
         assert same_state(a, b)
     # on G: a step per Gmain and per Greg update; each Dmain generator forward opens the next
-    # Gmain's step, the last one closed at the with block's exit. On D: Gmain's D forward
-    # opens the step Dmain's update closes, and a step per Dreg update
-    expected = iters + len(range(0, iters, G_REG)) + 1 if record == "G" else \
+    # Gmain's step (the last one, which no backward reached, is checked at the with block's
+    # exit as an evaluation, not counted). On D: Gmain's D forward opens the step Dmain's
+    # update closes, and a step per Dreg update
+    expected = iters + len(range(0, iters, G_REG)) if record == "G" else \
         iters + len(range(0, iters, D_REG))
     assert recorded[3].step == expected
 
