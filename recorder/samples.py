@@ -131,7 +131,8 @@ class Samples:
             return packed_samples(seq, bad_rows(t, 0))
         if isinstance(seq, Field):
             return []
-        if isinstance(seq, Record) and seq.of == self.size and self.dim(t) is None:
+        if isinstance(seq, Record) and seq.of == self.size:  # (a clip as long as the batch
+            # is large is one sample too: its dim 0 is its frames)
             return [seq.index] if bad_rows(t.reshape(1, -1), 0) else []
         if self.per_node(t):
             return self.segments.samples(bad_rows(t, 0))

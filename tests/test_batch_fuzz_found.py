@@ -69,13 +69,17 @@ def test_an_overflow_of_a_time_major_clip_names_its_sample(tmp_path):
     assert (o["module"], o["op"], o["samples"]) == ("frames", "aten.mul", [3])
 
 
-def test_a_nan_in_two_clips_of_a_list_names_both(tmp_path):
+@pytest.mark.parametrize("lengths", [None, (3, B)])
+def test_a_nan_in_two_clips_of_a_list_names_both(tmp_path, lengths):
     """A list of per-sample clips: each is its own tensor, and the first one holding NaN
-    named one sample of two (``samples [1]``)."""
+    named one sample of two (``samples [1]``); a clip as long as the batch is large (``B``
+    frames) is still one sample, not a batch whose rows are its frames (``samples [0, 1]``)."""
     torch.manual_seed(0)
     model, crit = M.make_clip_list(), nn.CrossEntropyLoss()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     ds = Clips([1, 3], float("nan"))
+    if lengths:
+        ds.n[BAD_STEP * B + 1], ds.n[BAD_STEP * B + 3] = lengths
     with pytest.raises(NonFiniteError) as info:
         with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path / "b",
                             factory=M.make_clip_list):
