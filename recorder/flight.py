@@ -29,7 +29,7 @@ from .cycle import StepCycle, close_at_detach
 from .grads import reread_changed_grads
 from .guard import OptimizerGuard
 from .hooks import Health
-from .joined import ddp_in, join_along
+from .joined import ddp_in, join_along, refuse_guarded_join
 from .lazy_init import AttachWhenInitialized, uninitialized
 from .one_per_model import let_go, take_over
 from .pause import paused
@@ -247,6 +247,7 @@ class FlightRecorder:
         if self._attached:
             return self
         target = self.target
+        refuse_guarded_join(self._ddp and self._ddp(), self.settings)  # (before any hook)
         # (a notebook cell run again: the old one detached; refused inside another's with)
         take_over(target.model(), self, in_with=self._entered > 0)
         if (model := target.model()) is not None \

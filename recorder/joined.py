@@ -14,7 +14,8 @@ A joined rank then matches each step's exchange of the ranks still training (and
 path's, when one of them saw a non-finite value: in raise mode it raises ``NonFiniteError`` at
 that step too, naming them, as a peer whose own values were finite; their bundles hold the
 step). ``guard_optimizer=True`` reads a second time per step, which a joined rank cannot tell
-from the next step's: ``Join`` is refused there in one line instead of hanging.
+from the next step's: ``Join`` is refused there in one line instead of hanging (a ``Join``
+entered before the recorder: the recorder, as it attaches).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import gc
 import logging
 import weakref
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, JoinHook
 
@@ -71,6 +73,14 @@ def join_along(ddp: nn.parallel.DistributedDataParallel | None, recorder) -> lis
     ddp.join_hook = join_hook  # (the instance's: DDP's class and other instances unchanged)
     within_join(ddp, recorder)
     return [_Restore(ddp, join_hook), _Depart(ranks)]
+
+
+def refuse_guarded_join(ddp: nn.parallel.DistributedDataParallel | None, settings) -> None:
+    """Attached inside ``with Join([ddp]):`` with ``guard_optimizer=True``: refused before any
+    hook is registered, as a Join built after the recorder is (:data:`REFUSED`)."""
+    if ddp is not None and settings.guard_optimizer and join_entered(ddp) \
+            and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(REFUSED)
 
 
 def within_join(ddp: nn.parallel.DistributedDataParallel, recorder) -> None:

@@ -293,6 +293,14 @@ def run_mode(out: str, mode: str, record: bool) -> str:
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, seed=0)
     loader = DataLoader(data, batch_size=MICRO, sampler=sampler)
     crit = ContrastiveLoss()
+    if mode == "joininnerguard":  # (the same, the Join entered before the recorder)
+        from torch.distributed.algorithms.join import Join
+        try:
+            with Join([ddp]), FlightRecorder(ddp, opt, loss_fn=_ClassLoss(), out_dir=out_dir,
+                                             guard_optimizer=True):
+                return "not refused"
+        except ValueError as e:
+            return f"refused {e}"
     if mode == "joinguard":  # (guard_optimizer's second read per step: Join refused)
         try:
             with FlightRecorder(ddp, opt, loss_fn=_ClassLoss(), out_dir=out_dir,

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("in_tests_dir")
 HERE = Path(__file__).parent
 MODELS = "ddp_stack_models.py"
 MODES = ("healthy", "healthy-bare", "static", "static-bare", "shard", "cancel", "pair", "adam", "temperature",
-         "join-bare", "join", "joinbad", "joinwarn", "joinguard")
+         "join-bare", "join", "joinbad", "joinwarn", "joinguard", "joininnerguard")
 
 
 def _free_port() -> int:
@@ -152,7 +152,7 @@ def test_join_with_guard_optimizer_is_refused_in_one_line(run):
     the next step's: the user's ``Join([ddp])`` is refused on every rank as it is built, in
     one line, rather than hang at the first step after a rank ran out."""
     lines, _ = run
-    for said in _both(lines, "joinguard"):
+    for said in _both(lines, "joinguard") + _both(lines, "joininnerguard"):
         assert said.startswith("refused nanreplay: Join cannot shadow guard_optimizer=True"), said
         assert "\n" not in said
 
