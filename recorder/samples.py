@@ -85,6 +85,9 @@ class Samples:
     segments: Segments | None = field(default=None, compare=False, repr=False)
     # the ids of the root inputs that are loss targets (see recorder.target_inputs)
     targets: frozenset = field(default=frozenset(), compare=False, repr=False)
+    # the samples the recorder found non-finite in the root outputs, whose batch dim is not in
+    # doubt: which of dims 0 and 1 holds the samples of a (B, B, ...) value of a seq-first model
+    seen: frozenset = field(default=frozenset(), compare=False, repr=False)
 
     def dim(self, t: torch.Tensor, stacked: bool = False) -> int | None:
         """The dimension of ``t`` that holds the samples; None when ``t`` has none (a 0-d
@@ -140,6 +143,9 @@ class Samples:
                 and t.dim() and t.shape[0] == e.numel() and self.segments.groups(self.size):
             return edge_samples(e, bad_rows(t, 0))
         d = self.dim(t, stacked)
+        if d == 1 and self.seen and shape_of(t)[0] == self.size:  # (B, B, ...): either dim
+            first, rows = bad_rows(t, 0), bad_rows(t, 1)
+            return first if set(first) <= self.seen and not set(rows) <= self.seen else rows
         return [] if d is None else bad_rows(t, d)
 
     def first_rows(self, tensors: Iterable[torch.Tensor],

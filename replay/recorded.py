@@ -6,6 +6,7 @@ and the loss scale the event step ran with.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -71,7 +72,12 @@ _KINDS = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf"}
 def samples(step: Step, i: int = 0) -> Samples:
     """Where micro-batch ``i``'s tensors hold their samples (see :mod:`recorder.samples`)."""
     mb = step.micro_batches[i] if i < len(step.micro_batches) else {}
-    return entry_samples(mb, step.tensors, step.model)
+    found = entry_samples(mb, step.tensors, step.model)
+    ev = step.event
+    if ev.get("phase") == "forward" and ev.get("micro_batch") == i and ev.get("samples"):
+        # (the recorder's rows of the root outputs: see Samples.seen)
+        return replace(found, seen=frozenset(ev["samples"]))
+    return found
 
 
 def entry_samples(mb: dict[str, Any], tensors: dict[str, torch.Tensor], model) -> Samples:
