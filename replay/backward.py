@@ -72,6 +72,7 @@ class BackwardOrigin:
     # (dim 0's size, its non-finite indices) when no sample was named (replay.other_rows)
     lead_rows: tuple[int, list[int]] | None = None
     micro_batch: int | None = None
+    call: int | None = None  # which call of its module, when it ran more than once
     in_loss: bool = False  # it ran inside the loss (an autograd.grad of the model output)
     # the kind of the first non-finite tensor the node saved in the forward ("+inf": a value
     # the forward carried without an event, such as the batch's infinity that a tanh then
@@ -263,22 +264,21 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
                 found.micro_batch, found.in_loss = runner.micro_batch, runner.in_loss
         handles.extend([node.register_hook(hook), node.register_prehook(pre), feeders.hook(node)])
 
-    labels = NodeLabels(on_node)
-    # Loss nodes are created after the root's forward hook: label them at backward time.
+    labels = NodeLabels(on_node)  # (the loss's nodes, made after the root's hook: at backward)
     run = runner.run(instrument=False, forward_ctx=lambda: _watched(watch, guards, below, folded),
                      hooks=lambda m: labels.hooks(m) + (probe(m) if probe else [])
                      + watch.parameters(m),
-                     backward_ctx=loss_labeller(runner, labels.label))
+                     backward_ctx=loss_labeller(runner, labels))
     for h in handles:
         h.remove()
-    found.params = run.bad_grads
+    found.params, node = run.bad_grads, found.node_object
     at_nodes(found, labels.names, runner.model)  # (a derivative's or a module hook's node)
+    found.call = labels.repeated_call(node, found.module)
     if watch.hit is not None:
         _from_hook(found, watch.hit, labels.names)
     if custom and custom[0]:
         _inside_custom(runner, found, where or Samples())
-    # Second opinion from anomaly mode (NaN only).
-    try:
+    try:  # a second opinion, from anomaly mode (NaN only)
         runner.run(instrument=False, forward_ctx=_anomaly, backward_ctx=_anomaly)
     except RuntimeError as e:
         m = re.search(r"Function '(\w+)' returned nan", str(e))
@@ -428,7 +428,7 @@ def _inside_custom(runner: Runner, found: BackwardOrigin, where: Samples) -> Non
     labels = NodeLabels(on_node)
     try:
         runner.run(instrument=False, hooks=labels.hooks,
-                   backward_ctx=loss_labeller(runner, labels.label))
+                   backward_ctx=loss_labeller(runner, labels))
     finally:
         for h in handles:
             h.remove()

@@ -115,7 +115,7 @@ def backward_fields(b) -> dict[str, Any]:
     fields = origin_fields(
         phase="backward", module=b.module, op=b.node, source=b.source, params=b.params,
         param=(b.params or [None])[0], made=b.made, samples=b.samples,
-        micro_batch=b.micro_batch, anomaly_node=b.anomaly_node,
+        micro_batch=b.micro_batch, call=b.call, anomaly_node=b.anomaly_node,
         dtype=str(b.dtype).removeprefix("torch.") if b.dtype is not None else None,
         chain=[{"op": b.node, "made": b.made, "source": b.source}] if b.node else [])
     if b.summed:  # (no node made it: the engine's sum of its value's gradients did)

@@ -222,7 +222,7 @@ def failing_op(runner: Runner) -> Failed | None:
     mode = _Failing(calls)
     with mode:
         runner.run(instrument=False, hooks=lambda m: calls.hooks(m) + labels.hooks(m),
-                   backward_ctx=loss_labeller(runner, labels.label))
+                   backward_ctx=loss_labeller(runner, labels))
     return mode.failed
 
 

@@ -31,3 +31,29 @@ class Tagger(nn.Module):
 
 def make_model():
     return Tagger()
+
+
+class SafeLog(nn.Module):
+    """``where(x > 0, log(x), 0)``: finite forward, but log's derivative at an x of 0 is
+    infinite, and the 0 where sends back times it is NaN (the gradient trap)."""
+
+    def forward(self, x):
+        return torch.where(x > 0, torch.log(x), torch.zeros_like(x))
+
+
+class Shared(nn.Module):
+    """One ``SafeLog`` applied twice per forward; only its second input, gated by a mask of
+    the first call's output, holds exact zeros (a product's backward passes the NaN on)."""
+
+    def __init__(self, f=5, h=8, n_classes=3):
+        super().__init__()
+        self.inp, self.mid, self.head = nn.Linear(f, h), nn.Linear(h, h), nn.Linear(h, n_classes)
+        self.feat = SafeLog()
+
+    def forward(self, x):
+        h = self.feat(self.inp(x))
+        return self.head(self.feat(self.mid(h) * (h > 0)))
+
+
+def make_shared():
+    return Shared()

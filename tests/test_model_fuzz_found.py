@@ -46,3 +46,24 @@ def test_a_nan_after_a_time_major_lstm_names_its_samples(tmp_path, bad_rows):
     o = rep["origin"]
     assert rep["reproduced"] and rep["cause"] == "invalid"
     assert (o["module"], o["op"], o["samples"]) == ("feats", "aten.log", bad_rows)
+
+
+def test_a_backward_origin_in_a_shared_module_names_its_call(tmp_path):
+    """A module called twice per forward whose second call's backward makes the NaN (log's
+    derivative at the zeros a ReLU left, the where trap): the origin names call 1, as a
+    forward origin names its call; before, a backward origin's call was null."""
+    torch.manual_seed(0)
+    model, crit = M.make_shared(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(6, 5, generator=torch.Generator().manual_seed(0)), torch.arange(6) % 3
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path / "b",
+                            factory=M.make_shared):
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (0, "backward")
+    rep = replay(info.value.bundle_path, factory=M.make_shared)
+    o = rep["origin"]
+    assert rep["reproduced"] and rep["cause"] == "invalid"
+    assert (o["phase"], o["module"], o["call"], o["op"]) == ("backward", "feat", 1, "LogBackward0")
