@@ -1,6 +1,8 @@
 """Models of the loss fuzz's findings: an embedder a triplet loss calls three times per step,
 and a frame classifier trained with CTC on a time-major ``(T, B, F)`` batch."""
 
+import functools
+
 import torch
 from torch import nn
 
@@ -37,3 +39,16 @@ def make_embedder():
 
 def make_tagger():
     return FrameTagger()
+
+
+def decayed_nll(out, y, params=(), decay=1e-4):
+    """A hand-written log-softmax NLL plus an L2 penalty over the weights it is given."""
+    nll = -torch.log(torch.softmax(out, -1).gather(1, y[:, None])).mean()
+    return nll + decay * sum(p.pow(2).sum() for p in params)
+
+
+def make_decayed():
+    """The model and its loss, which holds the weights to decay (no biases) itself."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    return {"model": model, "loss_fn": functools.partial(decayed_nll, params=weights)}

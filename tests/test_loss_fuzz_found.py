@@ -7,7 +7,8 @@
   came from loss terms computed outside it' with no op and no cause;
 - CTC on a time-major ``(T, B, C)`` batch whose T is a multiple of B: the samples were read
   at dim 0 (the time steps), so an unalignable target named no sample, and a NaN frame of
-  one utterance was 'not per sample'."""
+  one utterance was 'not per sample';
+- a factory's loss holding the weights it decays: the re-run raised on the meta device."""
 
 from __future__ import annotations
 
@@ -100,3 +101,30 @@ def test_a_nan_frame_of_a_time_major_utterance_names_its_sample(tmp_path):
     ev, rep = train_ctc(tmp_path, corrupt)
     assert (ev["step"], ev["phase"], ev["samples"]) == (BAD_STEP, "input", [BAD_ROW])
     assert rep["cause"] == "input" and rep["origin"]["samples"] == [BAD_ROW]
+
+
+def test_a_loss_holding_the_weights_it_decays_is_re_run(tmp_path):
+    """The factory's loss holds a list of the model's weights (an L2 penalty over them): the
+    replay built the model on the meta device and loaded the bundle's weights as new
+    parameters, so the list held meta placeholders and the re-run raised ('Tensor.item()
+    cannot be called on meta tensors'): NOT reproduced, no op."""
+    torch.manual_seed(0)
+    made = M.make_decayed()
+    model, loss_fn = made["model"], made["loss_fn"]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=tmp_path / "b",
+                            factory=M.make_decayed) as rec:
+            for step in range(BAD_STEP + 2):
+                x, y = torch.randn(B, 8, generator=g), torch.randint(0, 4, (B,), generator=g)
+                if step == BAD_STEP:
+                    x[0] *= 1e4  # logits far apart: softmax underflows to 0
+                opt.zero_grad()
+                rec.loss_fn(model(x), y).backward()
+                opt.step()
+    assert info.value.event["step"] == BAD_STEP
+    rep = replay(info.value.bundle_path, factory=M.make_decayed)
+    o = rep["origin"]
+    assert rep["reproduced"] and rep["cause"] == "underflow"
+    assert (o["module"], o["op"], o["samples"]) == ("<loss>", "aten.log", [0])
