@@ -414,7 +414,8 @@ def compared(targets: list[torch.Tensor], outputs: list[torch.Tensor],
     batch: the rows the loss compares, so the samples (a graph batch's graphs, which its
     concatenated nodes outnumber); or the dim 1 of an output stacking copies of the batch,
     ``(K, B, ...)`` with ``K`` no multiple of ``B`` (a deep ensemble's members, IWAE's K
-    samples), whose target is ``(B,)``."""
+    samples), whose target is ``(B,)``, or with any ``K`` where the output has 3 dims or more
+    (CTC's log-probabilities ``(T, B, C)``; a flattened batch ``(B * T, C)`` has 2)."""
     at = 2 if sequence_first else 1
     out = next((t for t in outputs if _batched(t)), None)
     if out is None:
@@ -423,8 +424,8 @@ def compared(targets: list[torch.Tensor], outputs: list[torch.Tensor],
     found = set(shape_of(out)[:at]) & sizes
     if found or sequence_first or out.dim() < 2:
         return found
-    k, n = shape_of(out)[:2]
-    return {n} if n in sizes and k % n else set()
+    k, n = shape_of(out)[:2]  # (a 3-D one of a multiple too: CTC's (T, B, C), T = 2B)
+    return {n} if n in sizes and (k % n or out.dim() > 2) else set()
 
 
 def infer(inputs: Iterable[torch.Tensor], others: Iterable[torch.Tensor] = (),

@@ -44,8 +44,8 @@ def carried_batch(inputs: list[torch.Tensor], outputs: list[torch.Tensor],
 def time_major_inputs(inputs: list[torch.Tensor], size: int) -> bool:
     """The root inputs take the batch of ``size`` samples time-major with no module saying so:
     ``(T, B, F)`` through ``nn.Linear``s and a pooling over dim 0 (a loss target and a pooled
-    output ``(B, C)`` gave the size). The first input holds ``size`` at dim 1 only (its dim 0 no
-    multiple of it: no flattened ``(B * T, F)``) and no input holds it at dim 0 (a few-shot
+    output ``(B, C)`` gave the size). The first input holds ``size`` at dim 1 only (its dim 0,
+    where 2-D, no multiple of it: no flattened ``(B * T, F)``) and no input holds it at dim 0 (a few-shot
     episode's support set ``(N, C, H, W)`` beside its query ``(B, C, H, W)``).
 
     >>> time_major_inputs([torch.zeros(7, 4, 5), torch.zeros(7, 4)], 4)
@@ -54,6 +54,7 @@ def time_major_inputs(inputs: list[torch.Tensor], size: int) -> bool:
     False
     """
     ins = [t for t in inputs if t.dim() > 1 and not t.is_nested]
-    if not size or not ins or ins[0].shape[1] != size or ins[0].shape[0] % size == 0:
+    if not size or not ins or ins[0].shape[1] != size or \
+            ins[0].shape[0] % size == 0 and ins[0].dim() < 3:  # ((T, B, F) of T = 2B)
         return False
     return all(t.shape[0] != size for t in inputs if t.dim() and not t.is_nested)

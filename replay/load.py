@@ -146,7 +146,8 @@ def micro_batch_inputs(step: Step, i: int, made: dict[str, torch.Tensor] | None 
 
 def loss_inputs(step: Step, i: int, outputs: list[list[torch.Tensor]],
                 inputs: dict[str, torch.Tensor] | None = None, objects: list | None = None,
-                made: list | None = None) -> tuple[list, dict] | None:
+                made: list | None = None, attached: set[int] = frozenset()
+                ) -> tuple[list, dict] | None:
     """The loss's recorded arguments for micro-batch ``i``, with the model outputs swapped for
     the re-computed ones (``outputs[k]``: micro-batch ``k``'s, up to ``i``) and its inputs for
     those the re-run fed the model (``inputs``, by key: see ``micro_batch_inputs``). An earlier micro-
@@ -154,7 +155,9 @@ def loss_inputs(step: Step, i: int, outputs: list[list[torch.Tensor]],
     it reaches it from its own recorded output gradient, when its backward runs. An output
     the bundle holds as a whole (a distribution) is taken from ``objects``, as returned.
     ``made`` gets an ``(output, argument)`` pair for each argument made of an output (a cast,
-    a view): a new tensor, which the op finder's lineage must know as the output's."""
+    a view): a new tensor, which the op finder's lineage must know as the output's.
+    ``attached``: earlier micro-batches whose outputs are given with their graph (their
+    recorded gradient is not fed: replay.unfed_outputs)."""
     tree = step.micro_batches[i].get("loss_inputs")
     if tree is None:
         return None
@@ -173,7 +176,7 @@ def loss_inputs(step: Step, i: int, outputs: list[list[torch.Tensor]],
             return None
         k = node.get("mb", i)
         o = outputs[k][node["$out"]]
-        if k != i and o.requires_grad:  # (one detached already stays that tensor: the op
+        if k != i and k not in attached and o.requires_grad:  # (one detached already stays that tensor: the op
             o = o.detach()  # finder's lineage knows it as the model's output, not as data)
         dt = getattr(torch, str(node.get("dtype")), None)
         if isinstance(dt, torch.dtype) and dt.is_floating_point and o.is_floating_point():

@@ -26,6 +26,7 @@ from .kept_generators import (
     restored_loss_attributes,
 )
 from .load import Step, recorded_device, rng_state
+from .loss_held_params import rebind_loss_params
 from .loss_params import attach_loss_params
 from .losses import Unrebuildable, kept_defaults, rebuild_loss
 from .optim import build_optimizer
@@ -218,7 +219,9 @@ def _build_with(step: Step, fn, spec: str, factory_kwargs: dict[str, Any] | None
     if edits := code_edits(meta):  # (said first: it explains what follows)
         step.code_edits = edits
         step.problems.append(edits_text(step))
+    factory_params = dict(model.named_parameters(remove_duplicate=False))
     load_weights(step, model)
+    rebind_loss_params(made.get("loss_fn"), factory_params, model)  # (a decay's list of them)
     step.written = [n for n in meta.get("written_in_step") or () if isinstance(n, str)]
     if refilled := refill_written(step, model, step.written):  # (NaN the step's code wrote)
         step.problems.append(refilled)

@@ -56,6 +56,7 @@ from .refit_in_forward import trained_copies, written_note, written_since
 from .run_result import Run, dropped_non_finite
 from .source import OP_ERROR, raised_by_model
 from .train_mode import set_training
+from .unfed_outputs import left_unfed, takes_unfed
 
 __all__ = ["Runner", "StopRun"]
 
@@ -145,6 +146,7 @@ class Runner:
         # (micro-batch, outputs) -> the outputs its loss takes (the float64 re-run's: the step's
         # own values where the loop derived loss arguments from them, replay.float64_loss_args)
         self.loss_outputs = None
+        self.unfed: set[int] = set()  # (forwards a later loss backpropagates: unfed_outputs)
 
     # -- state reset -------------------------------------------------------------------------
 
@@ -179,6 +181,7 @@ class Runner:
                     if first is not None and first.shape == b.shape:
                         b.copy_(first)
         self.model.zero_grad(set_to_none=True)
+        self.unfed = set()
         if self._rng is not None:
             restore_generators(self._rng, self._generators)
 
@@ -288,7 +291,8 @@ class Runner:
         outputs, self.cut = cut_outputs(self.step, i, result.outputs)  # (a loss given the model)
         if self.loss_outputs is not None:
             outputs = self.loss_outputs(i, outputs)
-        li = loss_inputs(self.step, i, outputs, result.inputs[i], result.objects)
+        li = loss_inputs(self.step, i, outputs, result.inputs[i], result.objects,
+                         attached=self.unfed)
         if li is None:
             return None
         args, kwargs = li
@@ -342,6 +346,10 @@ class Runner:
             pairs = []  # (recorded output gradients are constants: the loss's graph, not them)
         if pairs and loss_runs_model(self.step, i):
             pairs = []  # (the loss ran the model: its own backward covers this forward)
+        if not fed and left_unfed(self.step, i, loss, grads):
+            self.unfed.add(i)  # (its graph waits for the later loss's backward)
+        if pairs and not fed and takes_unfed(self.step, i, self.unfed):
+            pairs = []  # (the loss's backward reaches those forwards: no recorded gradient)
         if pairs and (fed or self.feed_recorded or all(finite(g) for _, g in pairs)):
             # The recorded gradient of the model output is exact whatever the loop did to the
             # loss (scaling, division for accumulation); prefer it.
