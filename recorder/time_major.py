@@ -45,8 +45,8 @@ def time_major_inputs(inputs: list[torch.Tensor], size: int) -> bool:
     """The root inputs take the batch of ``size`` samples time-major with no module saying so:
     ``(T, B, F)`` through ``nn.Linear``s and a pooling over dim 0 (a loss target and a pooled
     output ``(B, C)`` gave the size). The first input holds ``size`` at dim 1 only (its dim 0,
-    where 2-D, no multiple of it: no flattened ``(B * T, F)``) and no input holds it at dim 0 (a few-shot
-    episode's support set ``(N, C, H, W)`` beside its query ``(B, C, H, W)``).
+    where 2-D, no multiple of it: no flattened ``(B * T, F)``) and no input holds it at dim 0
+    (a few-shot episode's support set ``(N, C, H, W)`` beside its query ``(B, C, H, W)``).
 
     >>> time_major_inputs([torch.zeros(7, 4, 5), torch.zeros(7, 4)], 4)
     True

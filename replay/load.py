@@ -176,8 +176,9 @@ def loss_inputs(step: Step, i: int, outputs: list[list[torch.Tensor]],
             return None
         k = node.get("mb", i)
         o = outputs[k][node["$out"]]
-        if k != i and k not in attached and o.requires_grad:  # (one detached already stays that tensor: the op
-            o = o.detach()  # finder's lineage knows it as the model's output, not as data)
+        if k != i and k not in attached and o.requires_grad:  # (one detached already stays
+            o = o.detach()  # that tensor: the op finder's lineage knows it as the model's
+            # output, not as data)
         dt = getattr(torch, str(node.get("dtype")), None)
         if isinstance(dt, torch.dtype) and dt.is_floating_point and o.is_floating_point():
             arg = o.to(dt)  # the loss was given a cast of the output (out.float())
