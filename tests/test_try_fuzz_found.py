@@ -64,3 +64,32 @@ def test_a_state_event_is_re_run_from_the_window_and_its_tries_get_verdicts(tmp_
     assert low["finite"] is False and low["inconclusive"] is False and low["event_step"] == 1
     assert low["origin"]["params"] == ["body.0.weight"] and low["origin"]["state"] == "exp_avg_sq"
     assert not any("not re-run" in p for p in report["problems"])
+
+
+def rmsprop_divergence(out_dir):
+    torch.manual_seed(0)
+    model = M.make_deep_regressor()
+    opt = torch.optim.RMSprop(model.parameters(), lr=1e5)
+    crit = nn.MSELoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=4,
+                            factory="try_fuzz_found_models:make_deep_regressor"):
+            for s in range(10):
+                x, y = M.batch(s)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    return info.value
+
+
+def test_most_of_the_batch_does_not_stand_out_in_a_feature(tmp_path):
+    """RMSprop at lr=1e5 throws the weights off in one update: the MSE of 15 of the 16 samples
+    overflows at step 1. Their standard normal features are the data's scale, not records out
+    of it: the hint blamed them as standing out against the one row left."""
+    err = rmsprop_divergence(tmp_path)
+    assert (err.event["step"], err.event["phase"]) == (1, "loss")
+    report = nanreplay(err.bundle_path)
+    assert report["cause"] == "overflow" and report["origin"]["op"] == "aten.mse_loss"
+    assert len(report["origin"]["samples"]) == 15
+    assert "stand out" not in report["hint"]
+    assert "lower the learning rate or clip the gradients" in report["hint"]
