@@ -26,6 +26,10 @@ AFTER_UPDATE = "the bundle holds the weights after the update"
 UPDATE_NOT_RERUN = ("the bundle holds the weights after the update that made them non-finite, "
                     "so the update cannot be re-run; record with FlightRecorder(..., "
                     "guard_optimizer=True) to replay it")
+#: the same two of an update that left only the optimizer's state non-finite (replay.state_overflow)
+STATE_AFTER_UPDATE = "the bundle holds the state after the update"
+STATE_NOT_RERUN = ("the bundle holds the optimizer state after the update that made it "
+                   "non-finite (the weights it left are finite), so the update is not re-run")
 
 
 def origin_fields(**kw) -> dict[str, Any]:

@@ -33,12 +33,14 @@ class Outcome:
     domain: str | None = None  # an update's op out of its domain (replay.update_domain)
     stale_why: str | None = None  # what made its stale state non-finite (hint only, no JSON)
     zero_rate: float | None = None  # every lr 0: one the update is finite at (replay.zero_rate)
+    state: str | None = None  # the optimizer state key an update left non-finite (a state event)
 
     def as_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out.pop("stale_why")
-        if out["zero_rate"] is None:
-            out.pop("zero_rate")
+        for k in ("zero_rate", "state"):
+            if out[k] is None:
+                out.pop(k)
         return out
 
 

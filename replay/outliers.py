@@ -323,7 +323,9 @@ def outlier_column(step: Step, mb: int, rows: list[int], factor: float = FACTOR,
         return None
     for key, name, _missing, v in row_values(step, mb, skip):
         t = step.tensors[key]
-        if t.dim() != 2 or t.shape[1] < 2 or max(rows) >= v.shape[0] or len(rows) >= v.shape[0]:
+        # (at most half the batch: most rows beyond the others is the data's scale, and one
+        # row's small value in some feature says nothing of the rest)
+        if t.dim() != 2 or t.shape[1] < 2 or max(rows) >= v.shape[0] or 2 * len(rows) > v.shape[0]:
             continue
         a = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0).abs()
         mask = torch.zeros(v.shape[0], dtype=torch.bool)

@@ -25,7 +25,8 @@ def where(o: dict[str, Any] | None) -> str:
         what = f"{o['phase']}, {mod}{call}" if mod is not None else o["phase"]
         if o.get("micro_batch"):  # (another micro-batch than the first: say which)
             what += f", micro-batch {o['micro_batch']}"
-    return what + (f" ({o['op']})" if o.get("op") else "")
+    return what + (f" ({o['op']})" if o.get("op") else "") + (
+        f" (its {o['state']})" if o.get("state") else "")
 
 
 def window_lines(report: dict[str, Any]) -> list[str]:

@@ -16,7 +16,7 @@ import math
 from typing import Any
 
 from .domains import g
-from .findings import finish, origin_fields
+from .findings import STATE_AFTER_UPDATE, STATE_NOT_RERUN, finish, origin_fields
 from .grown_number import number_attributes
 from .infinite_scale import scale_report
 from .load import Step
@@ -56,14 +56,12 @@ def state_report(report: dict[str, Any], step: Step) -> dict[str, Any] | None:
         hint += (f". Here {owner}'s attribute {k} is {g(v)} as the step closed: a factor that "
                  "large multiplies into the gradients (a penalty weight grown with no cap, as "
                  "an augmented Lagrangian's rho without rho_max; a LoRA alpha / r): cap it")
-    report["problems"].append(
-        "the bundle holds the optimizer state after the update that made it non-finite (the "
-        "weights it left are finite), so the update is not re-run")
+    report["problems"].append(STATE_NOT_RERUN)  # (taken back by a window that re-runs it)
     origin = origin_fields(phase="optimizer", params=params, param=name,
                            made=step.event.get("kind"))
     report = finish(report, origin, "overflow" if squared else "optimizer", reproduced=False,
                     hint=hint)
-    report["not_rerun"] = "the bundle holds the state after the update"
+    report["not_rerun"] = STATE_AFTER_UPDATE
     return report
 
 

@@ -464,7 +464,8 @@ def _nothing_to_try(cause: str | None) -> str:
 
 def _origin(o) -> dict[str, Any]:
     return {"step": o.step, "phase": o.phase, "module": o.module, "call": o.call,
-            "micro_batch": o.micro_batch, "params": o.params, "kind": o.kind, "op": o.op}
+            "micro_batch": o.micro_batch, "params": o.params, "kind": o.kind, "op": o.op,
+            **({"state": o.state} if o.state else {})}
 
 
 def _recorded_loss_input(step: Step, report: dict[str, Any], o) -> bool:

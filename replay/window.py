@@ -46,7 +46,7 @@ from .loop_grads import no_backward_reached_the_output
 from .loopscale import unscale, window_factors, with_factors
 from .loss_started import attributes_began
 from .ops import OpFinder
-from .optim import needs_closure, per_parameter, state_note
+from .optim import needs_closure, per_parameter, stale_state, state_note
 from .outcome import Outcome, kinds_of, loss_value, run_outcome
 from .outgrads import nonfinite_forwards
 from .peers import average_gradients, peer_gradients
@@ -445,6 +445,10 @@ def _checked_update(step: Step, opt, at: int, unchanged: bool, out: WindowRun,
     if bad := [n for n, p in step.model.named_parameters()
                if not p.is_meta and not finite(p)]:  # (a placeholder holds no value)
         out.first = _update_outcome(at, step, opt, before, bad)
+        return True
+    if step.event.get("state") and (stale := stale_state(step.model, opt)) is not None:
+        # (a state event: training checked this update's state, so the re-run and tries do)
+        out.first = Outcome(at, "update", params=[stale[0]], kind=stale[2], state=stale[1])
         return True
     if unchanged:  # (each parameter's, against the recorder's evidence of training's update)
         out.weight_norms[at] = param_norms(step.model)

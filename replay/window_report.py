@@ -15,7 +15,14 @@ from .between_writes import written_note
 from .cause_text import DO
 from .coupled_decay import coupled_decay, coupled_text
 from .departure import departure
-from .findings import AFTER_UPDATE, UPDATE_NOT_RERUN, finish, origin_fields
+from .findings import (
+    AFTER_UPDATE,
+    STATE_AFTER_UPDATE,
+    STATE_NOT_RERUN,
+    UPDATE_NOT_RERUN,
+    finish,
+    origin_fields,
+)
 from .load import Step
 from .optimizer_origin import optimizer_hint
 from .rewind_text import where
@@ -73,11 +80,15 @@ def add_window(step: Step, report: dict[str, Any]) -> bool:
             f"{ev.get('step')}")
     # (an update that raised, a failed decomposition, names no weights: its origin is the
     # re-run update's, replay.update_linalg)
-    if ev.get("phase") == "optimizer" and o is not None and o.phase == "update" and o.params:
+    if (ev.get("phase") == "optimizer" and o is not None and o.phase == "update" and o.params
+            and o.state is None):
         if (bad := _bad_in_copy(step, win, o.params)):
             _weights_origin(step, report, o, ok, bad, win.copy_step)
         else:
             _optimizer_origin(step, report, o, ok)
+    elif o is not None and o.state is not None and ok:  # (a state event keeps its cause)
+        _update_rerun(report)
+        report["reproduced"] = True
     return grew
 
 
@@ -90,10 +101,9 @@ def _not_rerunnable(step: Step, report: dict[str, Any]) -> str | None:
                 "window's steps would run with the model's own")
     if not step.micro_batches and step.event.get("after_update"):
         # (the window's log keeps the event step's batch when that step closed before its
-        # update was checked: Adam's first update of float16 weights, caught after it; not
-        # for an update that left only its state non-finite, which the re-run checks by the
-        # weights it writes: recorder.state_check)
-        if _window_holds_event_step(step) and not step.event.get("state"):
+        # update was checked: Adam's first update of float16 weights, caught after it; or one
+        # that left only its state non-finite, whose state the re-run checks as training did)
+        if _window_holds_event_step(step):
             return None
         return ("the event was found after its step's update, and the bundle holds no batch of "
                 "that step to re-run it with (guard_optimizer=True keeps it)")
@@ -151,10 +161,11 @@ def _weights_origin(step: Step, report: dict[str, Any], o, ok: bool, bad: list[s
 
 
 def _update_rerun(report: dict[str, Any]) -> None:
-    """The window re-ran the update the bundle holds the weights after: neither the note nor
-    ``not_rerun`` (the text's first line, the JSON) may still say it was not re-run."""
-    report["problems"] = [p for p in report["problems"] if p != UPDATE_NOT_RERUN]
-    if report.get("not_rerun") == AFTER_UPDATE:
+    """The window re-ran the update the bundle holds the weights (or the state) after: neither
+    the note nor ``not_rerun`` (the text's first line, the JSON) may still say it was not."""
+    report["problems"] = [p for p in report["problems"]
+                          if p not in (UPDATE_NOT_RERUN, STATE_NOT_RERUN)]
+    if report.get("not_rerun") in (AFTER_UPDATE, STATE_AFTER_UPDATE):
         report["not_rerun"] = None
 
 
