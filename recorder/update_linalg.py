@@ -1,6 +1,7 @@
 """A decomposition that failed inside ``optimizer.step()`` (Shampoo's or SOAP's ``eigh``,
 ``cholesky`` or ``inv`` of a preconditioner gone non-finite or indefinite): the ``linalg``
-event of the ``optimizer`` phase.
+event of the ``optimizer`` phase; any other error raised there gets ``recorder.update_scalar``'s
+note when a setting is beyond the weights' dtype.
 
 The optimizer's pre-hook had closed the step before the update, so the step's tape is gone
 when the error reaches the loop; this runs on that exception path only. The bundle holds the
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from .errors import NonFiniteError, add_note
 from .events import Event
 from .linalg import error_text, linalg_reason
+from .update_scalar import scalar_overflow_note
 
 
 @dataclass
@@ -62,10 +64,15 @@ def update_linalg(target, alarm, exc: BaseException, step: int, guard) -> bool:
 def update_raised(cycle, exc: Exception) -> None:
     """``cycle.check_on_exception`` of an exception raised with no step open (the pre-hook
     closed it): a decomposition that failed inside ``optimizer.step()`` gets its event and
-    bundle, the summary noted on ``exc``; anything else is left alone."""
+    bundle, the summary noted on ``exc``; a setting beyond the weights' dtype, a note; anything
+    else is left alone."""
     try:
         if not update_linalg(cycle.target, cycle.alarm, exc, cycle.step - 1,
                              getattr(cycle, "update_guard", None)):
+            opt = cycle.target.optimizer()
+            if opt is not None and raised_in_step(exc, opt) and \
+                    (note := scalar_overflow_note(exc, opt, cycle.step - 1)):
+                add_note(exc, note)  # (an lr beyond the weights' dtype: no event)
             return
     except NonFiniteError as e:
         add_note(exc, str(e))
