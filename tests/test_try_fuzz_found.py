@@ -28,10 +28,12 @@ def nanreplay(bundle, *tries: str) -> dict:
     return json.loads(res.stdout)
 
 
-def adam_state_overflow(out_dir):
+def diverging(out_dir, optimizer):
+    """The regressor trained by ``optimizer`` at lr=1e5, recorded with a rewind window, to
+    its event."""
     torch.manual_seed(0)
     model = M.make_deep_regressor()
-    opt = torch.optim.Adam(model.parameters(), lr=1e5)
+    opt = optimizer(model.parameters(), lr=1e5)
     crit = nn.MSELoss()
     with pytest.raises(NonFiniteError) as info:
         with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=4,
@@ -45,7 +47,7 @@ def adam_state_overflow(out_dir):
 
 
 def test_a_state_event_is_re_run_from_the_window_and_its_tries_get_verdicts(tmp_path):
-    err = adam_state_overflow(tmp_path)
+    err = diverging(tmp_path, torch.optim.Adam)
     assert err.event["step"] == 1 and err.event["phase"] == "optimizer"
     assert "exp_avg_sq" in err.event["state"]["body.0.weight"]
     report = nanreplay(err.bundle_path, "lr=1e-4", "lr=0.1x")
@@ -66,27 +68,11 @@ def test_a_state_event_is_re_run_from_the_window_and_its_tries_get_verdicts(tmp_
     assert not any("not re-run" in p for p in report["problems"])
 
 
-def rmsprop_divergence(out_dir):
-    torch.manual_seed(0)
-    model = M.make_deep_regressor()
-    opt = torch.optim.RMSprop(model.parameters(), lr=1e5)
-    crit = nn.MSELoss()
-    with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=4,
-                            factory="try_fuzz_found_models:make_deep_regressor"):
-            for s in range(10):
-                x, y = M.batch(s)
-                opt.zero_grad()
-                crit(model(x), y).backward()
-                opt.step()
-    return info.value
-
-
 def test_most_of_the_batch_does_not_stand_out_in_a_feature(tmp_path):
     """RMSprop at lr=1e5 throws the weights off in one update: the MSE of 15 of the 16 samples
     overflows at step 1. Their standard normal features are the data's scale, not records out
     of it: the hint blamed them as standing out against the one row left."""
-    err = rmsprop_divergence(tmp_path)
+    err = diverging(tmp_path, torch.optim.RMSprop)
     assert (err.event["step"], err.event["phase"]) == (1, "loss")
     report = nanreplay(err.bundle_path)
     assert report["cause"] == "overflow" and report["origin"]["op"] == "aten.mse_loss"
