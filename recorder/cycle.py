@@ -454,13 +454,17 @@ def _host_float(x) -> float | torch.Tensor:
 
 def close_at_detach(cycle: StepCycle) -> None:
     """Close the step open as the recorder detaches. Forwards after the last update that no
-    backward followed (a metric taken outside no_grad) are checked as an evaluation, not
-    counted as a step nor agreed with the other ranks, whose exit reads do not include it (a
-    forward-only step of an evolution strategy, which trains by no gradient, is its step)."""
+    backward followed, with no loss or in eval mode (a metric taken outside no_grad, a
+    validation without it), are checked as an evaluation, not counted as a step nor agreed
+    with the other ranks, whose exit reads do not include it. A training forward whose loss
+    the loop stopped on (``if not loss.isfinite(): break``) is its step, as is a forward-only
+    step of an evolution strategy, which trains by no gradient."""
     tape = cycle.tape
-    if tape is not None and cycle.health.active and tape.micro_batches and not tape.grad_norms \
+    mbs = tape.micro_batches if tape is not None else ()
+    if mbs and cycle.health.active and not tape.grad_norms \
             and (cycle.target.has_optimizer or cycle.trains_by_gradient) \
-            and not any(mb.out_grads or mb.differentiated for mb in tape.micro_batches):
+            and not (tape.loss and any(mb.training for mb in mbs)) \
+            and not any(mb.out_grads or mb.differentiated for mb in mbs):
         cycle.foreign.moved(tape, cycle.target.watched)  # (as a closing forward does)
         tape.evaluation = True
         cycle.close_tape(at="evaluation")

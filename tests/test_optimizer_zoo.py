@@ -83,8 +83,13 @@ def test_a_window_re_runs_past_an_optimizer_state_that_overflowed(out_dir):
     assert "exp_avg_sq" in err.event["state"]["norm.weight"], err.event["state"]
     rep = nanreplay_json(err.bundle_path, code=None)
     assert rep["cause"] == "overflow" and "exp_avg_sq of norm.weight" in rep["hint"], rep
-    assert "the learning rate had jumped at step 2" in rep["hint"], rep["hint"]
-    assert any("no batch of that step" in p for p in rep["problems"]), rep["problems"]
+    # (the rewind window holds step 17's batch: it re-runs the update, checking the state
+    # as training did, and says where the rates grew)
+    assert rep["window"]["reproduced"] and rep["not_rerun"] is None, rep["window"]
+    assert "the learning rate (parameter group 0) 1e+04 is 10x the median" in rep["hint"]
+    assert not any("no batch of that step" in p for p in rep["problems"]), rep["problems"]
+    first = rep["window"]["first_non_finite"]
+    assert (first["step"], first["params"], first["state"]) == (17, ["norm.weight"], "exp_avg_sq")
 
 
 def test_an_inf_warm_up_rate_at_step_0_proposes_the_scheduler_s_initial_rate(out_dir):
