@@ -86,6 +86,7 @@ from .padding_batch import padding_batch_hint
 from .perfect_fit import perfect_fit_hint
 from .pole_buffers import pole_buffer_hint
 from .record_ids import record_ids_note
+from .recorded import whole_batch
 from .same_record_pairs import same_record_pairs_hint
 from .sentinel_inputs import sentinel_inputs_hint
 from .single_sample import single_sample_hint
@@ -154,3 +155,5 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     output_range_hint(report, step)  # (MS-SSIM's sim ** beta of a tanh output in [-1, 1])
     constant_output_hint(report, step)  # (a Pearson loss of a persistence forecast: flat)
     zero_output_hint(report, step)  # (a KL of a ReLU-normalised histogram: a bin at 0)
+    if (o := report.get("origin")) is not None and "all_samples" in o:
+        o["all_samples"] = whole_batch(o)  # (a hint named the rows: a micro-batch's, all)

@@ -5,7 +5,8 @@ by a total weight of 0. The op's detail said "every target of the batch", and it
 skip such batches; the step's other micro-batches hold targets, so the fix is the
 accumulation's: sum each micro-batch's token losses and divide by the whole step's count
 (which also weighs every token the same across micro-batches). The samples are the
-micro-batch's rows: none of them holds a target.
+micro-batch's rows, none of which holds a target: all of them, as without accumulation (a
+batch whose every target is ignored), so both read ``all N rows``.
 
 A loop that sums the token losses itself and divides by its micro-batch's own count
 (``ce_sum / (labels != -100).sum()``) divides 0 by a 0-d 0 instead: told by a label tensor of
@@ -23,7 +24,8 @@ from .empty_records import batch_data
 from .load import Step
 from .recorded import batch_size
 
-_DETAIL = "total target weight of 0 (0/0): every target of the batch is ignore"
+_NO_WEIGHT = "total target weight of 0 (0/0)"  # (every target ignored, or weighted 0)
+_DETAIL = f"{_NO_WEIGHT}: every target of the batch is ignore"
 _DIVIDING = {"aten.div", "aten.div_", "aten.reciprocal"}
 _ACCUMULATE = (
     "with gradient accumulation, sum each micro-batch's losses (reduction='sum') and divide "
@@ -32,22 +34,25 @@ _ACCUMULATE = (
 
 
 def ignored_micro_batch_hint(report: dict[str, Any], step: Step) -> None:
-    """Name the micro-batch (and its rows) whose every target was ignored, when the step
-    accumulated more than one."""
+    """Name the rows of the micro-batch whose every target was ignored or weighted 0, and,
+    for ignored ones, that micro-batch in the hint when the step accumulated more than one."""
     o, hint = report.get("origin") or {}, report.get("hint") or ""
     n, i = len(step.micro_batches), o.get("micro_batch") or 0
-    if report.get("cause") != "invalid" or n < 2 or i >= n:
+    if report.get("cause") != "invalid" or i >= max(n, 1):
         return
-    if _DETAIL not in hint:
-        _own_count(report, step, i, n)
+    if _NO_WEIGHT not in hint:
+        if n > 1:
+            _own_count(report, step, i, n)
         return
+    # (the whole micro-batch, accumulated or not: every row of it, "all N rows")
     rows = list(range(batch_size(step, i)))
-    report["hint"] = hint.replace(
-        "every target of the batch", f"every target of micro-batch {i} (of {n} this step "
-        "accumulated)", 1) + (
-        f". The step's other micro-batches hold targets: {_ACCUMULATE}")
     if rows and not o.get("samples"):
         o["samples"] = rows
+    if n > 1 and _DETAIL in hint:
+        report["hint"] = hint.replace(
+            "every target of the batch", f"every target of micro-batch {i} (of {n} this step "
+            "accumulated)", 1) + (
+            f". The step's other micro-batches hold targets: {_ACCUMULATE}")
 
 
 def _own_count(report: dict[str, Any], step: Step, i: int, n: int) -> None:

@@ -104,6 +104,13 @@ def batch_size(step: Step, i: int = 0) -> int:
     return samples(step, i).size
 
 
+def whole_batch(origin: dict[str, Any]) -> bool:
+    """The origin's samples are every row of its micro-batch (``all_samples``: the text
+    report prints ``all N rows``)."""
+    n = origin.get("batch_size")
+    return bool(n) and origin.get("samples") == list(range(n))
+
+
 def _batch_nan(step: Step, last: int) -> bool:
     keys = {k for i, mb in enumerate(step.micro_batches[:last + 1]) if _as_run(step, i)
             for k in mb.get("paths", {})}

@@ -99,8 +99,9 @@ def test_a_crop_with_no_weighted_target_says_which_of_ignore_index_or_weight(
     assert (ev["step"], ev["phase"], ev["module"]) == (2, "loss", "<loss>"), ev
     rep = nanreplay_json(err.bundle_path)
     o = rep["origin"]
-    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == \
-        ("<loss>", "aten.nll_loss2d_forward", "nan", [], "invalid"), json.dumps(rep, indent=1)
+    # (a mean over no weighted target: every crop of the batch, "all N rows")
+    assert (o["module"], o["op"], o["made"], o["all_samples"], rep["cause"]) == \
+        ("<loss>", "aten.nll_loss2d_forward", "nan", True, "invalid"), json.dumps(rep, indent=1)
     kept = int((y != M.IGNORE).sum())
     if background_weight == 0:
         assert kept > 0

@@ -195,7 +195,9 @@ def test_a_batch_of_unparsed_gold_sql_without_accumulation_keeps_the_batch_text(
     """The same loss over one micro-batch per step whose every example is unparsed: the
     whole batch has no target, no accumulation to blame; the batch's text stays."""
     ev, rep = fire(tmp_path, K, plant="unparsed", crit=M.SeqNLL(), bad=M.B - 1)
-    assert origin(rep)[2:] == ("aten.nll_loss_forward", [], "invalid"), rep
+    # (every example, "all N rows", as with accumulation)
+    assert origin(rep)[2:] == ("aten.nll_loss_forward", list(range(M.B)), "invalid"), rep
+    assert rep["origin"]["all_samples"], rep
     assert "every target of the batch is ignore_index (-100)" in rep["hint"], rep["hint"]
     assert "micro-batch" not in rep["hint"], rep["hint"]
 

@@ -254,8 +254,8 @@ def test_nll_loss_with_no_target_weight_in_a_batch(how, out_dir):
     assert type(crit) is nn.NLLLoss and torch.equal(crit.weight, weight)
     assert crit.ignore_index == (1 if how == "all_ignored" else -100)
     rep = nanreplay_json(err.bundle_path)
-    assert origin(rep, "phase", "module", "op", "made", "samples") == (
-        "loss", "<loss>", "aten.nll_loss_forward", "nan", [])
+    assert origin(rep, "phase", "module", "op", "made", "all_samples") == (
+        "loss", "<loss>", "aten.nll_loss_forward", "nan", True)  # (every row: no target)
     assert (rep["reproduced"], rep["cause"]) == (True, "invalid")
     hint = rep["hint"]
     assert "total target weight of 0 (0/0)" in hint

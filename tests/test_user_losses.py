@@ -144,7 +144,8 @@ def test_cross_entropy_wrapper_over_an_all_padding_batch(tmp_path):
     assert origin(rep, "phase", "module", "op", "made") == (
         "loss", "<loss>", "aten.nll_loss_forward", "nan")
     assert rep["origin"]["source"] == bug_line("flat")
-    assert rep["origin"]["samples"] == []  # no sample's loss is NaN: the mean over none is
+    # (no row holds a target: every row, "all N rows", as with gradient accumulation)
+    assert rep["origin"]["all_samples"] is True
     assert (rep["reproduced"], rep["cause"], code) == (True, "invalid", 0)
     assert rep["problems"] == []
 
