@@ -24,13 +24,13 @@ from recorder.loss_forwards import ran_in_loss
 from recorder.scalers import not_given as scaler_not_given
 
 from . import fidelity, module_hooks, tied_names, written_notes
-from .ascent import ascent_hint
 from .backward_report import report_backward, report_dropped_nan, report_loss_backward
 from .before_update import nan_before_update
 from .cast_overflow import data_hint
 from .class_kept import put_back_classes
 from .comm_hook import cast_overflowed, made_on_rank
 from .data_hints import data_hints
+from .decay_divergence import update_rule_hints
 from .derived_input import derived_input_hint
 from .diverging_hint import diverging_hint
 from .diverging_op import rounding_only
@@ -58,7 +58,7 @@ from .loss_grad import loop_differentiation, not_rerun_term
 from .loss_own import settle_loss_started
 from .masked_targets import masked_loss_hint
 from .moved_weights import report_moved_weights
-from .negative_lr import below_zero, negative_lr_hint
+from .negative_lr import below_zero
 from .optimizer_origin import after_update_hint, mark_update_not_rerun, report_optimizer
 from .origins import (
     infinity_the_loss_took,
@@ -132,8 +132,7 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
         report["problems"].append(note)  # (a validation batch run without no_grad)
     if not survived(report, add_window, step, report) and below_zero(step) is None:
         diverging_hint(report, step)  # (else the precursors; a rate below 0 climbed: no fix)
-    ascent_hint(step, report)  # (maximize=True with a loss that rose: after the growth's)
-    negative_lr_hint(step, report)  # (a linear decay run past its end: descent turned ascent)
+    update_rule_hints(step, report)  # (maximize=True, lr < 0, a decay that grows the weights)
     survived(report, checked_eps, step, report)  # (an eps the hint proposes, re-run first)
     o = report["origin"]
     # whether the samples are the whole batch: "all 64 rows" says more than 64 numbers

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .cause_text import BELOW_FLOAT32, BEYOND_FLOAT64
-from .coupled_decay import coupled_decay
+from .decay_divergence import decay_tries
 from .departure import tries_note
 from .diverging import beyond_run_type, still_diverging
 from .drop import compared_with, left_by, undroppable
@@ -47,7 +47,6 @@ from .other_makers import drop_with_others
 from .outliers import out_of_scale
 from .recorded import batch_size
 from .update_bound import GROWING, bound_tries, lr_beyond_dtype, parse_pair, usable_lr
-from .weight_scale import scaled_update
 from .window import Change, Window, run_window, step_as_window, window_of
 from .zero_rows import empty_micro_batch
 
@@ -237,8 +236,8 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
             # (the rate the run trained at before the jump: the window's, else the ring's)
             if (before := lr_before_jump(report) or _group_before_jump(step)) is not None:
                 out.append(before)
-            # (weights times |c| >= 1: a decoupled decay's factor, SGD's coupled one's growth)
-            out += ["wd=0"] if scaled_update(report) or coupled_decay(step) else []
+            # (weights times |c| >= 1: a decay's factor, SGD's coupled growth: decay_divergence)
+            out += decay_tries(step, report)
         elif (last := last_finite_lr(step)) is not None:
             out.append(last)
         if cause == "optimizer":

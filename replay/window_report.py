@@ -13,7 +13,7 @@ from recorder.finite import finite
 
 from .between_writes import written_note
 from .cause_text import DO
-from .coupled_decay import coupled_decay, coupled_text
+from .decay_divergence import decay_growth, decay_text
 from .departure import departure
 from .findings import (
     AFTER_UPDATE,
@@ -29,7 +29,6 @@ from .rewind_text import where
 from .update_bound import bound_advice
 from .update_domain import owner_type, updated_rows
 from .weight_readers import bad_row_fields, rows_text
-from .weight_scale import scale_text, scaled_update
 from .window import matches_event, precursors_began, run_window, window_of
 from .zero_rate import zero_rate_why
 
@@ -192,14 +191,12 @@ def _hint_growth(step: Step, report: dict[str, Any], factor: float = 10.0) -> bo
         return False
     updates = (f"the update of step {last}" if last == began["step"]
                else f"the updates of steps {began['step']}-{last}")
-    scaled = scaled_update(report)
-    coupled = None if scaled else coupled_decay(step)
+    decay = decay_growth(step, report)  # (the optimizer's own weight decay: it grows them)
     report["hint"] = (f"{report['hint']}. But the weight norm grew {top / before[-1]:.3g}x "
                       f"over {updates}, from where the "
                       f"rewind window shows the trouble began ({began['detail']}): the run "
                       "was diverging, and a wider type only postpones the overflow; "
-                      + (scale_text(scaled) if scaled else
-                         coupled_text(coupled, windowed=True) if coupled else
+                      + (decay_text(step, decay, windowed=True) if decay else
                          "fix what happened there (a bad batch, a learning-rate jump) or "
                          + (bound_advice(step, True) or DO["diverging_window"])))
     return True
