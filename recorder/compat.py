@@ -86,7 +86,12 @@ def dynamo_disabled(fn):
 
     skip_code(run.__code__)  # (one code object for every wrapper; marking it again is a no-op)
     run._torchdynamo_disable = True  # what dynamo reads (and guards on: the original callable)
-    run._torchdynamo_disable_msg = "nanreplay's hook"
+    # (dynamo's error under fullgraph=True quotes it: say why the graph breaks and what to do)
+    run._torchdynamo_disable_msg = (
+        "nanreplay's hook, which runs outside dynamo's graphs: a function compiled with "
+        "fullgraph=True cannot call the recorded model (its hooks split the graph there); "
+        "compile the model itself with fullgraph=True (torch.compile(model, fullgraph=True)) "
+        "and the function calling it without")
     run._torchdynamo_orig_callable = fn
     run._torchdynamo_wrapper_id = id(run)
     run._torchdynamo_disable_recursive = True
