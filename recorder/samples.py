@@ -73,15 +73,6 @@ def seq_first(model: nn.Module | None) -> bool:
                for m in model.modules())
 
 
-def module_batch_dim(m: nn.Module) -> int | None:
-    """The dim of a sequence module's input and first output that holds the samples (1 when
-    its ``batch_first`` is False, else 0); None for another module."""
-    b = getattr(m, "batch_first", None)
-    if not isinstance(m, _SEQUENCE_MODULES) or not isinstance(b, bool):
-        return None
-    return 0 if b else 1
-
-
 @dataclass(frozen=True)
 class Samples:
     """The batch's size (0: unknown) and whether the model takes sequences first."""

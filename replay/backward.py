@@ -266,8 +266,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
 
     labels = NodeLabels(on_node)  # (the loss's nodes, made after the root's hook: at backward)
     run = runner.run(instrument=False, forward_ctx=lambda: _watched(watch, guards, below, folded),
-                     hooks=lambda m: labels.hooks(m) + folded.anchors(m)
-                     + (probe(m) if probe else [])
+                     hooks=lambda m: labels.hooks(m) + (probe(m) if probe else [])
                      + watch.parameters(m),
                      backward_ctx=loss_labeller(runner, labels))
     for h in handles:
@@ -298,7 +297,7 @@ def _record(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
         found.called_from = node_caller(forward_node(node)) or found.called_from
     bad = next(g for g in returned if not finite(g))
     found.made, found.dtype = kind_of(bad), bad.dtype
-    found.samples = batch_rows(node, list(grad_inputs), where, folded.place) \
+    found.samples = batch_rows(node, list(grad_inputs), where) \
         or folded.rows(node, list(grad_inputs))
     found.lead_rows = None if found.samples else lead_rows(bad)
     found.saved, found.saved_zero = saved_facts(node, grad_inputs, grad_outputs)

@@ -7,22 +7,14 @@ shape ``(N * M, ...)``, whose rows name no sample by their shape (row ``r`` is c
 the op finder does, and keeps where each value's samples went, by the autograd node that made
 the value (seen when an op takes it, where its ``grad_fn`` is set): the gradient a node returns
 for that value has its shape, so its samples are there too.
-
-A sequence module says where its samples are (:func:`recorder.samples.module_batch_dim`): a
-batch-first model running a time-major ``nn.LSTM`` between two transposes, on as many samples
-as time steps, has ``(B, B, H)`` values whose shape cannot say which dim holds the samples;
-the LSTM's input and output are followed from there (:meth:`FoldedGrads.anchors`).
 """
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 
-from recorder.capture import tensor_leaves
 from recorder.finite import bad_rows, finite
-from recorder.samples import Samples, module_batch_dim
+from recorder.samples import Samples
 
 from .compat import TorchDispatchMode, tree_leaves
 from .moved import Moved, Place
@@ -31,7 +23,7 @@ from .moved import Moved, Place
 class FoldedGrads(TorchDispatchMode):
     def __init__(self, samples: Samples):
         super().__init__()
-        self.moved = Moved(samples, guess_square=False)  # (anchors settle those)
+        self.moved = Moved(samples)
         self._at: dict[tuple, Place] = {}  # (grad_fn, output_nr) -> where its samples are
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -44,25 +36,6 @@ class FoldedGrads(TorchDispatchMode):
                     and (p := self.moved.place(t)) is not None:
                 self._at[(t.grad_fn, t.output_nr)] = p
         return out
-
-    def anchors(self, model) -> list:
-        """Forward hooks on ``model``'s sequence modules that follow their tensor inputs and
-        first output where the module's ``batch_first`` puts the samples."""
-        def hook(d: int, module, args, out) -> None:
-            first = next(iter(tensor_leaves(out)), None)
-            for t in [*tensor_leaves(list(args)), *([first] if first is not None else [])]:
-                if t.dim() > d and t.shape[d] == self.moved.samples.size:
-                    self.moved.follow(t, (d, 1, 1))
-                    if t.grad_fn is not None:  # (the input: taken by the module's ops next)
-                        self._at[(t.grad_fn, t.output_nr)] = (d, 1, 1)
-        size = self.moved.samples.size if self.moved.samples else 0
-        return [m.register_forward_hook(partial(hook, d)) for m in model.modules()
-                if size > 1 and (d := module_batch_dim(m)) is not None]
-
-    def place(self, nxt) -> Place | None:
-        """Where the samples are of the value that node edge ``nxt`` (``(grad_fn,
-        output_nr)``, an entry of a node's ``next_functions``) stands for; None when unknown."""
-        return self._at.get(nxt) if nxt[0] is not None else None
 
     def rows(self, node, returned) -> list[int]:
         """The samples of the first non-finite gradient ``node`` returned for a value whose

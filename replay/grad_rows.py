@@ -6,20 +6,17 @@ from __future__ import annotations
 
 import torch
 
-from recorder.finite import bad_rows, finite
+from recorder.finite import finite
 from recorder.samples import Samples
 
 from .pooled import pooled_size
 
 
-def batch_rows(node, returned: list, where: Samples, place=None) -> list[int]:
+def batch_rows(node, returned: list, where: Samples) -> list[int]:
     """The samples of the first non-finite gradient the node returned for an activation
     (one that has the batch's samples); gradients bound for a parameter (an
     ``AccumulateGrad``) are skipped, as theirs is no batch even when a size matches, and so
-    are those for a value that pools the batch (:func:`replay.pooled.pooled_size`).
-    ``place(edge)``: where the forward put the samples of the value a ``next_functions``
-    edge stands for (:meth:`replay.folded_grads.FoldedGrads.place`), which settles dim 0 or
-    1 of a ``(B, B, ...)`` gradient."""
+    are those for a value that pools the batch (:func:`replay.pooled.pooled_size`)."""
     if not where.size:
         return []
     nexts = list(node.next_functions)
@@ -34,10 +31,6 @@ def batch_rows(node, returned: list, where: Samples, place=None) -> list[int]:
             if target is not None and (size := pooled_size(target, where)) is not None \
                     and g.numel() <= size:
                 continue
-            at = place(nexts[i]) if place is not None and i < len(nexts) else None
-            if at is not None and at[0] in (0, 1) and at[1:] == (1, 1) and g.dim() > 1 \
-                    and g.shape[0] == g.shape[1] == where.size:
-                return bad_rows(g, at[0])
             return where.rows(g)
     return []
 

@@ -46,10 +46,8 @@ Place = tuple[int, int, int]
 
 
 class Moved:
-    def __init__(self, samples: Samples | None, guess_square: bool = True):
+    def __init__(self, samples: Samples | None):
         self.samples = samples
-        # read a (B, B, ...) value no op moved by its shape (else: its samples unknown)
-        self.guess_square = guess_square
         self._of: dict[int, tuple[weakref.ref, Place]] = {}  # id -> (the tensor, its place)
 
     def place(self, t: torch.Tensor) -> Place | None:
@@ -78,9 +76,6 @@ class Moved:
         if not isinstance(t, torch.Tensor) or t.is_nested:
             return None
         p = self.place(t)
-        if p is None and not self.guess_square and t.dim() > 1 \
-                and t.shape[0] == t.shape[1] == self.samples.size:
-            return None
         d = self.samples.dim(t, stacked=name in ("transpose", "permute"))
         return p if p is not None else (d, 1, 1) if d is not None else None
 

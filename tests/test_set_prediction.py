@@ -129,8 +129,9 @@ def test_eos_coef_zero_and_a_batch_without_objects_has_no_target_weight(tmp_path
     assert (ev["step"], ev["phase"]) == (2, "loss"), ev
     rep = nanreplay_json(bundle)
     o = rep["origin"]
-    assert (o["module"], o["op"], o["made"], o["samples"]) == (
-        "<loss>", "aten.nll_loss2d_forward", "nan", []), o
+    # (a total target weight of 0: the whole batch, "all 4 rows", as an ignored one)
+    assert (o["module"], o["op"], o["made"], o["samples"], o["all_samples"]) == (
+        "<loss>", "aten.nll_loss2d_forward", "nan", [0, 1, 2, 3], True), o
     assert o["source"] == line_of("return F.cross_entropy(logits.transpose(1, 2)"), o
     assert rep["cause"] == "invalid", rep["hint"]
     assert f"are all of class {M.CLASSES}, whose weight is 0" in rep["hint"], rep["hint"]
