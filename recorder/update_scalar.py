@@ -26,8 +26,8 @@ def scalar_overflow_note(exc: BaseException, optimizer, step: int) -> str | None
         dtypes = {p.dtype for p in group["params"] if p.is_floating_point()}
         if not dtypes:
             continue
-        largest = min(torch.finfo(d).max for d in dtypes)
-        dtype = min(dtypes, key=lambda d: torch.finfo(d).max)
+        dtype = min(dtypes, key=lambda d: torch.finfo(d).max)  # (the narrowest)
+        largest = torch.finfo(dtype).max
         for key, value in group.items():
             if _number(value) and (math.isinf(value) or abs(value) > largest):
                 found.append((i, key, value, dtype, largest))
